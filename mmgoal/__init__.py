@@ -1,0 +1,8 @@
+"""mmgoal: registry-based, config-driven image-text matching with GOAL gradient objectives.
+
+Importing the package registers every built-in component.
+"""
+
+__version__ = "0.1.0"
+
+from mmgoal import data, engine, evaluation, models, objectives  # noqa: E402,F401  (registration)

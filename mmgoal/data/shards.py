@@ -1,0 +1,86 @@
+"""Writing WebDataset shards.
+
+A shard is a tar of samples; each sample is a dict ``{"__key__": str, ext:
+bytes, ...}`` whose entries become ``<key>.<ext>`` members. Shards are written
+to a temporary name and renamed when complete, so an interrupted writer never
+leaves a truncated shard that looks finished.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+
+import webdataset as wds
+
+
+class ShardWriter:
+    """Writes samples into numbered shards of at most ``max_count`` samples.
+
+    Args:
+        out_dir: folder of the shards (created if missing).
+        prefix: shard names are ``{prefix}-{index:06d}.tar``.
+        max_count: samples per shard.
+
+    Attributes:
+        paths: the finished shards, in order.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, prefix: str, max_count: int = 1000) -> None:
+        if max_count < 1:
+            raise ValueError(f"max_count must be at least 1, got {max_count}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.prefix = prefix
+        self.max_count = max_count
+        self.paths: list[Path] = []
+        self._stream = None
+        self._writer: wds.TarWriter | None = None
+        self._count = 0
+
+    def _open_next(self) -> None:
+        self._close_current()
+        path = self.out_dir / f"{self.prefix}-{len(self.paths):06d}.tar"
+        self._stream = open(path.with_suffix(".tar.tmp"), "wb")
+        # A fixed mtime makes the bytes of a shard a function of its samples only.
+        self._writer = wds.TarWriter(self._stream, mtime=0.0)
+        self.paths.append(path)
+        self._count = 0
+
+    def _close_current(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._stream.flush()
+        os.fsync(self._stream.fileno())
+        self._stream.close()
+        path = self.paths[-1]
+        os.replace(path.with_suffix(".tar.tmp"), path)
+        self._writer = self._stream = None
+
+    def write(self, sample: dict) -> None:
+        """Append one sample (``__key__`` plus ``ext: bytes`` entries)."""
+        if "__key__" not in sample:
+            raise ValueError("a shard sample needs a '__key__' entry")
+        if self._writer is None or self._count >= self.max_count:
+            self._open_next()
+        self._writer.write({**sample, "__key__": str(sample["__key__"])})
+        self._count += 1
+
+    def close(self) -> None:
+        self._close_current()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._writer is not None:  # leave no half-written shard behind
+            self._writer.close()
+            self._stream.close()
+            self.paths[-1].with_suffix(".tar.tmp").unlink(missing_ok=True)
+            self.paths.pop()
+            self._writer = self._stream = None

@@ -1,0 +1,91 @@
+"""Retrieval metrics (REFERENCE.md section 5): Recall@K, median/mean rank, rsum, COCO folds."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+RECALL_KS = (1, 5, 10)
+_ROW_BLOCK = 1024
+
+
+def _ranks(sims: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """0-based rank of each row's best-scoring positive among the row's negatives.
+
+    Ties count against the query: a negative scoring exactly as high as the best
+    positive is ranked above it, so a constant score matrix never looks good.
+
+    Args:
+        sims: (n_queries, n_items); positives: (n_queries, n_items) bool.
+
+    Returns:
+        (n_queries,) long.
+    """
+    ranks = []
+    for start in range(0, sims.shape[0], _ROW_BLOCK):
+        block = sims[start:start + _ROW_BLOCK]
+        pos = positives[start:start + _ROW_BLOCK]
+        best = block.masked_fill(~pos, float("-inf")).amax(dim=1, keepdim=True)
+        ranks.append(((block >= best) & ~pos).sum(dim=1))
+    return torch.cat(ranks)
+
+
+def _summary(ranks: torch.Tensor, prefix: str) -> dict[str, float]:
+    ranks = ranks.double()
+    out = {f"{prefix}_r{k}": 100.0 * (ranks < k).double().mean().item() for k in RECALL_KS}
+    # VSE++/SCAN convention: floor(numpy-style median of the 0-based ranks) + 1.
+    out[f"{prefix}_medr"] = math.floor(ranks.quantile(0.5).item()) + 1.0
+    out[f"{prefix}_meanr"] = ranks.mean().item() + 1.0
+    return out
+
+
+def _single_fold(sims: torch.Tensor, text_to_image: torch.Tensor) -> dict[str, float]:
+    n_images, _ = sims.shape
+    positives = torch.arange(n_images, device=sims.device)[:, None] == text_to_image[None, :]
+    if not positives.any(dim=1).all():
+        missing = (~positives.any(dim=1)).nonzero().flatten()[:5].tolist()
+        raise ValueError(f"images {missing} have no caption in text_to_image; every image "
+                         f"needs at least one")
+    metrics = _summary(_ranks(sims, positives), "i2t")
+    metrics.update(_summary(_ranks(sims.T, positives.T), "t2i"))
+    metrics["rsum"] = sum(metrics[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in RECALL_KS)
+    return metrics
+
+
+def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1) -> dict[str, float]:
+    """Image-to-text and text-to-image retrieval metrics of a score matrix.
+
+    Args:
+        sims: (n_images, n_texts) scores, higher is better.
+        text_to_image: (n_texts,) int, the image index of each text (any
+            number of texts per image).
+        folds: 1 for the whole gallery; 5 averages over five consecutive folds
+            of ``n_images / 5`` images and their texts (COCO 1K).
+
+    Returns:
+        ``i2t_r1 i2t_r5 i2t_r10 t2i_r1 t2i_r5 t2i_r10`` (percent), ``i2t_medr
+        t2i_medr i2t_meanr t2i_meanr`` (1-based ranks) and ``rsum`` (the sum of
+        the six recalls). Image-to-text ranks the best-ranked ground-truth
+        caption of each image. Ties are broken against the query.
+    """
+    sims = torch.as_tensor(sims).detach().float().cpu()
+    text_to_image = torch.as_tensor(text_to_image, dtype=torch.long).cpu()
+    if sims.ndim != 2 or text_to_image.shape != (sims.shape[1],):
+        raise ValueError(f"sims must be (n_images, n_texts) and text_to_image (n_texts,); got "
+                         f"{tuple(sims.shape)} and {tuple(text_to_image.shape)}")
+    if not torch.isfinite(sims).all():
+        raise ValueError("sims holds NaN or inf scores; check the model's outputs")
+    n_images = sims.shape[0]
+    if text_to_image.min() < 0 or text_to_image.max() >= n_images:
+        raise ValueError(f"text_to_image must index images 0..{n_images - 1}")
+    if folds < 1 or n_images % folds:
+        raise ValueError(f"cannot split {n_images} images into {folds} equal folds")
+    size = n_images // folds
+    per_fold = []
+    for fold in range(folds):
+        texts = ((text_to_image >= fold * size) & (text_to_image < (fold + 1) * size)).nonzero()
+        texts = texts.flatten()
+        per_fold.append(_single_fold(sims[fold * size:(fold + 1) * size, texts],
+                                     text_to_image[texts] - fold * size))
+    return {key: sum(m[key] for m in per_fold) / folds for key in per_fold[0]}

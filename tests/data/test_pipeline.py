@@ -1,0 +1,148 @@
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from mmgoal.data.pipeline import (
+    ShardDataset,
+    expand_shards,
+    image_id_groups,
+    iter_eval_batches,
+    read_captions,
+)
+from mmgoal.data.shards import ShardWriter
+from mmgoal.data.tokenizers import WordTokenizer
+from mmgoal.data.transforms import build_transforms
+
+
+def png(colour):
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def sample(key, image_id, captions, image=None):
+    return {"__key__": key, "png": image if image is not None else png((key * 10, 0, 0)),
+            "json": json.dumps({"image_id": image_id, "captions": captions}).encode()}
+
+
+@pytest.fixture
+def tokenizer():
+    return WordTokenizer(vocab=["a", "red", "blue", "square", "circle"])
+
+
+def dataset(urls, tokenizer, **kwargs):
+    defaults = dict(batch_size=100, tokenizer=tokenizer,
+                    transform=build_transforms(None, 8), training=False)
+    return ShardDataset(urls, **{**defaults, **kwargs})
+
+
+def test_corrupt_samples_are_skipped_and_counted(tmp_path, tokenizer, caplog):
+    with ShardWriter(tmp_path, "mixed", max_count=10) as writer:
+        writer.write(sample(1, 1, ["a red square"]))
+        writer.write(sample(2, 2, ["a blue circle"], image=b"not a png at all"))
+        writer.write(sample(3, 3, ["a red circle"]))
+        writer.write({"__key__": "4", "png": png((0, 0, 0)), "json": b"{broken"})
+        writer.write(sample(5, 5, []))  # no caption
+        writer.write(sample(6, 6, ["a blue square"]))
+    data = dataset(str(tmp_path / "mixed-000000.tar"), tokenizer)
+    batches = list(data)
+    assert len(batches) == 1
+    assert batches[0]["image_ids"] == [1, 3, 6]
+    assert batches[0]["skipped"] == 3
+    assert data.counter.total == 3
+    assert data.counter.counts["CorruptSampleError"] == 3
+    assert "unreadable image" in caplog.text and "unreadable JSON" in caplog.text
+
+
+def test_truncated_shard_keeps_the_samples_before_the_damage(tmp_path, tokenizer):
+    with ShardWriter(tmp_path, "good", max_count=50) as writer:
+        for key in range(20):
+            writer.write(sample(key, key, ["a red square"]))
+    path = tmp_path / "good-000000.tar"
+    data = path.read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2])
+    ds = dataset([str(tmp_path / "cut.tar"), str(path)], tokenizer)
+    ids = [i for b in ds for i in b["image_ids"]]
+    assert ids[-20:] == list(range(20))  # the intact shard is read whole after the cut one
+    assert 0 < len(ids) - 20 < 20
+    assert ds.counter.total >= 1
+
+
+def test_expand_captions_and_image_groups(tmp_path, tokenizer):
+    with ShardWriter(tmp_path, "s", max_count=10) as writer:
+        writer.write(sample(1, "img-a", ["a red square", "a square"]))
+        writer.write(sample(2, "img-b", ["a blue circle"]))
+    per_caption = next(iter(dataset(str(tmp_path / "s-000000.tar"), tokenizer,
+                                    expand_captions=True)))
+    assert per_caption["captions"] == ["a red square", "a square", "a blue circle"]
+    assert per_caption["image_groups"].tolist() == [0, 0, 1]
+    assert per_caption["tokens"].tolist() == [[2, 3, 5], [2, 5, 0], [2, 4, 6]]
+    assert per_caption["lengths"].tolist() == [3, 2, 3]
+    per_image = next(iter(dataset(str(tmp_path / "s-000000.tar"), tokenizer)))
+    assert len(per_image["captions"]) == 2
+    assert per_image["captions"][0] in ("a red square", "a square")
+    assert image_id_groups(["x", 3, "x", 3, 1]).tolist() == [0, 1, 0, 1, 2]
+
+
+def test_training_order_is_seeded_by_epoch(tmp_path, tokenizer):
+    with ShardWriter(tmp_path, "t", max_count=8) as writer:
+        for key in range(40):
+            writer.write(sample(key, key, ["a red square", "a blue circle", "a square"]))
+    urls = str(tmp_path / "t-{000000..000004}.tar")
+
+    def order(epoch, seed=0):
+        ds = dataset(urls, tokenizer, training=True, batch_size=8, shuffle_buffer=16, seed=seed)
+        ds.set_epoch(epoch)
+        return [(i, c) for b in ds for i, c in zip(b["image_ids"], b["captions"])]
+
+    first = order(0)
+    assert first == order(0)
+    assert sorted(i for i, _ in first) == list(range(40))
+    assert first != order(1)
+    assert first != order(0, seed=1)
+    assert [i for i, _ in first] != list(range(40))
+
+
+def test_eval_batches_keep_shard_order_and_all_captions(tiny_benchmark):
+    out, summary = tiny_benchmark
+    batches = list(iter_eval_batches(str(out / "test-{000000..000001}.tar"),
+                                     build_transforms(None, 32), batch_size=16))
+    assert [len(b["image_ids"]) for b in batches] == [16, 16, 8]
+    ids = [i for b in batches for i in b["image_ids"]]
+    assert ids == sorted(ids) and len(ids) == 40
+    assert all(len(c) == 5 for b in batches for c in b["captions"])
+    assert batches[0]["images"].shape == (16, 3, 32, 32)
+    assert len(read_captions(str(out / "test-*.tar"))) == 200
+
+
+def test_missing_shards_say_how_to_make_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="make_synthetic.py"):
+        expand_shards(str(tmp_path / "train-{000000..000002}.tar"))
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        expand_shards(str(tmp_path / "*.tar"))
+
+
+def test_shard_writer_leaves_no_partial_shard(tmp_path):
+    with pytest.raises(RuntimeError), ShardWriter(tmp_path, "x", max_count=2) as writer:
+        for key in range(3):
+            writer.write(sample(key, key, ["a"]))
+        raise RuntimeError("killed while writing")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-000000.tar"]
+    with pytest.raises(ValueError, match="__key__"):
+        ShardWriter(tmp_path, "y").write({"png": b""})
+
+
+def test_word_tokenizer():
+    tok = WordTokenizer(min_count=2).fit(["A red square.", "a red circle", "a blue square"])
+    assert tok.words == ["<pad>", "<unk>", "a", "red", "square"]
+    out = tok(["a blue square", ""])
+    assert out["tokens"].tolist() == [[2, 1, 4], [1, 0, 0]]
+    assert out["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
+    clone = WordTokenizer()
+    clone.load_state_dict(tok.state_dict())
+    assert torch.equal(clone(["red square"])["tokens"], tok(["red square"])["tokens"])
+    with pytest.raises(RuntimeError, match="no vocabulary"):
+        WordTokenizer()(["a"])

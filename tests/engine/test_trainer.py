@@ -1,0 +1,155 @@
+import json
+import signal
+
+import pytest
+import torch
+import yaml
+
+from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.engine.hooks import Hook
+from mmgoal.engine.trainer import Trainer
+from mmgoal.registry import HOOKS, OBJECTIVES
+
+
+def tiny_config(out, epochs=2, **train):
+    return {
+        "model": {
+            "type": "DualEncoder", "embed_dim": 16,
+            "image_encoder": {"type": "TimmImageEncoder", "model_name": "mmgoal_small_cnn",
+                              "model_kwargs": {"widths": [8, 16]}},
+            "text_encoder": {"type": "GRUTextEncoder", "word_dim": 8, "hidden_size": 16,
+                             "bidirectional": True, "pooling": "mean"},
+        },
+        "objective": {"type": "TripletLoss", "margin": 0.2, "max_violation": True},
+        "optimizer": {"type": "AdamW", "lr": 3e-3},
+        "schedule": {"type": "cosine", "warmup_steps": 2},
+        "data": {
+            "image_size": 32, "num_workers": 0,
+            "tokenizer": {"type": "WordTokenizer"},
+            "train": {"type": "ShardDataset", "shards": str(out / "train-{000000..000002}.tar"),
+                      "batch_size": 16, "shuffle_buffer": 32},
+            "val": {"shards": str(out / "val-000000.tar")},
+            "test": {"shards": str(out / "test-{000000..000001}.tar")},
+        },
+        "train": {"epochs": epochs, "progress": False, "log_every": 2, **train},
+        "hooks": [{"type": "ObjectiveWarmup", "epochs": 1,
+                   "attributes": {"max_violation": False}}],
+    }
+
+
+class StopAfterSteps(Hook):
+    """Acts as if SIGTERM arrived after ``steps`` steps."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def after_step(self, trainer, outputs):
+        if trainer.step == self.steps:
+            trainer._handle_signal(signal.SIGTERM, None)
+
+
+@pytest.fixture
+def stop_hook():
+    HOOKS.register("StopAfterSteps", force=True)(StopAfterSteps)
+    yield
+    HOOKS._entries.pop("StopAfterSteps")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_at", [3, 8])
+def test_interrupted_run_resumes_to_the_same_weights(tiny_benchmark, tmp_path, stop_hook, stop_at):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out)
+    full = Trainer(cfg, tmp_path / "full").fit()
+
+    interrupted_cfg = tiny_config(out)
+    interrupted_cfg["hooks"].append({"type": "StopAfterSteps", "steps": stop_at})
+    report = Trainer(interrupted_cfg, tmp_path / "cut").fit()
+    assert report == {"interrupted": True, "epoch": stop_at // 6, "step": stop_at}
+    assert not (tmp_path / "cut" / "report.json").exists()
+    resumed = Trainer(cfg, tmp_path / "cut", resume=True)
+    assert resumed.step == stop_at and resumed.batch_in_epoch == stop_at % 6
+    resumed_report = resumed.fit()
+
+    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "last.pt")
+    b = load_checkpoint(tmp_path / "cut" / "checkpoints" / "last.pt")
+    assert a["step"] == b["step"] == 12
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert resumed_report["test"] == full["test"]
+
+
+@pytest.mark.slow
+def test_run_directory_contents(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    report = Trainer(tiny_config(out), tmp_path / "run").fit()
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / "config.yaml").read_text()) == tiny_config(out)
+    saved = json.loads((run / "report.json").read_text())
+    assert saved["test"] == report["test"]
+    assert {"i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "i2t_medr",
+            "t2i_medr", "i2t_meanr", "t2i_meanr", "rsum"} <= set(saved["test"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["type"] for r in records]
+    assert kinds.count("val") == 2 and kinds.count("test") == 1 and kinds.count("train") == 6
+    assert all("loss" in r and "lr" in r for r in records if r["type"] == "train")
+    best = load_checkpoint(run / "checkpoints" / "best.pt")
+    val_rsums = [r["rsum"] for r in records if r["type"] == "val"]
+    assert best["metrics"]["rsum"] == max(val_rsums)
+    assert report["best"]["epoch"] == val_rsums.index(max(val_rsums))
+
+
+def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_benchmark, tmp_path):
+    @OBJECTIVES.register("NaNObjective", force=True)
+    class NaNObjective(torch.nn.Module):
+        def forward(self, sims, positives=None):
+            return {"nan_loss": sims.sum() * float("nan")}
+
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, max_nonfinite_steps=3)
+    cfg["objective"] = {"type": "NaNObjective"}
+    cfg["hooks"] = []
+    trainer = Trainer(cfg, tmp_path / "nan")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    try:
+        with pytest.raises(FloatingPointError, match="3 non-finite losses in a row"):
+            trainer.fit()
+    finally:
+        OBJECTIVES._entries.pop("NaNObjective")
+    after = trainer.model.state_dict()
+    # skipped steps do not touch the weights (BN running stats aside)
+    assert all(torch.equal(before[k], after[k]) for k in before if "running" not in k
+               and "num_batches" not in k)
+
+
+def test_config_mistakes_are_reported(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out)
+    cfg["trian"] = {}
+    with pytest.raises(ValueError, match="unknown top-level config key.*trian"):
+        Trainer(cfg, tmp_path / "a")
+    cfg = tiny_config(out, epoch=3)
+    with pytest.raises(ValueError, match="unknown key.*epoch.*in 'train'"):
+        Trainer(cfg, tmp_path / "b")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        Trainer(tiny_config(out), tmp_path / "c", resume=True)
+
+
+def test_checkpoints_are_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    save_checkpoint({"step": 1, "w": torch.ones(2)}, path)
+
+    def dies_midway(obj, stream):
+        stream.write(b"partial")
+        raise KeyboardInterrupt  # killed while saving
+
+    monkeypatch.setattr(torch, "save", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"step": 2, "w": torch.zeros(2)}, path)
+    monkeypatch.undo()
+    state = load_checkpoint(path)
+    assert state["step"] == 1 and torch.equal(state["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    (tmp_path / "bad.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_checkpoint(tmp_path / "bad.pt")

@@ -1,0 +1,133 @@
+import textwrap
+
+import pytest
+import yaml
+
+from mmgoal.config import apply_override, dump_config, load_config, parse_value
+
+
+def write(path, text):
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def config_tree(tmp_path):
+    (tmp_path / "_base_").mkdir()
+    write(tmp_path / "_base_" / "model.yaml", """
+        model:
+          type: DualEncoder
+          embed_dim: 1024
+          image_encoder: {type: TimmImageEncoder, model_name: resnet50, model_kwargs: {drop_rate: 0.1}}
+        train: {epochs: 30, seed: 0}
+    """)
+    write(tmp_path / "_base_" / "schedule.yaml", """
+        train: {epochs: 15, clip_grad: 2.0}
+        optimizer: {type: Adam, lr: 0.0002, betas: [0.9, 0.999]}
+    """)
+    return tmp_path
+
+
+def test_bases_merge_left_to_right_then_the_file(config_tree):
+    path = write(config_tree / "run.yaml", """
+        _base_: [_base_/model.yaml, _base_/schedule.yaml]
+        model:
+          embed_dim: 512
+          image_encoder: {model_kwargs: {drop_path_rate: 0.2}}
+        train: {seed: 7}
+    """)
+    cfg = load_config(path)
+    assert cfg["model"] == {
+        "type": "DualEncoder", "embed_dim": 512,
+        "image_encoder": {"type": "TimmImageEncoder", "model_name": "resnet50",
+                          "model_kwargs": {"drop_rate": 0.1, "drop_path_rate": 0.2}},
+    }
+    # schedule.yaml (later base) wins over model.yaml, the file wins over both
+    assert cfg["train"] == {"epochs": 15, "seed": 7, "clip_grad": 2.0}
+    assert "_base_" not in cfg
+
+
+def test_single_string_base_and_delete_replaces_a_mapping(config_tree):
+    path = write(config_tree / "run.yaml", """
+        _base_: _base_/model.yaml
+        model:
+          image_encoder: {_delete_: true, type: GRUImage, hidden: 8}
+    """)
+    cfg = load_config(path)
+    assert cfg["model"]["image_encoder"] == {"type": "GRUImage", "hidden": 8}
+    assert cfg["model"]["embed_dim"] == 1024
+
+
+def test_overrides_parse_literals(config_tree):
+    path = write(config_tree / "run.yaml", "_base_: [_base_/model.yaml, _base_/schedule.yaml]\n")
+    cfg = load_config(path, ["optimizer.lr=1e-3", "optimizer.betas=[0.8, 0.9]",
+                             "model.type=VSE", "train.seed=None", "train.clip_grad=false",
+                             "model.image_encoder.model_kwargs.drop_rate=0.5",
+                             "optimizer.betas.1=0.95"])
+    assert cfg["optimizer"]["lr"] == 1e-3 and isinstance(cfg["optimizer"]["lr"], float)
+    assert cfg["optimizer"]["betas"] == [0.8, 0.95]
+    assert cfg["model"]["type"] == "VSE"
+    assert cfg["train"]["seed"] is None and cfg["train"]["clip_grad"] is False
+    assert cfg["model"]["image_encoder"]["model_kwargs"]["drop_rate"] == 0.5
+
+
+def test_override_of_a_missing_key_fails_with_the_choices(config_tree):
+    path = write(config_tree / "run.yaml", "_base_: _base_/schedule.yaml\n")
+    with pytest.raises(ValueError) as info:
+        load_config(path, ["optimizer.lrr=1"])
+    message = str(info.value)
+    assert "no key 'lrr' under optimizer" in message
+    assert "Did you mean 'lr'?" in message
+    with pytest.raises(ValueError, match="no key 'nothere' under the top level"):
+        load_config(path, ["nothere=1"])
+    with pytest.raises(ValueError, match="not a valid index"):
+        load_config(path, ["optimizer.betas.5=1"])
+    with pytest.raises(ValueError, match="must look like"):
+        load_config(path, ["optimizer.lr"])
+
+
+def test_parse_value():
+    assert parse_value("3") == 3
+    assert parse_value("1e-4") == 1e-4
+    assert parse_value("true") is True
+    assert parse_value("null") is None
+    assert parse_value("'x'") == "x"
+    assert parse_value("resnet50") == "resnet50"
+    assert parse_value("{'a': 1}") == {"a": 1}
+
+
+def test_missing_base_and_cycles_are_reported(tmp_path):
+    path = write(tmp_path / "a.yaml", "_base_: b.yaml\n")
+    with pytest.raises(FileNotFoundError, match="b.yaml does not exist .a _base_ of"):
+        load_config(path)
+    write(tmp_path / "b.yaml", "_base_: a.yaml\n")
+    with pytest.raises(ValueError, match="cycle"):
+        load_config(path)
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_configs_are_data_not_code(tmp_path):
+    path = write(tmp_path / "evil.yaml", "x: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_dump_round_trips(tmp_path, config_tree):
+    cfg = load_config(write(config_tree / "run.yaml", "_base_: _base_/model.yaml\n"))
+    dump_config(cfg, tmp_path / "out.yaml")
+    assert yaml.safe_load((tmp_path / "out.yaml").read_text()) == cfg
+    cfg2 = dict(cfg)
+    apply_override(cfg2, "train.epochs=3")
+    assert cfg2["train"]["epochs"] == 3
+
+
+def test_shipped_configs_resolve():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = [p for p in root.rglob("*.yaml") if "_base_" not in p.parts]
+    assert files
+    for path in files:
+        cfg = load_config(path)
+        assert {"model", "objective", "data", "optimizer"} <= set(cfg), path
