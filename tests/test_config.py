@@ -18,7 +18,8 @@ def config_tree(tmp_path):
         model:
           type: DualEncoder
           embed_dim: 1024
-          image_encoder: {type: TimmImageEncoder, model_name: resnet50, model_kwargs: {drop_rate: 0.1}}
+          image_encoder:
+            {type: TimmImageEncoder, model_name: resnet50, model_kwargs: {drop_rate: 0.1}}
         train: {epochs: 30, seed: 0}
     """)
     write(tmp_path / "_base_" / "schedule.yaml", """

@@ -16,6 +16,7 @@ import logging
 import math
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,10 @@ class Trainer:
         Returns:
             The report (also written to ``report.json``).
         """
-        previous = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # Signal handlers can only be installed from the main thread.
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, self._handle_signal)
+                    for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
         start = time.perf_counter()
         try:
             for hook in self.hooks:

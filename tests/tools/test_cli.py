@@ -1,0 +1,73 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_tool(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture
+def tiny_config_file(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cfg = {
+        "_base_": str(ROOT / "configs" / "quickstart.yaml"),
+        "model": {"embed_dim": 16,
+                  "image_encoder": {"model_kwargs": {"widths": [8, 16]}},
+                  "text_encoder": {"word_dim": 8, "hidden_size": 16}},
+        "data": {"image_size": 32, "num_workers": 0,
+                 "train": {"shards": str(out / "train-{000000..000002}.tar"), "batch_size": 16},
+                 "val": {"shards": str(out / "val-000000.tar")},
+                 "test": {"shards": str(out / "test-{000000..000001}.tar")}},
+        "train": {"epochs": 2, "progress": False},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_finetune_then_evaluate_agree(tiny_config_file, tmp_path):
+    work = tmp_path / "run"
+    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", work,
+                      "--cfg-options", "optimizer.lr=0.003")
+    assert result.returncode == 0, result.stderr
+    assert "rsum" in result.stdout and "R@1" in result.stdout
+    report = json.loads((work / "report.json").read_text())
+    assert yaml.safe_load((work / "config.yaml").read_text())["optimizer"]["lr"] == 0.003
+    result = run_tool("tools/evaluate.py", tiny_config_file, work / "checkpoints" / "best.pt",
+                      "--out", tmp_path / "eval.json")
+    assert result.returncode == 0, result.stderr
+    evaluated = json.loads((tmp_path / "eval.json").read_text())["metrics"]
+    for key, value in report["test"].items():
+        assert evaluated[key] == pytest.approx(value), key
+    assert f"{report['test']['rsum']:.2f}" in result.stdout
+
+
+def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
+    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", tmp_path / "x",
+                      "--cfg-options", "optimizer.lrr=1")
+    assert result.returncode == 2
+    assert "no key 'lrr' under optimizer" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", tmp_path / "x",
+                      "--cfg-options", "data.train.shards=/nowhere/train-{0..3}.tar")
+    assert result.returncode == 2
+    assert "make_synthetic.py" in result.stderr
+
+
+def test_make_synthetic_cli(tmp_path):
+    result = run_tool("tools/make_synthetic.py", "--out", tmp_path, "--train", "10", "--val",
+                      "0", "--test", "4", "--shard-size", "4", "--flickr-entities")
+    assert result.returncode == 0, result.stderr
+    assert "train: 10 images, 50 captions, 3 shard(s)" in result.stdout
+    assert len(list((tmp_path / "flickr30k_entities" / "Sentences").iterdir())) == 14
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert set(meta["splits"]) == {"train", "test"}
