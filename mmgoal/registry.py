@@ -142,6 +142,8 @@ TRANSFORMS = Registry("transform")
 HOOKS = Registry("hook")
 STRATEGIES = Registry("strategy")
 OPTIMIZERS = Registry("optimizer")
+TRIPLET_WEIGHTS = Registry("triplet weight")
+PAIR_WEIGHTS = Registry("pair weight")
 
 _plugins_loaded = False
 

@@ -140,7 +140,14 @@ class Trainer:
         self.eval_transform = build_transforms(self.data_cfg["eval_transforms"], size)
         self.model = MODELS.build(cfg["model"], tokenizer=self.tokenizer)
         self.objective = OBJECTIVES.build(cfg["objective"])
-        self.optimizer = OPTIMIZERS.build(cfg["optimizer"], params=self.model.parameters())
+        # Hooks may swap the active objective (ObjectiveWarmup); this one is checkpointed.
+        self.configured_objective = self.objective
+        if not isinstance(self.objective, torch.nn.Module):
+            raise TypeError(f"objective {cfg['objective']['type']!r} must be a torch.nn.Module")
+        # Objectives may hold parameters too (InfoNCE's learnable temperature).
+        self.optimizer = OPTIMIZERS.build(
+            cfg["optimizer"],
+            params=[*self.model.parameters(), *self.objective.parameters()])
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.train_set = DATASETS.build(
             splits["train"], tokenizer=self.tokenizer, transform=self.train_transform,
@@ -168,6 +175,7 @@ class Trainer:
     def state_dict(self) -> dict:
         return {
             "model": self.model.state_dict(),
+            "objective": self.configured_objective.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "tokenizer": self.tokenizer.state_dict(),
             "epoch": self.epoch,
@@ -182,6 +190,7 @@ class Trainer:
 
     def _restore(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
+        self.configured_objective.load_state_dict(state["objective"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.epoch, self.step = state["epoch"], state["step"]
         self.batch_in_epoch = state["batch_in_epoch"]

@@ -1,3 +1,3 @@
-"""Objectives: hard-negative mining and the triplet loss (GOAL objectives build on them)."""
+"""Objectives: hard-negative mining, GOAL gradient objectives, classic losses."""
 
-from mmgoal.objectives import mining, triplet  # noqa: F401
+from mmgoal.objectives import classic, goal, mining, triplet, weights  # noqa: F401

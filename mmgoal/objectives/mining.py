@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -58,3 +60,34 @@ def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor
     image_of_text = masked.argmax(dim=0)
     negatives = ~positives
     return text_of_image, image_of_text, negatives.any(dim=1), negatives.any(dim=0)
+
+
+@dataclass
+class MinedTriplets:
+    """The two hardest-negative triplets of every positive pair (indices only, no scores).
+
+    For the positive ``(rows[k], cols[k])``: the image-to-text triplet's
+    negative is text ``i2t_negatives[k]`` in the same row, the text-to-image
+    triplet's negative is image ``t2i_negatives[k]`` in the same column; a
+    direction whose anchor has no negative is marked invalid.
+    """
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    i2t_negatives: torch.Tensor
+    i2t_valid: torch.Tensor
+    t2i_negatives: torch.Tensor
+    t2i_valid: torch.Tensor
+
+    def scores(self, sims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``s_p``, the i2t ``s_n`` and the t2i ``s_n`` (each (n_pos,)), gradient kept."""
+        return (sims[self.rows, self.cols], sims[self.rows, self.i2t_negatives],
+                sims[self.t2i_negatives, self.cols])
+
+
+def mine_triplets(sims: torch.Tensor, positives: torch.Tensor) -> MinedTriplets:
+    """Hardest-negative triplets of every positive, in both directions (REFERENCE.md section 2)."""
+    text_of_image, image_of_text, row_valid, col_valid = hardest_negatives(sims, positives)
+    rows, cols = positives.nonzero(as_tuple=True)
+    return MinedTriplets(rows, cols, text_of_image[rows], row_valid[rows],
+                         image_of_text[cols], col_valid[cols])

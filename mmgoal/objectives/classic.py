@@ -1,0 +1,181 @@
+"""Classic metric-learning losses as ordinary autograd objectives.
+
+They are the references of the GOAL equivalence tests (REFERENCE.md section 3,
+"The 15 combinations and the known losses they equal") and baselines for
+users. All but ``InfoNCELoss`` and ``MultiSimilarityLoss`` work on the hardest
+negative of every positive, in both directions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmgoal.objectives.hard_negative import HardNegativeLoss, check_reduction
+from mmgoal.objectives.mining import check_positives
+from mmgoal.registry import OBJECTIVES
+
+
+@OBJECTIVES.register()
+class NTXentHardLoss(HardNegativeLoss):
+    """Hard-negative NT-Xent: ``-log(e^{tau s_p} / (e^{tau s_p} + e^{tau s_n}))``.
+
+    Args:
+        tau: inverse temperature.
+        reduction: ``sum`` or ``mean`` over positives.
+    """
+
+    name = "ntxent"
+
+    def __init__(self, tau: float = 10.0, reduction: str = "sum") -> None:
+        super().__init__(reduction)
+        self.tau = tau
+
+    def triplet_loss(self, s_p: torch.Tensor, s_n: torch.Tensor) -> torch.Tensor:
+        return F.softplus(self.tau * (s_n - s_p))
+
+
+@OBJECTIVES.register()
+class BinomialDevianceLoss(HardNegativeLoss):
+    """Binomial deviance on (positive, hardest negative).
+
+    ``(1/alpha) log(1 + e^{-alpha(s_p - lam)}) + (1/beta) log(1 + e^{beta(s_n - lam)})``.
+    """
+
+    name = "binomial"
+
+    def __init__(self, alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
+                 reduction: str = "sum") -> None:
+        super().__init__(reduction)
+        self.alpha, self.beta, self.lam = alpha, beta, lam
+
+    def triplet_loss(self, s_p: torch.Tensor, s_n: torch.Tensor) -> torch.Tensor:
+        return (F.softplus(-self.alpha * (s_p - self.lam)) / self.alpha
+                + F.softplus(self.beta * (s_n - self.lam)) / self.beta)
+
+
+@OBJECTIVES.register()
+class CircleLoss(HardNegativeLoss):
+    """Circle loss (Sun et al., CVPR 2020) on (positive, hardest negative).
+
+    ``softplus(gamma (a_n (s_n - m) - a_p (s_p - 1 + m)))`` with detached
+    ``a_p = [1 + m - s_p]_+`` and ``a_n = [s_n + m]_+``.
+
+    Args:
+        margin: relaxation ``m``.
+        gamma: scale.
+    """
+
+    name = "circle"
+
+    def __init__(self, margin: float = 0.25, gamma: float = 64.0, reduction: str = "sum") -> None:
+        super().__init__(reduction)
+        self.margin, self.gamma = margin, gamma
+
+    def triplet_loss(self, s_p: torch.Tensor, s_n: torch.Tensor) -> torch.Tensor:
+        m = self.margin
+        alpha_p = (1 + m - s_p.detach()).clamp(min=0)
+        alpha_n = (s_n.detach() + m).clamp(min=0)
+        return F.softplus(self.gamma * (alpha_n * (s_n - m) - alpha_p * (s_p - 1 + m)))
+
+
+def _log1p_sum_exp(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``log(1 + sum_{mask} e^{values})``, stable. (N, K) -> (N,)."""
+    masked = values.masked_fill(~mask, float("-inf"))
+    return torch.logsumexp(torch.cat([torch.zeros_like(masked[:, :1]), masked], dim=1), dim=1)
+
+
+def multi_similarity_rows(sims: torch.Tensor, positives: torch.Tensor, alpha: float,
+                          beta: float, lam: float, eps: float) -> torch.Tensor:
+    """Multi-similarity loss of every row as an anchor (Wang et al., CVPR 2019, eq. 12).
+
+    Pairs are mined first (their eq. 7-8): a negative is kept when ``S + eps >``
+    the anchor's lowest positive, a positive when ``S - eps <`` its highest negative.
+
+    Args:
+        sims: (n_anchor, n_ref); positives: (n_anchor, n_ref) bool.
+
+    Returns:
+        (n_anchor,) losses (0 for an anchor without kept pairs).
+    """
+    detached = sims.detach()
+    negatives = ~positives
+    min_pos = detached.masked_fill(negatives, float("inf")).amin(dim=1, keepdim=True)
+    max_neg = detached.masked_fill(positives, float("-inf")).amax(dim=1, keepdim=True)
+    keep_neg = negatives & (detached + eps > min_pos)
+    keep_pos = positives & (detached - eps < max_neg)
+    return (_log1p_sum_exp(-alpha * (sims - lam), keep_pos) / alpha
+            + _log1p_sum_exp(beta * (sims - lam), keep_neg) / beta)
+
+
+@OBJECTIVES.register()
+class MultiSimilarityLoss(nn.Module):
+    """Multi-similarity loss over all mined pairs, images and texts both as anchors.
+
+    Args:
+        alpha, beta, lam: the MS scales and threshold (2, 50, 0.5 in the MS paper;
+            ``beta`` 10 matches GOAL's ``sig`` default).
+        eps: pair-mining margin.
+        reduction: ``sum`` or ``mean`` over anchors.
+    """
+
+    def __init__(self, alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
+                 eps: float = 0.1, reduction: str = "sum") -> None:
+        super().__init__()
+        self.alpha, self.beta, self.lam, self.eps = alpha, beta, lam, eps
+        self.reduction = check_reduction(reduction)
+
+    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
+                **extras) -> dict[str, torch.Tensor]:
+        positives = check_positives(sims, positives)
+        hp = (self.alpha, self.beta, self.lam, self.eps)
+        per_anchor = torch.cat([multi_similarity_rows(sims, positives, *hp),
+                                multi_similarity_rows(sims.T, positives.T, *hp)])
+        loss = per_anchor.sum() if self.reduction == "sum" else per_anchor.mean()
+        return {"ms_loss": loss}
+
+
+@OBJECTIVES.register()
+class InfoNCELoss(nn.Module):
+    """CLIP/ITC contrastive loss with a learnable temperature.
+
+    Rows and columns of ``sims / temperature`` are softmax-normalised; the
+    target of each row (column) spreads uniformly over its positives, so every
+    caption of the same image counts as a positive (X-VLM's ITC). The
+    temperature is clamped to ``[min_temperature, max_temperature]``.
+
+    Args:
+        temperature: initial temperature (0.07 in CLIP and X-VLM).
+        learnable: optimise the temperature with the model.
+        min_temperature, max_temperature: clamp range (X-VLM: 0.001, 0.5).
+
+    Returns (from ``forward``): ``infonce_loss`` (mean of both directions) and
+    the logged ``temperature``.
+    """
+
+    def __init__(self, temperature: float = 0.07, learnable: bool = True,
+                 min_temperature: float = 0.001, max_temperature: float = 0.5) -> None:
+        super().__init__()
+        if not min_temperature <= temperature <= max_temperature:
+            raise ValueError(f"temperature {temperature} lies outside "
+                             f"[{min_temperature}, {max_temperature}]")
+        value = torch.tensor(float(temperature))
+        if learnable:
+            self.temperature = nn.Parameter(value)
+        else:
+            self.register_buffer("temperature", value)
+        self.min_temperature, self.max_temperature = min_temperature, max_temperature
+
+    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
+                **extras) -> dict[str, torch.Tensor]:
+        positives = check_positives(sims, positives)
+        temperature = self.temperature.clamp(self.min_temperature, self.max_temperature)
+        logits = sims / temperature
+        targets = positives.to(logits.dtype)
+        i2t = -(targets / targets.sum(1, keepdim=True).clamp(min=1)
+                * F.log_softmax(logits, dim=1)).sum(1)
+        t2i = -(targets.T / targets.T.sum(1, keepdim=True).clamp(min=1)
+                * F.log_softmax(logits.T, dim=1)).sum(1)
+        return {"infonce_loss": (i2t.mean() + t2i.mean()) / 2,
+                "temperature": temperature.detach()}

@@ -1,0 +1,234 @@
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmgoal.objectives.mining import positives_from_groups
+from mmgoal.registry import OBJECTIVES, PAIR_WEIGHTS, TRIPLET_WEIGHTS
+
+TRIPLETS = ("con", "nca", "cir")
+PAIRS = ("con", "lin", "sig", "lin_ms", "sig_ms")
+GROUPS = {
+    "diagonal": list(range(8)),
+    "several_positives": [0, 0, 1, 2, 2, 2, 3, 4],
+}
+
+
+def cosine_scores(n_img=8, n_txt=8, dim=6, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    images = F.normalize(torch.randn(n_img, dim, generator=g, dtype=dtype), dim=-1)
+    texts = F.normalize(torch.randn(n_txt, dim, generator=g, dtype=dtype), dim=-1)
+    return images @ texts.T
+
+
+def grad_of(objective, sims, positives, key):
+    sims = sims.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(objective(sims, positives)[key], sims)
+    return grad
+
+
+def goal(**kwargs):
+    return OBJECTIVES.build({"type": "GoalObjective", **kwargs})
+
+
+@pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
+def test_con_con_is_the_hardest_negative_triplet_gradient(groups):
+    sims = cosine_scores()
+    positives = positives_from_groups(torch.tensor(groups))
+    expected = grad_of(OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2}), sims,
+                       positives, "triplet_loss")
+    got = grad_of(goal(triplet="con", pair="con", margin=0.2), sims, positives, "goal_loss")
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
+@pytest.mark.parametrize("tau", [1.0, 10.0])
+def test_nca_con_is_hard_ntxent_over_tau(groups, tau):
+    sims = cosine_scores(seed=1)
+    positives = positives_from_groups(torch.tensor(groups))
+    ntxent = grad_of(OBJECTIVES.build({"type": "NTXentHardLoss", "tau": tau}), sims, positives,
+                     "ntxent_loss")
+    got = grad_of(goal(triplet="nca", pair="con", tau=tau), sims, positives, "goal_loss")
+    torch.testing.assert_close(got, ntxent / tau, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
+def test_con_sig_with_every_triplet_active_is_binomial_deviance(groups):
+    sims = cosine_scores(seed=2)
+    positives = positives_from_groups(torch.tensor(groups))
+    hp = {"alpha": 2.0, "beta": 10.0, "lam": 0.5}
+    expected = grad_of(OBJECTIVES.build({"type": "BinomialDevianceLoss", **hp}), sims,
+                       positives, "binomial_loss")
+    got = grad_of(goal(triplet="con", pair="sig", margin=10.0, **hp), sims, positives,
+                  "goal_loss")
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
+@pytest.mark.parametrize("margin,gamma", [(0.25, 64.0), (0.4, 16.0)])
+def test_cir_lin_is_circle_loss_over_gamma(groups, margin, gamma):
+    sims = cosine_scores(seed=3)
+    positives = positives_from_groups(torch.tensor(groups))
+    circle = grad_of(OBJECTIVES.build({"type": "CircleLoss", "margin": margin, "gamma": gamma}),
+                     sims, positives, "circle_loss")
+    got = grad_of(goal(triplet="cir", pair="lin", tau=gamma, cir_offset=1 - 2 * margin ** 2,
+                       lin_shift=margin), sims, positives, "goal_loss")
+    torch.testing.assert_close(got, circle / gamma, atol=1e-6, rtol=0)
+
+
+def pml_bidirectional(loss_fn, images, texts, labels):
+    """pytorch-metric-learning run with images as anchors, then texts as anchors."""
+    from pytorch_metric_learning.miners import BatchHardMiner
+
+    miner = BatchHardMiner()
+    total = 0
+    for anchors, refs in ((images, texts), (texts, images)):
+        triplets = miner(anchors, labels, refs, labels.clone())
+        total = total + loss_fn(anchors, labels, triplets, refs, labels.clone())
+    return total
+
+
+def test_against_pytorch_metric_learning():
+    from pytorch_metric_learning.distances import CosineSimilarity
+    from pytorch_metric_learning.losses import CircleLoss, TripletMarginLoss
+    from pytorch_metric_learning.reducers import SumReducer
+
+    g = torch.Generator().manual_seed(4)
+    images = torch.randn(8, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    texts = torch.randn(8, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.arange(8)
+    cases = [
+        (TripletMarginLoss(margin=0.2, distance=CosineSimilarity(), reducer=SumReducer()),
+         goal(triplet="con", pair="con", margin=0.2), 1.0),
+        (CircleLoss(m=0.25, gamma=64, reducer=SumReducer()),
+         goal(triplet="cir", pair="lin", tau=64, cir_offset=1 - 2 * 0.25 ** 2, lin_shift=0.25),
+         64.0),
+    ]
+    for pml_loss, goal_objective, factor in cases:
+        expected = torch.autograd.grad(pml_bidirectional(pml_loss, images, texts, labels),
+                                       (images, texts))
+        sims = F.normalize(images, dim=-1) @ F.normalize(texts, dim=-1).T
+        got = torch.autograd.grad(goal_objective(sims)["goal_loss"], (images, texts))
+        assert expected[0].abs().sum() > 0
+        for e, o in zip(expected, got):
+            torch.testing.assert_close(o, e / factor, atol=1e-6, rtol=0)
+
+
+COMBINATIONS = list(itertools.product(TRIPLETS, PAIRS))
+
+
+@pytest.mark.parametrize("triplet,pair", COMBINATIONS)
+@pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
+def test_every_combination_pulls_positives_and_pushes_negatives(triplet, pair, groups):
+    sims = cosine_scores(seed=5)
+    positives = positives_from_groups(torch.tensor(groups))
+    objective = goal(triplet=triplet, pair=pair)
+    grad = grad_of(objective, sims, positives, "goal_loss")
+    assert torch.isfinite(grad).all()
+    assert (grad[positives] <= 0).all()  # descent raises positive scores
+    assert (grad[~positives] >= 0).all()  # and lowers negative ones
+    assert grad[positives].sum() < 0 and grad[~positives].sum() > 0
+
+
+@pytest.mark.parametrize("triplet,pair", COMBINATIONS)
+def test_every_combination_is_invariant_to_batch_order(triplet, pair):
+    sims = cosine_scores(seed=6)
+    groups = torch.tensor(GROUPS["several_positives"])
+    positives = positives_from_groups(groups)
+    objective = goal(triplet=triplet, pair=pair)
+    grad = grad_of(objective, sims, positives, "goal_loss")
+    row_perm, col_perm = torch.randperm(8, generator=torch.Generator().manual_seed(1)), \
+        torch.randperm(8, generator=torch.Generator().manual_seed(2))
+    permuted = grad_of(objective, sims[row_perm][:, col_perm],
+                       positives[row_perm][:, col_perm], "goal_loss")
+    torch.testing.assert_close(permuted, grad[row_perm][:, col_perm], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("triplet,pair", COMBINATIONS)
+def test_bf16_scores_get_float32_weights(triplet, pair):
+    sims = cosine_scores(seed=7, dtype=torch.float32).to(torch.bfloat16)
+    positives = positives_from_groups(torch.tensor(GROUPS["several_positives"]))
+    objective = goal(triplet=triplet, pair=pair)
+    weights_bf16, _, _ = objective.gradient(sims, positives)
+    weights_f32, _, _ = objective.gradient(sims.float(), positives)
+    assert weights_bf16.dtype == torch.float32
+    torch.testing.assert_close(weights_bf16, weights_f32, atol=0, rtol=0)
+    grad = grad_of(objective, sims, positives, "goal_loss")
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad, weights_f32.to(torch.bfloat16), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("triplet,pair", COMBINATIONS)
+def test_backward_is_scaled_by_the_incoming_gradient(triplet, pair):
+    """Loss scaling and accumulation over two half batches match separate runs."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(6, 6, dtype=torch.float64)
+    images = torch.randn(8, 6, dtype=torch.float64)
+    texts = F.normalize(torch.randn(8, 6, dtype=torch.float64), dim=-1)
+    objective = goal(triplet=triplet, pair=pair)
+
+    def loss(rows):
+        sims = F.normalize(encoder(images[rows]), dim=-1) @ texts[rows].T
+        return objective(sims)["goal_loss"]
+
+    halves = (slice(0, 4), slice(4, 8))
+    separate = [torch.autograd.grad(loss(h), encoder.weight)[0] for h in halves]
+    encoder.zero_grad()
+    for h in halves:
+        (0.5 * loss(h)).backward()
+    torch.testing.assert_close(encoder.weight.grad, (separate[0] + separate[1]) / 2)
+    scaled = torch.autograd.grad(1024.0 * loss(halves[0]), encoder.weight)[0]
+    torch.testing.assert_close(scaled, 1024.0 * separate[0])
+
+
+def test_mean_reduction_and_logged_value():
+    sims = cosine_scores(seed=8)
+    summed = goal(triplet="nca", pair="lin")
+    meaned = goal(triplet="nca", pair="lin", reduction="mean")
+    torch.testing.assert_close(grad_of(meaned, sims, None, "goal_loss"),
+                               grad_of(summed, sims, None, "goal_loss") / 8)
+    out = goal(triplet="con", pair="con", margin=0.2)(sims)
+    hinge = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})(sims)["triplet_loss"]
+    # con x con logs sum T (s_n - s_p) = triplet loss - margin * number of active triplets
+    active = out["active_fraction"] * 16
+    assert out["goal_loss"].item() == pytest.approx(hinge.item() - 0.2 * active.item())
+
+
+def test_relative_terms_fall_back_when_empty():
+    # two pairs only: with eps = -10 the relative sets are empty, so *_ms equals the plain weight
+    sims = cosine_scores(2, 2, seed=9)
+    for ms, plain in (("sig_ms", "sig"), ("lin_ms", "lin")):
+        a = grad_of(goal(pair=ms, triplet="nca", eps=-10.0), sims, None, "goal_loss")
+        b = grad_of(goal(pair=plain, triplet="nca"), sims, None, "goal_loss")
+        torch.testing.assert_close(a, b)
+
+
+def test_relative_sets_follow_the_reference():
+    from mmgoal.objectives.goal import relative_scores
+    from mmgoal.objectives.mining import mine_triplets
+
+    sims = torch.tensor([[0.9, 0.5, 0.3], [0.2, 0.6, 0.55], [0.1, 0.58, 0.4]])
+    positives = torch.eye(3, dtype=torch.bool)
+    triplets = mine_triplets(sims, positives)
+    s_p, s_n_i2t, _ = triplets.scores(sims)
+    rel = relative_scores(sims, positives, triplets, "i2t", s_p, s_n_i2t, eps=0.1)
+    # s_p = [0.9, 0.6, 0.4]; i2t negatives: row 0 -> 0.5 (text 1), row 1 -> 0.55, row 2 -> 0.58
+    # R+ of triplet 0: other positives <= 0.5 + 0.1 -> 0.6 and 0.4
+    assert rel.pos_mask.tolist() == [[False, True, True], [False, False, True],
+                                     [False, True, False]]
+    # R- of row 0: negatives other than the mined text 1, >= min(s_p) - 0.1 = 0.3 -> text 2
+    # rows 1 and 2: their only other negative (0.2, 0.1) lies below 0.3
+    assert rel.neg_mask.tolist() == [[False, False, True], [False, False, False],
+                                     [False, False, False]]
+    torch.testing.assert_close(rel.neg_diffs[0, 2], torch.tensor(0.5 - 0.3))
+
+
+def test_unknown_weights_list_the_choices():
+    with pytest.raises(KeyError, match="Did you mean 'sig_ms'"):
+        goal(pair="sigms")
+    with pytest.raises(KeyError, match="Available: cir, con, nca"):
+        goal(triplet="arc")
+    assert set(TRIPLETS) <= set(TRIPLET_WEIGHTS.names())
+    assert set(PAIRS) <= set(PAIR_WEIGHTS.names())
