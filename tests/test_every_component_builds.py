@@ -26,7 +26,14 @@ EXAMPLES = {
                                      "num_hidden_layers": 1, "num_attention_heads": 1,
                                      "intermediate_size": 8}},
     },
-    "OBJECTIVES": {"TripletLoss": {"margin": 0.1}},
+    "OBJECTIVES": {"TripletLoss": {"margin": 0.1},
+                   "GoalObjective": {"triplet": "cir", "pair": "sig_ms"},
+                   "NTXentHardLoss": {"tau": 5.0}, "BinomialDevianceLoss": {"beta": 20.0},
+                   "CircleLoss": {"margin": 0.3}, "MultiSimilarityLoss": {"eps": 0.2},
+                   "InfoNCELoss": {"temperature": 0.05}},
+    # weights are functions, exercised combination by combination in tests/objectives/test_goal.py
+    "TRIPLET_WEIGHTS": {"con": None, "nca": None, "cir": None},
+    "PAIR_WEIGHTS": {"con": None, "lin": None, "sig": None, "lin_ms": None, "sig_ms": None},
     "TOKENIZERS": {"WordTokenizer": {}, "HFTokenizer": None},  # None: needs local files
     "DATASETS": {"ShardDataset": None},  # needs shards: tests/data/test_pipeline.py
     "TRANSFORMS": {"Resize": {"size": 8}, "CenterCrop": {"size": 8},
@@ -54,3 +61,10 @@ def test_every_registered_name_has_an_example_that_builds(registry_name):
             context["params"] = [torch.nn.Parameter(torch.zeros(2))]
         built = reg.build({"type": name, **kwargs}, **context)
         assert built is not None
+        if registry_name == "OBJECTIVES":  # every objective follows the contract
+            torch.manual_seed(0)
+            sims = torch.randn(4, 4, requires_grad=True)
+            out = built(sims, positives=torch.eye(4, dtype=torch.bool))
+            loss = sum(v for k, v in out.items() if k.endswith("_loss"))
+            loss.backward()
+            assert torch.isfinite(sims.grad).all() and sims.grad.abs().sum() > 0

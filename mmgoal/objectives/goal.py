@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mmgoal.objectives.hard_negative import check_reduction
-from mmgoal.objectives.mining import MinedTriplets, check_positives, mine_triplets
+from mmgoal.objectives.mining import check_positives, mine_triplets
 from mmgoal.objectives.weights import RelativeScores
 from mmgoal.registry import OBJECTIVES, PAIR_WEIGHTS, TRIPLET_WEIGHTS
 
@@ -30,35 +30,6 @@ def _keyword_binder(fn: Callable, hyper: dict[str, float]) -> tuple[dict[str, fl
     """The hyperparameters ``fn`` names, and whether it takes ``relative``."""
     params = inspect.signature(fn).parameters
     return {k: v for k, v in hyper.items() if k in params}, "relative" in params
-
-
-def relative_scores(scores: torch.Tensor, positives: torch.Tensor, triplets: MinedTriplets,
-                    direction: str, s_p: torch.Tensor, s_n: torch.Tensor,
-                    eps: float) -> RelativeScores:
-    """The multi-similarity comparison sets of one direction's triplets (REFERENCE.md).
-
-    ``R+``: the scores of the batch's other positive pairs that are ``<= s_n + eps``;
-    ``R-``: the anchor's negatives other than the mined one that are
-    ``>= min(batch positive scores) - eps``.
-
-    Args:
-        scores: (n_img, n_txt) detached float32 scores; positives: same shape, bool.
-        direction: ``i2t`` (anchor = image row) or ``t2i`` (anchor = text column).
-        s_p, s_n: (N,) the triplets' scores.
-    """
-    n = len(s_p)
-    others = ~torch.eye(n, dtype=torch.bool, device=s_p.device)
-    pos_diffs = s_p[:, None] - s_p[None, :]
-    pos_mask = others & (s_p[None, :] <= s_n[:, None] + eps)
-    if direction == "i2t":
-        anchor_scores, anchor_pos = scores[triplets.rows], positives[triplets.rows]
-        mined = triplets.i2t_negatives
-    else:
-        anchor_scores, anchor_pos = scores[:, triplets.cols].T, positives[:, triplets.cols].T
-        mined = triplets.t2i_negatives
-    not_mined = torch.arange(anchor_scores.shape[1], device=s_p.device)[None] != mined[:, None]
-    neg_mask = ~anchor_pos & not_mined & (anchor_scores >= s_p.min() - eps)
-    return RelativeScores(pos_diffs, pos_mask, s_n[:, None] - anchor_scores, neg_mask)
 
 
 @OBJECTIVES.register()
@@ -117,15 +88,17 @@ class GoalObjective(nn.Module):
         grad = torch.zeros_like(scores)
         violation = scores.new_zeros(())
         weight_sum = scores.new_zeros(())
-        directions = (("i2t", negatives[0], triplets.i2t_valid,
+        directions = (("i2t", negatives[0], triplets.i2t_valid, triplets.i2t_negatives,
                        (triplets.rows, triplets.i2t_negatives)),
-                      ("t2i", negatives[1], triplets.t2i_valid,
+                      ("t2i", negatives[1], triplets.t2i_valid, triplets.t2i_negatives,
                        (triplets.t2i_negatives, triplets.cols)))
-        for direction, s_n, valid, negative_index in directions:
+        shared: dict = {}  # per-anchor sums the two directions' comparison sets share
+        for direction, s_n, valid, mined, negative_index in directions:
             t = self.triplet_weight(s_p, s_n, **triplet_kwargs) * valid
             if needs_relative:
-                pair_kwargs["relative"] = relative_scores(
-                    scores, positives, triplets, direction, s_p, s_n, self.hyper["eps"])
+                pair_kwargs["relative"] = RelativeScores(
+                    scores, positives, triplets.rows, triplets.cols, mined, direction, s_p, s_n,
+                    self.hyper["eps"], shared)
             w_pos, w_neg = self.pair_weight(s_p, s_n, **pair_kwargs)
             grad.index_put_((triplets.rows, triplets.cols), -t * w_pos, accumulate=True)
             grad.index_put_(negative_index, t * w_neg, accumulate=True)

@@ -17,8 +17,6 @@ Add a weight of your own in a few lines (docs/objectives.md)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from mmgoal.registry import PAIR_WEIGHTS, TRIPLET_WEIGHTS
@@ -43,29 +41,99 @@ def triplet_weight_cir(s_p: torch.Tensor, s_n: torch.Tensor, tau: float = 10.0,
     return torch.sigmoid(-tau * (s_p * (2 - s_p) - s_n ** 2 - cir_offset))
 
 
-@dataclass
 class RelativeScores:
-    """Scores a triplet's pair weights are compared with (multi-similarity terms).
+    """The multi-similarity comparison sets of one direction's triplets (REFERENCE.md).
 
-    Attributes:
-        pos_diffs: (N, M) ``s_p - r`` for the batch's positive scores ``r``.
-        pos_mask: (N, M) bool, ``r`` is in ``R+`` (another positive ``<= s_n + eps``).
-        neg_diffs: (N, K) ``s_n - r`` for the anchor's negative scores ``r``.
-        neg_mask: (N, K) bool, ``r`` is in ``R-`` (not the mined negative,
-            ``>= min(batch positives) - eps``).
+    ``R+`` of a triplet: the scores ``r`` of the batch's *other* positive pairs
+    with ``r <= s_n + eps``; ``R-``: the anchor's negatives other than the mined
+    one with ``r >= min(batch positive scores) - eps``. Pair weights ask for
+    means over these sets; they are computed from sorted positive scores and
+    per-anchor sums over the score matrix (no (n_pos x n_pos) or (n_pos x n)
+    tensor), shared by both directions.
+
+    Args:
+        scores: (n_img, n_txt) detached scores; positives: same shape, bool.
+        rows, cols: (N,) the positive pairs of the triplets.
+        negatives: (N,) the mined negative's text (``i2t``) or image (``t2i``) index.
+        direction: ``i2t`` (anchor = image row) or ``t2i`` (anchor = text column).
+        s_p, s_n: (N,) the triplets' scores.
+        eps: comparison margin.
+        cache: shared by the two directions of one batch (masked per-anchor sums).
     """
 
-    pos_diffs: torch.Tensor
-    pos_mask: torch.Tensor
-    neg_diffs: torch.Tensor
-    neg_mask: torch.Tensor
+    def __init__(self, scores: torch.Tensor, positives: torch.Tensor, rows: torch.Tensor,
+                 cols: torch.Tensor, negatives: torch.Tensor, direction: str,
+                 s_p: torch.Tensor, s_n: torch.Tensor, eps: float, cache: dict) -> None:
+        self.scores, self.positives, self.eps, self.cache = scores, positives, eps, cache
+        self.s_p, self.s_n = s_p, s_n
+        self.direction = direction
+        self.rows, self.cols = rows, cols
+        self.anchors = rows if direction == "i2t" else cols
+        self.mined = scores[rows, negatives] if direction == "i2t" else scores[negatives, cols]
+        self.threshold = s_p.min() - eps
 
-    @staticmethod
-    def masked_mean(values: torch.Tensor, mask: torch.Tensor, empty: float) -> torch.Tensor:
-        """Row means of ``values`` over ``mask``; ``empty`` where a row has none."""
-        count = mask.sum(dim=1)
-        total = (values * mask).sum(dim=1)
-        return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, empty))
+    # ---------------------------------------------------------------- R+
+    def _positive_sums(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of ``values(r)`` over ``R+`` and its size, per triplet, via a sorted prefix sum."""
+        order = torch.argsort(self.s_p)
+        sorted_scores = self.s_p[order]
+        prefix = torch.cat([values.new_zeros(1), values[order].double().cumsum(0)])
+        count = torch.searchsorted(sorted_scores, self.s_n + self.eps, right=True)
+        own = (self.s_p <= self.s_n + self.eps)  # the triplet's own positive is not "other"
+        total = prefix[count] - own * values.double()
+        return total.to(self.s_p.dtype), count - own.long()
+
+    def pos_mean_exp(self, scale: float, empty: float = 1.0) -> torch.Tensor:
+        """``mean_{r in R+} exp(scale (s_p - r))``; ``empty`` where ``R+`` is empty."""
+        total, count = self._positive_sums(torch.exp(-scale * self.s_p))
+        mean = torch.exp(scale * self.s_p) * total / count.clamp(min=1)
+        return torch.where(count > 0, mean, torch.full_like(mean, empty))
+
+    def pos_mean_diff(self, empty: float = 0.0) -> torch.Tensor:
+        """``mean_{r in R+} (s_p - r)``; ``empty`` where ``R+`` is empty."""
+        total, count = self._positive_sums(self.s_p)
+        mean = self.s_p - total / count.clamp(min=1)
+        return torch.where(count > 0, mean, torch.full_like(mean, empty))
+
+    # ---------------------------------------------------------------- R-
+    def _anchor_sums(self, key: str, values: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Per-anchor sums over the negatives ``>= threshold`` (both axes, cached).
+
+        ``values`` (n_img, n_txt) may be modified in place; ``None`` counts.
+        """
+        if "inside" not in self.cache:
+            # A float 0/1 mask: masked operations with bool tensors are slow on CPU.
+            inside = (self.scores >= self.threshold).to(self.scores.dtype)
+            inside[self.rows, self.cols] = 0  # positives are never negatives
+            self.cache["inside"] = inside
+        if key not in self.cache:
+            masked = self.cache["inside"] if values is None else values.mul_(self.cache["inside"])
+            self.cache[key] = (masked.sum(1), masked.sum(0))
+        by_row, by_col = self.cache[key]
+        return by_row if self.direction == "i2t" else by_col
+
+    def _negative_mean(self, key: str, values: torch.Tensor | None,
+                       mined_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        in_set = (self.mined >= self.threshold).to(self.s_n.dtype)  # the mined one is left out
+        count = self._anchor_sums("count", None)[self.anchors] - in_set
+        total = self._anchor_sums(key, values)[self.anchors] - in_set * mined_value
+        return total / count.clamp(min=1), count > 0.5
+
+    def neg_mean_exp(self, scale: float, empty: float = 1.0) -> torch.Tensor:
+        """``mean_{r in R-} exp(-scale (s_n - r))``; ``empty`` where ``R-`` is empty."""
+        top = self.scores.max()  # exp(scale (r - top)) <= 1: no overflow
+        key = f"exp:{scale}"
+        values = (self.scores - top).mul_(scale).exp_() if key not in self.cache else None
+        mean, nonempty = self._negative_mean(key, values, torch.exp(scale * (self.mined - top)))
+        mean = mean * torch.exp(scale * (top - self.s_n))
+        return torch.where(nonempty, mean, torch.full_like(mean, empty))
+
+    def neg_mean_diff(self, empty: float = 0.0) -> torch.Tensor:
+        """``mean_{r in R-} (s_n - r)``; ``empty`` where ``R-`` is empty."""
+        values = self.scores.clone() if "sum" not in self.cache else None
+        mean, nonempty = self._negative_mean("sum", values, self.mined)
+        mean = self.s_n - mean
+        return torch.where(nonempty, mean, torch.full_like(mean, empty))
 
 
 @PAIR_WEIGHTS.register("con")
@@ -96,8 +164,8 @@ def pair_weight_sig_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeS
 
     ``m+ = mean_{R+} e^{alpha(s_p - r)}``, ``m- = mean_{R-} e^{-beta(s_n - r)}``; 1 when empty.
     """
-    m_pos = relative.masked_mean(torch.exp(alpha * relative.pos_diffs), relative.pos_mask, 1.0)
-    m_neg = relative.masked_mean(torch.exp(-beta * relative.neg_diffs), relative.neg_mask, 1.0)
+    m_pos = relative.pos_mean_exp(alpha, empty=1.0)
+    m_neg = relative.neg_mean_exp(beta, empty=1.0)
     return (1 / (m_pos + torch.exp(alpha * (s_p - lam))),
             1 / (m_neg + torch.exp(-beta * (s_n - lam))))
 
@@ -112,7 +180,7 @@ def pair_weight_lin_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeS
     an empty comparison set gives exactly ``lin`` as REFERENCE.md requires; the
     unclamped ``(1 - s_p)``, ``s_n`` of the released code differ for ``s_n < 0``.
     """
-    l_pos = relative.masked_mean(relative.pos_diffs, relative.pos_mask, 0.0)
-    l_neg = relative.masked_mean(relative.neg_diffs, relative.neg_mask, 0.0)
+    l_pos = relative.pos_mean_diff(empty=0.0)
+    l_neg = relative.neg_mean_diff(empty=0.0)
     w_pos, w_neg = pair_weight_lin(s_p, s_n, lin_shift)
     return (1 - l_pos) * w_pos, (1 + l_neg) * w_neg

@@ -205,24 +205,47 @@ def test_relative_terms_fall_back_when_empty():
         torch.testing.assert_close(a, b)
 
 
-def test_relative_sets_follow_the_reference():
-    from mmgoal.objectives.goal import relative_scores
+def brute_force_relative(sims, positives, eps, direction):
+    """m+, l+, m-, l- of every triplet by explicit loops over REFERENCE.md's sets."""
     from mmgoal.objectives.mining import mine_triplets
 
-    sims = torch.tensor([[0.9, 0.5, 0.3], [0.2, 0.6, 0.55], [0.1, 0.58, 0.4]])
-    positives = torch.eye(3, dtype=torch.bool)
     triplets = mine_triplets(sims, positives)
-    s_p, s_n_i2t, _ = triplets.scores(sims)
-    rel = relative_scores(sims, positives, triplets, "i2t", s_p, s_n_i2t, eps=0.1)
-    # s_p = [0.9, 0.6, 0.4]; i2t negatives: row 0 -> 0.5 (text 1), row 1 -> 0.55, row 2 -> 0.58
-    # R+ of triplet 0: other positives <= 0.5 + 0.1 -> 0.6 and 0.4
-    assert rel.pos_mask.tolist() == [[False, True, True], [False, False, True],
-                                     [False, True, False]]
-    # R- of row 0: negatives other than the mined text 1, >= min(s_p) - 0.1 = 0.3 -> text 2
-    # rows 1 and 2: their only other negative (0.2, 0.1) lies below 0.3
-    assert rel.neg_mask.tolist() == [[False, False, True], [False, False, False],
-                                     [False, False, False]]
-    torch.testing.assert_close(rel.neg_diffs[0, 2], torch.tensor(0.5 - 0.3))
+    s_p, s_n_i2t, s_n_t2i = triplets.scores(sims)
+    s_n = s_n_i2t if direction == "i2t" else s_n_t2i
+    out = []
+    for k in range(len(s_p)):
+        r_pos = [s_p[m] for m in range(len(s_p)) if m != k and s_p[m] <= s_n[k] + eps]
+        if direction == "i2t":
+            i = triplets.rows[k]
+            r_neg = [sims[i, c] for c in range(sims.shape[1]) if not positives[i, c]
+                     and c != triplets.i2t_negatives[k] and sims[i, c] >= s_p.min() - eps]
+        else:
+            j = triplets.cols[k]
+            r_neg = [sims[r, j] for r in range(sims.shape[0]) if not positives[r, j]
+                     and r != triplets.t2i_negatives[k] and sims[r, j] >= s_p.min() - eps]
+        mean = (lambda xs, empty: sum(xs) / len(xs) if xs else torch.tensor(empty))
+        out.append([mean([torch.exp(2.0 * (s_p[k] - r)) for r in r_pos], 1.0),
+                    mean([s_p[k] - r for r in r_pos], 0.0),
+                    mean([torch.exp(-10.0 * (s_n[k] - r)) for r in r_neg], 1.0),
+                    mean([s_n[k] - r for r in r_neg], 0.0)])
+    return torch.tensor(out, dtype=sims.dtype), triplets, s_p, s_n
+
+
+@pytest.mark.parametrize("direction", ["i2t", "t2i"])
+@pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
+def test_relative_terms_match_a_loop_over_the_reference_sets(direction, groups):
+    from mmgoal.objectives.weights import RelativeScores
+
+    sims = cosine_scores(seed=10, dim=3)
+    positives = positives_from_groups(torch.tensor(groups))
+    expected, triplets, s_p, s_n = brute_force_relative(sims, positives, 0.1, direction)
+    mined = triplets.i2t_negatives if direction == "i2t" else triplets.t2i_negatives
+    rel = RelativeScores(sims, positives, triplets.rows, triplets.cols, mined, direction,
+                         s_p, s_n, 0.1, {})
+    got = torch.stack([rel.pos_mean_exp(2.0), rel.pos_mean_diff(), rel.neg_mean_exp(10.0),
+                       rel.neg_mean_diff()], dim=1)
+    assert (expected[:, 0] != 1).any() and (expected[:, 2] != 1).any()  # sets are not all empty
+    torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
 
 
 def test_unknown_weights_list_the_choices():
@@ -230,5 +253,5 @@ def test_unknown_weights_list_the_choices():
         goal(pair="sigms")
     with pytest.raises(KeyError, match="Available: cir, con, nca"):
         goal(triplet="arc")
-    assert set(TRIPLETS) <= set(TRIPLET_WEIGHTS.names())
-    assert set(PAIRS) <= set(PAIR_WEIGHTS.names())
+    assert sorted(TRIPLETS) == TRIPLET_WEIGHTS.names()
+    assert sorted(PAIRS) == PAIR_WEIGHTS.names()

@@ -71,3 +71,12 @@ def test_make_synthetic_cli(tmp_path):
     assert len(list((tmp_path / "flickr30k_entities" / "Sentences").iterdir())) == 14
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert set(meta["splits"]) == {"train", "test"}
+
+
+def test_plot_weights(tmp_path):
+    out = tmp_path / "w.png"
+    result = run_tool("tools/plot_weights.py", "--set", "tau=1", "cir_offset=0", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = run_tool("tools/plot_weights.py", "--set", "taux=1", "--out", out)
+    assert result.returncode == 2 and "not a GOAL hyperparameter" in result.stderr
