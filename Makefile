@@ -32,7 +32,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check mmgoal tools tests bench
 
 bench: $(STAMP)
-	$(PY) bench/bench_shard_reader.py
+	$(PY) bench/shard_reader.py
+	$(PY) bench/objectives.py
 
 clean:
 	rm -rf work_dirs data/synthetic

@@ -67,6 +67,12 @@ def _with_defaults(section: str, given: dict | None, defaults: dict) -> dict:
     return {**defaults, **given}
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Data workers leave SIGINT/SIGTERM to the main process, which stops cleanly."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def count_samples(urls: list[str]) -> int:
     """Samples in tar shards, from the member headers only (nothing is decoded)."""
     import tarfile
@@ -118,6 +124,11 @@ class Trainer:
         for split in ("tokenizer", "train"):
             if splits[split] is None:
                 raise ValueError(f"the config has no 'data.{split}' section")
+        for split in ("val", "test"):
+            unknown = sorted(set(splits[split] or {}) - {"shards", "folds"})
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(unknown)} in 'data.{split}'; "
+                                 f"known keys: folds, shards")
         self.data_cfg = _with_defaults("data", data_cfg, DATA_DEFAULTS)
         self.splits = splits
         self.resume_state = None
@@ -155,6 +166,11 @@ class Trainer:
         samples = self.train_cfg["samples_per_epoch"] or count_samples(self.train_set.urls)
         self.steps_per_epoch = max(samples // self.train_set.batch_size, 1)
         schedule_cfg = dict(cfg.get("schedule") or {"type": "constant"})
+        known = ("type", "warmup_steps", "milestones", "gamma", "min_ratio")
+        unknown = sorted(set(schedule_cfg) - set(known))
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)} in 'schedule'; known keys: "
+                             f"{', '.join(known)}")
         self.schedule = LRSchedule(kind=schedule_cfg.pop("type", "cosine"),
                                    total_steps=self.steps_per_epoch * self.train_cfg["epochs"],
                                    steps_per_epoch=self.steps_per_epoch, **schedule_cfg)
@@ -228,7 +244,8 @@ class Trainer:
         self.train_set.set_epoch(self.epoch)
         workers = self.data_cfg["num_workers"]
         return torch.utils.data.DataLoader(self.train_set, batch_size=None, num_workers=workers,
-                                           persistent_workers=False)
+                                           persistent_workers=False,
+                                           worker_init_fn=_ignore_stop_signals)
 
     def _handle_signal(self, signum: int, frame: Any) -> None:
         if self._stop_signal is not None and signum == signal.SIGINT:

@@ -1,4 +1,5 @@
 import json
+import math
 import signal
 
 import pytest
@@ -131,6 +132,14 @@ def test_config_mistakes_are_reported(tiny_benchmark, tmp_path):
     cfg = tiny_config(out, epoch=3)
     with pytest.raises(ValueError, match="unknown key.*epoch.*in 'train'"):
         Trainer(cfg, tmp_path / "b")
+    cfg = tiny_config(out)
+    cfg["schedule"]["warmup"] = 3
+    with pytest.raises(ValueError, match="unknown key.*warmup in 'schedule'.*warmup_steps"):
+        Trainer(cfg, tmp_path / "d")
+    cfg = tiny_config(out)
+    cfg["data"]["val"]["fold"] = 5
+    with pytest.raises(ValueError, match="unknown key.*fold in 'data.val'"):
+        Trainer(cfg, tmp_path / "e")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         Trainer(tiny_config(out), tmp_path / "c", resume=True)
 
@@ -153,3 +162,38 @@ def test_checkpoints_are_atomic(tmp_path, monkeypatch):
     (tmp_path / "bad.pt").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="cannot be read"):
         load_checkpoint(tmp_path / "bad.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("triplet,pair", [(t, p) for t in ("con", "nca", "cir")
+                                          for p in ("con", "lin", "sig", "lin_ms", "sig_ms")])
+def test_goal_quickstart_trains_any_combination(tiny_benchmark, tmp_path, triplet, pair):
+    from pathlib import Path
+
+    from mmgoal.config import load_config
+
+    out, _ = tiny_benchmark
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "goal" / "quickstart_goal.yaml", [
+        f"objective.triplet={triplet}", f"objective.pair={pair}",
+        f"data.train.shards={out}/train-{{000000..000002}}.tar", "data.train.batch_size=16",
+        f"data.val.shards={out}/val-000000.tar",
+        f"data.test.shards={out}/test-{{000000..000001}}.tar",
+        "data.image_size=32", "data.num_workers=0", "train.epochs=2", "hooks.0.epochs=1",
+        "model.embed_dim=16", "model.image_encoder.model_kwargs.widths=[8, 16]",
+        "model.text_encoder.hidden_size=16", "model.text_encoder.word_dim=8",
+    ])
+    cfg["train"]["progress"] = False
+    cfg["train"]["log_every"] = 1
+    trainer = Trainer(cfg, tmp_path / "run")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    report = trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    goal_steps = [r for r in records if r["type"] == "train" and "goal_loss" in r]
+    assert len(goal_steps) == 6  # epoch 0 is the warm-up with the triplet loss
+    assert all(r["epoch"] == 1 for r in goal_steps)
+    assert all(math.isfinite(r["goal_loss"]) for r in goal_steps)
+    after = trainer.model.state_dict()
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert report["test"]["rsum"] > 0

@@ -212,6 +212,9 @@ def brute_force_relative(sims, positives, eps, direction):
     triplets = mine_triplets(sims, positives)
     s_p, s_n_i2t, s_n_t2i = triplets.scores(sims)
     s_n = s_n_i2t if direction == "i2t" else s_n_t2i
+    def mean(values, empty):
+        return sum(values) / len(values) if values else torch.tensor(empty)
+
     out = []
     for k in range(len(s_p)):
         r_pos = [s_p[m] for m in range(len(s_p)) if m != k and s_p[m] <= s_n[k] + eps]
@@ -223,7 +226,6 @@ def brute_force_relative(sims, positives, eps, direction):
             j = triplets.cols[k]
             r_neg = [sims[r, j] for r in range(sims.shape[0]) if not positives[r, j]
                      and r != triplets.t2i_negatives[k] and sims[r, j] >= s_p.min() - eps]
-        mean = (lambda xs, empty: sum(xs) / len(xs) if xs else torch.tensor(empty))
         out.append([mean([torch.exp(2.0 * (s_p[k] - r)) for r in r_pos], 1.0),
                     mean([s_p[k] - r for r in r_pos], 0.0),
                     mean([torch.exp(-10.0 * (s_n[k] - r)) for r in r_neg], 1.0),

@@ -80,3 +80,49 @@ def test_plot_weights(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = run_tool("tools/plot_weights.py", "--set", "taux=1", "--out", out)
     assert result.returncode == 2 and "not a GOAL hyperparameter" in result.stderr
+
+
+@pytest.mark.slow
+def test_sweep_tabulates_and_resumes(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cfg = {
+        "_base_": str(ROOT / "configs" / "goal" / "sweep_synthetic.yaml"),
+        "model": {"embed_dim": 16, "image_encoder": {"model_kwargs": {"widths": [8, 16]}},
+                  "text_encoder": {"word_dim": 8, "hidden_size": 16}},
+        "data": {"image_size": 32, "num_workers": 0,
+                 "train": {"shards": str(out / "train-{000000..000002}.tar"), "batch_size": 16},
+                 "val": {"shards": str(out / "val-000000.tar")},
+                 "test": {"shards": str(out / "test-{000000..000001}.tar")}},
+        "train": {"epochs": 2},
+        "hooks": [{"type": "ObjectiveWarmup", "epochs": 1,
+                   "objective": {"type": "TripletLoss", "max_violation": False}}],
+    }
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    sweep = tmp_path / "sweep"
+    args = ("tools/sweep.py", config, "--triplet", "con", "nca", "--pair", "con", "--seeds", "2",
+            "--grid", "objective.margin=0.1,0.3", "--out", sweep)
+    result = run_tool(*args)
+    assert result.returncode == 0, result.stderr
+    runs = json.loads((sweep / "runs.json").read_text())
+    assert len(runs) == 2 * 2 * 2
+    assert {r["point"] for r in runs} == {"margin=0.1", "margin=0.3"}
+    table = (sweep / "table.md").read_text()
+    assert "| pair \\ triplet | con | nca |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| con |"))
+    # each cell: mean ± std over the 2 seeds of the grid point with the best validation rsum
+    for triplet, cell in zip(("con", "nca"), row.split("|")[2:4]):
+        cell_runs = [r for r in runs if r["triplet"] == triplet]
+        points = {p: [r for r in cell_runs if r["point"] == p]
+                  for p in ("margin=0.1", "margin=0.3")}
+        best = max(points, key=lambda p: sum(r["val_rsum"] for r in points[p]))
+        i2t = [r["test"]["i2t_r1"] for r in points[best]]
+        assert f"{sum(i2t) / 2:.1f} ±" in cell and f"({best})" in cell
+    # a finished sweep is not trained again; a run without its report is resumed
+    first = runs[0]
+    (Path(first["dir"]) / "report.json").unlink()
+    result = run_tool(*args)
+    assert result.returncode == 0, result.stderr
+    again = json.loads((sweep / "runs.json").read_text())
+    assert again[0]["test"] == first["test"]
+    assert all(a["train_seconds"] == b["train_seconds"] for a, b in zip(again[1:], runs[1:]))

@@ -1,6 +1,6 @@
 """Shard streaming throughput against a raw tar read of the same shards.
 
-    python bench/bench_shard_reader.py [--shards 'data/synthetic/train-*.tar']
+    python bench/shard_reader.py [--shards 'data/synthetic/train-*.tar']
 
 Baseline: ``tarfile`` reading every member's bytes (no decoding). Measured: the
 training pipeline (tar -> samples -> shuffle -> PNG decode -> transform ->

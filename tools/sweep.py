@@ -1,0 +1,164 @@
+"""Train every GOAL triplet x pair combination (and hyperparameter grid point), tabulate R@1.
+
+    python tools/sweep.py configs/goal/sweep_synthetic.yaml --seeds 3 --out work_dirs/sweep
+    python tools/sweep.py configs/goal/sweep_synthetic.yaml --triplet nca cir --pair con sig_ms \\
+        --grid objective.tau=1,5,10,30 --seeds 3 --out work_dirs/sweep_tau
+
+The config's objective must be a ``GoalObjective``. Every run gets its own
+directory ``OUT/<triplet>x<pair>/<grid point>/seed<k>``; a sweep started again
+skips finished runs and resumes an interrupted one from its last checkpoint.
+Writes ``OUT/runs.json`` (every run: setting, seed, validation rsum, test
+metrics) and ``OUT/table.md``: the layout of the GOAL paper's Table 3 (rows
+pair weights, columns triplet weights) with test R@1 mean +- std over seeds
+for both directions; with a grid, each cell shows the grid point with the best
+mean validation rsum, and its hyperparameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from mmgoal.config import load_config, parse_value  # noqa: E402
+from mmgoal.engine.trainer import Trainer, check_data_paths  # noqa: E402
+
+TRIPLETS = ("con", "nca", "cir")
+PAIRS = ("con", "lin", "sig", "lin_ms", "sig_ms")
+
+
+def parse_grid(items: list[str]) -> list[tuple[str, list]]:
+    """``["objective.tau=1,5,10"]`` -> ``[("objective.tau", [1, 5, 10])]``."""
+    grid = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ValueError(f"--grid {item!r} must look like key.subkey=v1,v2,...")
+        grid.append((key, [parse_value(v) for v in values.split(",")]))
+    return grid
+
+
+def grid_points(grid: list[tuple[str, list]]) -> list[dict]:
+    keys = [k for k, _ in grid]
+    return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in grid))]
+
+
+def slug(point: dict) -> str:
+    return "_".join(f"{k.split('.')[-1]}={v}" for k, v in point.items()) or "default"
+
+
+def run_one(config: str, overrides: list[str], work_dir: Path) -> dict:
+    """Train (or resume, or skip) one run; returns its report."""
+    report_path = work_dir / "report.json"
+    if report_path.is_file():
+        return json.loads(report_path.read_text())
+    cfg = load_config(config, overrides)
+    if cfg.get("objective", {}).get("type") != "GoalObjective":
+        raise ValueError(f"{config}: the sweep needs objective.type GoalObjective")
+    cfg.setdefault("train", {})["progress"] = False
+    resume = (work_dir / "checkpoints" / "last.pt").is_file()
+    report = Trainer(cfg, work_dir, resume=resume).fit()
+    if report.get("interrupted"):
+        raise KeyboardInterrupt
+    return report
+
+
+def mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def summarise(runs: list[dict], triplets: list[str], pairs: list[str]) -> str:
+    """The Markdown table: best grid point per cell by mean validation rsum."""
+    lines = ["| pair \\ triplet | " + " | ".join(triplets) + " |",
+             "|---|" + "---|" * len(triplets)]
+    best_cells = {}
+    for triplet, pair in itertools.product(triplets, pairs):
+        by_point: dict[str, list[dict]] = {}
+        for run in runs:
+            if run["triplet"] == triplet and run["pair"] == pair:
+                by_point.setdefault(run["point"], []).append(run)
+        if not by_point:
+            continue
+        point, chosen = max(by_point.items(),
+                            key=lambda kv: statistics.mean(r["val_rsum"] for r in kv[1]))
+        best_cells[(triplet, pair)] = (point, chosen)
+    for pair in pairs:
+        cells = []
+        for triplet in triplets:
+            if (triplet, pair) not in best_cells:
+                cells.append("")
+                continue
+            point, chosen = best_cells[(triplet, pair)]
+            i2t = mean_std([r["test"]["i2t_r1"] for r in chosen])
+            t2i = mean_std([r["test"]["t2i_r1"] for r in chosen])
+            rsum = statistics.mean(r["test"]["rsum"] for r in chosen)
+            where = "" if point == "default" else f" ({point})"
+            cells.append(f"{i2t} / {t2i} [rsum {rsum:.1f}, n={len(chosen)}]{where}")
+        lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="a config whose objective is a GoalObjective")
+    parser.add_argument("--triplet", nargs="+", default=list(TRIPLETS), choices=TRIPLETS)
+    parser.add_argument("--pair", nargs="+", default=list(PAIRS), choices=PAIRS)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per setting")
+    parser.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
+                        help="extra hyperparameter grid, e.g. objective.tau=1,5,10,30")
+    parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default="work_dirs/sweep", help="sweep directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        grid = parse_grid(args.grid)
+        check_data_paths(load_config(args.config, args.cfg_options))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = list(itertools.product(args.triplet, args.pair, grid_points(grid),
+                                      range(args.seeds)))
+    runs = []
+    start = time.perf_counter()
+    for index, (triplet, pair, point, seed) in enumerate(settings, 1):
+        overrides = [*args.cfg_options, f"objective.triplet={triplet}",
+                     f"objective.pair={pair}", f"train.seed={seed}",
+                     *(f"{k}={v}" for k, v in point.items())]
+        work_dir = out / f"{triplet}x{pair}" / slug(point) / f"seed{seed}"
+        try:
+            report = run_one(args.config, overrides, work_dir)
+        except ValueError as error:  # a bad grid key, reported once
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        runs.append({"triplet": triplet, "pair": pair, "point": slug(point),
+                     "hyperparameters": point, "seed": seed,
+                     "val_rsum": report["best"]["rsum"], "test": report["test"],
+                     "train_seconds": report["train_seconds"], "dir": str(work_dir)})
+        (out / "runs.json").write_text(json.dumps(runs, indent=2))
+        print(f"[{index}/{len(settings)}] {triplet}x{pair} {slug(point)} seed {seed}: "
+              f"test R@1 {report['test']['i2t_r1']:.1f}/{report['test']['t2i_r1']:.1f}, "
+              f"rsum {report['test']['rsum']:.1f} ({time.perf_counter() - start:.0f}s)",
+              flush=True)
+    command = "python tools/sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    table = summarise(runs, args.triplet, args.pair)
+    header = (f"Test R@1 image-to-text / text-to-image (mean ± std over {args.seeds} seeds); "
+              f"best grid point per cell by mean validation rsum.\n\n`{command}`\n\n")
+    (out / "table.md").write_text(header + table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
