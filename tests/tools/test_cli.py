@@ -49,6 +49,16 @@ def test_finetune_then_evaluate_agree(tiny_config_file, tmp_path):
     for key, value in report["test"].items():
         assert evaluated[key] == pytest.approx(value), key
     assert f"{report['test']['rsum']:.2f}" in result.stdout
+    # the collapse check scores the same checkpoint: its positive median is the diagonal's
+    result = run_tool("tools/score_stats.py", work, "--pairs", "1000")
+    assert result.returncode == 0, result.stderr
+    assert "(epoch" in result.stdout and "40 pairs" in result.stdout
+    sys.path.insert(0, str(ROOT / "tools"))
+    from score_stats import score_stats
+
+    stats = score_stats(work, "test", 1000)
+    assert f"positive median {stats['positive_median']:.2f}" in result.stdout
+    assert stats["negative_q25"] <= stats["negative_median"] <= stats["negative_q75"]
 
 
 def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):

@@ -1,0 +1,76 @@
+"""How spread out a trained model's scores are: a check for hardest-negative collapse.
+
+    python tools/score_stats.py work_dirs/sweep/conxcon/default/seed0 [--split test] [--pairs 512]
+
+Scores the first ``--pairs`` images of the split against their first captions
+with the run's ``checkpoints/best.pt`` and prints the median positive score and
+the median and quartiles of each image's hardest-negative score. A collapsed
+model has positives and hardest negatives in the same narrow band.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from mmgoal.data.pipeline import iter_eval_batches  # noqa: E402
+from mmgoal.data.transforms import build_transforms  # noqa: E402
+from mmgoal.engine.checkpoint import load_checkpoint  # noqa: E402
+from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
+from mmgoal.registry import MODELS, TOKENIZERS  # noqa: E402
+
+
+def score_stats(run_dir: Path, split: str, pairs: int) -> dict[str, float]:
+    state = load_checkpoint(run_dir / "checkpoints" / "best.pt")
+    cfg = state["config"]
+    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
+    tokenizer.load_state_dict(state["tokenizer"])
+    model = MODELS.build(cfg["model"], tokenizer=tokenizer)
+    model.load_state_dict(state["model"])
+    model.eval()
+    transform = build_transforms(cfg["data"].get("eval_transforms"),
+                                 cfg["data"].get("image_size", 64))
+    positive, negative = [], []
+    with torch.no_grad():
+        for batch in iter_eval_batches(cfg["data"][split]["shards"], transform, 128):
+            captions = [c[0] for c in batch["captions"]]
+            texts = model.encode_text(tokenizer(captions))
+            sims = model.similarity(model.encode_image(batch), texts)
+            diagonal = torch.eye(len(captions), dtype=torch.bool)
+            text_of_image, _, _, _ = hardest_negatives(sims, diagonal)
+            positive.append(sims.diagonal())
+            negative.append(sims[torch.arange(len(captions)), text_of_image])
+            if sum(len(p) for p in positive) >= pairs:
+                break
+    s_p, s_n = torch.cat(positive)[:pairs], torch.cat(negative)[:pairs]
+    return {"epoch": state["epoch"], "pairs": len(s_p), "positive_median": s_p.median().item(),
+            "negative_median": s_n.median().item(), "negative_q25": s_n.quantile(0.25).item(),
+            "negative_q75": s_n.quantile(0.75).item()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories (with checkpoints/best.pt)")
+    parser.add_argument("--split", default="test", choices=("val", "test"))
+    parser.add_argument("--pairs", type=int, default=512)
+    args = parser.parse_args(argv)
+    for run in args.runs:
+        try:
+            s = score_stats(Path(run), args.split, args.pairs)
+        except (FileNotFoundError, ValueError, KeyError) as error:
+            print(f"error: {run}: {error}", file=sys.stderr)
+            return 2
+        print(f"{run} (epoch {s['epoch']}, {s['pairs']} pairs): positive median "
+              f"{s['positive_median']:.2f}, hardest negative median {s['negative_median']:.2f} "
+              f"(quartiles {s['negative_q25']:.2f}-{s['negative_q75']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
