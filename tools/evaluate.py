@@ -16,10 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.transforms import build_transforms  # noqa: E402
-from mmgoal.engine.checkpoint import load_checkpoint  # noqa: E402
+from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 from mmgoal.engine.trainer import metrics_table  # noqa: E402
 from mmgoal.evaluation.gallery import evaluate_retrieval  # noqa: E402
-from mmgoal.registry import MODELS, TOKENIZERS, import_custom_modules  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,11 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    import_custom_modules(cfg.get("custom_imports", []))
-    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
-    tokenizer.load_state_dict(state["tokenizer"])
-    model = MODELS.build(cfg["model"], tokenizer=tokenizer)
-    model.load_state_dict(state["model"])
+    model, tokenizer = model_from_checkpoint(cfg, state)
     data_cfg = cfg["data"]
     transform = build_transforms(data_cfg.get("eval_transforms"), data_cfg.get("image_size", 64))
     folds = args.folds or split_cfg.get("folds", 1)

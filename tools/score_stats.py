@@ -21,19 +21,14 @@ import torch  # noqa: E402
 
 from mmgoal.data.pipeline import iter_eval_batches  # noqa: E402
 from mmgoal.data.transforms import build_transforms  # noqa: E402
-from mmgoal.engine.checkpoint import load_checkpoint  # noqa: E402
+from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
-from mmgoal.registry import MODELS, TOKENIZERS  # noqa: E402
 
 
 def score_stats(run_dir: Path, split: str, pairs: int) -> dict[str, float]:
     state = load_checkpoint(run_dir / "checkpoints" / "best.pt")
     cfg = state["config"]
-    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
-    tokenizer.load_state_dict(state["tokenizer"])
-    model = MODELS.build(cfg["model"], tokenizer=tokenizer)
-    model.load_state_dict(state["model"])
-    model.eval()
+    model, tokenizer = model_from_checkpoint(cfg, state)
     transform = build_transforms(cfg["data"].get("eval_transforms"),
                                  cfg["data"].get("image_size", 64))
     positive, negative = [], []

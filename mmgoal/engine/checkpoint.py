@@ -55,3 +55,19 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not an mmgoal checkpoint (expected format {FORMAT!r})")
     return state
+
+
+def model_from_checkpoint(cfg: dict, state: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``.
+
+    Returns:
+        (model in eval mode, tokenizer).
+    """
+    from mmgoal.registry import MODELS, TOKENIZERS, import_custom_modules
+
+    import_custom_modules(cfg.get("custom_imports", []))
+    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
+    tokenizer.load_state_dict(state["tokenizer"])
+    model = MODELS.build(cfg["model"], tokenizer=tokenizer)
+    model.load_state_dict(state["model"])
+    return model.eval(), tokenizer
