@@ -11,6 +11,7 @@ second SIGINT stops it at once.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -166,7 +167,9 @@ class Trainer:
         samples = self.train_cfg["samples_per_epoch"] or count_samples(self.train_set.urls)
         self.steps_per_epoch = max(samples // self.train_set.batch_size, 1)
         schedule_cfg = dict(cfg.get("schedule") or {"type": "constant"})
-        known = ("type", "warmup_steps", "milestones", "gamma", "min_ratio")
+        set_by_trainer = ("kind", "total_steps", "steps_per_epoch")
+        known = ("type", *(p for p in inspect.signature(LRSchedule).parameters
+                           if p not in set_by_trainer))
         unknown = sorted(set(schedule_cfg) - set(known))
         if unknown:
             raise ValueError(f"unknown key(s) {', '.join(unknown)} in 'schedule'; known keys: "

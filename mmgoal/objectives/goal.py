@@ -64,6 +64,9 @@ class GoalObjective(nn.Module):
         self.hyper = {"margin": margin, "tau": tau, "cir_offset": cir_offset, "alpha": alpha,
                       "beta": beta, "lam": lam, "eps": eps, "lin_shift": lin_shift}
         self.reduction = check_reduction(reduction)
+        # Bound once: inspecting signatures every step would sit on the hot path.
+        self._triplet_kwargs, _ = _keyword_binder(self.triplet_weight, self.hyper)
+        self._pair_kwargs, self._needs_relative = _keyword_binder(self.pair_weight, self.hyper)
 
     def extra_repr(self) -> str:
         return f"triplet={self.triplet}, pair={self.pair}, reduction={self.reduction}"
@@ -83,8 +86,7 @@ class GoalObjective(nn.Module):
         scores = sims.detach().to(torch.promote_types(sims.dtype, torch.float32))
         triplets = mine_triplets(scores, positives)
         s_p, *negatives = triplets.scores(scores)
-        triplet_kwargs, _ = _keyword_binder(self.triplet_weight, self.hyper)
-        pair_kwargs, needs_relative = _keyword_binder(self.pair_weight, self.hyper)
+        triplet_kwargs, pair_kwargs = self._triplet_kwargs, dict(self._pair_kwargs)
         grad = torch.zeros_like(scores)
         violation = scores.new_zeros(())
         weight_sum = scores.new_zeros(())
@@ -95,7 +97,7 @@ class GoalObjective(nn.Module):
         shared: dict = {}  # per-anchor sums the two directions' comparison sets share
         for direction, s_n, valid, mined, negative_index in directions:
             t = self.triplet_weight(s_p, s_n, **triplet_kwargs) * valid
-            if needs_relative:
+            if self._needs_relative:
                 pair_kwargs["relative"] = RelativeScores(
                     scores, positives, triplets.rows, triplets.cols, mined, direction, s_p, s_n,
                     self.hyper["eps"], shared)

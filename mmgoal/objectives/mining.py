@@ -41,13 +41,15 @@ def check_positives(sims: torch.Tensor, positives: torch.Tensor | None) -> torch
     return positives.to(device=sims.device, dtype=torch.bool)
 
 
-def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor
+def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,
+                      positive_index: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The hardest negative of every image row and every text column.
 
     Args:
         sims: (n_img, n_txt) scores (detached inside).
         positives: (n_img, n_txt) bool.
+        positive_index: ``positives.nonzero(as_tuple=True)`` when the caller has it.
 
     Returns:
         text_of_image: (n_img,) index ``n(i)`` of the highest-scoring negative text of row i;
@@ -58,7 +60,9 @@ def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor
     n_img, n_txt = sims.shape
     masked = sims.detach().clone()
     # Positives are few: index them instead of a dense masked_fill (slow on CPU).
-    masked[positives.nonzero(as_tuple=True)] = float("-inf")
+    if positive_index is None:
+        positive_index = positives.nonzero(as_tuple=True)
+    masked[positive_index] = float("-inf")
     text_of_image = masked.argmax(dim=1)
     image_of_text = masked.T.contiguous().argmax(dim=1)  # row-wise argmax is the fast one
     return (text_of_image, image_of_text, positives.count_nonzero(dim=1) < n_txt,
@@ -90,7 +94,8 @@ class MinedTriplets:
 
 def mine_triplets(sims: torch.Tensor, positives: torch.Tensor) -> MinedTriplets:
     """Hardest-negative triplets of every positive, in both directions (REFERENCE.md section 2)."""
-    text_of_image, image_of_text, row_valid, col_valid = hardest_negatives(sims, positives)
     rows, cols = positives.nonzero(as_tuple=True)
+    text_of_image, image_of_text, row_valid, col_valid = hardest_negatives(sims, positives,
+                                                                           (rows, cols))
     return MinedTriplets(rows, cols, text_of_image[rows], row_valid[rows],
                          image_of_text[cols], col_valid[cols])
