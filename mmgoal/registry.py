@@ -144,6 +144,8 @@ STRATEGIES = Registry("strategy")
 OPTIMIZERS = Registry("optimizer")
 TRIPLET_WEIGHTS = Registry("triplet weight")
 PAIR_WEIGHTS = Registry("pair weight")
+CHECKPOINT_REMAPS = Registry("checkpoint remap")
+TEXT_AUGMENTS = Registry("text augment")
 
 _plugins_loaded = False
 

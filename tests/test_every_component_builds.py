@@ -22,6 +22,8 @@ EXAMPLES = {
     "ENCODERS": {
         "TimmImageEncoder": {"model_name": "mmgoal_small_cnn", "model_kwargs": {"widths": [4]}},
         "GRUTextEncoder": {"word_dim": 4, "hidden_size": 4},
+        "PrecomputedRegionEncoder": {"feature_dim": 8, "token_dropout": 0.2},
+        "RoIRegionEncoder": {"model_name": "mmgoal_small_cnn", "model_kwargs": {"widths": [4]}},
         "HFTextEncoder": {"config": {"model_type": "bert", "hidden_size": 8,
                                      "num_hidden_layers": 1, "num_attention_heads": 1,
                                      "intermediate_size": 8}},
@@ -41,7 +43,12 @@ EXAMPLES = {
                    "ColorJitter": {"brightness": 0.1}, "ToTensor": {},
                    "Normalize": {"mean": [0.5] * 3, "std": [0.5] * 3},
                    "RandomErasing": {}},
-    "HOOKS": {"ObjectiveWarmup": {"epochs": 1, "attributes": {"margin": 0.0}}},
+    "HOOKS": {"ObjectiveWarmup": {"epochs": 1, "attributes": {"margin": 0.0}},
+              "FreezeSchedule": {"frozen": ["image_encoder"], "unfreeze": {1: ["image_encoder"]}}},
+    "POOLERS": {"MeanPool": {}, "MaxPool": {}, "GPO": {"d_pe": 8, "d_hidden": 4}},
+    "TEXT_AUGMENTS": {"TokenAugment": {"p": 0.1}},
+    # remaps are functions, exercised in tests/models/test_pretrained.py
+    "CHECKPOINT_REMAPS": {"timm": None, "efficientnet_pytorch": None},
     "OPTIMIZERS": {"AdamW": {"lr": 1e-3}, "Adam": {"lr": 1e-3}, "SGD": {"lr": 1e-3}},
 }
 REGISTRIES = [name for name, value in vars(registry).items()

@@ -20,11 +20,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import braceexpand
+import numpy as np
 import torch
 import webdataset as wds
 from PIL import Image
 
-from mmgoal.registry import DATASETS
+from mmgoal.registry import DATASETS, TEXT_AUGMENTS
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,31 @@ def expand_shards(shards: str | Sequence[str]) -> list[str]:
     return paths
 
 
+def entity_boxes(meta: dict) -> list[list[float]]:
+    """The distinct boxes of a sample's entities (xyxy pixels), in order of appearance."""
+    boxes: list[list[float]] = []
+    for entity in meta.get("entities") or []:
+        for box in entity.get("boxes") or []:
+            if list(box) not in boxes:
+                boxes.append(list(box))
+    return boxes
+
+
+def _load_npy(data: bytes, where: str, name: str) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise CorruptSampleError(f"{where}: unreadable {name} ({error})") from error
+
+
 def decode_sample(sample: dict) -> dict:
-    """Tar members -> ``{"key", "image": PIL RGB, "image_id", "captions", "meta"}``."""
+    """Tar members -> ``{"key", "image_id", "captions", "meta"}`` plus what the sample has.
+
+    ``image`` (PIL RGB) from an image member; ``regions`` ((R, D) float tensor)
+    from ``regions.npy``; ``boxes`` ((R, 4) xyxy as fractions of the image size)
+    from ``boxes.npy`` or, failing that, from the boxes of the JSON's entities.
+    A sample needs an image or regions.
+    """
     key = sample.get("__key__", "?")
     where = f"sample {key!r} of {sample.get('__url__', '?')}"
     if "json" not in sample:
@@ -101,19 +125,34 @@ def decode_sample(sample: dict) -> dict:
         meta = json.loads(sample["json"])
     except (ValueError, UnicodeDecodeError) as error:
         raise CorruptSampleError(f"{where}: unreadable JSON ({error})") from error
-    image_ext = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
-    if image_ext is None:
-        raise CorruptSampleError(f"{where} has no image member ({', '.join(IMAGE_EXTENSIONS)})")
-    try:
-        image = Image.open(io.BytesIO(sample[image_ext]))
-        image = image.convert("RGB")
-    except Exception as error:  # PIL raises many types for broken files
-        raise CorruptSampleError(f"{where}: unreadable image ({error})") from error
     captions = meta.get("captions")
     if not captions or not all(isinstance(c, str) for c in captions):
         raise CorruptSampleError(f"{where}: 'captions' must be a non-empty list of strings")
-    return {"key": key, "image": image, "image_id": meta.get("image_id", key),
-            "captions": captions, "meta": meta}
+    out = {"key": key, "image_id": meta.get("image_id", key), "captions": captions, "meta": meta}
+    if "regions.npy" in sample:
+        regions = _load_npy(sample["regions.npy"], where, "regions.npy")
+        if regions.ndim != 2:
+            raise CorruptSampleError(f"{where}: regions.npy must be (regions, channels), "
+                                     f"got shape {regions.shape}")
+        out["regions"] = torch.from_numpy(regions.astype(np.float32))
+    image_ext = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
+    if image_ext is not None:
+        try:
+            image = Image.open(io.BytesIO(sample[image_ext]))
+            out["image"] = image.convert("RGB")
+        except Exception as error:  # PIL raises many types for broken files
+            raise CorruptSampleError(f"{where}: unreadable image ({error})") from error
+    elif "regions" not in out:
+        raise CorruptSampleError(f"{where} has no image member ({', '.join(IMAGE_EXTENSIONS)}) "
+                                 f"and no regions.npy")
+    width, height = out["image"].size if "image" in out else (meta.get("width"),
+                                                              meta.get("height"))
+    boxes = (_load_npy(sample["boxes.npy"], where, "boxes.npy") if "boxes.npy" in sample
+             else np.asarray(entity_boxes(meta), dtype=np.float32).reshape(-1, 4))
+    if width and height:
+        out["boxes"] = torch.from_numpy(boxes.astype(np.float32).reshape(-1, 4)
+                                        / np.float32([width, height, width, height]))
+    return out
 
 
 def choose_captions(samples: Iterator[dict], expand: bool, rng: random.Random) -> Iterator[dict]:
@@ -133,17 +172,51 @@ def image_id_groups(image_ids: Sequence) -> torch.Tensor:
                         dtype=torch.long)
 
 
-def collate_batch(samples: list[dict], tokenizer: Callable, counter: SkipCounter) -> dict:
-    """Samples -> batch: ``images (B,3,H,W)``, tokens, ``image_groups``, ids, captions."""
+def pad_rows(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_i, width) tensors -> (B, max n_i, width) zero-padded, lengths (B,)."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    padded = torch.zeros(len(rows), int(lengths.max()) if len(rows) else 0, width)
+    for row, values in enumerate(rows):
+        padded[row, :len(values)] = values
+    return padded, lengths
+
+
+def collate_visual(samples: list[dict]) -> dict:
+    """``images`` (B, 3, H, W); ``regions`` + ``region_lengths``; ``boxes`` + ``box_lengths``.
+
+    Each key appears when every sample of the batch has it.
+    """
+    batch: dict = {}
+    if all("image" in s for s in samples):
+        batch["images"] = torch.stack([s["image"] for s in samples])
+    if all("regions" in s for s in samples):
+        batch["regions"], batch["region_lengths"] = pad_rows(
+            [s["regions"] for s in samples], samples[0]["regions"].shape[1])
+    if all("boxes" in s for s in samples):
+        batch["boxes"], batch["box_lengths"] = pad_rows([s["boxes"] for s in samples], 4)
+    return batch
+
+
+def collate_batch(samples: list[dict], tokenizer: Callable, counter: SkipCounter,
+                  text_augment: Callable | None = None,
+                  generator: torch.Generator | None = None) -> dict:
+    """Samples -> batch: images/regions/boxes, tokens, ``image_groups``, ids, captions."""
     batch = {
-        "images": torch.stack([s["image"] for s in samples]),
+        **collate_visual(samples),
         "image_ids": [s["image_id"] for s in samples],
         "image_groups": image_id_groups([s["image_id"] for s in samples]),
         "captions": [s["caption"] for s in samples],
         "skipped": counter.take(),
     }
     batch.update(tokenizer(batch["captions"]))
+    if text_augment is not None:
+        batch.update(text_augment(batch["tokens"], batch["lengths"], generator=generator))
     return batch
+
+
+def transform_image(sample: dict, transform: Callable) -> dict:
+    """Apply the image transform where the sample has an image."""
+    return {**sample, "image": transform(sample["image"])} if "image" in sample else sample
 
 
 def _shuffled(items: Iterator[dict], rng: random.Random) -> Iterator[dict]:
@@ -166,11 +239,15 @@ class ShardDataset(torch.utils.data.IterableDataset):
         expand_captions: one sample per caption instead of one per image.
         shuffle_buffer: samples held for shuffling.
         seed: base seed of every random choice of the pipeline.
+        text_augment: ``TEXT_AUGMENTS`` config applied to training captions'
+            token ids (VSE-infinity's mask / replace / delete), e.g.
+            ``{type: TokenAugment, p: 0.2}``.
     """
 
     def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
                  transform: Callable, training: bool = True, expand_captions: bool = False,
-                 shuffle_buffer: int = 2000, seed: int = 0) -> None:
+                 shuffle_buffer: int = 2000, seed: int = 0,
+                 text_augment: dict | None = None) -> None:
         super().__init__()
         self.urls = expand_shards(shards)
         self.batch_size = batch_size
@@ -182,6 +259,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.seed = seed
         self.epoch = 0
         self.counter = SkipCounter()
+        self.text_augment = (TEXT_AUGMENTS.build(text_augment, tokenizer=tokenizer)
+                             if text_augment and training else None)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose (reproducible) order the next iteration yields."""
@@ -194,6 +273,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def stages(self) -> list:
         """The pipeline, stage by stage (see the module docstring)."""
         handler = self.counter
+        generator = torch.Generator().manual_seed(self._rng(3).getrandbits(63))
         stages: list = [wds.SimpleShardList(self.urls)]
         if self.training:
             # The shard order must be the same on every rank and worker.
@@ -210,14 +290,12 @@ class ShardDataset(torch.utils.data.IterableDataset):
         stages += [
             wds.map(decode_sample, handler=handler),
             lambda src: choose_captions(src, self.expand_captions, self._rng(2)),
-            wds.map(self._transform, handler=handler),
+            wds.map(lambda s: transform_image(s, self.transform), handler=handler),
             wds.batched(self.batch_size, partial=not self.training,
-                        collation_fn=lambda s: collate_batch(s, self.tokenizer, self.counter)),
+                        collation_fn=lambda s: collate_batch(s, self.tokenizer, self.counter,
+                                                             self.text_augment, generator)),
         ]
         return stages
-
-    def _transform(self, sample: dict) -> dict:
-        return {**sample, "image": self.transform(sample["image"])}
 
     def __iter__(self) -> Iterator[dict]:
         return iter(wds.DataPipeline(*self.stages()))
@@ -228,16 +306,17 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
     """Evaluation batches in shard order, one sample per image with all its captions.
 
     Yields:
-        ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...]}``.
+        ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...]}``, with
+        ``regions``/``boxes`` and their lengths where the shards have them.
     """
     counter = counter or SkipCounter()
     pipeline = wds.DataPipeline(
         wds.SimpleShardList(expand_shards(shards)),
         wds.tarfile_to_samples(handler=counter),
         wds.map(decode_sample, handler=counter),
-        wds.map(lambda s: {**s, "image": transform(s["image"])}, handler=counter),
+        wds.map(lambda s: transform_image(s, transform), handler=counter),
         wds.batched(batch_size, partial=True, collation_fn=lambda samples: {
-            "images": torch.stack([s["image"] for s in samples]),
+            **collate_visual(samples),
             "image_ids": [s["image_id"] for s in samples],
             "captions": [s["captions"] for s in samples],
         }),

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from mmgoal.registry import TOKENIZERS
+from mmgoal.registry import TEXT_AUGMENTS, TOKENIZERS
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -71,6 +71,15 @@ class WordTokenizer:
     @property
     def pad_id(self) -> int:
         return 0
+
+    @property
+    def mask_id(self) -> int:
+        """Masked words become ``<unk>`` (a word vocabulary has no mask token)."""
+        return self.index[self.UNK]
+
+    @property
+    def special_ids(self) -> list[int]:
+        return [self.pad_id]
 
     def __len__(self) -> int:
         return len(self.words)
@@ -132,6 +141,16 @@ class HFTokenizer:
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id or 0)
 
+    @property
+    def mask_id(self) -> int:
+        mask = self.tokenizer.mask_token_id
+        return int(mask if mask is not None else self.tokenizer.unk_token_id)
+
+    @property
+    def special_ids(self) -> list[int]:
+        """[CLS], [SEP], [PAD], ...: never masked, replaced or deleted."""
+        return list(self.tokenizer.all_special_ids)
+
     def __len__(self) -> int:
         return self.vocab_size
 
@@ -149,3 +168,54 @@ class HFTokenizer:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+@TEXT_AUGMENTS.register()
+class TokenAugment:
+    """VSE-infinity's caption augmentation on token ids: mask, replace or delete.
+
+    Each real, non-special token is picked with probability ``p``; a picked
+    token becomes the mask token with probability ``mask``, a random token
+    with probability ``replace``, and is deleted otherwise (the authors'
+    ``PrecompRegionDataset._process_caption``: 0.2, then 50% / 10% / 40%).
+    Survivors keep their order; a caption never loses all its tokens.
+
+    Args:
+        tokenizer: gives ``mask_id``, ``special_ids`` and the vocabulary size (set by the trainer).
+        p: probability that a token is changed.
+        mask: share of changed tokens that are masked.
+        replace: share of changed tokens replaced by a random token.
+    """
+
+    def __init__(self, tokenizer, p: float = 0.2, mask: float = 0.5, replace: float = 0.1) -> None:
+        if not (0 <= p <= 1 and mask >= 0 and replace >= 0 and mask + replace <= 1):
+            raise ValueError(f"TokenAugment needs 0 <= p <= 1 and mask + replace <= 1, got "
+                             f"p={p}, mask={mask}, replace={replace}")
+        self.p, self.mask, self.replace = p, mask, replace
+        self.mask_id = tokenizer.mask_id
+        self.special_ids = torch.tensor(tokenizer.special_ids, dtype=torch.long)
+        self.vocab_size = len(tokenizer)
+        self.pad_id = tokenizer.pad_id
+
+    def __call__(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                 generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """(B, L) ids, (B,) lengths -> ``{"tokens", "lengths", "attention_mask"}`` augmented."""
+        batch, width = tokens.shape
+        real = torch.arange(width)[None] < lengths[:, None]
+        picked = ((torch.rand(batch, width, generator=generator) < self.p) & real
+                  & ~torch.isin(tokens, self.special_ids))
+        action = torch.rand(batch, width, generator=generator)
+        masked = picked & (action < self.mask)
+        replaced = picked & (action >= self.mask) & (action < self.mask + self.replace)
+        random_ids = torch.randint(self.vocab_size, (batch, width), generator=generator)
+        random_ids = torch.where(torch.isin(random_ids, self.special_ids), tokens, random_ids)
+        out = torch.where(masked, self.mask_id, torch.where(replaced, random_ids, tokens))
+        keep = real & ~(picked & ~masked & ~replaced)
+        emptied = keep.sum(1) == 0
+        keep[emptied], out[emptied] = real[emptied], tokens[emptied]
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+        new_lengths = keep.sum(1)
+        out = out.gather(1, order)[:, :int(new_lengths.max())]
+        mask = torch.arange(out.shape[1])[None] < new_lengths[:, None]
+        return {"tokens": out.masked_fill(~mask, self.pad_id), "lengths": new_lengths,
+                "attention_mask": mask}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from mmgoal.registry import HOOKS, OBJECTIVES
 
 if TYPE_CHECKING:
@@ -69,3 +71,60 @@ class ObjectiveWarmup(Hook):
             self._saved = {k: getattr(objective, k) for k in self.attributes}
         for key, value in (self.attributes if warming else self._saved).items():
             setattr(objective, key, value)
+
+
+@HOOKS.register()
+class FreezeSchedule(Hook):
+    """Freeze modules, then unfreeze parts of them at given epochs.
+
+    VSE++'s first stage freezes the backbone for the whole run
+    (``frozen: [image_encoder.model]``); VSE-infinity's embedding warm-up
+    freezes it for the first epochs and then unfreezes it block by block::
+
+        {type: FreezeSchedule, frozen: [image_encoder.model],
+         unfreeze: {1: [image_encoder.model.layer4], 2: [image_encoder.model]}}
+
+    The state follows from the epoch alone, so a resumed run freezes the same
+    parameters. Frozen modules also keep their normalisation statistics
+    (batch norm in eval mode) when ``freeze_norm``.
+
+    Args:
+        frozen: module paths frozen from the first epoch.
+        unfreeze: epoch -> module paths made trainable from that epoch on.
+        freeze_norm: put the frozen modules' norm layers in eval mode.
+    """
+
+    def __init__(self, frozen: list[str], unfreeze: dict[int, list[str]] | None = None,
+                 freeze_norm: bool = True) -> None:
+        self.frozen = list(frozen)
+        self.unfreeze = {int(epoch): list(paths) for epoch, paths in (unfreeze or {}).items()}
+        self.freeze_norm = freeze_norm
+
+    def _module(self, trainer: Trainer, path: str):
+        try:
+            return trainer.model.get_submodule(path)
+        except AttributeError as error:
+            top = sorted(name for name, _ in trainer.model.named_children())
+            raise ValueError(f"FreezeSchedule: the model has no module {path!r}; its top-level "
+                             f"modules are {', '.join(top)}") from error
+
+    def frozen_modules(self, trainer: Trainer, epoch: int) -> list:
+        """The modules that are frozen (not trainable) during ``epoch``."""
+        released = {p for e, paths in self.unfreeze.items() if e <= epoch for p in paths}
+        thawed = {id(m) for p in released for m in self._module(trainer, p).modules()}
+        return [module for path in self.frozen for module in self._module(trainer, path).modules()
+                if id(module) not in thawed]
+
+    def before_train(self, trainer: Trainer) -> None:
+        for path in [*self.frozen, *(p for paths in self.unfreeze.values() for p in paths)]:
+            self._module(trainer, path)
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        for path in self.frozen:
+            for param in self._module(trainer, path).parameters():
+                param.requires_grad_(True)
+        for module in self.frozen_modules(trainer, trainer.epoch):
+            for param in module.parameters(recurse=False):
+                param.requires_grad_(False)
+            if self.freeze_norm and isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.eval()

@@ -30,6 +30,7 @@ from mmgoal.config import dump_config
 from mmgoal.data.pipeline import expand_shards, read_captions
 from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.schedules import LRSchedule
 from mmgoal.evaluation.gallery import evaluate_retrieval
 from mmgoal.objectives.mining import positives_from_groups
@@ -38,7 +39,6 @@ from mmgoal.registry import (
     HOOKS,
     MODELS,
     OBJECTIVES,
-    OPTIMIZERS,
     TOKENIZERS,
     import_custom_modules,
     load_plugins,
@@ -47,7 +47,7 @@ from mmgoal.registry import (
 logger = logging.getLogger(__name__)
 
 TOP_LEVEL_KEYS = ("model", "objective", "data", "optimizer", "schedule", "train", "hooks",
-                  "custom_imports", "evaluation")
+                  "custom_imports", "evaluation", "load_from")
 TRAIN_DEFAULTS: dict[str, Any] = {
     "epochs": 10, "seed": 0, "clip_grad": 2.0, "log_every": 10, "eval_every": 1,
     "checkpoint_every_steps": 0, "max_nonfinite_steps": 5, "progress": True,
@@ -140,11 +140,16 @@ class Trainer:
                                         f"--resume or point --work-dir at the interrupted run")
             self.resume_state = load_checkpoint(last)
 
+        start_from = (load_checkpoint(cfg["load_from"])
+                      if cfg.get("load_from") and self.resume_state is None else None)
         torch.manual_seed(self.train_cfg["seed"])
         random.seed(self.train_cfg["seed"])
         self.tokenizer = TOKENIZERS.build(splits["tokenizer"])
         if self.resume_state is not None:
             self.tokenizer.load_state_dict(self.resume_state["tokenizer"])
+        elif start_from is not None:
+            # A later stage keeps the vocabulary its weights were trained with.
+            self.tokenizer.load_state_dict(start_from["tokenizer"])
         elif not self.tokenizer.fitted:
             self.tokenizer.fit(read_captions(splits["train"]["shards"]))
         size = self.data_cfg["image_size"]
@@ -156,10 +161,10 @@ class Trainer:
         self.configured_objective = self.objective
         if not isinstance(self.objective, torch.nn.Module):
             raise TypeError(f"objective {cfg['objective']['type']!r} must be a torch.nn.Module")
+        if start_from is not None:
+            self._load_weights(start_from, cfg["load_from"])
         # Objectives may hold parameters too (InfoNCE's learnable temperature).
-        self.optimizer = OPTIMIZERS.build(
-            cfg["optimizer"],
-            params=[*self.model.parameters(), *self.objective.parameters()])
+        self.optimizer = build_optimizer(cfg["optimizer"], self.model, self.objective)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.train_set = DATASETS.build(
             splits["train"], tokenizer=self.tokenizer, transform=self.train_transform,
@@ -218,6 +223,15 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         logger.info("resumed at epoch %d, step %d", self.epoch, self.step)
+
+    def _load_weights(self, state: dict, path: str) -> None:
+        """``load_from``: start from another run's model weights (e.g. VSE++ stage one)."""
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as error:
+            raise ValueError(f"load_from {path}: the checkpoint's model does not match this "
+                             f"config's model ({str(error).splitlines()[0]})") from error
+        logger.info("model weights loaded from %s", path)
 
     def save(self, name: str = "last.pt") -> None:
         save_checkpoint(self.state_dict(), self.checkpoint_dir / name)
@@ -283,10 +297,10 @@ class Trainer:
 
     def _train_epoch(self) -> bool:
         """One epoch (or its rest, after a resume); False when stopped by a signal."""
+        self.model.train()  # before the hooks, which may put frozen parts in eval mode
         for hook in self.hooks:
             hook.before_epoch(self)
         cfg = self.train_cfg
-        self.model.train()
         skip = self.batch_in_epoch
         bar = tqdm(total=self.steps_per_epoch, initial=skip, desc=f"epoch {self.epoch}",
                    unit="step", disable=not cfg["progress"], dynamic_ncols=True)

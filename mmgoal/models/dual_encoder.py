@@ -1,8 +1,10 @@
-"""Dual encoders: VSE++ (Faghri et al., BMVC 2018) and relatives.
+"""Dual encoders: VSE++ (Faghri et al., BMVC 2018) and VSE-infinity (Chen et al., CVPR 2021).
 
-An image encoder and a text encoder, each followed by a linear projection to a
-shared space and L2 normalisation; the score of an (image, text) pair is the
-dot product of their embeddings.
+An image encoder and a text encoder, each followed by a projection to a shared
+space and L2 normalisation; the score of an (image, text) pair is the dot
+product of their embeddings. VSE++ projects one pooled vector per side;
+VSE-infinity projects every region/grid token and every word, then reduces them
+with a pooler (``GPO``). Both are this one class, configured.
 """
 
 from __future__ import annotations
@@ -12,38 +14,115 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.models.features import ImageFeatures, TextFeatures
-from mmgoal.registry import ENCODERS, MODELS
+from mmgoal.models.layers.gpo import length_mask
+from mmgoal.registry import ENCODERS, MODELS, POOLERS
+
+
+class ResidualMLPProjection(nn.Module):
+    """VSE-infinity's region projection: ``linear(x) + MLP(x)``, a 2-layer MLP with BN.
+
+    Follows the authors' ``EncoderImageAggr`` (``fc`` + ``MLP(img_dim, embed // 2,
+    embed, 2)``); batch norm sees the real tokens only.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_dim, out_dim)
+        self.mlp = nn.Sequential(nn.Linear(in_dim, out_dim // 2), nn.BatchNorm1d(out_dim // 2),
+                                 nn.ReLU(inplace=True), nn.Linear(out_dim // 2, out_dim))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """(N, in_dim) -> (N, out_dim)."""
+        return self.linear(features) + self.mlp(features)
+
+
+def build_projection(kind: str, in_dim: int, out_dim: int, side: str) -> nn.Module:
+    """``linear``, ``mlp`` (linear + residual MLP) or ``none`` (the encoder's own size)."""
+    if kind == "linear":
+        return nn.Linear(in_dim, out_dim)
+    if kind == "mlp":
+        return ResidualMLPProjection(in_dim, out_dim)
+    if kind == "none":
+        if in_dim != out_dim:
+            raise ValueError(f"{side}_projection: none needs the {side} encoder's size "
+                             f"({in_dim}) to equal embed_dim ({out_dim})")
+        return nn.Identity()
+    raise ValueError(f"{side}_projection must be linear, mlp or none, got {kind!r}")
 
 
 @MODELS.register()
 class DualEncoder(nn.Module):
-    """Image encoder + text encoder + linear projections + L2 norm.
+    """Image encoder + text encoder + projections (+ poolers) + L2 norm.
 
     Args:
-        image_encoder: config of an ``ENCODERS`` image encoder (``out_dim`` attribute).
-        text_encoder: config of an ``ENCODERS`` text encoder (``out_dim`` attribute).
+        image_encoder: config of an ``ENCODERS`` image encoder; it returns
+            pooled features or tokens (``returns_tokens``).
+        text_encoder: config of an ``ENCODERS`` text encoder.
         embed_dim: size of the joint space.
+        image_pooler: ``POOLERS`` config reducing image tokens (needed when the
+            image encoder returns tokens, refused otherwise).
+        text_pooler: ``POOLERS`` config reducing word states (``GPO`` in
+            VSE-infinity); without it the text encoder pools itself.
+        image_projection, text_projection: ``linear``, ``mlp`` (VSE-infinity's
+            linear + residual MLP) or ``none``; applied to every token before
+            pooling.
         tokenizer: passed to the text encoder (vocabulary size, padding id).
     """
 
     def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: int = 1024,
+                 image_pooler: dict | None = None, text_pooler: dict | None = None,
+                 image_projection: str = "linear", text_projection: str = "linear",
                  tokenizer=None) -> None:
         super().__init__()
         self.image_encoder = ENCODERS.build(image_encoder)
         self.text_encoder = ENCODERS.build(text_encoder, tokenizer=tokenizer)
-        self.image_proj = nn.Linear(self.image_encoder.out_dim, embed_dim)
-        self.text_proj = nn.Linear(self.text_encoder.out_dim, embed_dim)
+        image_tokens = getattr(self.image_encoder, "returns_tokens", False)
+        if image_tokens and image_pooler is None:
+            raise ValueError(f"{image_encoder['type']} returns tokens: set model.image_pooler, "
+                             f"e.g. {{type: GPO}} or {{type: MeanPool}}")
+        if not image_tokens and image_pooler is not None:
+            raise ValueError(f"{image_encoder['type']} returns one pooled vector per image; "
+                             f"remove model.image_pooler or use output: grid / a region encoder")
+        self.image_pooler = POOLERS.build(image_pooler) if image_pooler else None
+        self.text_pooler = POOLERS.build(text_pooler) if text_pooler else None
+        self.image_proj = build_projection(image_projection, self.image_encoder.out_dim,
+                                           embed_dim, "image")
+        self.text_proj = build_projection(text_projection, self.text_encoder.out_dim,
+                                          embed_dim, "text")
         self.embed_dim = embed_dim
 
+    @staticmethod
+    def _project_tokens(projection: nn.Module, tokens: torch.Tensor,
+                        lengths: torch.Tensor) -> torch.Tensor:
+        """Project the real tokens only (batch norm must not see padding)."""
+        real = length_mask(lengths, tokens.shape[1])
+        projected = projection(tokens[real])
+        out = projected.new_zeros(*tokens.shape[:2], projected.shape[-1])
+        out[real] = projected
+        return out
+
     def encode_image(self, batch: dict) -> ImageFeatures:
-        """``batch["images"]`` (B, 3, H, W) -> (B, embed_dim) unit vectors."""
-        return ImageFeatures(F.normalize(self.image_proj(self.image_encoder(batch["images"])),
-                                         dim=-1))
+        """The batch's images (or regions) -> (B, embed_dim) unit vectors (+ tokens)."""
+        output = self.image_encoder(batch)
+        if self.image_pooler is None:
+            return ImageFeatures(F.normalize(self.image_proj(output), dim=-1))
+        tokens, lengths = output
+        tokens = self._project_tokens(self.image_proj, tokens, lengths)
+        pooled, _ = self.image_pooler(tokens, lengths)
+        return ImageFeatures(F.normalize(pooled, dim=-1), tokens=tokens,
+                             mask=length_mask(lengths, tokens.shape[1]))
 
     def encode_text(self, batch: dict) -> TextFeatures:
         """``batch["tokens"]`` (B, L), ``batch["lengths"]`` (B,) -> (B, embed_dim) unit vectors."""
-        return TextFeatures(F.normalize(
-            self.text_proj(self.text_encoder(batch["tokens"], batch["lengths"])), dim=-1))
+        if self.text_pooler is None:
+            return TextFeatures(F.normalize(
+                self.text_proj(self.text_encoder(batch["tokens"], batch["lengths"])), dim=-1))
+        lengths = batch["lengths"]
+        states = self.text_encoder.forward_tokens(batch["tokens"], lengths)
+        states = self._project_tokens(self.text_proj, states, lengths)
+        pooled, _ = self.text_pooler(states, lengths)
+        return TextFeatures(F.normalize(pooled, dim=-1), tokens=states,
+                            mask=length_mask(lengths, states.shape[1]))
 
     def similarity(self, image_features: ImageFeatures,
                    text_features: TextFeatures) -> torch.Tensor:

@@ -146,3 +146,44 @@ def test_word_tokenizer():
     assert torch.equal(clone(["red square"])["tokens"], tok(["red square"])["tokens"])
     with pytest.raises(RuntimeError, match="no vocabulary"):
         WordTokenizer()(["a"])
+
+
+def npy(array):
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(array, dtype=np.float32))
+    return buffer.getvalue()
+
+
+def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_path, tokenizer):
+    meta = {"image_id": 1, "captions": ["a red square"], "entities": [
+        {"caption": 0, "phrase": "a red square", "boxes": [[0, 0, 4, 2]]},
+        {"caption": 1, "phrase": "a square", "boxes": [[0, 0, 4, 2], [2, 2, 8, 8]]}]}
+    with ShardWriter(tmp_path, "boxes", max_count=10) as writer:
+        writer.write({"__key__": "1", "png": png((0, 0, 0)), "json": json.dumps(meta).encode()})
+        writer.write({"__key__": "2", "png": png((0, 0, 0)),
+                      "json": json.dumps({"image_id": 2, "captions": ["a circle"]}).encode(),
+                      "boxes.npy": npy([[4, 4, 8, 8]])})
+    batch = next(iter(dataset(str(tmp_path / "boxes-000000.tar"), tokenizer)))
+    assert batch["box_lengths"].tolist() == [2, 1]
+    torch.testing.assert_close(batch["boxes"], torch.tensor(
+        [[[0, 0, 0.5, 0.25], [0.25, 0.25, 1, 1]], [[0.5, 0.5, 1, 1], [0, 0, 0, 0]]]))
+
+    with ShardWriter(tmp_path, "regions", max_count=10) as writer:
+        for key, count in ((1, 3), (2, 2)):
+            writer.write({"__key__": str(key), "regions.npy": npy(torch.full((count, 4), key)),
+                          "json": json.dumps({"image_id": key, "captions": ["a red circle"],
+                                              "width": 100, "height": 50}).encode(),
+                          "boxes.npy": npy([[0, 0, 50, 50]] * count)})
+        writer.write({"__key__": "3", "json": json.dumps(
+            {"image_id": 3, "captions": ["a square"]}).encode()})  # neither image nor regions
+    data = dataset(str(tmp_path / "regions-000000.tar"), tokenizer)
+    batch = next(iter(data))
+    assert "images" not in batch and batch["region_lengths"].tolist() == [3, 2]
+    assert batch["regions"].shape == (2, 3, 4) and batch["regions"][1, 2].abs().sum() == 0
+    torch.testing.assert_close(batch["boxes"][0, 0], torch.tensor([0, 0, 0.5, 1.0]))
+    assert data.counter.total == 1
+    evaluation = next(iter_eval_batches(str(tmp_path / "regions-000000.tar"),
+                                        build_transforms(None, 8), batch_size=8))
+    assert evaluation["region_lengths"].tolist() == [3, 2]

@@ -113,4 +113,116 @@ def test_timm_backbones_build_by_name():
     encoder = ENCODERS.build({"type": "TimmImageEncoder", "model_name": "resnet18",
                               "model_kwargs": {"drop_rate": 0.1}})
     assert encoder.out_dim == 512
-    assert encoder.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, 512)
+    assert encoder.eval()({"images": torch.zeros(1, 3, 32, 32)}).shape == (1, 512)
+
+
+def test_grid_encoder_gives_one_token_per_feature_map_position(tokenizer):
+    torch.manual_seed(0)
+    encoder = ENCODERS.build({"type": "TimmImageEncoder", "model_name": "mmgoal_small_cnn",
+                              "model_kwargs": {"widths": [8, 16]}, "output": "grid"}).eval()
+    images = torch.randn(2, 3, 32, 32)
+    tokens, lengths = encoder({"images": images})
+    feature_map = encoder.model.forward_features(images)  # (2, 16, 8, 8)
+    assert tokens.shape == (2, 64, 16) and lengths.tolist() == [64, 64]
+    torch.testing.assert_close(tokens[1, 8 * 3 + 5], feature_map[1, :, 3, 5])
+
+
+def test_token_dropout_keeps_order_and_at_least_one_token():
+    from mmgoal.models.encoders.timm_image import drop_tokens
+
+    torch.manual_seed(0)
+    tokens = torch.arange(2 * 50, dtype=torch.float32).reshape(2, 50, 1)
+    lengths = torch.tensor([50, 30])
+    kept, new_lengths = drop_tokens(tokens, lengths, 0.2)
+    for row in range(2):
+        values = kept[row, :new_lengths[row], 0]
+        assert torch.all(values[1:] > values[:-1])  # order kept
+        assert torch.all(values < row * 50 + lengths[row])  # padding never survives
+        assert torch.all(kept[row, new_lengths[row]:] == 0)
+    assert 0.6 < new_lengths.sum() / lengths.sum() < 0.95
+    _, lone = drop_tokens(tokens, lengths, 1.0)
+    assert lone.tolist() == [1, 1]
+
+
+def test_gpo_dual_encoder_on_grid_tokens_and_gpo_words(tokenizer):
+    torch.manual_seed(0)
+    model = MODELS.build({
+        "type": "DualEncoder", "embed_dim": 12,
+        "image_encoder": {"type": "TimmImageEncoder", "model_name": "mmgoal_small_cnn",
+                          "model_kwargs": {"widths": [8, 16]}, "output": "grid",
+                          "token_dropout": 0.2},
+        "image_pooler": {"type": "GPO", "d_pe": 8, "d_hidden": 8},
+        "image_projection": "mlp",
+        "text_encoder": {"type": "GRUTextEncoder", "word_dim": 8, "hidden_size": 12,
+                         "bidirectional": True},
+        "text_pooler": {"type": "GPO", "d_pe": 8, "d_hidden": 8},
+    }, tokenizer=tokenizer).eval()
+    batch = {"images": torch.randn(2, 3, 32, 32), **tokenizer(["a red circle", "a star"])}
+    with torch.no_grad():
+        images, texts = model.encode_image(batch), model.encode_text(batch)
+    torch.testing.assert_close(images.embedding.norm(dim=-1), torch.ones(2))
+    assert images.tokens.shape == (2, 64, 12) and texts.mask.sum(1).tolist() == [3, 2]
+    # the words of "a star" pooled by hand: projected states sorted per channel, GPO weights
+    states = model.text_proj(model.text_encoder.forward_tokens(batch["tokens"],
+                                                               batch["lengths"]))[1, :2]
+    weights = model.text_pooler.pool_weights(torch.tensor([2]), 2)[0]
+    expected = (states.sort(0, descending=True).values * weights[:, None]).sum(0)
+    torch.testing.assert_close(texts.embedding[1], torch.nn.functional.normalize(expected, dim=0))
+
+
+def test_dual_encoder_asks_for_a_pooler_when_the_encoder_returns_tokens(tokenizer):
+    cfg = {"type": "DualEncoder", "embed_dim": 8,
+           "image_encoder": {"type": "PrecomputedRegionEncoder", "feature_dim": 6},
+           "text_encoder": {"type": "GRUTextEncoder", "word_dim": 4, "hidden_size": 4}}
+    with pytest.raises(ValueError, match="returns tokens: set model.image_pooler"):
+        MODELS.build(cfg, tokenizer=tokenizer)
+    cfg["image_encoder"] = {"type": "TimmImageEncoder", "model_name": "mmgoal_small_cnn",
+                            "model_kwargs": {"widths": [4]}}
+    with pytest.raises(ValueError, match="remove model.image_pooler"):
+        MODELS.build({**cfg, "image_pooler": {"type": "GPO"}}, tokenizer=tokenizer)
+
+
+def test_precomputed_regions_with_mlp_projection_ignore_padding(tokenizer):
+    torch.manual_seed(0)
+    model = MODELS.build({
+        "type": "DualEncoder", "embed_dim": 8,
+        "image_encoder": {"type": "PrecomputedRegionEncoder", "feature_dim": 6},
+        "image_pooler": {"type": "GPO", "d_pe": 8, "d_hidden": 8}, "image_projection": "mlp",
+        "text_encoder": {"type": "GRUTextEncoder", "word_dim": 4, "hidden_size": 4},
+    }, tokenizer=tokenizer)
+    regions = torch.randn(2, 5, 6)
+    model.train()
+    model.encode_image({"regions": regions, "region_lengths": torch.tensor([5, 3])})
+    model.eval()
+    with torch.no_grad():
+        both = model.encode_image({"regions": regions, "region_lengths": torch.tensor([5, 3])})
+        alone = model.encode_image({"regions": regions[1:, :3],
+                                    "region_lengths": torch.tensor([3])})
+    torch.testing.assert_close(both.embedding[1], alone.embedding[0])
+    with pytest.raises(ValueError, match="set feature_dim: 7"):
+        model.encode_image({"regions": torch.randn(1, 2, 7), "region_lengths": torch.tensor([2])})
+    with pytest.raises(KeyError, match="regions.npy"):
+        model.encode_image({"images": torch.randn(1, 3, 8, 8)})
+
+
+def test_roi_regions_do_not_depend_on_the_other_images_of_the_batch():
+    from torchvision.ops import roi_align
+
+    torch.manual_seed(0)
+    encoder = ENCODERS.build({"type": "RoIRegionEncoder", "model_name": "mmgoal_small_cnn",
+                              "model_kwargs": {"widths": [8, 16]}}).eval()
+    images = torch.randn(2, 3, 32, 32)
+    boxes = torch.tensor([[[0.1, 0.1, 0.5, 0.6], [0.0, 0.0, 0.0, 0.0]],
+                          [[0.2, 0.3, 0.9, 0.8], [0.5, 0.0, 1.0, 0.5]]])
+    with torch.no_grad():
+        tokens, lengths = encoder({"images": images, "boxes": boxes,
+                                   "box_lengths": torch.tensor([1, 2])})
+        alone, _ = encoder({"images": images[:1], "boxes": boxes[:1, :1],
+                            "box_lengths": torch.tensor([1])})
+        feature_map = encoder.model.forward_features(images[1:])
+    assert lengths.tolist() == [2, 3] and tokens.shape == (2, 3, 16)
+    torch.testing.assert_close(tokens[0, :2], alone[0])
+    assert torch.all(tokens[0, 2] == 0)
+    by_hand = roi_align(feature_map, [torch.tensor([[16.0, 0.0, 32.0, 16.0]])], 2,
+                        spatial_scale=8 / 32, sampling_ratio=2, aligned=True).mean((2, 3))
+    torch.testing.assert_close(tokens[1, 2], by_hand[0])

@@ -1,3 +1,3 @@
 """Image and text encoders."""
 
-from mmgoal.models.encoders import gru_text, hf_text, small_cnn, timm_image  # noqa: F401
+from mmgoal.models.encoders import gru_text, hf_text, regions, small_cnn, timm_image  # noqa: F401

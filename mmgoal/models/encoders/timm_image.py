@@ -1,42 +1,123 @@
-"""Image encoders built through timm."""
+"""Image encoders built through timm: a globally pooled vector (VSE++) or a grid of tokens.
+
+Image encoders take the batch and return either ``(B, out_dim)`` pooled
+features (``returns_tokens = False``) or ``(tokens (B, L, out_dim), lengths
+(B,))`` (``returns_tokens = True``) for a pooler such as GPO to reduce.
+"""
 
 from __future__ import annotations
 
 import timm
 import torch
+from einops import rearrange
 from torch import nn
 
 import mmgoal.models.encoders.small_cnn  # noqa: F401  (registers mmgoal_small_cnn in timm)
+from mmgoal.models.pretrained import load_pretrained
 from mmgoal.registry import ENCODERS
+
+
+def create_timm_backbone(model_name: str, pretrained: str | bool | None = None,
+                         checkpoint_remap: str = "auto", model_kwargs: dict | None = None,
+                         global_pool: str = "avg") -> nn.Module:
+    """``timm.create_model`` without a classifier, with weights from a local file.
+
+    Args:
+        model_name: a timm model name.
+        pretrained: a local checkpoint path (loaded with ``load_pretrained``
+            and ``checkpoint_remap``), ``True`` for timm's own pretrained
+            weights (needs timm's cache on this machine), or ``None``/``False``.
+        checkpoint_remap: a ``CHECKPOINT_REMAPS`` name or ``auto``.
+        model_kwargs: extra keyword arguments for ``timm.create_model``.
+        global_pool: timm pooling name (``''`` keeps the feature map).
+    """
+    try:
+        model = timm.create_model(model_name, pretrained=pretrained is True, num_classes=0,
+                                  global_pool=global_pool, **(model_kwargs or {}))
+    except RuntimeError as error:
+        if "Unknown model" not in str(error):
+            raise
+        close = timm.list_models(f"*{model_name.split('_')[0]}*")[:10]
+        raise ValueError(
+            f"timm has no model {model_name!r}; similar names: {', '.join(close) or 'none'}"
+        ) from error
+    if isinstance(pretrained, str):
+        load_pretrained(model, pretrained, remap=checkpoint_remap)
+    return model
+
+
+def drop_tokens(tokens: torch.Tensor, lengths: torch.Tensor,
+                p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop each real token with probability ``p`` and pack the survivors to the front.
+
+    VSE-infinity's feature dropout (p = 0.2) for region and grid tokens; at
+    least one token of every row survives and the order is kept.
+
+    Args:
+        tokens: (B, L, D) padded.
+        lengths: (B,) real tokens per row.
+
+    Returns:
+        tokens (B, L', D) with L' the longest surviving row (padding zeroed),
+        lengths (B,).
+    """
+    batch, length, _ = tokens.shape
+    real = torch.arange(length, device=tokens.device)[None] < lengths[:, None]
+    keep = (torch.rand(batch, length, device=tokens.device) >= p) & real
+    keep[keep.sum(1) == 0, 0] = True
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+    new_lengths = keep.sum(1)
+    packed = tokens.gather(1, order[..., None].expand_as(tokens))[:, :int(new_lengths.max())]
+    packed = packed.masked_fill(~(torch.arange(packed.shape[1], device=tokens.device)[None]
+                                  < new_lengths[:, None])[..., None], 0.0)
+    return packed, new_lengths
 
 
 @ENCODERS.register()
 class TimmImageEncoder(nn.Module):
-    """Any timm model as a globally pooled image encoder.
+    """Any timm model as an image encoder: pooled vector or grid of tokens.
 
     Args:
-        model_name: a timm model name (``resnet50``, ``mmgoal_small_cnn``, ...).
-        pretrained: timm's own pretrained flag (needs a local cache on this machine).
+        model_name: a timm model name (``resnet152``, ``tf_efficientnet_lite0``,
+            ``mmgoal_small_cnn``, ``vit_tiny_patch16_224``, ...).
+        pretrained: local checkpoint path, ``True`` for timm's cache, or ``None``.
+        checkpoint_remap: how to rename the checkpoint's keys (``auto`` detects
+            the family; see ``mmgoal.models.pretrained``).
         model_kwargs: extra keyword arguments for ``timm.create_model``.
-        global_pool: timm pooling name.
+        global_pool: timm pooling name for ``output: pooled``.
+        output: ``pooled`` (VSE++: one vector per image) or ``grid`` (VSE-infinity
+            grid features: every position of the last feature map, or every
+            token of a transformer, is a token).
+        token_dropout: in training, drop each grid token with this probability.
     """
 
-    def __init__(self, model_name: str, pretrained: bool = False,
-                 model_kwargs: dict | None = None, global_pool: str = "avg") -> None:
+    def __init__(self, model_name: str, pretrained: str | bool | None = None,
+                 checkpoint_remap: str = "auto", model_kwargs: dict | None = None,
+                 global_pool: str = "avg", output: str = "pooled",
+                 token_dropout: float = 0.0) -> None:
         super().__init__()
-        try:
-            self.model = timm.create_model(model_name, pretrained=pretrained, num_classes=0,
-                                           global_pool=global_pool, **(model_kwargs or {}))
-        except RuntimeError as error:
-            if "Unknown model" not in str(error):
-                raise
-            close = timm.list_models(f"*{model_name.split('_')[0]}*")[:10]
-            raise ValueError(
-                f"timm has no model {model_name!r}; similar names: {', '.join(close) or 'none'}"
-            ) from error
-        self.out_dim = self.model.num_features * getattr(
-            getattr(self.model, "global_pool", None), "feat_mult", lambda: 1)()
+        if output not in ("pooled", "grid"):
+            raise ValueError(f"TimmImageEncoder output must be 'pooled' or 'grid', got {output!r}")
+        self.model = create_timm_backbone(model_name, pretrained, checkpoint_remap, model_kwargs,
+                                          global_pool if output == "pooled" else "")
+        self.output = output
+        self.returns_tokens = output == "grid"
+        self.token_dropout = token_dropout
+        feat_mult = getattr(getattr(self.model, "global_pool", None), "feat_mult", lambda: 1)()
+        self.out_dim = self.model.num_features * (feat_mult if output == "pooled" else 1)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) -> (B, out_dim)."""
-        return self.model(images)
+    def forward(self, batch: dict) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``batch["images"]`` (B, 3, H, W) -> (B, out_dim), or tokens (B, L, out_dim) + lengths."""
+        images = batch["images"]
+        if self.output == "pooled":
+            return self.model(images)
+        features = self.model.forward_features(images)
+        if features.dim() == 4:
+            tokens = rearrange(features, "b c h w -> b (h w) c")
+        else:  # a transformer's tokens, without its class/register tokens
+            tokens = features[:, getattr(self.model, "num_prefix_tokens", 0):]
+        lengths = torch.full((len(tokens),), tokens.shape[1], dtype=torch.long,
+                             device=tokens.device)
+        if self.training and self.token_dropout > 0:
+            tokens, lengths = drop_tokens(tokens, lengths, self.token_dropout)
+        return tokens, lengths

