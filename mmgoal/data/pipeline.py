@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import random
+import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -261,6 +262,20 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.counter = SkipCounter()
         self.text_augment = (TEXT_AUGMENTS.build(text_augment, tokenizer=tokenizer)
                              if text_augment and training else None)
+
+    def num_samples(self) -> int:
+        """Training samples in one pass over the shards: images, or captions when expanded.
+
+        Read from the tar headers (images) or the JSON members (captions); no
+        image is decoded.
+        """
+        if self.expand_captions:
+            return len(read_captions(self.urls))
+        total = 0
+        for url in self.urls:
+            with tarfile.open(url) as archive:
+                total += len({Path(m.name).name.split(".", 1)[0] for m in archive if m.isfile()})
+        return total
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose (reproducible) order the next iteration yields."""

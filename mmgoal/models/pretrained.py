@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmgoal.paths import resolve_path
 from mmgoal.registry import CHECKPOINT_REMAPS
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ def load_pretrained(model: nn.Module, path: str | Path, remap: str = "auto") -> 
 
     Args:
         model: the module to fill, e.g. a timm model.
-        path: a ``.pth``/``.pt``/``.bin`` state dict or a ``.safetensors`` file.
+        path: a ``.pth``/``.pt``/``.bin`` state dict or a ``.safetensors`` file
+            (``pkg://package/file`` for a file inside an installed package).
         remap: a ``CHECKPOINT_REMAPS`` name, or ``auto`` to detect it from the keys.
 
     Returns:
@@ -120,7 +122,7 @@ def load_pretrained(model: nn.Module, path: str | Path, remap: str = "auto") -> 
         FileNotFoundError: no file at ``path``.
         ValueError: the checkpoint lacks some of the model's weights, or shapes differ.
     """
-    path = Path(path)
+    path = Path(resolve_path(path))
     if not path.is_file():
         raise FileNotFoundError(f"pretrained weights {str(path)!r} do not exist")
     if path.suffix == ".safetensors":

@@ -85,6 +85,10 @@ def test_expand_captions_and_image_groups(tmp_path, tokenizer):
     assert len(per_image["captions"]) == 2
     assert per_image["captions"][0] in ("a red square", "a square")
     assert image_id_groups(["x", 3, "x", 3, 1]).tolist() == [0, 1, 0, 1, 2]
+    # an epoch counts captions when they are expanded (the schedule's length depends on it)
+    urls = str(tmp_path / "s-000000.tar")
+    assert dataset(urls, tokenizer, expand_captions=True).num_samples() == 3
+    assert dataset(urls, tokenizer).num_samples() == 2
 
 
 def test_training_order_is_seeded_by_epoch(tmp_path, tokenizer):

