@@ -15,6 +15,7 @@ import torch
 
 from mmgoal.paths import resolve_path
 from mmgoal.registry import TEXT_AUGMENTS, TOKENIZERS
+from mmgoal.sequences import length_mask, pack_kept
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -203,7 +204,7 @@ class TokenAugment:
                  generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """(B, L) ids, (B,) lengths -> ``{"tokens", "lengths", "attention_mask"}`` augmented."""
         batch, width = tokens.shape
-        real = torch.arange(width)[None] < lengths[:, None]
+        real = length_mask(lengths, width)
         picked = ((torch.rand(batch, width, generator=generator) < self.p) & real
                   & ~torch.isin(tokens, self.special_ids))
         action = torch.rand(batch, width, generator=generator)
@@ -215,9 +216,6 @@ class TokenAugment:
         keep = real & ~(picked & ~masked & ~replaced)
         emptied = keep.sum(1) == 0
         keep[emptied], out[emptied] = real[emptied], tokens[emptied]
-        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-        new_lengths = keep.sum(1)
-        out = out.gather(1, order)[:, :int(new_lengths.max())]
-        mask = torch.arange(out.shape[1])[None] < new_lengths[:, None]
-        return {"tokens": out.masked_fill(~mask, self.pad_id), "lengths": new_lengths,
-                "attention_mask": mask}
+        out, new_lengths = pack_kept(out, keep, fill=self.pad_id)
+        return {"tokens": out, "lengths": new_lengths,
+                "attention_mask": length_mask(new_lengths, out.shape[1])}

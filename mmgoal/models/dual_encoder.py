@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.models.features import ImageFeatures, TextFeatures
-from mmgoal.models.layers.gpo import length_mask
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
+from mmgoal.sequences import length_mask
 
 
 class ResidualMLPProjection(nn.Module):

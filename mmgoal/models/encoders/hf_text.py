@@ -7,6 +7,7 @@ from torch import nn
 
 from mmgoal.paths import resolve_path
 from mmgoal.registry import ENCODERS
+from mmgoal.sequences import length_mask
 
 
 @ENCODERS.register()
@@ -50,7 +51,7 @@ class HFTextEncoder(nn.Module):
 
     def forward_tokens(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """(B, L) ids, (B,) lengths -> (B, L, hidden)."""
-        mask = torch.arange(tokens.shape[1], device=tokens.device)[None] < lengths[:, None]
+        mask = length_mask(lengths, tokens.shape[1])
         return self.model(input_ids=tokens, attention_mask=mask.long()).last_hidden_state
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -58,5 +59,5 @@ class HFTextEncoder(nn.Module):
         states = self.forward_tokens(tokens, lengths)
         if self.pooling == "cls":
             return states[:, 0]
-        mask = torch.arange(tokens.shape[1], device=tokens.device)[None] < lengths[:, None]
+        mask = length_mask(lengths, tokens.shape[1])
         return (states * mask[..., None]).sum(1) / lengths[:, None].clamp(min=1)

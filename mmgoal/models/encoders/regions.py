@@ -17,6 +17,7 @@ from torchvision.ops import roi_align
 
 from mmgoal.models.encoders.timm_image import create_timm_backbone, drop_tokens
 from mmgoal.registry import ENCODERS
+from mmgoal.sequences import length_mask
 
 
 def _require(batch: dict, keys: tuple[str, ...], encoder: str, hint: str) -> None:
@@ -108,7 +109,7 @@ class RoIRegionEncoder(nn.Module):
                            aligned=True).mean((2, 3))
         lengths = box_lengths.to(images.device) + int(self.whole_image)
         tokens = pooled.new_zeros(len(images), int(lengths.max()), pooled.shape[-1])
-        real = torch.arange(tokens.shape[1], device=tokens.device)[None] < lengths[:, None]
+        real = length_mask(lengths, tokens.shape[1])
         tokens[real] = pooled
         if self.training and self.token_dropout > 0:
             return drop_tokens(tokens, lengths, self.token_dropout)

@@ -15,6 +15,7 @@ from torch import nn
 import mmgoal.models.encoders.small_cnn  # noqa: F401  (registers mmgoal_small_cnn in timm)
 from mmgoal.models.pretrained import load_pretrained
 from mmgoal.registry import ENCODERS
+from mmgoal.sequences import length_mask, pack_kept
 
 
 def create_timm_backbone(model_name: str, pretrained: str | bool | None = None,
@@ -62,15 +63,9 @@ def drop_tokens(tokens: torch.Tensor, lengths: torch.Tensor,
         lengths (B,).
     """
     batch, length, _ = tokens.shape
-    real = torch.arange(length, device=tokens.device)[None] < lengths[:, None]
-    keep = (torch.rand(batch, length, device=tokens.device) >= p) & real
+    keep = (torch.rand(batch, length, device=tokens.device) >= p) & length_mask(lengths, length)
     keep[keep.sum(1) == 0, 0] = True
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-    new_lengths = keep.sum(1)
-    packed = tokens.gather(1, order[..., None].expand_as(tokens))[:, :int(new_lengths.max())]
-    packed = packed.masked_fill(~(torch.arange(packed.shape[1], device=tokens.device)[None]
-                                  < new_lengths[:, None])[..., None], 0.0)
-    return packed, new_lengths
+    return pack_kept(tokens, keep)
 
 
 @ENCODERS.register()

@@ -19,11 +19,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from mmgoal.registry import POOLERS
-
-
-def length_mask(lengths: torch.Tensor, max_length: int) -> torch.Tensor:
-    """(B,) lengths -> (B, max_length) bool, True at real tokens."""
-    return torch.arange(max_length, device=lengths.device)[None] < lengths[:, None]
+from mmgoal.sequences import length_mask
 
 
 def sinusoidal_positions(length: int, dim: int) -> torch.Tensor:
