@@ -150,8 +150,11 @@ def decode_sample(sample: dict) -> dict:
                                                               meta.get("height"))
     boxes = (_load_npy(sample["boxes.npy"], where, "boxes.npy") if "boxes.npy" in sample
              else np.asarray(entity_boxes(meta), dtype=np.float32).reshape(-1, 4))
+    if boxes.ndim != 2 or boxes.shape[1] != 4:
+        raise CorruptSampleError(f"{where}: boxes must be (boxes, 4) xyxy, got shape "
+                                 f"{boxes.shape}")
     if width and height:
-        out["boxes"] = torch.from_numpy(boxes.astype(np.float32).reshape(-1, 4)
+        out["boxes"] = torch.from_numpy(boxes.astype(np.float32)
                                         / np.float32([width, height, width, height]))
     return out
 

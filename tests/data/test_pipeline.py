@@ -182,12 +182,14 @@ def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_pa
                           "boxes.npy": npy([[0, 0, 50, 50]] * count)})
         writer.write({"__key__": "3", "json": json.dumps(
             {"image_id": 3, "captions": ["a square"]}).encode()})  # neither image nor regions
+        writer.write({"__key__": "4", "png": png((0, 0, 0)), "boxes.npy": npy([[1, 2, 3]]),
+                      "json": json.dumps({"image_id": 4, "captions": ["a"]}).encode()})
     data = dataset(str(tmp_path / "regions-000000.tar"), tokenizer)
     batch = next(iter(data))
     assert "images" not in batch and batch["region_lengths"].tolist() == [3, 2]
     assert batch["regions"].shape == (2, 3, 4) and batch["regions"][1, 2].abs().sum() == 0
     torch.testing.assert_close(batch["boxes"][0, 0], torch.tensor([0, 0, 0.5, 1.0]))
-    assert data.counter.total == 1
+    assert data.counter.total == 2  # no image nor regions; boxes of 3 numbers
     evaluation = next(iter_eval_batches(str(tmp_path / "regions-000000.tar"),
                                         build_transforms(None, 8), batch_size=8))
     assert evaluation["region_lengths"].tolist() == [3, 2]
