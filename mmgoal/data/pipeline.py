@@ -154,8 +154,11 @@ def decode_sample(sample: dict) -> dict:
         raise CorruptSampleError(f"{where}: boxes must be (boxes, 4) xyxy, got shape "
                                  f"{boxes.shape}")
     if width and height:
-        out["boxes"] = torch.from_numpy(boxes.astype(np.float32)
-                                        / np.float32([width, height, width, height]))
+        scale = np.float32([width, height, width, height])
+        out["boxes"] = torch.from_numpy(boxes.astype(np.float32) / scale)
+        out["entities"] = [{**entity, "boxes": [[float(v) for v in np.float32(box) / scale]
+                                                for box in entity.get("boxes") or []]}
+                           for entity in meta.get("entities") or []]
     return out
 
 
@@ -324,7 +327,8 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
     """Evaluation batches in shard order, one sample per image with all its captions.
 
     Yields:
-        ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...]}``, with
+        ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...],
+        "entities": [[...], ...]}`` (each JSON's entity annotations), with
         ``regions``/``boxes`` and their lengths where the shards have them.
     """
     counter = counter or SkipCounter()
@@ -337,6 +341,7 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
             **collate_visual(samples),
             "image_ids": [s["image_id"] for s in samples],
             "captions": [s["captions"] for s in samples],
+            "entities": [s.get("entities") or [] for s in samples],
         }),
     )
     yield from pipeline

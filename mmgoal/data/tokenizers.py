@@ -110,6 +110,15 @@ class WordTokenizer:
             raise RuntimeError("WordTokenizer has no vocabulary: call fit() or pass vocab=")
         return pad_token_ids([self.encode(c) for c in captions], self.pad_id)
 
+    def word_token_spans(self, caption: str) -> list[list[int]]:
+        """Token positions of each whitespace-separated word of ``caption`` (cut words: [])."""
+        spans, position = [], 0
+        for word in caption.split():
+            count = len(self.split(word))
+            spans.append([p for p in range(position, position + count) if p < self.max_length])
+            position += count
+        return spans
+
     def state_dict(self) -> dict:
         return {"words": list(self.words)}
 
@@ -165,6 +174,19 @@ class HFTokenizer:
                              max_length=self.max_length, return_tensors="pt")
         mask = out["attention_mask"].bool()
         return {"tokens": out["input_ids"], "lengths": mask.sum(1), "attention_mask": mask}
+
+    def word_token_spans(self, caption: str) -> list[list[int]]:
+        """Token positions of each whitespace-separated word of ``caption`` (cut words: [])."""
+        encoded = self.tokenizer(caption, truncation=True, max_length=self.max_length,
+                                 return_offsets_mapping=True)
+        spans, start = [], 0
+        for word in caption.split():
+            start = caption.index(word, start)
+            end = start + len(word)
+            spans.append([p for p, (a, b) in enumerate(encoded["offset_mapping"])
+                          if b > a and a < end and b > start])
+            start = end
+        return spans
 
     def state_dict(self) -> dict:
         return {}

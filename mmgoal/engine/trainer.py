@@ -32,9 +32,10 @@ from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.schedules import LRSchedule
-from mmgoal.evaluation.gallery import evaluate_retrieval
+from mmgoal.evaluation.gallery import SCORING_DEFAULTS, evaluate_retrieval
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import (
+    CONSTRAINTS,
     DATASETS,
     HOOKS,
     MODELS,
@@ -47,7 +48,7 @@ from mmgoal.registry import (
 logger = logging.getLogger(__name__)
 
 TOP_LEVEL_KEYS = ("model", "objective", "data", "optimizer", "schedule", "train", "hooks",
-                  "custom_imports", "evaluation", "load_from")
+                  "custom_imports", "evaluation", "load_from", "constraints")
 TRAIN_DEFAULTS: dict[str, Any] = {
     "epochs": 10, "seed": 0, "clip_grad": 2.0, "log_every": 10, "eval_every": 1,
     "checkpoint_every_steps": 0, "max_nonfinite_steps": 5, "progress": True,
@@ -57,6 +58,7 @@ DATA_DEFAULTS: dict[str, Any] = {
     "image_size": 64, "num_workers": 1, "train_transforms": None, "eval_transforms": None,
     "eval_batch_size": 256,
 }
+EVALUATION_DEFAULTS: dict[str, Any] = dict(SCORING_DEFAULTS)
 
 
 def _with_defaults(section: str, given: dict | None, defaults: dict) -> dict:
@@ -120,6 +122,7 @@ class Trainer:
                 raise ValueError(f"unknown key(s) {', '.join(unknown)} in 'data.{split}'; "
                                  f"known keys: folds, shards")
         self.data_cfg = _with_defaults("data", data_cfg, DATA_DEFAULTS)
+        self.eval_cfg = _with_defaults("evaluation", cfg.get("evaluation"), EVALUATION_DEFAULTS)
         self.splits = splits
         self.resume_state = None
         if resume:
@@ -150,6 +153,11 @@ class Trainer:
         self.configured_objective = self.objective
         if not isinstance(self.objective, torch.nn.Module):
             raise TypeError(f"objective {cfg['objective']['type']!r} must be a torch.nn.Module")
+        # Attention constraints (CCR/CCS) add their losses to the objective's.
+        self.constraints = [CONSTRAINTS.build(c) for c in cfg.get("constraints") or []]
+        if self.constraints and not hasattr(self.model, "attention"):
+            raise ValueError(f"constraints need a model with cross attention; "
+                             f"{cfg['model']['type']} has no attention()")
         if start_from is not None:
             self._load_weights(start_from, cfg["load_from"])
         # Objectives may hold parameters too (InfoNCE's learnable temperature).
@@ -234,8 +242,14 @@ class Trainer:
 
     def training_step(self, batch: dict) -> dict[str, torch.Tensor]:
         """Forward, objective, backward and optimizer step for one batch."""
-        sims = self.model.similarity(self.model.encode_image(batch), self.model.encode_text(batch))
+        image_features = self.model.encode_image(batch)
+        text_features = self.model.encode_text(batch)
+        sims = self.model.similarity(image_features, text_features)
         outputs = self.objective(sims, positives=positives_from_groups(batch["image_groups"]))
+        if self.constraints:  # image b and text b of a training batch are a matched pair
+            attention = self.model.attention(image_features, text_features)
+            for constraint in self.constraints:
+                outputs.update(constraint(attention))
         loss = sum(v for k, v in outputs.items() if k.endswith("_loss"))
         self.optimizer.zero_grad(set_to_none=True)
         if not torch.isfinite(loss):
@@ -370,7 +384,7 @@ class Trainer:
         return evaluate_retrieval(
             self.model, split_cfg["shards"], self.eval_transform, self.tokenizer,
             batch_size=self.data_cfg["eval_batch_size"], folds=split_cfg.get("folds", 1),
-            progress=self.train_cfg["progress"])
+            progress=self.train_cfg["progress"], scoring=self.eval_cfg)
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,

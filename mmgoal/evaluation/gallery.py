@@ -1,58 +1,189 @@
-"""Encoding a test gallery from shards and scoring it."""
+"""Encoding a test gallery from shards and scoring it block by block.
+
+``encode_gallery`` embeds every image and caption once. ``score_gallery``
+then calls the model's ``similarity`` on blocks of images x captions whose
+size follows a memory bound, so a cross-attention model never forms the
+n_images x n_captions x regions x words tensor; a dual encoder's blocks are
+plain matrix products. ``evaluate_retrieval`` averages the score matrices of
+several models when given an ensemble (SCAN's t2i AVG + i2t LSE).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from mmgoal.data.pipeline import SkipCounter, iter_eval_batches
 from mmgoal.evaluation.retrieval import retrieval_metrics
+from mmgoal.models.features import (
+    ImageFeatures,
+    TextFeatures,
+    cat_features,
+    detach_features,
+    slice_features,
+)
+
+SCORING_DEFAULTS = {"block_images": 128, "max_block_mb": 1024.0}
+# Tensors of the size of a block's query-key score array that the cross attention
+# keeps alive at its peak (raw scores, clipped scores, attention, products).
+_LIVE_COPIES = 6
+
+
+@dataclass
+class Gallery:
+    """The encoded gallery of a split.
+
+    Attributes:
+        images, texts: features of every image and caption, in shard order.
+        text_to_image: (n_texts,) the image index of each caption.
+        skipped: samples that could not be read.
+        captions: every caption; image_ids: every image id.
+        entities: per image, the entity annotations of its JSON (``with_annotations``).
+        region_boxes: per image, its regions' boxes as xyxy fractions
+            (``with_annotations`` and an image encoder with ``region_boxes``).
+    """
+
+    images: ImageFeatures
+    texts: TextFeatures
+    text_to_image: torch.Tensor
+    skipped: int
+    captions: list[str] = field(default_factory=list)
+    image_ids: list = field(default_factory=list)
+    entities: list[list[dict]] = field(default_factory=list)
+    region_boxes: list[torch.Tensor] = field(default_factory=list)
+
+
+def _keep_tokens(model: torch.nn.Module, features, with_annotations: bool):
+    """Tokens are stored only where the score or the attention metrics need them."""
+    if getattr(model, "similarity_uses_tokens", False) or with_annotations:
+        return detach_features(features)
+    return type(features)(features.embedding.detach().float())
 
 
 @torch.no_grad()
 def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: Callable,
-                   tokenizer: Callable, batch_size: int = 256, progress: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Embed every image and caption of the shards, in shard order.
-
-    Returns:
-        image_embeddings: (n_images, D); text_embeddings: (n_texts, D);
-        text_to_image: (n_texts,) image index of each caption; skipped: bad samples.
-    """
+                   tokenizer: Callable, batch_size: int = 256, progress: bool = True,
+                   with_annotations: bool = False) -> Gallery:
+    """Encode every image and caption of the shards, in shard order."""
     was_training = model.training
     model.eval()
     counter = SkipCounter()
-    images: list[torch.Tensor] = []
-    captions: list[str] = []
+    images: list[ImageFeatures] = []
+    gallery = Gallery(None, None, None, 0)
     text_to_image: list[int] = []
-    n_images = 0
+    boxes_of = getattr(model.image_encoder, "region_boxes", None) if with_annotations else None
     for batch in tqdm(iter_eval_batches(shards, transform, batch_size, counter),
                       desc="encode images", unit="batch", disable=not progress, leave=False):
-        images.append(model.encode_image(batch).embedding.float())
-        for caption_list in batch["captions"]:
-            captions += caption_list
-            text_to_image += [n_images] * len(caption_list)
-            n_images += 1
+        images.append(_keep_tokens(model, model.encode_image(batch), with_annotations))
+        if boxes_of is not None:
+            gallery.region_boxes += [b.float() for b in boxes_of(batch)]
+        for image_id, caption_list, entities in zip(batch["image_ids"], batch["captions"],
+                                                    batch["entities"]):
+            gallery.captions += caption_list
+            text_to_image += [len(gallery.image_ids)] * len(caption_list)
+            gallery.image_ids.append(image_id)
+            gallery.entities.append(entities)
     if not images:
         raise ValueError(f"no readable sample in {shards!r} ({counter.total} skipped)")
     texts = []
-    for start in tqdm(range(0, len(captions), batch_size), desc="encode texts", unit="batch",
-                      disable=not progress, leave=False):
-        texts.append(model.encode_text(tokenizer(captions[start:start + batch_size]))
-                     .embedding.float())
+    for start in tqdm(range(0, len(gallery.captions), batch_size), desc="encode texts",
+                      unit="batch", disable=not progress, leave=False):
+        features = model.encode_text(tokenizer(gallery.captions[start:start + batch_size]))
+        texts.append(_keep_tokens(model, features, with_annotations))
     model.train(was_training)
-    return torch.cat(images), torch.cat(texts), torch.tensor(text_to_image), counter.total
+    gallery.images, gallery.texts = cat_features(images), cat_features(texts)
+    gallery.text_to_image = torch.tensor(text_to_image)
+    gallery.skipped = counter.total
+    return gallery
 
 
-def evaluate_retrieval(model: torch.nn.Module, shards: str | list[str], transform: Callable,
-                       tokenizer: Callable, batch_size: int = 256, folds: int = 1,
-                       progress: bool = True) -> dict[str, float]:
-    """Retrieval metrics of ``model`` on a gallery of shards (plus ``skipped`` samples)."""
-    images, texts, text_to_image, skipped = encode_gallery(
-        model, shards, transform, tokenizer, batch_size, progress)
-    sims = images @ texts.T
-    metrics = retrieval_metrics(sims, text_to_image, folds=folds)
-    metrics["skipped"] = skipped
+def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragments: int,
+                block_images: int = 128, max_block_mb: float = 1024.0) -> tuple[int, int]:
+    """Images and texts per scoring block so that the block's working set fits the bound.
+
+    A block of ``bi`` images and ``bt`` texts holds about ``6 * bi * bt * R * W``
+    floats at its peak (R, W: fragments per image/text; 1 for pooled embeddings).
+    """
+    budget = max_block_mb * 2**20 / (4 * _LIVE_COPIES)
+    per_pair = max(image_fragments, 1) * max(text_fragments, 1)
+    bi = max(min(block_images, n_images), 1)
+    bt = int(budget // (bi * per_pair))
+    if bt < 1:  # even one text per block is too much: fewer images
+        bi = max(int(budget // per_pair), 1)
+        bt = 1
+    return bi, max(min(bt, n_texts), 1)
+
+
+@torch.no_grad()
+def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
+                  block_images: int = 128, max_block_mb: float = 1024.0,
+                  progress: bool = True) -> torch.Tensor:
+    """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks."""
+    n_images, n_texts = len(images.embedding), len(texts.embedding)
+    image_fragments = images.tokens.shape[1] if images.tokens is not None else 1
+    text_fragments = texts.tokens.shape[1] if texts.tokens is not None else 1
+    bi, bt = block_sizes(n_images, n_texts, image_fragments, text_fragments, block_images,
+                         max_block_mb)
+    sims = torch.empty(n_images, n_texts)
+    blocks = math.ceil(n_images / bi) * math.ceil(n_texts / bt)
+    with tqdm(total=blocks, desc="score gallery", unit="block", disable=not progress,
+              leave=False) as bar:
+        for i in range(0, n_images, bi):
+            image_block = slice_features(images, i, i + bi)
+            for t in range(0, n_texts, bt):
+                sims[i:i + bi, t:t + bt] = model.similarity(
+                    image_block, slice_features(texts, t, t + bt)).float()
+                bar.update(1)
+    return sims
+
+
+@dataclass
+class Member:
+    """One model of an evaluation ensemble with its own preprocessing."""
+
+    model: torch.nn.Module
+    transform: Callable
+    tokenizer: Callable
+
+
+def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch_size: int = 256,
+                       scoring: dict | None = None, progress: bool = True
+                       ) -> tuple[torch.Tensor, Gallery]:
+    """The mean score matrix of the members (one member: its own) and the first's gallery."""
+    scoring = {**SCORING_DEFAULTS, **(scoring or {})}
+    total, first = None, None
+    for member in members:
+        gallery = encode_gallery(member.model, shards, member.transform, member.tokenizer,
+                                 batch_size, progress)
+        sims = score_gallery(member.model, gallery.images, gallery.texts,
+                             scoring["block_images"], scoring["max_block_mb"], progress)
+        if first is None:
+            first, total = gallery, sims
+        else:
+            if not torch.equal(gallery.text_to_image, first.text_to_image):
+                raise ValueError("ensemble members read different galleries")
+            total += sims
+    return total / len(members), first
+
+
+def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | list[str],
+                       transform: Callable | None = None, tokenizer: Callable | None = None,
+                       batch_size: int = 256, folds: int = 1, progress: bool = True,
+                       scoring: dict | None = None) -> dict[str, float]:
+    """Retrieval metrics on a gallery of shards (plus ``skipped`` samples).
+
+    Args:
+        model: a model (with ``transform`` and ``tokenizer``), or a list of
+            :class:`Member` whose score matrices are averaged (an ensemble).
+        scoring: ``block_images`` and ``max_block_mb`` for :func:`score_gallery`.
+    """
+    members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
+        else list(model)
+    sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress)
+    metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
+    metrics["skipped"] = gallery.skipped
     return metrics

@@ -35,3 +35,36 @@ class TextFeatures:
     embedding: torch.Tensor
     tokens: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+
+
+def _pad_tokens(parts: list[torch.Tensor | None], masks: list[torch.Tensor | None]):
+    if any(p is None for p in parts):
+        return None, None
+    width = max(p.shape[1] for p in parts)
+    tokens = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1]))
+                        for p in parts])
+    mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+    return tokens, mask
+
+
+def cat_features(parts: list[ImageFeatures] | list[TextFeatures]):
+    """Concatenate features of several batches; tokens are padded to the longest batch."""
+    tokens, mask = _pad_tokens([p.tokens for p in parts], [p.mask for p in parts])
+    return type(parts[0])(torch.cat([p.embedding for p in parts]), tokens=tokens, mask=mask)
+
+
+def slice_features(features: ImageFeatures | TextFeatures, start: int, end: int):
+    """Rows ``start:end``, tokens cut to the longest real item of the slice."""
+    if features.tokens is None:
+        return type(features)(features.embedding[start:end])
+    mask = features.mask[start:end]
+    width = max(int(mask.sum(1).max()), 1) if len(mask) else 1
+    return type(features)(features.embedding[start:end],
+                          tokens=features.tokens[start:end, :width], mask=mask[:, :width])
+
+
+def detach_features(features: ImageFeatures | TextFeatures, dtype=torch.float32):
+    """A detached copy in ``dtype`` (float32 by default) for gallery storage."""
+    convert = (lambda t: None if t is None else t.detach().to(dtype))
+    return type(features)(convert(features.embedding), tokens=convert(features.tokens),
+                          mask=features.mask)

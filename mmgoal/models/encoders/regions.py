@@ -54,6 +54,14 @@ class PrecomputedRegionEncoder(nn.Module):
             return drop_tokens(regions, lengths, self.token_dropout)
         return regions, lengths
 
+    def region_boxes(self, batch: dict) -> list[torch.Tensor]:
+        """Each image's region boxes, (R_i, 4) xyxy fractions: the shards' ``boxes.npy``."""
+        _require(batch, ("boxes", "box_lengths", "region_lengths"), "region boxes",
+                 "the shards need <key>.boxes.npy members, one box per region")
+        if not torch.equal(batch["box_lengths"], batch["region_lengths"]):
+            raise ValueError("boxes.npy must hold one box per row of regions.npy")
+        return [b[:n] for b, n in zip(batch["boxes"], batch["box_lengths"].tolist())]
+
 
 @ENCODERS.register()
 class RoIRegionEncoder(nn.Module):
@@ -114,3 +122,9 @@ class RoIRegionEncoder(nn.Module):
         if self.training and self.token_dropout > 0:
             return drop_tokens(tokens, lengths, self.token_dropout)
         return tokens, lengths
+
+    def region_boxes(self, batch: dict) -> list[torch.Tensor]:
+        """Each image's region boxes, (R_i, 4) xyxy fractions, in token order."""
+        whole = batch["boxes"].new_tensor([[0.0, 0.0, 1.0, 1.0]])
+        return [torch.cat([whole, b[:n]]) if self.whole_image else b[:n]
+                for b, n in zip(batch["boxes"], batch["box_lengths"].tolist())]

@@ -1,3 +1,3 @@
-"""Layers shared by the model families: poolers (GPO)."""
+"""Layers shared by the model families: poolers (GPO), SCAN's cross attention."""
 
-from mmgoal.models.layers import gpo  # noqa: F401
+from mmgoal.models.layers import cross_attention, gpo  # noqa: F401

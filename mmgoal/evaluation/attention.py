@@ -1,0 +1,174 @@
+"""Attention precision, recall and F1 (the CCR/CCS paper; REFERENCE.md section 4).
+
+For a word ``t`` of a matched pair, region ``v`` is *relevant* when its IoU with
+a ground-truth box of ``t``'s phrase exceeds ``T_IoU`` (0.4) and *attended*
+when its attention weight exceeds ``T_att``. ``AP = |A n R| / |A|`` (0 when
+nothing is attended), ``AR = |A n R| / |R|``. A phrase takes the maximum AP and
+the maximum AR over its words; AP and AR are averaged over phrases, and ``AF =
+2 AP AR / (AP + AR)`` of those averages, for every ``T_att`` of the sweep.
+Phrases without a box, or without any relevant region, are counted and left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torchvision.ops import box_iou
+from tqdm import tqdm
+
+from mmgoal.evaluation.gallery import Gallery
+
+T_ATT_SWEEP = tuple(round(0.01 * k, 2) for k in range(11))
+T_IOU = 0.4
+
+
+def word_precision_recall(weights: torch.Tensor, relevant: torch.Tensor,
+                          thresholds: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """AP and AR of words at every threshold.
+
+    Args:
+        weights: (n_words, R) attention over regions; relevant: (n_words, R) bool.
+        thresholds: the ``T_att`` values.
+
+    Returns:
+        precision, recall: (n_words, n_thresholds).
+    """
+    attended = weights[:, :, None] > torch.as_tensor(thresholds, dtype=weights.dtype)
+    hits = (attended & relevant[:, :, None]).sum(1).double()
+    precision = hits / attended.sum(1).clamp(min=1)
+    recall = hits / relevant.sum(1, keepdim=True).clamp(min=1)
+    return precision, recall
+
+
+@dataclass
+class AttentionReport:
+    """The sweep: one precision/recall/F1 per ``T_att``, and the best F1."""
+
+    thresholds: list[float]
+    precision: list[float]
+    recall: list[float]
+    f1: list[float]
+    phrases: int
+    phrases_without_box: int
+    phrases_without_relevant_region: int
+
+    @property
+    def best(self) -> dict[str, float]:
+        k = max(range(len(self.f1)), key=lambda i: self.f1[i])
+        return {"t_att": self.thresholds[k], "precision": self.precision[k],
+                "recall": self.recall[k], "f1": self.f1[k]}
+
+    def as_dict(self) -> dict:
+        return {"best": self.best, "phrases": self.phrases,
+                "phrases_without_box": self.phrases_without_box,
+                "phrases_without_relevant_region": self.phrases_without_relevant_region,
+                "curve": [{"t_att": t, "precision": p, "recall": r, "f1": f} for t, p, r, f
+                          in zip(self.thresholds, self.precision, self.recall, self.f1)]}
+
+
+class AttentionScorer:
+    """Accumulates phrase-level AP/AR over a sweep of ``T_att``."""
+
+    def __init__(self, thresholds: Sequence[float] = T_ATT_SWEEP, t_iou: float = T_IOU) -> None:
+        self.thresholds = list(thresholds)
+        self.t_iou = t_iou
+        self.precision_sum = torch.zeros(len(self.thresholds), dtype=torch.float64)
+        self.recall_sum = torch.zeros(len(self.thresholds), dtype=torch.float64)
+        self.phrases = 0
+        self.without_box = 0
+        self.without_relevant = 0
+
+    def add_phrase(self, weights: torch.Tensor, region_boxes: torch.Tensor,
+                   phrase_boxes: torch.Tensor) -> None:
+        """One phrase of a matched pair.
+
+        Args:
+            weights: (n_phrase_words, R) attention of the phrase's words over regions.
+            region_boxes: (R, 4) xyxy; phrase_boxes: (n_boxes, 4) xyxy, same units.
+        """
+        if len(phrase_boxes) == 0 or len(weights) == 0:
+            self.without_box += 1
+            return
+        relevant = box_iou(region_boxes.double(), phrase_boxes.double()).amax(1) > self.t_iou
+        if not relevant.any():
+            self.without_relevant += 1
+            return
+        precision, recall = word_precision_recall(
+            weights.double(), relevant[None].expand(len(weights), -1), self.thresholds)
+        self.precision_sum += precision.amax(0)
+        self.recall_sum += recall.amax(0)
+        self.phrases += 1
+
+    def report(self) -> AttentionReport:
+        n = max(self.phrases, 1)
+        precision = (self.precision_sum / n).tolist()
+        recall = (self.recall_sum / n).tolist()
+        f1 = [2 * p * r / (p + r) if p + r > 0 else 0.0 for p, r in zip(precision, recall)]
+        return AttentionReport(self.thresholds, precision, recall, f1, self.phrases,
+                               self.without_box, self.without_relevant)
+
+
+def matched_pairs_with_phrases(gallery: Gallery, tokenizer) -> list[tuple[int, int, list]]:
+    """(image index, text index, [(token positions, boxes)]) for every annotated caption."""
+    first_text: dict[int, int] = {}
+    for text, image in enumerate(gallery.text_to_image.tolist()):
+        first_text.setdefault(image, text)
+    pairs = []
+    for image, entities in enumerate(gallery.entities):
+        by_caption: dict[int, list] = {}
+        for entity in entities:
+            text = first_text[image] + int(entity["caption"])
+            if gallery.text_to_image[text] != image:
+                raise ValueError(f"image {gallery.image_ids[image]!r}: an entity refers to "
+                                 f"caption {entity['caption']}, which the image does not have")
+            spans = tokenizer.word_token_spans(gallery.captions[text])
+            start = int(entity["first_word"])
+            positions = sorted({p for span in spans[start:start + len(entity["phrase"].split())]
+                                for p in span})
+            by_caption.setdefault(text, []).append(
+                (positions, torch.tensor(entity["boxes"], dtype=torch.float64).reshape(-1, 4)))
+        pairs += [(image, text, phrases) for text, phrases in sorted(by_caption.items())]
+    return pairs
+
+
+@torch.no_grad()
+def evaluate_attention(model: torch.nn.Module, gallery: Gallery, tokenizer,
+                       thresholds: Sequence[float] = T_ATT_SWEEP, t_iou: float = T_IOU,
+                       batch_size: int = 256, progress: bool = True,
+                       entity_source: Callable | None = None) -> AttentionReport:
+    """Attention P/R/F1 of ``model`` (text queries over regions) on an encoded gallery.
+
+    Args:
+        gallery: from ``encode_gallery(..., with_annotations=True)``: tokens,
+            region boxes and entities.
+        entity_source: optional ``image_id -> entities`` (Flickr30K Entities
+            files) replacing the shards' entities.
+    """
+    if not hasattr(model, "attention"):
+        raise ValueError(f"{type(model).__name__} has no attention(): attention metrics need "
+                         f"a cross-attention model such as SCAN")
+    if not gallery.region_boxes:
+        raise ValueError(f"{type(model.image_encoder).__name__} cannot say where its regions "
+                         f"are (no region_boxes); attention metrics need region boxes")
+    if entity_source is not None:
+        gallery.entities = [entity_source(i) for i in gallery.image_ids]
+    scorer = AttentionScorer(thresholds, t_iou)
+    pairs = matched_pairs_with_phrases(gallery, tokenizer)
+    for start in tqdm(range(0, len(pairs), batch_size), desc="attention", unit="batch",
+                      disable=not progress, leave=False):
+        chunk = pairs[start:start + batch_size]
+        images = torch.tensor([p[0] for p in chunk])
+        texts = torch.tensor([p[1] for p in chunk])
+        image_features = type(gallery.images)(gallery.images.embedding[images],
+                                              gallery.images.tokens[images],
+                                              gallery.images.mask[images])
+        text_features = type(gallery.texts)(gallery.texts.embedding[texts],
+                                            gallery.texts.tokens[texts], gallery.texts.mask[texts])
+        weights = model.attention(image_features, text_features, direction="t2i").weights
+        for row, (image, _, phrases) in enumerate(chunk):
+            boxes = gallery.region_boxes[image].double()
+            for positions, phrase_boxes in phrases:
+                scorer.add_phrase(weights[row, positions, :len(boxes)], boxes, phrase_boxes)
+    return scorer.report()

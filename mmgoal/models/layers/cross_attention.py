@@ -1,0 +1,153 @@
+"""SCAN's stacked cross attention (Lee et al., ECCV 2018), batched over all pairs.
+
+For a query item (a caption's words, or an image's regions) and a key item:
+
+1. ``s[q, k] = cos(query_q, key_k)``, LeakyReLU(0.1), then L2-normalised over the
+   query axis ("clipped L2 norm");
+2. attention ``a[q, k] = softmax_k(lambda_softmax * s[q, k])``;
+3. attended vector ``att_q = sum_k a[q, k] key_k``;
+4. relevance ``R_q = cos(query_q, att_q)``, pooled over queries by the mean
+   (AVG) or ``(1 / lambda_lse) log sum_q exp(lambda_lse R_q)`` (LSE).
+
+Text-to-image uses words as queries and regions as keys; image-to-text swaps
+them. :func:`scan_similarity` scores every (image, text) pair of two blocks at
+once without forming the attended vectors: ``query_q . att_q = sum_k a[q, k]
+s_raw[q, k]`` and ``|att_q|^2 = a_q G a_q^T`` with ``G`` the key item's Gram
+matrix, so the heavy work is one matrix product of all queries with all keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DIRECTIONS = ("t2i", "i2t")
+POOLINGS = ("avg", "lse")
+EPS = 1e-8
+
+
+def _check(direction: str, pooling: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+
+
+def clipped_l2_scores(raw: torch.Tensor, query_mask: torch.Tensor, query_dim: int) -> torch.Tensor:
+    """LeakyReLU(0.1) then L2 normalisation over the query axis, padded queries excluded.
+
+    Args:
+        raw: raw query-key cosines, any layout.
+        query_mask: bool, broadcastable to ``raw``, True for real queries.
+        query_dim: the axis of ``raw`` that indexes queries.
+    """
+    scores = F.leaky_relu(raw, 0.1) * query_mask
+    # norm() has a zero gradient at zero (a padded key), where sqrt(sum of squares) has NaN.
+    return scores / (scores.norm(dim=query_dim, keepdim=True) + EPS)
+
+
+def _pool(relevance: torch.Tensor, query_mask: torch.Tensor, pooling: str,
+          lambda_lse: float) -> torch.Tensor:
+    """Pool relevance over the query axis (dim 1) of (n_query_items, Q, n_key_items)."""
+    mask = query_mask[:, :, None]
+    if pooling == "avg":
+        return relevance.masked_fill(~mask, 0).sum(1) / mask.sum(1).clamp(min=1)
+    return torch.logsumexp((lambda_lse * relevance).masked_fill(~mask, float("-inf")),
+                           dim=1) / lambda_lse
+
+
+def _attend_all_pairs(queries: torch.Tensor, query_mask: torch.Tensor, keys: torch.Tensor,
+                      key_mask: torch.Tensor, lambda_softmax: float, pooling: str,
+                      lambda_lse: float) -> torch.Tensor:
+    """(Nq, Q, D) query items x (Nk, K, D) key items -> (Nq, Nk) pooled relevance."""
+    n_q, q_len, dim = queries.shape
+    n_k, k_len, _ = keys.shape
+    # One large matrix product for every query of every item against every key.
+    raw = (queries.reshape(n_q * q_len, dim) @ keys.reshape(n_k * k_len, dim).T)
+    raw = raw.view(n_q, q_len, n_k, k_len)
+    qmask = query_mask[:, :, None, None]
+    scores = clipped_l2_scores(raw, qmask, query_dim=1)
+    logits = (lambda_softmax * scores).masked_fill(~key_mask[None, None], float("-inf"))
+    attention = torch.softmax(logits, dim=-1)  # (Nq, Q, Nk, K)
+    # query . attended = sum_k a s_raw;  |attended|^2 = a G a^T with G the key Gram matrix.
+    dot = (attention * raw).sum(-1)
+    gram = keys @ keys.transpose(1, 2)  # (Nk, K, K)
+    quad = (torch.einsum("aqnk,nkl->aqnl", attention, gram) * attention).sum(-1)
+    query_norm = queries.norm(dim=-1)[:, :, None]
+    relevance = dot / (query_norm * quad.clamp(min=EPS**2).sqrt()).clamp(min=EPS)
+    return _pool(relevance, query_mask, pooling, lambda_lse)
+
+
+def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
+                    word_mask: torch.Tensor, direction: str = "t2i", lambda_softmax: float = 9.0,
+                    pooling: str = "avg", lambda_lse: float = 6.0) -> torch.Tensor:
+    """SCAN scores of every (image, text) pair of a block of images and a block of texts.
+
+    Args:
+        regions: (n_img, R, D) region features, L2-normalised; region_mask:
+            (n_img, R) bool, True for real regions.
+        words: (n_txt, W, D) word features, L2-normalised; word_mask: (n_txt, W).
+        direction: ``t2i`` (words attend to regions) or ``i2t`` (regions attend to words).
+        lambda_softmax: attention inverse temperature.
+        pooling: ``avg`` or ``lse`` over the queries' relevances.
+        lambda_lse: LogSumExp sharpness.
+
+    Returns:
+        (n_img, n_txt) scores.
+    """
+    _check(direction, pooling)
+    region_mask, word_mask = region_mask.bool(), word_mask.bool()
+    if direction == "t2i":
+        return _attend_all_pairs(words, word_mask, regions, region_mask, lambda_softmax,
+                                 pooling, lambda_lse).T
+    return _attend_all_pairs(regions, region_mask, words, word_mask, lambda_softmax,
+                             pooling, lambda_lse)
+
+
+@dataclass
+class Attention:
+    """Attention of matched pairs: query fragments of one item over key fragments of its pair.
+
+    Attributes:
+        queries: (B, Q, D) query fragments (words for t2i, regions for i2t).
+        keys: (B, K, D) key fragments.
+        weights: (B, Q, K) attention, rows sum to 1 over real keys.
+        scores: (B, Q, K) the clipped-L2 scores the softmax was taken of.
+        query_mask: (B, Q) bool; key_mask: (B, K) bool.
+        direction: ``t2i`` or ``i2t``.
+        lambda_softmax: the inverse temperature of the softmax.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+    query_mask: torch.Tensor
+    key_mask: torch.Tensor
+    direction: str
+    lambda_softmax: float
+
+
+def scan_attention(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
+                   word_mask: torch.Tensor, direction: str = "t2i",
+                   lambda_softmax: float = 9.0) -> Attention:
+    """SCAN attention of matched pairs: ``regions[b]`` with ``words[b]``.
+
+    Args: as :func:`scan_similarity`, with the same number of images and texts.
+    """
+    _check(direction, "avg")
+    if regions.shape[0] != words.shape[0]:
+        raise ValueError(f"matched pairs need as many images as texts, got "
+                         f"{regions.shape[0]} and {words.shape[0]}")
+    region_mask, word_mask = region_mask.bool(), word_mask.bool()
+    if direction == "t2i":
+        queries, query_mask, keys, key_mask = words, word_mask, regions, region_mask
+    else:
+        queries, query_mask, keys, key_mask = regions, region_mask, words, word_mask
+    raw = queries @ keys.transpose(1, 2)
+    scores = clipped_l2_scores(raw, query_mask[:, :, None], query_dim=1)
+    logits = (lambda_softmax * scores).masked_fill(~key_mask[:, None, :], float("-inf"))
+    return Attention(queries, keys, torch.softmax(logits, dim=-1), scores, query_mask,
+                     key_mask, direction, lambda_softmax)

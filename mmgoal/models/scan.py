@@ -1,0 +1,115 @@
+"""SCAN: stacked cross attention for image-text matching (Lee et al., ECCV 2018).
+
+Regions (precomputed, or RoIAlign regions / a grid from the image) are
+projected to the joint space and L2-normalised one by one; so are the words of
+a (bi)GRU or a Hugging Face encoder. The score of a pair is the stacked cross
+attention of :func:`mmgoal.models.layers.cross_attention.scan_similarity`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmgoal.models.dual_encoder import DualEncoder, build_projection
+from mmgoal.models.features import ImageFeatures, TextFeatures
+from mmgoal.models.layers.cross_attention import (
+    DIRECTIONS,
+    POOLINGS,
+    Attention,
+    scan_attention,
+    scan_similarity,
+)
+from mmgoal.registry import ENCODERS, MODELS
+from mmgoal.sequences import length_mask
+
+
+def _masked_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    weights = mask.to(tokens.dtype)[..., None]
+    return F.normalize((tokens * weights).sum(1) / weights.sum(1).clamp(min=1), dim=-1)
+
+
+@MODELS.register()
+class SCAN(nn.Module):
+    """Regions and words in one space, scored by stacked cross attention.
+
+    Args:
+        image_encoder: config of an ``ENCODERS`` image encoder that returns
+            tokens (``PrecomputedRegionEncoder``, ``RoIRegionEncoder``, or
+            ``TimmImageEncoder`` with ``output: grid``).
+        text_encoder: config of an ``ENCODERS`` text encoder with
+            ``forward_tokens`` (``GRUTextEncoder``, ``HFTextEncoder``).
+        embed_dim: size of the joint space (1024 in the paper).
+        image_projection, text_projection: ``linear``, ``mlp`` or ``none``
+            (SCAN: a linear layer for regions, none for the GRU's words).
+        direction: ``t2i`` (words attend to regions) or ``i2t``.
+        lambda_softmax: attention inverse temperature (9 for t2i, 4 for i2t).
+        pooling: ``avg`` or ``lse`` over the query fragments' relevances.
+        lambda_lse: LogSumExp sharpness (6 t2i; 5 Flickr30K / 20 COCO i2t).
+        tokenizer: passed to the text encoder.
+
+    ``ImageFeatures.embedding`` / ``TextFeatures.embedding`` hold the normalised
+    mean of the fragments (for logging and dual-encoder style shortcuts); the
+    score never uses them.
+    """
+
+    similarity_uses_tokens = True  # the gallery keeps every region and word for scoring
+
+    def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: int = 1024,
+                 image_projection: str = "linear", text_projection: str = "none",
+                 direction: str = "t2i", lambda_softmax: float = 9.0, pooling: str = "avg",
+                 lambda_lse: float = 6.0, tokenizer=None) -> None:
+        super().__init__()
+        if direction not in DIRECTIONS:
+            raise ValueError(f"SCAN direction must be one of {DIRECTIONS}, got {direction!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"SCAN pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.image_encoder = ENCODERS.build(image_encoder)
+        if not getattr(self.image_encoder, "returns_tokens", False):
+            raise ValueError(f"SCAN needs image regions: {image_encoder['type']} returns one "
+                             f"vector per image; use PrecomputedRegionEncoder, RoIRegionEncoder "
+                             f"or TimmImageEncoder with output: grid")
+        self.text_encoder = ENCODERS.build(text_encoder, tokenizer=tokenizer)
+        if not hasattr(self.text_encoder, "forward_tokens"):
+            raise ValueError(f"SCAN needs word features: {text_encoder['type']} has no "
+                             f"forward_tokens")
+        self.image_proj = build_projection(image_projection, self.image_encoder.out_dim,
+                                           embed_dim, "image")
+        self.text_proj = build_projection(text_projection, self.text_encoder.out_dim,
+                                          embed_dim, "text")
+        self.embed_dim = embed_dim
+        self.direction = direction
+        self.lambda_softmax = lambda_softmax
+        self.pooling = pooling
+        self.lambda_lse = lambda_lse
+
+    def encode_image(self, batch: dict) -> ImageFeatures:
+        """The batch's images or regions -> L2-normalised region features and their mask."""
+        tokens, lengths = self.image_encoder(batch)
+        tokens = F.normalize(DualEncoder._project_tokens(self.image_proj, tokens, lengths), dim=-1)
+        mask = length_mask(lengths, tokens.shape[1])
+        return ImageFeatures(_masked_mean(tokens, mask), tokens=tokens, mask=mask)
+
+    def encode_text(self, batch: dict) -> TextFeatures:
+        """``tokens`` (B, L), ``lengths`` (B,) -> L2-normalised word features and their mask."""
+        lengths = batch["lengths"]
+        states = self.text_encoder.forward_tokens(batch["tokens"], lengths)
+        words = F.normalize(DualEncoder._project_tokens(self.text_proj, states, lengths), dim=-1)
+        mask = length_mask(lengths, words.shape[1])
+        return TextFeatures(_masked_mean(words, mask), tokens=words, mask=mask)
+
+    def similarity(self, image_features: ImageFeatures,
+                   text_features: TextFeatures) -> torch.Tensor:
+        """(n_images, n_texts) stacked cross attention scores of every pair."""
+        return scan_similarity(image_features.tokens, image_features.mask, text_features.tokens,
+                               text_features.mask, self.direction, self.lambda_softmax,
+                               self.pooling, self.lambda_lse)
+
+    def attention(self, image_features: ImageFeatures, text_features: TextFeatures,
+                  direction: str | None = None) -> Attention:
+        """Attention of matched pairs (image ``b`` with text ``b``), in the model's direction
+        unless ``direction`` is given (the attention metrics ask for ``t2i``)."""
+        return scan_attention(image_features.tokens, image_features.mask, text_features.tokens,
+                              text_features.mask, direction or self.direction,
+                              self.lambda_softmax)

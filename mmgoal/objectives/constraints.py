@@ -1,0 +1,154 @@
+"""CCR and CCS attention constraints ("More Than Just Attention: Improving Cross-Modal
+Attentions with Contrastive Constraints for Image-Text Matching"; REFERENCE.md section 4).
+
+Both act on the attention of matched pairs (:class:`~mmgoal.models.layers.
+cross_attention.Attention`), so they work with any model whose ``attention``
+returns one. For each pair one query fragment ``q`` is sampled; with its
+attention weights ``w`` over the keys ``k`` of the paired item:
+
+- attended feature ``a = sum_j w_j k_j``;
+- reversed feature ``a^ = sum_j w^_j k_j`` with ``w^ = (1 - w) / sum(1 - w)``
+  (``reverse: complement``, the default) or ``softmax(-lambda * s)`` over the
+  same scores ``s`` the attention was taken of (``reverse: negated_softmax``);
+- CCR (content correlation): ``[margin - cos(q, a) + cos(q, a^)]_+``: the
+  attended content must describe the query better than what was ignored;
+- CCS (content containment): ``[margin - cos(a, q) + cos(a, q^)]_+`` with
+  ``q^`` another fragment of the same sentence or image: the attended content
+  must belong to its own query more than to a sibling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmgoal.models.layers.cross_attention import Attention
+from mmgoal.registry import CONSTRAINTS
+
+REVERSE_KINDS = ("complement", "negated_softmax")
+REDUCTIONS = ("sum", "mean")
+
+
+def sample_fragments(mask: torch.Tensor, generator: torch.Generator | None = None,
+                     exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One uniformly sampled real fragment per row of ``mask`` (B, L).
+
+    Args:
+        exclude: (B,) an index per row that must not be drawn (CCS's sibling).
+
+    Returns:
+        index (B,) long; valid (B,) bool, False where a row has nothing to draw.
+    """
+    allowed = mask.clone()
+    if exclude is not None:
+        allowed[torch.arange(len(mask), device=mask.device), exclude] = False
+    valid = allowed.any(1)
+    probs = allowed.float() + (~valid)[:, None].float()  # rows with nothing: any index
+    index = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(mask.device)
+    return index, valid
+
+
+def reversed_weights(attention: Attention, kind: str, lambda_softmax: float | None = None
+                     ) -> torch.Tensor:
+    """(B, Q, K) weights on what the attention ignores, zero on padded keys."""
+    key_mask = attention.key_mask[:, None, :]
+    if kind == "complement":
+        weights = (1 - attention.weights) * key_mask
+        return weights / weights.sum(-1, keepdim=True).clamp(min=1e-8)
+    lam = attention.lambda_softmax if lambda_softmax is None else lambda_softmax
+    logits = (-lam * attention.scores).masked_fill(~key_mask, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+class _AttentionConstraint(nn.Module):
+    name = ""
+
+    def __init__(self, weight: float = 1.0, margin: float = 0.1, reverse: str = "complement",
+                 reverse_lambda: float | None = None, reduction: str = "sum") -> None:
+        super().__init__()
+        if reverse not in REVERSE_KINDS:
+            raise ValueError(f"{type(self).__name__} reverse must be one of {REVERSE_KINDS}, "
+                             f"got {reverse!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{type(self).__name__} reduction must be one of {REDUCTIONS}, "
+                             f"got {reduction!r}")
+        self.weight = weight
+        self.margin = margin
+        self.reverse = reverse
+        self.reverse_lambda = reverse_lambda
+        self.reduction = reduction
+
+    def hinges(self, attention: Attention, query_index: torch.Tensor,
+               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, attention: Attention, generator: torch.Generator | None = None
+                ) -> dict[str, torch.Tensor]:
+        """``{"<name>_loss": weight * reduced hinge, "<name>_active": fraction > 0}``."""
+        query_index, valid = sample_fragments(attention.query_mask, generator)
+        hinge, valid_pair = self.hinges(attention, query_index, generator)
+        valid = valid & valid_pair
+        hinge = hinge * valid
+        total = hinge.sum()
+        if self.reduction == "mean":
+            total = total / valid.sum().clamp(min=1)
+        active = ((hinge > 0) & valid).float().sum() / valid.sum().clamp(min=1)
+        return {f"{self.name}_loss": self.weight * total, f"{self.name}_active": active.detach()}
+
+    @staticmethod
+    def _gather(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """values (B, L, ...) at index (B,) -> (B, ...)."""
+        return values[torch.arange(len(index), device=values.device), index]
+
+
+@CONSTRAINTS.register()
+class CCRConstraint(_AttentionConstraint):
+    """Content correlation: ``[margin - cos(q, a) + cos(q, a^)]_+`` for one sampled query
+    fragment per matched pair.
+
+    Args:
+        weight: lambda_CCR, the loss's factor in the total.
+        margin: gamma_2.
+        reverse: ``complement`` (``(1 - w) / sum(1 - w)``) or ``negated_softmax``.
+        reverse_lambda: the negated softmax's inverse temperature (default: the
+            attention's own lambda_softmax).
+        reduction: ``sum`` over pairs (the triplet loss's convention) or ``mean``.
+    """
+
+    name = "ccr"
+
+    def hinges(self, attention, query_index, generator):
+        query = self._gather(attention.queries, query_index)  # (B, D)
+        weights = self._gather(attention.weights, query_index)  # (B, K)
+        reverse = self._gather(reversed_weights(attention, self.reverse, self.reverse_lambda),
+                               query_index)
+        attended = torch.einsum("bk,bkd->bd", weights, attention.keys)
+        ignored = torch.einsum("bk,bkd->bd", reverse, attention.keys)
+        hinge = (self.margin - F.cosine_similarity(query, attended, dim=-1)
+                 + F.cosine_similarity(query, ignored, dim=-1)).clamp(min=0)
+        return hinge, torch.ones_like(hinge, dtype=torch.bool)
+
+
+@CONSTRAINTS.register()
+class CCSConstraint(_AttentionConstraint):
+    """Content containment: ``[margin - cos(a, q) + cos(a, q^)]_+``, ``q^`` another fragment
+    of the query's own sentence or image, sampled uniformly; items with a single
+    fragment contribute nothing.
+
+    Args: as :class:`CCRConstraint` (``weight`` is lambda_CCS, ``margin``
+    gamma_3); ``reverse`` is unused by CCS.
+    """
+
+    name = "ccs"
+
+    def hinges(self, attention, query_index, generator):
+        sibling, has_sibling = sample_fragments(attention.query_mask, generator,
+                                                exclude=query_index)
+        query = self._gather(attention.queries, query_index)
+        other = self._gather(attention.queries, sibling)
+        weights = self._gather(attention.weights, query_index)
+        attended = torch.einsum("bk,bkd->bd", weights, attention.keys)
+        hinge = (self.margin - F.cosine_similarity(attended, query, dim=-1)
+                 + F.cosine_similarity(attended, other, dim=-1)).clamp(min=0)
+        return hinge, has_sibling

@@ -1,0 +1,109 @@
+import json
+
+import torch
+import torch.nn.functional as F
+
+from mmgoal.data.transforms import build_transforms
+from mmgoal.engine.trainer import Trainer
+from mmgoal.evaluation.attention import evaluate_attention
+from mmgoal.evaluation.gallery import (
+    Member,
+    block_sizes,
+    encode_gallery,
+    gallery_similarity,
+    score_gallery,
+)
+from mmgoal.evaluation.retrieval import retrieval_metrics
+from mmgoal.models.features import ImageFeatures, TextFeatures
+
+SCAN_MODEL = {
+    "type": "SCAN", "embed_dim": 16,
+    "image_encoder": {"type": "RoIRegionEncoder", "model_name": "mmgoal_small_cnn",
+                      "model_kwargs": {"widths": [8, 16]}, "output_size": 1},
+    "text_encoder": {"type": "GRUTextEncoder", "word_dim": 8, "hidden_size": 16,
+                     "bidirectional": True},
+}
+
+
+def scan_config(out, **extra):
+    return {
+        "model": dict(SCAN_MODEL),
+        "objective": {"type": "TripletLoss", "margin": 0.2, "max_violation": True},
+        "optimizer": {"type": "AdamW", "lr": 3e-3},
+        "data": {
+            "image_size": 32, "num_workers": 0, "eval_batch_size": 16,
+            "tokenizer": {"type": "WordTokenizer"},
+            "train": {"type": "ShardDataset", "shards": str(out / "train-{000000..000002}.tar"),
+                      "batch_size": 16, "shuffle_buffer": 32},
+            "val": {"shards": str(out / "val-000000.tar")},
+            "test": {"shards": str(out / "test-{000000..000001}.tar")},
+        },
+        "train": {"epochs": 1, "progress": False, "log_every": 1},
+        "evaluation": {"block_images": 8, "max_block_mb": 0.05},
+        **extra,
+    }
+
+
+def random_features(n, length, dim, cls, generator):
+    lengths = torch.randint(1, length + 1, (n,), generator=generator)
+    mask = torch.arange(length)[None] < lengths[:, None]
+    tokens = F.normalize(torch.randn(n, length, dim, generator=generator), dim=-1) * mask[..., None]
+    return cls(F.normalize(tokens.sum(1), dim=-1), tokens=tokens, mask=mask)
+
+
+def test_sharded_scoring_equals_the_unsharded_matrix(tiny_benchmark):
+    from mmgoal.data.tokenizers import WordTokenizer
+    from mmgoal.registry import MODELS
+
+    torch.manual_seed(0)
+    model = MODELS.build({**SCAN_MODEL, "direction": "i2t", "pooling": "lse"},
+                         tokenizer=WordTokenizer().fit(["a b"])).eval()
+    generator = torch.Generator().manual_seed(0)
+    images = random_features(37, 6, 16, ImageFeatures, generator)
+    texts = random_features(53, 9, 16, TextFeatures, generator)
+    whole = model.similarity(images, texts)
+    # 0.05 MB: blocks of a few pairs only; the tokens of a block are cut to its longest item.
+    bi, bt = block_sizes(37, 53, 6, 9, block_images=8, max_block_mb=0.05)
+    assert 6 * 4 * bi * bt * 6 * 9 <= 0.05 * 2**20 and (bi, bt) != (37, 53)
+    sharded = score_gallery(model, images, texts, block_images=8, max_block_mb=0.05,
+                            progress=False)
+    torch.testing.assert_close(sharded, whole, atol=1e-6, rtol=0)
+
+
+def test_scan_trains_with_constraints_and_ensemble_is_the_mean(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    constraints = [{"type": "CCRConstraint", "weight": 1.0, "margin": 0.1},
+                   {"type": "CCSConstraint", "weight": 0.5, "margin": 0.1}]
+    trainer = Trainer(scan_config(out, constraints=constraints), tmp_path / "run")
+    report = trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    train = [r for r in records if r["type"] == "train"]
+    assert all(r["loss"] >= r["ccr_loss"] + r["ccs_loss"] - 1e-5 for r in train)
+    assert any(r["ccr_loss"] > 0 for r in train) and all("ccs_active" in r for r in train)
+    assert 0 <= report["test"]["rsum"] <= 600
+
+    # An ensemble of two members scores the mean of their matrices.
+    other = Trainer(scan_config(out, train={"epochs": 1, "progress": False, "seed": 1},
+                                model={**SCAN_MODEL, "direction": "i2t", "pooling": "lse"}),
+                    tmp_path / "other")
+    other.fit()
+    transform = build_transforms(None, 32)
+    shards = str(out / "test-{000000..000001}.tar")
+    members = [Member(trainer.model, transform, trainer.tokenizer),
+               Member(other.model, transform, other.tokenizer)]
+    mean, gallery = gallery_similarity(members, shards, batch_size=16, progress=False)
+    singles = [gallery_similarity([m], shards, batch_size=16, progress=False)[0]
+               for m in members]
+    torch.testing.assert_close(mean, (singles[0] + singles[1]) / 2)
+    assert retrieval_metrics(mean, gallery.text_to_image)["rsum"] >= 0
+
+    # Attention metrics against the scenes' true boxes: every phrase has its object's
+    # box among the regions (IoU 1), so each is evaluated.
+    gallery = encode_gallery(trainer.model, shards, transform, trainer.tokenizer, 16,
+                             progress=False, with_annotations=True)
+    attention = evaluate_attention(trainer.model, gallery, trainer.tokenizer, progress=False)
+    n_phrases = sum(len(e) for e in gallery.entities)
+    assert attention.phrases == n_phrases and attention.phrases_without_relevant_region == 0
+    assert 0 < attention.best["f1"] <= 1
+    # T_att = 0 attends every region: recall 1 and precision = relevant share.
+    assert abs(attention.recall[0] - 1.0) < 1e-9
