@@ -65,6 +65,6 @@ def slice_features(features: ImageFeatures | TextFeatures, start: int, end: int)
 
 def detach_features(features: ImageFeatures | TextFeatures, dtype=torch.float32):
     """A detached copy in ``dtype`` (float32 by default) for gallery storage."""
-    convert = (lambda t: None if t is None else t.detach().to(dtype))
-    return type(features)(convert(features.embedding), tokens=convert(features.tokens),
+    tokens = None if features.tokens is None else features.tokens.detach().to(dtype)
+    return type(features)(features.embedding.detach().to(dtype), tokens=tokens,
                           mask=features.mask)
