@@ -2,6 +2,12 @@
 
     python tools/evaluate.py configs/quickstart.yaml work_dirs/quickstart/checkpoints/best.pt
     python tools/evaluate.py CONFIG CKPT --split val --folds 5 --out results.json
+    # SCAN's ensemble: the mean of the score matrices of several checkpoints (each
+    # built from the config saved inside it)
+    python tools/evaluate.py configs/scan/scan_t2i_avg_f30k.yaml T2I.pt --ensemble I2T.pt
+    # attention precision / recall / F1 against entity boxes (the shards' own, or
+    # Flickr30K Entities files joined by image id), with the PR curve as PNG
+    python tools/evaluate.py CONFIG CKPT --attention [--entities DIR] [--curve pr.png]
 """
 
 from __future__ import annotations
@@ -18,7 +24,61 @@ from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.transforms import build_transforms  # noqa: E402
 from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 from mmgoal.engine.trainer import metrics_table  # noqa: E402
-from mmgoal.evaluation.gallery import evaluate_retrieval  # noqa: E402
+from mmgoal.evaluation.gallery import Member, evaluate_retrieval  # noqa: E402
+
+
+def member(cfg: dict, state: dict) -> Member:
+    """A model with the preprocessing of its config."""
+    model, tokenizer = model_from_checkpoint(cfg, state)
+    data_cfg = cfg["data"]
+    transform = build_transforms(data_cfg.get("eval_transforms"), data_cfg.get("image_size", 64))
+    return Member(model, transform, tokenizer)
+
+
+def plot_curve(report, path: Path, title: str) -> None:
+    """The attention precision-recall curve over the T_att sweep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 4))
+    ax.plot(report.recall, report.precision, "o-")
+    for t, r, p in zip(report.thresholds, report.recall, report.precision):
+        ax.annotate(f"{t:g}", (r, p), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    best = report.best
+    ax.plot([best["recall"]], [best["precision"]], "r*", markersize=12,
+            label=f"best F1 {best['f1']:.3f} (T_att {best['t_att']:g})")
+    ax.set_xlabel("attention recall")
+    ax.set_ylabel("attention precision")
+    ax.set_xlim(0, 1.02)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def attention_report(args, cfg: dict, evaluator: Member, split_cfg: dict):
+    from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
+    from mmgoal.evaluation.attention import evaluate_attention
+    from mmgoal.evaluation.gallery import encode_gallery
+
+    gallery = encode_gallery(evaluator.model, split_cfg["shards"], evaluator.transform,
+                             evaluator.tokenizer, cfg["data"].get("eval_batch_size", 256),
+                             with_annotations=True)
+    source = None
+    if args.entities:
+        texts_of: dict = {}
+        for caption, image in zip(gallery.captions, gallery.text_to_image.tolist()):
+            texts_of.setdefault(gallery.image_ids[image], []).append(caption)
+
+        def source(image_id):
+            record = read_image_entities(args.entities, image_id)
+            return [] if record is None else entities_for_captions(record, texts_of[image_id])
+    return evaluate_attention(evaluator.model, gallery, evaluator.tokenizer,
+                              t_iou=args.t_iou, entity_source=source)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,29 +89,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folds", type=int, default=None,
                         help="average over N consecutive image folds (5 for COCO 1K)")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--ensemble", nargs="+", default=[], metavar="CKPT",
+                        help="more checkpoints whose score matrices are averaged with the "
+                             "first; each is built from the config saved inside it")
+    parser.add_argument("--attention", action="store_true",
+                        help="also report attention precision/recall/F1 (cross-attention "
+                             "models; entity boxes from the shards or --entities)")
+    parser.add_argument("--entities", help="a Flickr30K Entities folder (Sentences/, "
+                                           "Annotations/), joined to the shards by image id")
+    parser.add_argument("--t-iou", type=float, default=0.4, help="IoU for a relevant region")
+    parser.add_argument("--curve", help="PNG for the attention PR curve "
+                                        "(default: <checkpoint>.<split>.attention.png)")
     parser.add_argument("--out", help="JSON file for the metrics "
                                       "(default: <checkpoint>.<split>.json)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.cfg_options)
-        state = load_checkpoint(args.checkpoint)
+        states = [load_checkpoint(args.checkpoint)]
+        states += [load_checkpoint(path) for path in args.ensemble]
         split_cfg = cfg["data"].get(args.split)
         if not split_cfg:
             raise ValueError(f"the config has no data.{args.split} section")
+        for path, state in zip(args.ensemble, states[1:]):
+            if "config" not in state:
+                raise ValueError(f"{path} holds no config to build its model from")
+        if args.entities and not Path(args.entities, "Sentences").is_dir():
+            raise FileNotFoundError(f"--entities {args.entities}: no Sentences/ folder there")
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    model, tokenizer = model_from_checkpoint(cfg, state)
-    data_cfg = cfg["data"]
-    transform = build_transforms(data_cfg.get("eval_transforms"), data_cfg.get("image_size", 64))
+    members = [member(cfg, states[0])] + [member(s["config"], s) for s in states[1:]]
     folds = args.folds or split_cfg.get("folds", 1)
-    metrics = evaluate_retrieval(model, split_cfg["shards"], transform, tokenizer,
-                                 batch_size=data_cfg.get("eval_batch_size", 256), folds=folds)
-    print(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {args.checkpoint}:")
+    metrics = evaluate_retrieval(members, split_cfg["shards"],
+                                 batch_size=cfg["data"].get("eval_batch_size", 256), folds=folds,
+                                 scoring=cfg.get("evaluation"))
+    name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)
+    print(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
     print(metrics_table(metrics))
+    result = {"split": args.split, "folds": folds, "checkpoint": str(args.checkpoint),
+              "ensemble": list(args.ensemble), "metrics": metrics}
+    if args.attention:
+        try:
+            report = attention_report(args, cfg, members[0], split_cfg)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        best = report.best
+        print(f"attention ({report.phrases} phrases, T_IoU {args.t_iou}): best F1 "
+              f"{best['f1']:.4f} at T_att {best['t_att']:g} (precision {best['precision']:.4f},"
+              f" recall {best['recall']:.4f})")
+        curve = Path(args.curve or f"{args.checkpoint}.{args.split}.attention.png")
+        plot_curve(report, curve, f"attention PR, {Path(args.checkpoint).parent.parent.name}")
+        print(f"PR curve written to {curve}")
+        result["attention"] = report.as_dict()
     out = Path(args.out or f"{args.checkpoint}.{args.split}.json")
-    out.write_text(json.dumps({"split": args.split, "folds": folds,
-                               "checkpoint": str(args.checkpoint), "metrics": metrics}, indent=2))
+    out.write_text(json.dumps(result, indent=2))
     print(f"metrics written to {out}")
     return 0
 

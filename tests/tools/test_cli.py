@@ -136,3 +136,56 @@ def test_sweep_tabulates_and_resumes(tiny_benchmark, tmp_path):
     again = json.loads((sweep / "runs.json").read_text())
     assert again[0]["test"] == first["test"]
     assert all(a["train_seconds"] == b["train_seconds"] for a, b in zip(again[1:], runs[1:]))
+
+
+@pytest.mark.slow
+def test_scan_cli_ensemble_attention_and_plot(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cfg = {
+        "_base_": str(ROOT / "configs" / "scan" / "scan_synthetic.yaml"),
+        "model": {"embed_dim": 16, "image_encoder": {"model_kwargs": {"widths": [8, 16]}},
+                  "text_encoder": {"word_dim": 8, "hidden_size": 16}},
+        "data": {"image_size": 32, "num_workers": 0,
+                 "train": {"shards": str(out / "train-{000000..000002}.tar"), "batch_size": 16},
+                 "val": {"shards": str(out / "val-000000.tar")},
+                 "test": {"shards": str(out / "test-{000000..000001}.tar")}},
+        "train": {"epochs": 1, "progress": False},
+        "hooks": [],
+        "constraints": [{"type": "CCRConstraint"}],
+    }
+    path = tmp_path / "scan.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    work = tmp_path / "run"
+    result = run_tool("tools/finetune.py", path, "--work-dir", work)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((work / "report.json").read_text())
+    best = work / "checkpoints" / "best.pt"
+    # An ensemble of a checkpoint with itself scores like the checkpoint.
+    result = run_tool("tools/evaluate.py", path, best, "--ensemble", best, "--attention",
+                      "--out", tmp_path / "eval.json", "--curve", tmp_path / "pr.png")
+    assert result.returncode == 0, result.stderr
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert evaluated["metrics"]["rsum"] == pytest.approx(report["test"]["rsum"])
+    best_f1 = evaluated["attention"]["best"]
+    assert f"best F1 {best_f1['f1']:.4f}" in result.stdout
+    assert len(evaluated["attention"]["curve"]) == 11 and (tmp_path / "pr.png").stat().st_size
+    # The same ground truth as Flickr30K Entities files, joined by image id.
+    from mmgoal.data.synthetic import iter_scenes, write_flickr_entities
+
+    write_flickr_entities(list(iter_scenes("test", 40, seed=3, image_size=32)),
+                          tmp_path / "entities")
+    result = run_tool("tools/evaluate.py", path, best, "--attention", "--entities",
+                      tmp_path / "entities", "--out", tmp_path / "eval_entities.json")
+    assert result.returncode == 0, result.stderr
+    from_files = json.loads((tmp_path / "eval_entities.json").read_text())["attention"]
+    assert from_files["phrases"] == evaluated["attention"]["phrases"] > 0
+    assert from_files["best"]["f1"] == pytest.approx(best_f1["f1"], abs=0.02)
+    result = run_tool("tools/plot_attention.py", path, best, "--index", "2", "--word", "1",
+                      "--out", tmp_path / "att.png")
+    assert result.returncode == 0, result.stderr
+    assert "written to" in result.stdout and (tmp_path / "att.png").stat().st_size > 1000
+    result = run_tool("tools/plot_attention.py", path, best, "--word", "zebra")
+    assert result.returncode == 2 and "is not in the caption" in result.stderr
+    # Attention metrics need a cross-attention model.
+    result = run_tool("tools/evaluate.py", path, best, "--entities", tmp_path / "nowhere")
+    assert result.returncode == 2 and "no Sentences/ folder" in result.stderr

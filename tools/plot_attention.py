@@ -1,0 +1,135 @@
+"""Draw an image with its regions shaded by one word's attention (a cross-attention model).
+
+    python tools/plot_attention.py configs/scan/scan_synthetic.yaml \
+        work_dirs/scan_synthetic/checkpoints/best.pt --index 3 --caption 0 --word circle
+    python tools/plot_attention.py CONFIG CKPT --index 0 --caption 2 --word 4 --out att.png
+
+``--index`` is the image's position in the split's shards, ``--caption`` one of
+its captions, ``--word`` a word of that caption (its text, or its position in
+``caption.split()``). Each region box is filled with an opacity proportional to
+the word's attention weight on it (text-to-image attention) and labelled with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import webdataset as wds  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+from mmgoal.config import load_config  # noqa: E402
+from mmgoal.data.pipeline import (  # noqa: E402
+    collate_visual,
+    decode_sample,
+    expand_shards,
+    transform_image,
+)
+from mmgoal.data.transforms import build_transforms  # noqa: E402
+from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+
+
+def nth_sample(shards, index: int) -> dict:
+    """The ``index``-th readable sample of the shards, decoded."""
+    pipeline = wds.DataPipeline(wds.SimpleShardList(expand_shards(shards)),
+                                wds.tarfile_to_samples(), wds.map(decode_sample))
+    for position, sample in enumerate(pipeline):
+        if position == index:
+            return sample
+    raise ValueError(f"--index {index}: the split has only {position + 1} samples")
+
+
+def word_position(caption: str, word: str) -> int:
+    words = caption.split()
+    if word.isdigit():
+        if int(word) >= len(words):
+            raise ValueError(f"--word {word}: the caption has {len(words)} words")
+        return int(word)
+    stripped = [w.strip(".,;:!?").lower() for w in words]
+    if word.lower() not in stripped:
+        raise ValueError(f"--word {word!r} is not in the caption {caption!r}")
+    return stripped.index(word.lower())
+
+
+@torch.no_grad()
+def word_attention(model, tokenizer, sample: dict, transform, caption: str, position: int):
+    """(region boxes as xyxy fractions (R, 4), attention weights (R,)) of one word."""
+    batch = collate_visual([transform_image(sample, transform)])
+    if not hasattr(model, "attention") or not hasattr(model.image_encoder, "region_boxes"):
+        raise ValueError(f"{type(model).__name__} with {type(model.image_encoder).__name__} "
+                         f"has no region attention to draw")
+    tokens = tokenizer.word_token_spans(caption)[position]
+    if not tokens:
+        raise ValueError("that word was cut by the tokenizer's max_length")
+    attention = model.attention(model.encode_image(batch), model.encode_text(tokenizer([caption])),
+                                direction="t2i")
+    boxes = model.image_encoder.region_boxes(batch)[0]
+    weights = attention.weights[0, tokens, :len(boxes)].mean(0)  # a word of several tokens
+    return boxes, weights
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("checkpoint")
+    parser.add_argument("--split", default="test", choices=("val", "test"))
+    parser.add_argument("--index", type=int, default=0, help="image position in the split")
+    parser.add_argument("--caption", type=int, default=0, help="caption of that image")
+    parser.add_argument("--word", required=True, help="a word of the caption, or its position")
+    parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", help="PNG (default: <checkpoint>.attention_<index>_<word>.png)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.cfg_options)
+        state = load_checkpoint(args.checkpoint)
+        model, tokenizer = model_from_checkpoint(cfg, state)
+        transform = build_transforms(cfg["data"].get("eval_transforms"),
+                                     cfg["data"].get("image_size", 64))
+        sample = nth_sample(cfg["data"][args.split]["shards"], args.index)
+        if "image" not in sample:
+            raise ValueError("the sample has no image to draw (regions only)")
+        if args.caption >= len(sample["captions"]):
+            raise ValueError(f"--caption {args.caption}: the image has "
+                             f"{len(sample['captions'])} captions")
+        caption = sample["captions"][args.caption]
+        position = word_position(caption, args.word)
+        boxes, weights = word_attention(model, tokenizer, sample, transform, caption, position)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    image = sample["image"]
+    width, height = image.size
+    fig, ax = plt.subplots(figsize=(5, 5.6))
+    ax.imshow(image)
+    top = float(weights.max())
+    for box, weight in sorted(zip(boxes.tolist(), weights.tolist()), key=lambda x: -x[1]):
+        x0, y0, x1, y1 = box[0] * width, box[1] * height, box[2] * width, box[3] * height
+        alpha = 0.6 * weight / max(top, 1e-8)
+        ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor="yellow", alpha=alpha,
+                               edgecolor="red", linewidth=1.5 if weight == top else 0.5))
+        ax.text(x0 + 0.5, y0 + 0.5, f"{weight:.2f}", fontsize=7, va="top", color="black",
+                bbox={"facecolor": "white", "alpha": 0.6, "pad": 0.5, "linewidth": 0})
+    words = caption.split()
+    words[position] = f"[{words[position]}]"
+    ax.set_title("\n".join([" ".join(words[i:i + 8]) for i in range(0, len(words), 8)]),
+                 fontsize=8)
+    ax.axis("off")
+    fig.tight_layout()
+    out = Path(args.out or f"{args.checkpoint}.attention_{args.index}_{args.word}.png")
+    fig.savefig(out, dpi=120)
+    print(f"attention of {words[position]!r} over {len(boxes)} regions "
+          f"(max {top:.3f}) written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
