@@ -50,32 +50,40 @@ def clipped_l2_scores(raw: torch.Tensor, query_mask: torch.Tensor, query_dim: in
 
 def _pool(relevance: torch.Tensor, query_mask: torch.Tensor, pooling: str,
           lambda_lse: float) -> torch.Tensor:
-    """Pool relevance over the query axis (dim 1) of (n_query_items, Q, n_key_items)."""
-    mask = query_mask[:, :, None]
+    """Pool relevance (n_key_items, n_query_items, Q) over its last (query) axis."""
+    mask = query_mask[None]
     if pooling == "avg":
-        return relevance.masked_fill(~mask, 0).sum(1) / mask.sum(1).clamp(min=1)
+        return relevance.masked_fill(~mask, 0).sum(-1) / mask.sum(-1).clamp(min=1)
     return torch.logsumexp((lambda_lse * relevance).masked_fill(~mask, float("-inf")),
-                           dim=1) / lambda_lse
+                           dim=-1) / lambda_lse
 
 
 def _attend_all_pairs(queries: torch.Tensor, query_mask: torch.Tensor, keys: torch.Tensor,
                       key_mask: torch.Tensor, lambda_softmax: float, pooling: str,
                       lambda_lse: float) -> torch.Tensor:
-    """(Nq, Q, D) query items x (Nk, K, D) key items -> (Nq, Nk) pooled relevance."""
+    """(Nq, Q, D) query items x (Nk, K, D) key items -> (Nk, Nq) pooled relevance.
+
+    Layout (Nk, K, Nq, Q): one matrix product gives it contiguous, the softmax
+    runs over K, and the Gram term is one batched product per key item.
+    """
     n_q, q_len, dim = queries.shape
     n_k, k_len, _ = keys.shape
-    # One large matrix product for every query of every item against every key.
-    raw = (queries.reshape(n_q * q_len, dim) @ keys.reshape(n_k * k_len, dim).T)
-    raw = raw.view(n_q, q_len, n_k, k_len)
-    qmask = query_mask[:, :, None, None]
-    scores = clipped_l2_scores(raw, qmask, query_dim=1)
-    logits = (lambda_softmax * scores).masked_fill(~key_mask[None, None], float("-inf"))
-    attention = torch.softmax(logits, dim=-1)  # (Nq, Q, Nk, K)
+    raw = (keys.reshape(n_k * k_len, dim) @ queries.reshape(n_q * q_len, dim).T)
+    raw = raw.view(n_k, k_len, n_q, q_len)
+    scores = F.leaky_relu(raw, 0.1)
+    if not query_mask.all():
+        scores = scores * query_mask
+    # Clipped L2 norm over the queries and the softmax's lambda in one scaling.
+    logits = scores * (lambda_softmax / (scores.norm(dim=-1, keepdim=True) + EPS))
+    if not key_mask.all():
+        logits = logits.masked_fill(~key_mask[:, :, None, None], float("-inf"))
+    attention = torch.softmax(logits, dim=1)  # over the keys
     # query . attended = sum_k a s_raw;  |attended|^2 = a G a^T with G the key Gram matrix.
-    dot = (attention * raw).sum(-1)
+    dot = (attention * raw).sum(1)  # (Nk, Nq, Q)
     gram = keys @ keys.transpose(1, 2)  # (Nk, K, K)
-    quad = (torch.einsum("aqnk,nkl->aqnl", attention, gram) * attention).sum(-1)
-    query_norm = queries.norm(dim=-1)[:, :, None]
+    quad = (torch.bmm(gram, attention.reshape(n_k, k_len, n_q * q_len))
+            .view(n_k, k_len, n_q, q_len) * attention).sum(1)
+    query_norm = queries.norm(dim=-1)[None]
     relevance = dot / (query_norm * quad.clamp(min=EPS**2).sqrt()).clamp(min=EPS)
     return _pool(relevance, query_mask, pooling, lambda_lse)
 
@@ -101,9 +109,9 @@ def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: tor
     region_mask, word_mask = region_mask.bool(), word_mask.bool()
     if direction == "t2i":
         return _attend_all_pairs(words, word_mask, regions, region_mask, lambda_softmax,
-                                 pooling, lambda_lse).T
+                                 pooling, lambda_lse)
     return _attend_all_pairs(regions, region_mask, words, word_mask, lambda_softmax,
-                             pooling, lambda_lse)
+                             pooling, lambda_lse).T
 
 
 @dataclass
