@@ -150,3 +150,30 @@ def test_scan_refuses_an_image_encoder_without_regions(tokenizer):
     with pytest.raises(ValueError, match="SCAN needs image regions"):
         scan_model(tokenizer, image_encoder={"type": "TimmImageEncoder",
                                              "model_name": "mmgoal_small_cnn"})
+
+
+def test_goal_objectives_train_scan_through_its_cross_attention(tokenizer):
+    """GOAL's con x con on SCAN's score matrix gives the triplet loss's parameter gradients,
+    and cir x sig_ms (the combination no paper tried on SCAN) reaches every parameter."""
+    from mmgoal.registry import OBJECTIVES
+
+    torch.manual_seed(0)
+    model = scan_model(tokenizer)
+    batch = {"regions": torch.randn(4, 5, 10), "region_lengths": torch.tensor([5, 3, 4, 2]),
+             **tokenizer(["a red circle", "a blue square", "a star to the left", "a red star"])}
+
+    def grads(objective, key):
+        model.zero_grad()
+        sims = model.similarity(model.encode_image(batch), model.encode_text(batch))
+        objective(sims)[key].backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    triplet = grads(OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2}), "triplet_loss")
+    goal = grads(OBJECTIVES.build({"type": "GoalObjective", "triplet": "con", "pair": "con",
+                                   "margin": 0.2}), "goal_loss")
+    assert triplet.keys() == goal.keys() and len(goal) == len(list(model.parameters()))
+    for name in goal:
+        torch.testing.assert_close(goal[name], triplet[name], msg=name)
+    cir = grads(OBJECTIVES.build({"type": "GoalObjective", "triplet": "cir", "pair": "sig_ms"}),
+                "goal_loss")
+    assert all(g.abs().sum() > 0 for g in cir.values())
