@@ -37,6 +37,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/shard_reader.py
 	$(PY) bench/objectives.py
+	$(PY) bench/scan_eval.py
 
 clean:
 	rm -rf work_dirs data/synthetic

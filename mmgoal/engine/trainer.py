@@ -255,8 +255,13 @@ class Trainer:
         if not torch.isfinite(loss):
             return {"loss": loss.detach(), **outputs, "nonfinite": True}
         loss.backward()
-        if self.train_cfg["clip_grad"]:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg["clip_grad"])
+        # The norm of every gradient (clipped to clip_grad when set): a NaN/inf gradient
+        # under a finite loss skips the step like a non-finite loss does.
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.train_cfg["clip_grad"] or math.inf)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"loss": loss.detach(), **outputs, "nonfinite": True}
         self.optimizer.step()
         return {"loss": loss.detach(), **outputs, "nonfinite": False}
 
@@ -317,10 +322,11 @@ class Trainer:
             self.skipped_samples += batch["skipped"]
             if outputs["nonfinite"]:
                 nonfinite_run += 1
-                logger.warning("non-finite loss at step %d: step skipped", self.step)
+                logger.warning("non-finite loss or gradient at step %d: step skipped", self.step)
                 if nonfinite_run >= cfg["max_nonfinite_steps"]:
                     raise FloatingPointError(
-                        f"{nonfinite_run} non-finite losses in a row (step {self.step}); lower "
+                        f"{nonfinite_run} non-finite losses in a row (step {self.step}; a NaN/inf "
+                        f"loss or gradient); lower "
                         f"the learning rate, check the data, or raise train.max_nonfinite_steps")
             else:
                 nonfinite_run = 0

@@ -123,6 +123,37 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_benchmark, tmp_path
                and "num_batches" not in k)
 
 
+def test_nonfinite_gradients_under_a_finite_loss_are_skipped_too(tiny_benchmark, tmp_path):
+    class NaNGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * float("nan")
+
+    @OBJECTIVES.register("NaNGradientObjective", force=True)
+    class NaNGradientObjective(torch.nn.Module):
+        def forward(self, sims, positives=None):
+            return {"bad_loss": NaNGradient.apply(sims).sum()}
+
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, max_nonfinite_steps=2)
+    cfg["objective"] = {"type": "NaNGradientObjective"}
+    cfg["hooks"] = []
+    trainer = Trainer(cfg, tmp_path / "nan_grad")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    try:
+        with pytest.raises(FloatingPointError, match="2 non-finite losses in a row"):
+            trainer.fit()
+    finally:
+        OBJECTIVES._entries.pop("NaNGradientObjective")
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if "running" not in k
+               and "num_batches" not in k)
+
+
 def test_config_mistakes_are_reported(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
     cfg = tiny_config(out)
