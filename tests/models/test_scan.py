@@ -129,10 +129,17 @@ def scan_model(tokenizer, **kwargs):
     }, tokenizer=tokenizer)
 
 
-def test_scan_model_scores_its_fragments_with_scan_similarity(tokenizer):
+TINY_BERT = {"type": "HFTextEncoder", "config": {
+    "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "intermediate_size": 32, "max_position_embeddings": 32}}
+
+
+@pytest.mark.parametrize("words", ["gru", "bert"])
+def test_scan_model_scores_its_fragments_with_scan_similarity(tokenizer, words):
     torch.manual_seed(0)
+    text = {"text_encoder": TINY_BERT, "text_projection": "linear"} if words == "bert" else {}
     model = scan_model(tokenizer, direction="i2t", lambda_softmax=4.0, pooling="lse",
-                       lambda_lse=5.0).eval()
+                       lambda_lse=5.0, **text).eval()
     batch = {"regions": torch.randn(2, 5, 10), "region_lengths": torch.tensor([5, 3]),
              **tokenizer(["a red circle", "a blue square to the left of a star", "a star"])}
     images, texts = model.encode_image(batch), model.encode_text(batch)
