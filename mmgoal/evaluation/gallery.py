@@ -27,7 +27,8 @@ from mmgoal.models.features import (
     slice_features,
 )
 
-SCORING_DEFAULTS = {"block_images": 128, "max_block_mb": 1024.0}
+SCORING_DEFAULTS = {"block_images": 128, "max_block_mb": 1024.0, "rerank_k": 0,
+                    "rerank_batch_size": 128}
 # Tensors of the size of a block's query-key score array that the cross attention
 # keeps alive at its peak (raw scores, clipped scores, attention, products).
 _LIVE_COPIES = 6
@@ -57,9 +58,9 @@ class Gallery:
     region_boxes: list[torch.Tensor] = field(default_factory=list)
 
 
-def _keep_tokens(model: torch.nn.Module, features, with_annotations: bool):
-    """Tokens are stored only where the score or the attention metrics need them."""
-    if getattr(model, "similarity_uses_tokens", False) or with_annotations:
+def _keep_tokens(model: torch.nn.Module, features, keep: bool):
+    """Tokens are stored only where the score, re-ranking or the attention metrics need them."""
+    if getattr(model, "similarity_uses_tokens", False) or keep:
         return detach_features(features)
     return type(features)(features.embedding.detach().float())
 
@@ -67,8 +68,12 @@ def _keep_tokens(model: torch.nn.Module, features, with_annotations: bool):
 @torch.no_grad()
 def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: Callable,
                    tokenizer: Callable, batch_size: int = 256, progress: bool = True,
-                   with_annotations: bool = False) -> Gallery:
-    """Encode every image and caption of the shards, in shard order."""
+                   with_annotations: bool = False, keep_tokens: bool = False) -> Gallery:
+    """Encode every image and caption of the shards, in shard order.
+
+    ``with_annotations`` also keeps entities and region boxes (attention metrics);
+    ``keep_tokens`` keeps every token (ITM re-ranking).
+    """
     was_training = model.training
     model.eval()
     counter = SkipCounter()
@@ -78,7 +83,8 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     boxes_of = getattr(model.image_encoder, "region_boxes", None) if with_annotations else None
     for batch in tqdm(iter_eval_batches(shards, transform, batch_size, counter),
                       desc="encode images", unit="batch", disable=not progress, leave=False):
-        images.append(_keep_tokens(model, model.encode_image(batch), with_annotations))
+        images.append(_keep_tokens(model, model.encode_image(batch),
+                                   with_annotations or keep_tokens))
         if boxes_of is not None:
             gallery.region_boxes += [b.float() for b in boxes_of(batch)]
         for image_id, caption_list, entities in zip(batch["image_ids"], batch["captions"],
@@ -93,7 +99,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     for start in tqdm(range(0, len(gallery.captions), batch_size), desc="encode texts",
                       unit="batch", disable=not progress, leave=False):
         features = model.encode_text(tokenizer(gallery.captions[start:start + batch_size]))
-        texts.append(_keep_tokens(model, features, with_annotations))
+        texts.append(_keep_tokens(model, features, with_annotations or keep_tokens))
     model.train(was_training)
     gallery.images, gallery.texts = cat_features(images), cat_features(texts)
     gallery.text_to_image = torch.tensor(text_to_image)
@@ -158,7 +164,7 @@ def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch
     total, first = None, None
     for member in members:
         gallery = encode_gallery(member.model, shards, member.transform, member.tokenizer,
-                                 batch_size, progress)
+                                 batch_size, progress, keep_tokens=scoring["rerank_k"] > 0)
         sims = score_gallery(member.model, gallery.images, gallery.texts,
                              scoring["block_images"], scoring["max_block_mb"], progress)
         if first is None:
@@ -179,11 +185,31 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
     Args:
         model: a model (with ``transform`` and ``tokenizer``), or a list of
             :class:`Member` whose score matrices are averaged (an ensemble).
-        scoring: ``block_images`` and ``max_block_mb`` for :func:`score_gallery`.
+        scoring: ``block_images`` and ``max_block_mb`` for :func:`score_gallery`;
+            ``rerank_k`` > 0 re-ranks the top k of every query by the model's ITM
+            head (``rerank_batch_size`` pairs at a time): the metrics are then the
+            re-ranked ones, and ``itc_*`` keys hold the ITC-only metrics.
     """
+    scoring = {**SCORING_DEFAULTS, **(scoring or {})}
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
         else list(model)
     sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress)
-    metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
+    if scoring["rerank_k"] <= 0:
+        metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
+        metrics["skipped"] = gallery.skipped
+        return metrics
+    from mmgoal.evaluation.rerank import itm_rerank
+
+    reranker = members[0].model
+    if len(members) > 1 or not hasattr(reranker, "match_logits"):
+        raise ValueError("evaluation.rerank_k needs one cross encoder with match_logits "
+                         "(no ensemble)")
+    if folds > 1:
+        raise ValueError("ITM re-ranking scores the whole gallery; use folds: 1")
+    i2t, t2i = itm_rerank(reranker.eval(), gallery.images, gallery.texts, sims,
+                          scoring["rerank_k"], scoring["rerank_batch_size"], progress)
+    metrics = retrieval_metrics(i2t, gallery.text_to_image, sims_t2i=t2i)
+    itc = retrieval_metrics(sims, gallery.text_to_image)
+    metrics.update({f"itc_{key}": value for key, value in itc.items()})
     metrics["skipped"] = gallery.skipped
     return metrics

@@ -40,7 +40,8 @@ def _summary(ranks: torch.Tensor, prefix: str) -> dict[str, float]:
     return out
 
 
-def _single_fold(sims: torch.Tensor, text_to_image: torch.Tensor) -> dict[str, float]:
+def _single_fold(sims: torch.Tensor, text_to_image: torch.Tensor,
+                 sims_t2i: torch.Tensor) -> dict[str, float]:
     n_images, _ = sims.shape
     positives = torch.arange(n_images, device=sims.device)[:, None] == text_to_image[None, :]
     if not positives.any(dim=1).all():
@@ -48,12 +49,13 @@ def _single_fold(sims: torch.Tensor, text_to_image: torch.Tensor) -> dict[str, f
         raise ValueError(f"images {missing} have no caption in text_to_image; every image "
                          f"needs at least one")
     metrics = _summary(_ranks(sims, positives), "i2t")
-    metrics.update(_summary(_ranks(sims.T, positives.T), "t2i"))
+    metrics.update(_summary(_ranks(sims_t2i.T, positives.T), "t2i"))
     metrics["rsum"] = sum(metrics[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in RECALL_KS)
     return metrics
 
 
-def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1) -> dict[str, float]:
+def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1,
+                      sims_t2i: torch.Tensor | None = None) -> dict[str, float]:
     """Image-to-text and text-to-image retrieval metrics of a score matrix.
 
     Args:
@@ -62,6 +64,9 @@ def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1) -> dict
             number of texts per image).
         folds: 1 for the whole gallery; 5 averages over five consecutive folds
             of ``n_images / 5`` images and their texts (COCO 1K).
+        sims_t2i: a separate (n_images, n_texts) matrix for text-to-image
+            retrieval (ITM re-ranking scores each direction's candidates);
+            ``sims`` then serves image-to-text only.
 
     Returns:
         ``i2t_r1 i2t_r5 i2t_r10 t2i_r1 t2i_r5 t2i_r10`` (percent), ``i2t_medr
@@ -70,11 +75,15 @@ def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1) -> dict
         caption of each image. Ties are broken against the query.
     """
     sims = torch.as_tensor(sims).detach().float().cpu()
+    sims_t2i = sims if sims_t2i is None else torch.as_tensor(sims_t2i).detach().float().cpu()
+    if sims_t2i.shape != sims.shape:
+        raise ValueError(f"sims_t2i must have the shape of sims {tuple(sims.shape)}, got "
+                         f"{tuple(sims_t2i.shape)}")
     text_to_image = torch.as_tensor(text_to_image, dtype=torch.long).cpu()
     if sims.ndim != 2 or text_to_image.shape != (sims.shape[1],):
         raise ValueError(f"sims must be (n_images, n_texts) and text_to_image (n_texts,); got "
                          f"{tuple(sims.shape)} and {tuple(text_to_image.shape)}")
-    if not torch.isfinite(sims).all():
+    if not (torch.isfinite(sims).all() and torch.isfinite(sims_t2i).all()):
         raise ValueError("sims holds NaN or inf scores; check the model's outputs")
     n_images = sims.shape[0]
     if text_to_image.min() < 0 or text_to_image.max() >= n_images:
@@ -86,6 +95,7 @@ def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1) -> dict
     for fold in range(folds):
         texts = ((text_to_image >= fold * size) & (text_to_image < (fold + 1) * size)).nonzero()
         texts = texts.flatten()
-        per_fold.append(_single_fold(sims[fold * size:(fold + 1) * size, texts],
-                                     text_to_image[texts] - fold * size))
+        rows = slice(fold * size, (fold + 1) * size)
+        per_fold.append(_single_fold(sims[rows, texts], text_to_image[texts] - fold * size,
+                                     sims_t2i[rows, texts]))
     return {key: sum(m[key] for m in per_fold) / folds for key in per_fold[0]}

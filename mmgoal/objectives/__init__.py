@@ -1,3 +1,3 @@
 """Objectives: hard-negative mining, GOAL gradient objectives, classic losses, CCR/CCS."""
 
-from mmgoal.objectives import classic, constraints, goal, mining, triplet, weights  # noqa: F401
+from mmgoal.objectives import classic, constraints, goal, itm, mining, triplet, weights  # noqa: F401

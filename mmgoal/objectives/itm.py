@@ -1,0 +1,123 @@
+"""Image-text matching (ITM) with hard negatives sampled from the ITC scores (X-VLM, ALBEF).
+
+For every text one negative image, and for every image one negative text, is
+drawn with probabilities ``softmax(S / temperature)`` over the batch, entries of
+the same image set to zero; the fusion layers then classify the positive pairs
+and the negatives (cross entropy on the 2-way ITM head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmgoal.models.features import ImageFeatures, TextFeatures
+from mmgoal.objectives.mining import check_positives
+from mmgoal.registry import OBJECTIVES
+
+
+@torch.no_grad()
+def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperature: float,
+                          generator: torch.Generator | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One negative column per row, drawn from ``softmax(sims[row] / temperature)`` over the
+    row's negatives.
+
+    Returns:
+        index (n_rows,) long; valid (n_rows,) bool, False for a row without negatives.
+    """
+    logits = (sims.float() / temperature).masked_fill(positives, float("-inf"))
+    valid = (~positives).any(1)
+    probs = torch.softmax(logits, dim=1).nan_to_num(0.0)
+    probs[~valid] = 1.0  # anything: the row is masked out
+    index = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1)
+    return index.to(sims.device), valid
+
+
+def _take(features, index: torch.Tensor):
+    return type(features)(features.embedding[index], tokens=features.tokens[index],
+                          mask=features.mask[index])
+
+
+def _cat(a, b, c):
+    return type(a)(torch.cat([a.embedding, b.embedding, c.embedding]),
+                   tokens=torch.cat([a.tokens, b.tokens, c.tokens]),
+                   mask=torch.cat([a.mask, b.mask, c.mask]))
+
+
+@OBJECTIVES.register()
+class ITMLoss(nn.Module):
+    """Cross entropy of the ITM head on positives and softmax-sampled hard negatives.
+
+    The training batch pairs image ``b`` with text ``b``; ``sims`` are the ITC
+    scores of the batch. Needs the model (``match_logits``) and the features,
+    which the trainer passes.
+
+    Args:
+        weight: the loss's factor in the total.
+        temperature: of the sampling softmax (X-VLM samples from its ITC logits,
+            ``S / 0.07`` at the start of training).
+    """
+
+    def __init__(self, weight: float = 1.0, temperature: float = 0.07) -> None:
+        super().__init__()
+        self.weight = weight
+        self.temperature = temperature
+
+    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
+                model: nn.Module | None = None, image_features: ImageFeatures | None = None,
+                text_features: TextFeatures | None = None,
+                generator: torch.Generator | None = None, **extras) -> dict[str, torch.Tensor]:
+        if model is None or image_features is None or text_features is None:
+            raise ValueError("ITMLoss needs model, image_features and text_features "
+                             "(the trainer passes them)")
+        if not hasattr(model, "match_logits"):
+            raise ValueError(f"ITMLoss needs a cross encoder with match_logits; "
+                             f"{type(model).__name__} has none")
+        positives = check_positives(sims, positives)
+        if sims.shape[0] != sims.shape[1]:
+            raise ValueError("ITMLoss needs the training batch's aligned pairs (n_images == "
+                             "n_texts)")
+        batch = len(sims)
+        negative_text, text_ok = sample_hard_negatives(sims, positives, self.temperature,
+                                                       generator)
+        negative_image, image_ok = sample_hard_negatives(sims.T, positives.T, self.temperature,
+                                                         generator)
+        images = _cat(image_features, _take(image_features, negative_image),
+                      image_features)
+        texts = _cat(text_features, text_features, _take(text_features, negative_text))
+        labels = torch.cat([torch.ones(batch), torch.zeros(2 * batch)]).long().to(sims.device)
+        keep = torch.cat([torch.ones(batch, dtype=torch.bool, device=sims.device),
+                          image_ok, text_ok])
+        logits = model.match_logits(images, texts)
+        loss = F.cross_entropy(logits[keep], labels[keep])
+        accuracy = (logits[keep].argmax(1) == labels[keep]).float().mean()
+        return {"itm_loss": self.weight * loss, "itm_accuracy": accuracy.detach()}
+
+
+@OBJECTIVES.register()
+class ObjectiveSum(nn.Module):
+    """Several objectives on the same scores, their losses added (X-VLM: ITC + ITM).
+
+    Args:
+        terms: ``OBJECTIVES`` configs. Swap one term for another with an
+            override, e.g. ``objective.terms.0={type: GoalObjective, ...}`` puts
+            a GOAL objective in place of the ITC term while ITM stays.
+    """
+
+    def __init__(self, terms: list[dict]) -> None:
+        super().__init__()
+        if not terms:
+            raise ValueError("ObjectiveSum needs at least one term")
+        self.terms = nn.ModuleList(OBJECTIVES.build(term) for term in terms)
+
+    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
+                **extras) -> dict[str, torch.Tensor]:
+        outputs: dict[str, torch.Tensor] = {}
+        for term in self.terms:
+            for key, value in term(sims, positives, **extras).items():
+                if key in outputs:
+                    raise ValueError(f"two ObjectiveSum terms both return {key!r}")
+                outputs[key] = value
+        return outputs
