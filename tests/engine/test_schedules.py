@@ -25,5 +25,18 @@ def test_step_decay_at_epoch_milestones():
 
 
 def test_unknown_kind():
-    with pytest.raises(ValueError, match="cosine, step, constant"):
-        LRSchedule("linear")
+    with pytest.raises(ValueError, match="cosine, linear, step, constant"):
+        LRSchedule("exponential")
+
+
+def test_warmup_ratio_is_a_share_of_the_run():
+    from mmgoal.engine.schedules import LRSchedule
+
+    schedule = LRSchedule("cosine", total_steps=200, warmup_ratio=0.1)
+    assert schedule.warmup_steps == 20
+    assert schedule.factor(9) == 0.5 and schedule.factor(19) == 1.0
+    assert schedule.factor(199) < 1e-3
+    linear = LRSchedule("linear", total_steps=120, warmup_ratio=0.1)
+    assert linear.warmup_steps == 12 and math.isclose(linear.factor(12 + 54), 0.5)
+    with pytest.raises(ValueError, match="not both"):
+        LRSchedule("cosine", total_steps=10, warmup_steps=2, warmup_ratio=0.1)

@@ -173,6 +173,48 @@ def test_xvlm_text_tower_from_the_minilm_wheel():
 def test_xvlm_config_errors(tokenizer):
     with pytest.raises(ValueError, match="fusion_layers must be between 1 and 3"):
         tiny_xvlm(tokenizer, fusion_layers=4)
-    with pytest.raises(ValueError, match="CLS token"):
+    with pytest.raises(ValueError, match="needs a vision transformer"):
         tiny_xvlm(tokenizer, vision={"model_name": "mmgoal_small_cnn",
                                      "model_kwargs": {"widths": [8]}})
+
+
+def test_a_swin_image_tower_gets_its_mean_token_as_cls(tokenizer):
+    swin = {"model_name": "swin_tiny_patch4_window7_224",
+            "model_kwargs": {"img_size": 32, "window_size": 2, "embed_dim": 16,
+                             "depths": [1, 1], "num_heads": [1, 2]}}
+    model = tiny_xvlm(tokenizer, vision=swin)
+    images = model.encode_image({"images": torch.randn(2, 3, 32, 32)})
+    assert images.tokens.shape == (2, 1 + 16, 32)
+    torch.testing.assert_close(images.tokens[:, 0], images.tokens[:, 1:].mean(1))
+    texts = model.encode_text(tokenizer(CAPTIONS[:2]))
+    assert model.match_logits(images, texts).shape == (2, 2)
+
+
+def test_tiny_xvlm_trains_with_itc_itm_and_reports_reranked_metrics(tiny_benchmark, tmp_path):
+    import json
+
+    from mmgoal.config import load_config
+    from mmgoal.engine.trainer import Trainer
+
+    out, _ = tiny_benchmark
+    cfg = load_config("configs/xvlm/xvlm_goal_synthetic.yaml", [
+        'model.vision.model_kwargs={"img_size": 32, "patch_size": 8, "embed_dim": 32, '
+        '"depth": 1, "num_heads": 2}',
+        'model.text.config={"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, '
+        '"num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 64}',
+        "model.fusion_layers=1", "data.image_size=32", "data.num_workers=0",
+        f"data.train.shards={out}/train-{{000000..000002}}.tar", "data.train.batch_size=16",
+        f"data.val.shards={out}/val-000000.tar",
+        f"data.test.shards={out}/test-{{000000..000001}}.tar",
+        "train.epochs=1", "train.log_every=1", "evaluation.rerank_k=3"])
+    cfg["train"]["progress"] = False
+    report = Trainer(cfg, tmp_path / "run").fit()
+    test = report["test"]
+    assert {"rsum", "itc_rsum", "i2t_r1", "itc_i2t_r1"} <= set(test)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    train = [r for r in records if r["type"] == "train"]
+    # GOAL replaced ITC; ITM stays and is added to the loss.
+    assert all({"goal_loss", "itm_loss", "itm_accuracy"} <= set(r) for r in train)
+    assert all(abs(r["loss"] - r["goal_loss"] - r["itm_loss"]) < 1e-4 for r in train)
+    # Only the top 3 are re-ranked: R@5 and R@10 keep the ITC candidates beyond them.
+    assert test["i2t_r10"] == test["itc_i2t_r10"] and test["t2i_r10"] == test["itc_t2i_r10"]
