@@ -8,6 +8,8 @@
     # attention precision / recall / F1 against entity boxes (the shards' own, or
     # Flickr30K Entities files joined by image id), with the PR curve as PNG
     python tools/evaluate.py CONFIG CKPT --attention [--entities DIR] [--curve pr.png]
+    # a cross encoder: ITC for the gallery, the top K of every query re-scored by ITM
+    python tools/evaluate.py configs/xvlm/xvlm_tiny_synthetic.yaml CKPT --rerank-k 16
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ensemble", nargs="+", default=[], metavar="CKPT",
                         help="more checkpoints whose score matrices are averaged with the "
                              "first; each is built from the config saved inside it")
+    parser.add_argument("--rerank-k", type=int, default=None,
+                        help="re-rank the top K ITC candidates of every query by ITM (cross "
+                             "encoders; 0 = off; default: evaluation.rerank_k of the config)")
     parser.add_argument("--attention", action="store_true",
                         help="also report attention precision/recall/F1 (cross-attention "
                              "models; entity boxes from the shards or --entities)")
@@ -126,12 +131,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     members = [member(cfg, states[0])] + [member(s["config"], s) for s in states[1:]]
     folds = args.folds or split_cfg.get("folds", 1)
-    metrics = evaluate_retrieval(members, split_cfg["shards"],
-                                 batch_size=cfg["data"].get("eval_batch_size", 256), folds=folds,
-                                 scoring=cfg.get("evaluation"))
+    scoring = dict(cfg.get("evaluation") or {})
+    if args.rerank_k is not None:
+        scoring["rerank_k"] = args.rerank_k
+    try:
+        metrics = evaluate_retrieval(members, split_cfg["shards"],
+                                     batch_size=cfg["data"].get("eval_batch_size", 256),
+                                     folds=folds, scoring=scoring)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)
     print(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
     print(metrics_table(metrics))
+    if "itc_rsum" in metrics:
+        print(f"  (ITM re-ranking of the top {scoring['rerank_k']}; ITC alone: R@1 "
+              f"{metrics['itc_i2t_r1']:.2f} / {metrics['itc_t2i_r1']:.2f}, "
+              f"rsum {metrics['itc_rsum']:.2f})")
     result = {"split": args.split, "folds": folds, "checkpoint": str(args.checkpoint),
               "ensemble": list(args.ensemble), "metrics": metrics}
     if args.attention:
