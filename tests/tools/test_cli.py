@@ -14,20 +14,24 @@ def run_tool(*args, cwd=ROOT):
                           text=True, timeout=600)
 
 
-@pytest.fixture
-def tiny_config_file(tiny_benchmark, tmp_path):
-    out, _ = tiny_benchmark
-    cfg = {
-        "_base_": str(ROOT / "configs" / "quickstart.yaml"),
-        "model": {"embed_dim": 16,
-                  "image_encoder": {"model_kwargs": {"widths": [8, 16]}},
+def tiny_overrides(base: str, out: Path, **extra) -> dict:
+    """A config on ``base`` shrunk to the tiny benchmark (a few seconds an epoch)."""
+    return {
+        "_base_": str(ROOT / "configs" / base),
+        "model": {"embed_dim": 16, "image_encoder": {"model_kwargs": {"widths": [8, 16]}},
                   "text_encoder": {"word_dim": 8, "hidden_size": 16}},
         "data": {"image_size": 32, "num_workers": 0,
                  "train": {"shards": str(out / "train-{000000..000002}.tar"), "batch_size": 16},
                  "val": {"shards": str(out / "val-000000.tar")},
                  "test": {"shards": str(out / "test-{000000..000001}.tar")}},
-        "train": {"epochs": 2, "progress": False},
+        **extra,
     }
+
+
+@pytest.fixture
+def tiny_config_file(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cfg = tiny_overrides("quickstart.yaml", out, train={"epochs": 2, "progress": False})
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -95,18 +99,10 @@ def test_plot_weights(tmp_path):
 @pytest.mark.slow
 def test_sweep_tabulates_and_resumes(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
-    cfg = {
-        "_base_": str(ROOT / "configs" / "goal" / "sweep_synthetic.yaml"),
-        "model": {"embed_dim": 16, "image_encoder": {"model_kwargs": {"widths": [8, 16]}},
-                  "text_encoder": {"word_dim": 8, "hidden_size": 16}},
-        "data": {"image_size": 32, "num_workers": 0,
-                 "train": {"shards": str(out / "train-{000000..000002}.tar"), "batch_size": 16},
-                 "val": {"shards": str(out / "val-000000.tar")},
-                 "test": {"shards": str(out / "test-{000000..000001}.tar")}},
-        "train": {"epochs": 2},
-        "hooks": [{"type": "ObjectiveWarmup", "epochs": 1,
-                   "objective": {"type": "TripletLoss", "max_violation": False}}],
-    }
+    cfg = tiny_overrides(
+        "goal/sweep_synthetic.yaml", out, train={"epochs": 2},
+        hooks=[{"type": "ObjectiveWarmup", "epochs": 1,
+                "objective": {"type": "TripletLoss", "max_violation": False}}])
     config = tmp_path / "sweep.yaml"
     config.write_text(yaml.safe_dump(cfg))
     sweep = tmp_path / "sweep"
@@ -141,18 +137,9 @@ def test_sweep_tabulates_and_resumes(tiny_benchmark, tmp_path):
 @pytest.mark.slow
 def test_scan_cli_ensemble_attention_and_plot(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
-    cfg = {
-        "_base_": str(ROOT / "configs" / "scan" / "scan_synthetic.yaml"),
-        "model": {"embed_dim": 16, "image_encoder": {"model_kwargs": {"widths": [8, 16]}},
-                  "text_encoder": {"word_dim": 8, "hidden_size": 16}},
-        "data": {"image_size": 32, "num_workers": 0,
-                 "train": {"shards": str(out / "train-{000000..000002}.tar"), "batch_size": 16},
-                 "val": {"shards": str(out / "val-000000.tar")},
-                 "test": {"shards": str(out / "test-{000000..000001}.tar")}},
-        "train": {"epochs": 1, "progress": False},
-        "hooks": [],
-        "constraints": [{"type": "CCRConstraint"}],
-    }
+    cfg = tiny_overrides("scan/scan_synthetic.yaml", out,
+                         train={"epochs": 1, "progress": False}, hooks=[],
+                         constraints=[{"type": "CCRConstraint"}])
     path = tmp_path / "scan.yaml"
     path.write_text(yaml.safe_dump(cfg))
     work = tmp_path / "run"
