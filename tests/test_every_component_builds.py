@@ -87,7 +87,17 @@ def test_every_registered_name_has_an_example_that_builds(registry_name):
         if registry_name == "OBJECTIVES":  # every objective follows the contract
             torch.manual_seed(0)
             sims = torch.randn(4, 4, requires_grad=True)
-            out = built(sims, positives=torch.eye(4, dtype=torch.bool))
+            # the extras the trainer passes: a cross encoder and its features (ITM needs them)
+            model = registry.MODELS.build({"type": "XVLM", **EXAMPLES["MODELS"]["XVLM"]},
+                                          tokenizer=TOKENIZER)
+            batch = {"images": torch.randn(4, 3, 16, 16),
+                     **TOKENIZER(["a red circle", "a circle", "red", "a red red circle"])}
+            out = built(sims, positives=torch.eye(4, dtype=torch.bool), model=model,
+                        image_features=model.encode_image(batch),
+                        text_features=model.encode_text(batch))
             loss = sum(v for k, v in out.items() if k.endswith("_loss"))
             loss.backward()
-            assert torch.isfinite(sims.grad).all() and sims.grad.abs().sum() > 0
+            if name == "ITMLoss":  # the scores only pick the negatives; the fusion learns
+                assert model.itm_head.weight.grad.abs().sum() > 0
+            else:
+                assert torch.isfinite(sims.grad).all() and sims.grad.abs().sum() > 0
