@@ -184,3 +184,19 @@ def test_goal_objectives_train_scan_through_its_cross_attention(tokenizer):
     cir = grads(OBJECTIVES.build({"type": "GoalObjective", "triplet": "cir", "pair": "sig_ms"}),
                 "goal_loss")
     assert all(g.abs().sum() > 0 for g in cir.values())
+
+
+@pytest.mark.parametrize("direction,pooling,lambda_softmax", [
+    ("t2i", "avg", 9.0), ("i2t", "lse", 4.0), ("t2i", "lse", 30.0)])
+def test_evaluation_path_equals_the_autograd_path(direction, pooling, lambda_softmax):
+    """Without autograd the scores are computed in place: the same numbers."""
+    generator = torch.Generator().manual_seed(4)
+    regions, region_mask = random_items(5, 7, 16, generator)
+    words, word_mask = random_items(6, 5, 16, generator)
+    regions, words = regions.float(), words.float()
+    with_grad = scan_similarity(regions.clone().requires_grad_(), region_mask, words,
+                                word_mask, direction, lambda_softmax, pooling, 10.0)
+    with torch.no_grad():
+        in_place = scan_similarity(regions, region_mask, words, word_mask, direction,
+                                   lambda_softmax, pooling, 10.0)
+    torch.testing.assert_close(in_place, with_grad.detach(), atol=1e-6, rtol=1e-6)

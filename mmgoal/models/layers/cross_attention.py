@@ -26,6 +26,8 @@ import torch.nn.functional as F
 DIRECTIONS = ("t2i", "i2t")
 POOLINGS = ("avg", "lse")
 EPS = 1e-8
+# exp(2 * lambda) must stay far from float32's limit in |att|^2 without a max shift.
+_NO_MAX_SHIFT_BELOW = 20.0
 
 
 def _check(direction: str, pooling: str) -> None:
@@ -64,27 +66,49 @@ def _attend_all_pairs(queries: torch.Tensor, query_mask: torch.Tensor, keys: tor
     """(Nq, Q, D) query items x (Nk, K, D) key items -> (Nk, Nq) pooled relevance.
 
     Layout (Nk, K, Nq, Q): one matrix product gives it contiguous, the softmax
-    runs over K, and the Gram term is one batched product per key item.
+    runs over K, and the Gram term is one batched product per key item. Without
+    autograd (evaluation) the same steps run in place, which saves most of the
+    memory traffic of the large (Nk, K, Nq, Q) arrays.
     """
     n_q, q_len, dim = queries.shape
     n_k, k_len, _ = keys.shape
     raw = (keys.reshape(n_k * k_len, dim) @ queries.reshape(n_q * q_len, dim).T)
     raw = raw.view(n_k, k_len, n_q, q_len)
-    scores = F.leaky_relu(raw, 0.1)
-    if not query_mask.all():
-        scores = scores * query_mask
-    # Clipped L2 norm over the queries and the softmax's lambda in one scaling.
-    logits = scores * (lambda_softmax / (scores.norm(dim=-1, keepdim=True) + EPS))
-    if not key_mask.all():
-        logits = logits.masked_fill(~key_mask[:, :, None, None], float("-inf"))
-    attention = torch.softmax(logits, dim=1)  # over the keys
-    # query . attended = sum_k a s_raw;  |attended|^2 = a G a^T with G the key Gram matrix.
-    dot = (attention * raw).sum(1)  # (Nk, Nq, Q)
     gram = keys @ keys.transpose(1, 2)  # (Nk, K, K)
-    quad = (torch.bmm(gram, attention.reshape(n_k, k_len, n_q * q_len))
-            .view(n_k, k_len, n_q, q_len) * attention).sum(1)
     query_norm = queries.norm(dim=-1)[None]
-    relevance = dot / (query_norm * quad.clamp(min=EPS**2).sqrt()).clamp(min=EPS)
+    all_queries, all_keys = bool(query_mask.all()), bool(key_mask.all())
+    if torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad):
+        scores = F.leaky_relu(raw, 0.1)
+        if not all_queries:
+            scores = scores * query_mask
+        # Clipped L2 norm over the queries and the softmax's lambda in one scaling.
+        logits = scores * (lambda_softmax / (scores.norm(dim=-1, keepdim=True) + EPS))
+        if not all_keys:
+            logits = logits.masked_fill(~key_mask[:, :, None, None], float("-inf"))
+        attention = torch.softmax(logits, dim=1)  # over the keys
+        # query . attended = sum_k a s_raw;  |attended|^2 = a G a^T.
+        dot = (attention * raw).sum(1)  # (Nk, Nq, Q)
+        quad = (torch.bmm(gram, attention.reshape(n_k, k_len, n_q * q_len))
+                .view(n_k, k_len, n_q, q_len) * attention).sum(1)
+        relevance = dot / (query_norm * quad.clamp(min=EPS**2).sqrt()).clamp(min=EPS)
+        return _pool(relevance, query_mask, pooling, lambda_lse)
+    attention = F.leaky_relu(raw, 0.1)
+    if not all_queries:
+        attention.mul_(query_mask)
+    attention.mul_(attention.norm(dim=-1, keepdim=True).add_(EPS).reciprocal_()
+                   .mul_(lambda_softmax))
+    # The relevance is invariant to the attention's scale (the softmax's sum cancels
+    # between e.att and |att|), so the softmax is left unnormalised; the clipped scores
+    # lie in [-1, 1], so exp(lambda * score) cannot overflow for moderate lambdas.
+    if not all_keys:
+        attention.masked_fill_(~key_mask[:, :, None, None], float("-inf"))
+    if lambda_softmax > _NO_MAX_SHIFT_BELOW:
+        attention.sub_(attention.amax(1, keepdim=True))
+    attention.exp_()
+    quad = torch.bmm(gram, attention.view(n_k, k_len, n_q * q_len)).view(n_k, k_len, n_q, q_len)
+    quad = quad.mul_(attention).sum(1)
+    dot = raw.mul_(attention).sum(1)
+    relevance = dot.div_((query_norm * quad.clamp_(min=EPS**2).sqrt_()).clamp_(min=EPS))
     return _pool(relevance, query_mask, pooling, lambda_lse)
 
 
