@@ -7,7 +7,8 @@
 ``--index`` is the image's position in the split's shards, ``--caption`` one of
 its captions, ``--word`` a word of that caption (its text, or its position in
 ``caption.split()``). Each region box is filled with an opacity proportional to
-the word's attention weight on it (text-to-image attention) and labelled with it.
+the word's attention weight on it (text-to-image attention) and labelled with it;
+a region that covers the whole image is only named, with its weight.
 """
 
 from __future__ import annotations
@@ -111,13 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     fig, ax = plt.subplots(figsize=(5, 5.6))
     ax.imshow(image)
     top = float(weights.max())
-    for box, weight in sorted(zip(boxes.tolist(), weights.tolist()), key=lambda x: -x[1]):
+    whole = []
+    # Largest first, so that small regions are drawn on top of the ones that contain them.
+    for box, weight in sorted(zip(boxes.tolist(), weights.tolist()),
+                              key=lambda x: -(x[0][2] - x[0][0]) * (x[0][3] - x[0][1])):
         x0, y0, x1, y1 = box[0] * width, box[1] * height, box[2] * width, box[3] * height
+        if (box[2] - box[0]) * (box[3] - box[1]) >= 0.95:  # the whole image: outline only
+            whole.append(weight)
+            continue
         alpha = 0.6 * weight / max(top, 1e-8)
         ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor="yellow", alpha=alpha,
                                edgecolor="red", linewidth=1.5 if weight == top else 0.5))
         ax.text(x0 + 0.5, y0 + 0.5, f"{weight:.2f}", fontsize=7, va="top", color="black",
                 bbox={"facecolor": "white", "alpha": 0.6, "pad": 0.5, "linewidth": 0})
+    if whole:
+        ax.text(0.5, height - 0.5, "whole image: " + ", ".join(f"{w:.2f}" for w in whole),
+                fontsize=7, va="bottom", color="black",
+                bbox={"facecolor": "white", "alpha": 0.8, "pad": 1, "linewidth": 0})
     words = caption.split()
     words[position] = f"[{words[position]}]"
     ax.set_title("\n".join([" ".join(words[i:i + 8]) for i in range(0, len(words), 8)]),
