@@ -81,7 +81,8 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     images: list[ImageFeatures] = []
     gallery = Gallery(None, None, None, 0)
     text_to_image: list[int] = []
-    boxes_of = getattr(model.image_encoder, "region_boxes", None) if with_annotations else None
+    encoder = getattr(model, "image_encoder", None)
+    boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
     for batch in tqdm(iter_eval_batches(shards, transform, batch_size, counter),
                       desc="encode images", unit="batch", disable=not progress, leave=False):
         images.append(_keep_tokens(model, model.encode_image(batch),
