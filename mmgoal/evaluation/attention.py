@@ -19,6 +19,7 @@ from torchvision.ops import box_iou
 from tqdm import tqdm
 
 from mmgoal.evaluation.gallery import Gallery
+from mmgoal.models.features import index_features
 
 T_ATT_SWEEP = tuple(round(0.01 * k, 2) for k in range(11))
 T_IOU = 0.4
@@ -161,12 +162,8 @@ def evaluate_attention(model: torch.nn.Module, gallery: Gallery, tokenizer,
         chunk = pairs[start:start + batch_size]
         images = torch.tensor([p[0] for p in chunk])
         texts = torch.tensor([p[1] for p in chunk])
-        image_features = type(gallery.images)(gallery.images.embedding[images],
-                                              gallery.images.tokens[images],
-                                              gallery.images.mask[images])
-        text_features = type(gallery.texts)(gallery.texts.embedding[texts],
-                                            gallery.texts.tokens[texts], gallery.texts.mask[texts])
-        weights = model.attention(image_features, text_features, direction="t2i").weights
+        weights = model.attention(index_features(gallery.images, images),
+                                  index_features(gallery.texts, texts), direction="t2i").weights
         for row, (image, _, phrases) in enumerate(chunk):
             boxes = gallery.region_boxes[image].double()
             for positions, phrase_boxes in phrases:

@@ -12,12 +12,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from mmgoal.models.features import ImageFeatures, TextFeatures
-
-
-def _pairs(features, index: torch.Tensor):
-    return type(features)(features.embedding[index], tokens=features.tokens[index],
-                          mask=features.mask[index])
+from mmgoal.models.features import ImageFeatures, TextFeatures, index_features
 
 
 @torch.no_grad()
@@ -29,8 +24,8 @@ def itm_scores(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
     for start in tqdm(range(0, len(image_index), batch_size), desc=desc, unit="batch",
                       disable=not progress, leave=False):
         end = start + batch_size
-        image_part = _pairs(images, image_index[start:end])
-        text_part = _pairs(texts, text_index[start:end])
+        image_part = index_features(images, image_index[start:end])
+        text_part = index_features(texts, text_index[start:end])
         # Cut the text padding to the longest caption of the batch.
         width = max(int(text_part.mask.sum(1).max()), 1)
         text_part = type(text_part)(text_part.embedding, tokens=text_part.tokens[:, :width],

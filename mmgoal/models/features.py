@@ -68,3 +68,9 @@ def detach_features(features: ImageFeatures | TextFeatures, dtype=torch.float32)
     tokens = None if features.tokens is None else features.tokens.detach().to(dtype)
     return type(features)(features.embedding.detach().to(dtype), tokens=tokens,
                           mask=features.mask)
+
+
+def index_features(features: ImageFeatures | TextFeatures, index: torch.Tensor):
+    """The rows ``index`` (a 1-D long tensor, repeats allowed) of features with tokens."""
+    return type(features)(features.embedding[index], tokens=features.tokens[index],
+                          mask=features.mask[index])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmgoal.models.features import ImageFeatures, TextFeatures
+from mmgoal.models.features import ImageFeatures, TextFeatures, index_features
 from mmgoal.objectives.mining import check_positives
 from mmgoal.registry import OBJECTIVES
 
@@ -33,11 +33,6 @@ def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperatu
     probs[~valid] = 1.0  # anything: the row is masked out
     index = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1)
     return index.to(sims.device), valid
-
-
-def _take(features, index: torch.Tensor):
-    return type(features)(features.embedding[index], tokens=features.tokens[index],
-                          mask=features.mask[index])
 
 
 def _cat(a, b, c):
@@ -84,9 +79,9 @@ class ITMLoss(nn.Module):
                                                        generator)
         negative_image, image_ok = sample_hard_negatives(sims.T, positives.T, self.temperature,
                                                          generator)
-        images = _cat(image_features, _take(image_features, negative_image),
+        images = _cat(image_features, index_features(image_features, negative_image),
                       image_features)
-        texts = _cat(text_features, text_features, _take(text_features, negative_text))
+        texts = _cat(text_features, text_features, index_features(text_features, negative_text))
         labels = torch.cat([torch.ones(batch), torch.zeros(2 * batch)]).long().to(sims.device)
         keep = torch.cat([torch.ones(batch, dtype=torch.bool, device=sims.device),
                           image_ok, text_ok])
