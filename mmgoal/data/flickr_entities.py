@@ -51,18 +51,22 @@ def parse_sentence(line: str) -> tuple[str, list[dict]]:
 
 def parse_annotation(path: str | Path) -> dict:
     """An ``Annotations/<id>.xml`` -> ``{"width", "height", "boxes": {entity id: [xyxy]}}``."""
-    root = ElementTree.parse(path).getroot()
-    size = root.find("size")
-    width = int(size.findtext("width")) if size is not None else None
-    height = int(size.findtext("height")) if size is not None else None
-    boxes: dict[str, list[list[float]]] = {}
-    for obj in root.iter("object"):
-        box = obj.find("bndbox")
-        if box is None:  # <nobndbox> or <scene>: the phrase has no box
-            continue
-        xyxy = [float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax")]
-        for name in obj.findall("name"):
-            boxes.setdefault(name.text.strip(), []).append(xyxy)
+    try:
+        root = ElementTree.parse(path).getroot()
+        size = root.find("size")
+        width = int(size.findtext("width")) if size is not None else None
+        height = int(size.findtext("height")) if size is not None else None
+        boxes: dict[str, list[list[float]]] = {}
+        for obj in root.iter("object"):
+            box = obj.find("bndbox")
+            if box is None:  # <nobndbox> or <scene>: the phrase has no box
+                continue
+            xyxy = [float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax")]
+            for name in obj.findall("name"):
+                boxes.setdefault(name.text.strip(), []).append(xyxy)
+    except (ElementTree.ParseError, TypeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable Flickr30K Entities annotation ({error})") \
+            from error
     return {"width": width, "height": height, "boxes": boxes}
 
 

@@ -115,7 +115,8 @@ def decode_sample(sample: dict) -> dict:
 
     ``image`` (PIL RGB) from an image member; ``regions`` ((R, D) float tensor)
     from ``regions.npy``; ``boxes`` ((R, 4) xyxy as fractions of the image size)
-    from ``boxes.npy`` or, failing that, from the boxes of the JSON's entities.
+    from ``boxes.npy`` or, failing that, from the boxes of the JSON's entities;
+    ``entities``: the JSON's entities with their boxes as fractions too.
     A sample needs an image or regions.
     """
     key = sample.get("__key__", "?")

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from mmgoal.data.flickr_entities import (
@@ -83,6 +84,9 @@ def test_flickr30k_entities_reader_on_files_in_the_real_format(tmp_path):
     girl = [e for e in record["entities"] if e["caption"] == 1][0]
     assert girl["type"] == "people/bodyparts" and len(girl["boxes"]) == 2
     assert read_image_entities(tmp_path, 999) is None
+    (tmp_path / "Annotations" / "1001.xml").write_text("<annotation><object><name>1</name>")
+    with pytest.raises(ValueError, match="1001.xml: not a readable Flickr30K Entities"):
+        parse_annotation(tmp_path / "Annotations" / "1001.xml")
     # Joined to shard captions by text (order and case may differ), boxes as fractions.
     joined = entities_for_captions(record, ["a little girl climbs stairs .", "unrelated"])
     assert {e["caption"] for e in joined} == {0}
