@@ -26,6 +26,7 @@ from mmgoal.models.features import (
     detach_features,
     slice_features,
 )
+from mmgoal.models.layers.cross_attention import reuse_buffers
 
 SCORING_DEFAULTS = {"block_images": 128, "max_block_mb": 1024.0, "matmul_precision": "highest",
                     "rerank_k": 0, "rerank_batch_size": 128}
@@ -143,7 +144,8 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul_precision)
     try:
-        return _score_blocks(model, images, texts, block_images, max_block_mb, progress)
+        with reuse_buffers():
+            return _score_blocks(model, images, texts, block_images, max_block_mb, progress)
     finally:
         torch.set_float32_matmul_precision(previous)
 
