@@ -200,3 +200,25 @@ def test_evaluation_path_equals_the_autograd_path(direction, pooling, lambda_sof
         in_place = scan_similarity(regions, region_mask, words, word_mask, direction,
                                    lambda_softmax, pooling, 10.0)
     torch.testing.assert_close(in_place, with_grad.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_reused_buffers_give_the_same_scores_across_block_shapes():
+    from mmgoal.models.layers.cross_attention import reuse_buffers
+
+    generator = torch.Generator().manual_seed(5)
+    regions, region_mask = random_items(6, 7, 16, generator)
+    words, word_mask = random_items(9, 5, 16, generator)
+    regions, words = regions.float(), words.float()
+    with torch.no_grad():
+        fresh = [scan_similarity(regions[a:b], region_mask[a:b], words, word_mask)
+                 for a, b in ((0, 6), (0, 2), (2, 6))]
+        with reuse_buffers():  # a large block first, then smaller ones in the same arrays
+            reused = [scan_similarity(regions[a:b], region_mask[a:b], words, word_mask)
+                      for a, b in ((0, 6), (0, 2), (2, 6))]
+    for a, b in zip(fresh, reused):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # Autograd never uses the shared arrays.
+    with reuse_buffers():
+        graded = scan_similarity(regions.clone().requires_grad_(), region_mask, words, word_mask)
+    graded.sum().backward()
+    torch.testing.assert_close(graded.detach(), fresh[0], atol=1e-6, rtol=1e-6)
