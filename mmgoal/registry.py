@@ -100,9 +100,8 @@ class Registry:
         signature = inspect.signature(target)
         params = signature.parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        for key, value in context.items():
-            if key not in kwargs and (takes_any or key in params):
-                kwargs[key] = value
+        kwargs.update(accepted_kwargs(target, {k: v for k, v in context.items()
+                                               if k not in kwargs}))
         if not takes_any:
             accepted = [
                 n for n, p in params.items()
@@ -129,6 +128,15 @@ class Registry:
                     f"{self.name} {type_name!r} needs config key(s) {', '.join(missing)}"
                 )
         return target(**kwargs)
+
+
+def accepted_kwargs(target: Callable[..., Any], candidates: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``candidates`` that ``target`` accepts: all of them when it takes ``**kwargs``,
+    else those it names as parameters."""
+    params = inspect.signature(target).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(candidates)
+    return {k: v for k, v in candidates.items() if k in params}
 
 
 MODELS = Registry("model")

@@ -41,6 +41,7 @@ from mmgoal.registry import (
     MODELS,
     OBJECTIVES,
     TOKENIZERS,
+    accepted_kwargs,
     import_custom_modules,
     load_plugins,
 )
@@ -246,9 +247,9 @@ class Trainer:
         text_features = self.model.encode_text(batch)
         sims = self.model.similarity(image_features, text_features)
         outputs = self.objective(sims, positives=positives_from_groups(batch["image_groups"]),
-                                 **objective_extras(self.objective, model=self.model,
-                                                    image_features=image_features,
-                                                    text_features=text_features))
+                                 **accepted_kwargs(self.objective.forward, {
+                                     "model": self.model, "image_features": image_features,
+                                     "text_features": text_features}))
         if self.constraints:  # image b and text b of a training batch are a matched pair
             attention = self.model.attention(image_features, text_features)
             for constraint in self.constraints:
@@ -407,15 +408,6 @@ class Trainer:
             self.log.write({"type": "test", "step": self.step, **report["test"]})
         (self.work_dir / "report.json").write_text(json.dumps(report, indent=2))
         return report
-
-
-def objective_extras(objective: torch.nn.Module, **extras: Any) -> dict[str, Any]:
-    """The extras (model, features) an objective's ``forward`` accepts: all of them when it
-    takes ``**extras``, else those it names."""
-    params = inspect.signature(objective.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return extras
-    return {k: v for k, v in extras.items() if k in params}
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

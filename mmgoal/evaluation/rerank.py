@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from mmgoal.models.features import ImageFeatures, TextFeatures, index_features
+from mmgoal.models.features import ImageFeatures, TextFeatures, index_features, slice_features
 
 
 @torch.no_grad()
@@ -25,11 +25,8 @@ def itm_scores(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
                       disable=not progress, leave=False):
         end = start + batch_size
         image_part = index_features(images, image_index[start:end])
-        text_part = index_features(texts, text_index[start:end])
-        # Cut the text padding to the longest caption of the batch.
-        width = max(int(text_part.mask.sum(1).max()), 1)
-        text_part = type(text_part)(text_part.embedding, tokens=text_part.tokens[:, :width],
-                                    mask=text_part.mask[:, :width])
+        # The pairs' captions, their padding cut to the longest of them.
+        text_part = slice_features(index_features(texts, text_index[start:end]), 0, batch_size)
         scores[start:end] = model.match_logits(image_part, text_part)[:, 1].float()
     return scores
 

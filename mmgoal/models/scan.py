@@ -21,13 +21,14 @@ from mmgoal.models.layers.cross_attention import (
     scan_attention,
     scan_similarity,
 )
+from mmgoal.models.layers.gpo import MeanPool
 from mmgoal.registry import ENCODERS, MODELS
 from mmgoal.sequences import length_mask
 
 
-def _masked_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    weights = mask.to(tokens.dtype)[..., None]
-    return F.normalize((tokens * weights).sum(1) / weights.sum(1).clamp(min=1), dim=-1)
+def _mean_embedding(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The normalised mean of the real fragments."""
+    return F.normalize(MeanPool()(tokens, lengths)[0], dim=-1)
 
 
 @MODELS.register()
@@ -89,7 +90,7 @@ class SCAN(nn.Module):
         tokens, lengths = self.image_encoder(batch)
         tokens = F.normalize(DualEncoder._project_tokens(self.image_proj, tokens, lengths), dim=-1)
         mask = length_mask(lengths, tokens.shape[1])
-        return ImageFeatures(_masked_mean(tokens, mask), tokens=tokens, mask=mask)
+        return ImageFeatures(_mean_embedding(tokens, lengths), tokens=tokens, mask=mask)
 
     def encode_text(self, batch: dict) -> TextFeatures:
         """``tokens`` (B, L), ``lengths`` (B,) -> L2-normalised word features and their mask."""
@@ -97,7 +98,7 @@ class SCAN(nn.Module):
         states = self.text_encoder.forward_tokens(batch["tokens"], lengths)
         words = F.normalize(DualEncoder._project_tokens(self.text_proj, states, lengths), dim=-1)
         mask = length_mask(lengths, words.shape[1])
-        return TextFeatures(_masked_mean(words, mask), tokens=words, mask=mask)
+        return TextFeatures(_mean_embedding(words, lengths), tokens=words, mask=mask)
 
     def similarity(self, image_features: ImageFeatures,
                    text_features: TextFeatures) -> torch.Tensor:

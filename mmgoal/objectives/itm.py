@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmgoal.models.features import ImageFeatures, TextFeatures, index_features
+from mmgoal.models.features import ImageFeatures, TextFeatures, cat_features, index_features
 from mmgoal.objectives.mining import check_positives
-from mmgoal.registry import OBJECTIVES
+from mmgoal.registry import OBJECTIVES, accepted_kwargs
 
 
 @torch.no_grad()
@@ -33,12 +33,6 @@ def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperatu
     probs[~valid] = 1.0  # anything: the row is masked out
     index = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1)
     return index.to(sims.device), valid
-
-
-def _cat(a, b, c):
-    return type(a)(torch.cat([a.embedding, b.embedding, c.embedding]),
-                   tokens=torch.cat([a.tokens, b.tokens, c.tokens]),
-                   mask=torch.cat([a.mask, b.mask, c.mask]))
 
 
 @OBJECTIVES.register()
@@ -79,9 +73,10 @@ class ITMLoss(nn.Module):
                                                        generator)
         negative_image, image_ok = sample_hard_negatives(sims.T, positives.T, self.temperature,
                                                          generator)
-        images = _cat(image_features, index_features(image_features, negative_image),
-                      image_features)
-        texts = _cat(text_features, text_features, index_features(text_features, negative_text))
+        images = cat_features([image_features, index_features(image_features, negative_image),
+                               image_features])
+        texts = cat_features([text_features, text_features,
+                              index_features(text_features, negative_text)])
         labels = torch.cat([torch.ones(batch), torch.zeros(2 * batch)]).long().to(sims.device)
         keep = torch.cat([torch.ones(batch, dtype=torch.bool, device=sims.device),
                           image_ok, text_ok])
@@ -111,7 +106,8 @@ class ObjectiveSum(nn.Module):
                 **extras) -> dict[str, torch.Tensor]:
         outputs: dict[str, torch.Tensor] = {}
         for term in self.terms:
-            for key, value in term(sims, positives, **extras).items():
+            for key, value in term(sims, positives,
+                                   **accepted_kwargs(term.forward, extras)).items():
                 if key in outputs:
                     raise ValueError(f"two ObjectiveSum terms both return {key!r}")
                 outputs[key] = value

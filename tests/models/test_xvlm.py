@@ -219,3 +219,26 @@ def test_tiny_xvlm_trains_with_itc_itm_and_reports_reranked_metrics(tiny_benchma
     assert all(abs(r["loss"] - r["goal_loss"] - r["itm_loss"]) < 1e-4 for r in train)
     # Only the top 3 are re-ranked: R@5 and R@10 keep the ITC candidates beyond them.
     assert test["i2t_r10"] == test["itc_i2t_r10"] and test["t2i_r10"] == test["itc_t2i_r10"]
+
+
+def test_objective_sum_hands_each_term_only_the_extras_it_accepts(tokenizer):
+    from mmgoal.objectives.triplet import TripletLoss
+
+    class PlainTriplet(TripletLoss):  # a user objective without **extras
+        def forward(self, sims, positives=None):
+            return super().forward(sims, positives)
+
+    OBJECTIVES.register("PlainTriplet", force=True)(PlainTriplet)
+    try:
+        objective = OBJECTIVES.build({"type": "ObjectiveSum", "terms": [
+            {"type": "PlainTriplet", "margin": 0.2}, {"type": "ITMLoss"}]})
+        model = tiny_xvlm(tokenizer)
+        batch = {"images": torch.randn(4, 3, 32, 32), **tokenizer(CAPTIONS)}
+        images, texts = model.encode_image(batch), model.encode_text(batch)
+        sims = model.similarity(images, texts)
+        out = objective(sims, model=model, image_features=images, text_features=texts)
+    finally:
+        OBJECTIVES._entries.pop("PlainTriplet")
+    expected = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})(sims)["triplet_loss"]
+    torch.testing.assert_close(out["triplet_loss"], expected)
+    assert "itm_loss" in out
