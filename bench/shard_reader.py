@@ -11,6 +11,7 @@ the gap is the price of decoding and batching.
 from __future__ import annotations
 
 import argparse
+import itertools
 import tarfile
 import tempfile
 import time
@@ -32,10 +33,12 @@ def raw_tar_read(urls: list[str]) -> int:
     return len(samples)
 
 
-def pipeline_read(urls: list[str], batch_size: int) -> int:
+def pipeline_read(urls: list[str], batch_size: int, samples: int) -> int:
+    """One epoch of the training stream (which itself never ends): ``samples`` // batch."""
     tokenizer = WordTokenizer().fit(read_captions(urls))
     dataset = ShardDataset(urls, batch_size, tokenizer, build_transforms(None, 64))
-    return sum(len(batch["captions"]) for batch in dataset)
+    return sum(len(batch["captions"])
+               for batch in itertools.islice(dataset, samples // batch_size))
 
 
 def timed(fn, *args) -> tuple[int, float]:
@@ -56,7 +59,7 @@ def main() -> None:
         urls = expand_shards(args.shards)
         raw_tar_read(urls)  # warm the page cache for both readers
         n_raw, t_raw = timed(raw_tar_read, urls)
-        n_pipe, t_pipe = timed(pipeline_read, urls, args.batch_size)
+        n_pipe, t_pipe = timed(pipeline_read, urls, args.batch_size, n_raw)
     print(f"raw tar read (baseline): {n_raw / t_raw:10.0f} samples/s ({n_raw} in {t_raw:.2f}s)")
     print(f"training pipeline:       {n_pipe / t_pipe:10.0f} samples/s ({n_pipe} in {t_pipe:.2f}s)")
     print(f"ratio pipeline / raw tar: {(n_pipe / t_pipe) / (n_raw / t_raw):.3f}")

@@ -3,6 +3,8 @@
     python tools/finetune.py configs/quickstart.yaml
     python tools/finetune.py configs/quickstart.yaml --cfg-options train.epochs=2 optimizer.lr=1e-3
     python tools/finetune.py configs/quickstart.yaml --work-dir work_dirs/run1 --resume
+    torchrun --nproc_per_node 2 tools/finetune.py configs/quickstart.yaml
+    deepspeed --num_gpus 2 tools/finetune.py configs/quickstart.yaml --deepspeed [ds.json]
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
 from mmgoal.config import load_config  # noqa: E402
 from mmgoal.engine.trainer import Trainer, check_data_paths, metrics_table  # noqa: E402
 
@@ -26,16 +30,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="override config keys, e.g. train.epochs=2 data.train.batch_size=64")
     parser.add_argument("--work-dir", help="run directory (default: work_dirs/<config name>)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from <work-dir>/checkpoints/last.pt")
+                        help="continue from the latest checkpoint in <work-dir>/checkpoints")
+    parser.add_argument("--deepspeed", nargs="?", const=True, metavar="DS_CONFIG.json",
+                        help="train with DeepSpeed (strategy: deepspeed), optionally with a "
+                             "DeepSpeed JSON merged over the config's settings")
+    # The deepspeed launcher passes --local_rank=N; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+def with_deepspeed(cfg: dict, deepspeed: bool | str) -> dict:
+    """``--deepspeed [JSON]``: the config's strategy becomes DeepSpeed (keeping its settings)."""
+    strategy = dict(cfg.get("strategy") or {})
+    if strategy.get("type") != "deepspeed":
+        strategy = {"type": "deepspeed"}
+    if isinstance(deepspeed, str):
+        strategy["config"] = deepspeed
+    return {**cfg, "strategy": strategy}
+
+
+def setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s {prefix}%(message)s",
+                        datefmt="%H:%M:%S")
+
+
+@record  # torchrun shows every failing rank's traceback
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    setup_logging()
     try:
         cfg = load_config(args.config, args.cfg_options)
+        if args.deepspeed:
+            cfg = with_deepspeed(cfg, args.deepspeed)
         check_data_paths(cfg)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -43,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
     trainer = Trainer(cfg, work_dir, resume=args.resume)
     report = trainer.fit()
+    trainer.strategy.close()
+    if not trainer.is_main:
+        return 130 if report.get("interrupted") else 0
     if report.get("interrupted"):
         print(f"interrupted at epoch {report['epoch']}, step {report['step']}; resume with "
               f"--resume --work-dir {work_dir}")

@@ -1,9 +1,14 @@
 """Streaming shards: a WebDataset pipeline built as an explicit list of stages.
 
-Training: shard list -> seeded shard shuffle -> split by node -> split by worker
--> tar to samples -> seeded sample shuffle -> decode -> caption choice (one per
-image) or expansion (one sample per caption) -> image transform -> tokenize and
-batch. Evaluation reads the shards in order, one sample per image with all its
+Training: endless passes over the shard list, each in a seeded, epoch-dependent
+order shared by all ranks -> split by node -> split by worker (or, with
+``resampled``, shards drawn with replacement by each rank and worker from its own
+seeded stream, open_clip's pattern) -> tar to samples -> seeded sample shuffle ->
+decode -> caption choice (one per image) or expansion (one sample per caption)
+-> image transform -> tokenize and batch. The stream never runs dry, so every
+rank yields as many batches as the trainer takes in an epoch
+(``train.samples_per_epoch`` / global batch), whatever the shards hold and
+whatever a corrupt shard costs one rank. Evaluation reads the shards in order, one sample per image with all its
 captions. Every stage that can meet bad data has a handler that logs the
 problem, counts it and skips the sample; a corrupt sample never stops a run.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import io
+import itertools
 import json
 import logging
 import random
@@ -227,12 +233,6 @@ def transform_image(sample: dict, transform: Callable) -> dict:
     return {**sample, "image": transform(sample["image"])} if "image" in sample else sample
 
 
-def _shuffled(items: Iterator[dict], rng: random.Random) -> Iterator[dict]:
-    items = list(items)
-    rng.shuffle(items)
-    yield from items
-
-
 @DATASETS.register()
 class ShardDataset(torch.utils.data.IterableDataset):
     """Batches streamed from WebDataset shards.
@@ -250,12 +250,16 @@ class ShardDataset(torch.utils.data.IterableDataset):
         text_augment: ``TEXT_AUGMENTS`` config applied to training captions'
             token ids (VSE-infinity's mask / replace / delete), e.g.
             ``{type: TokenAugment, p: 0.2}``.
+        resampled: draw training shards with replacement (each rank and worker
+            from its own seeded, epoch-dependent stream) instead of splitting them;
+            any number of shards then feeds any number of readers, and an epoch
+            is ``train.samples_per_epoch`` samples, not a pass over the data.
     """
 
     def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
                  transform: Callable, training: bool = True, expand_captions: bool = False,
                  shuffle_buffer: int = 2000, seed: int = 0,
-                 text_augment: dict | None = None) -> None:
+                 text_augment: dict | None = None, resampled: bool = False) -> None:
         super().__init__()
         self.urls = expand_shards(shards)
         self.batch_size = batch_size
@@ -265,6 +269,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.expand_captions = expand_captions
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
+        self.resampled = resampled
         self.epoch = 0
         self.counter = SkipCounter()
         self.text_augment = (TEXT_AUGMENTS.build(text_augment, tokenizer=tokenizer)
@@ -284,6 +289,37 @@ class ShardDataset(torch.utils.data.IterableDataset):
                 total += len({Path(m.name).name.split(".", 1)[0] for m in archive if m.isfile()})
         return total
 
+    def check_readers(self, world_size: int, workers: int) -> None:
+        """Fail early when the shards cannot give every rank and worker one of its own."""
+        if self.training and not self.resampled and len(self.urls) < world_size * workers:
+            raise ValueError(
+                f"{len(self.urls)} training shard(s) cannot feed {world_size} rank(s) x "
+                f"{workers} data worker(s): every reader needs a shard of its own. Write more, "
+                f"smaller shards, lower data.num_workers, or set data.train.resampled: true")
+
+    def shard_stream(self, samples_seen: Callable[[], int]) -> Iterator[dict]:
+        """Training shards for ever: seeded passes (or draws with replacement).
+
+        Args:
+            samples_seen: how many samples this reader has read so far; a whole
+                pass without one means every shard it gets is unreadable.
+        """
+        rank, _, worker, _ = wds.utils.pytorch_worker_info()
+        draws = random.Random(f"{self.seed}-{self.epoch}-{rank}-{worker}-resample")
+        seen_before = -1
+        for number in itertools.count():
+            if samples_seen() == seen_before:
+                raise RuntimeError(f"rank {rank} worker {worker} read a whole pass of its "
+                                   f"training shards without a readable sample; check them "
+                                   f"with tools/inspect_shards.py")
+            seen_before = samples_seen()
+            if self.resampled:
+                urls = [draws.choice(self.urls) for _ in self.urls]
+            else:  # the same order on every rank and worker, which then split it
+                urls = list(self.urls)
+                random.Random(f"{self.seed}-{self.epoch}-{number}-shards").shuffle(urls)
+            yield from ({"url": url} for url in urls)
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose (reproducible) order the next iteration yields."""
         self.epoch = epoch
@@ -296,16 +332,21 @@ class ShardDataset(torch.utils.data.IterableDataset):
         """The pipeline, stage by stage (see the module docstring)."""
         handler = self.counter
         generator = torch.Generator().manual_seed(self._rng(3).getrandbits(63))
-        stages: list = [wds.SimpleShardList(self.urls)]
         if self.training:
-            # The shard order must be the same on every rank and worker.
-            order = random.Random(f"{self.seed}-{self.epoch}-shards")
-            stages.append(lambda src: _shuffled(src, order))
-        stages += [
-            wds.split_by_node,
-            wds.split_by_worker,
-            wds.tarfile_to_samples(handler=handler),
-        ]
+            seen = [0]
+
+            def count(samples: Iterator[dict]) -> Iterator[dict]:
+                for sample in samples:
+                    seen[0] += 1
+                    yield sample
+
+            stages: list = [lambda: self.shard_stream(lambda: seen[0])]
+            if not self.resampled:
+                stages += [wds.split_by_node, wds.split_by_worker]
+            stages += [wds.tarfile_to_samples(handler=handler), count]
+        else:
+            stages = [wds.SimpleShardList(self.urls), wds.split_by_node, wds.split_by_worker,
+                      wds.tarfile_to_samples(handler=handler)]
         if self.training:
             stages.append(wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
                                       rng=self._rng(1)))

@@ -1,12 +1,21 @@
-"""The single-process trainer: build everything from a config, train, evaluate, report.
+"""The trainer: build everything from a config, train, evaluate, report.
 
-A run directory holds ``config.yaml`` (resolved), ``metrics.jsonl`` (one JSON
-object per logged step and epoch), ``checkpoints/last.pt`` (everything needed
-to resume exactly: model, optimizer, step, position in the epoch, RNG states),
-``checkpoints/best.pt`` (weights of the best epoch by validation rsum) and
-``report.json`` (test metrics of the best checkpoint under ``"test"``).
-SIGINT/SIGTERM stop the run after the current step with a checkpoint; a
-second SIGINT stops it at once.
+The trainer is the same for one process, ``torchrun`` and ``deepspeed``: the
+strategy (``strategy:`` in the config, ``--deepspeed`` on the command line;
+``single`` or ``ddp`` by default, by the launcher's WORLD_SIZE) owns processes,
+optimizer, precision and checkpoint files. A run directory holds
+``config.yaml`` (resolved), ``metrics.jsonl`` (one JSON object per logged step
+and epoch), ``checkpoints/`` (the strategy's resumable checkpoint: model,
+optimizer, step, position in the epoch, every rank's RNG state; and
+``best.pt``, the float32 weights of the best epoch by validation rsum) and
+``report.json`` (test metrics of the best checkpoint under ``"test"``). Rank 0
+alone writes them and shows progress bars.
+
+An optimisation step takes ``train.accumulate_steps`` micro-batches of
+``data.train.batch_size`` on every rank: the global batch is their product with
+the number of processes, and an epoch is ``train.samples_per_epoch`` (default:
+the training split's size) divided by it. SIGINT/SIGTERM on any rank stop every
+rank after the same step, with a checkpoint; a second SIGINT stops at once.
 """
 
 from __future__ import annotations
@@ -30,18 +39,18 @@ from mmgoal.config import dump_config
 from mmgoal.data.pipeline import expand_shards, read_captions
 from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
-from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.schedules import LRSchedule
+from mmgoal.engine.step import TrainingStep
+from mmgoal.engine.strategies import launched_world_size
 from mmgoal.evaluation.gallery import SCORING_DEFAULTS, evaluate_retrieval
-from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import (
     CONSTRAINTS,
     DATASETS,
     HOOKS,
     MODELS,
     OBJECTIVES,
+    STRATEGIES,
     TOKENIZERS,
-    accepted_kwargs,
     import_custom_modules,
     load_plugins,
 )
@@ -49,12 +58,14 @@ from mmgoal.registry import (
 logger = logging.getLogger(__name__)
 
 TOP_LEVEL_KEYS = ("model", "objective", "data", "optimizer", "schedule", "train", "hooks",
-                  "custom_imports", "evaluation", "load_from", "constraints")
+                  "custom_imports", "evaluation", "load_from", "constraints", "strategy")
 TRAIN_DEFAULTS: dict[str, Any] = {
     "epochs": 10, "seed": 0, "clip_grad": 2.0, "log_every": 10, "eval_every": 1,
     "checkpoint_every_steps": 0, "max_nonfinite_steps": 5, "progress": True,
-    "samples_per_epoch": None,
+    "samples_per_epoch": None, "accumulate_steps": 1, "gather_features": True,
+    "scale_lr": "none", "reference_batch": None,
 }
+LR_SCALINGS = ("none", "linear", "sqrt")
 DATA_DEFAULTS: dict[str, Any] = {
     "image_size": 64, "num_workers": 1, "train_transforms": None, "eval_transforms": None,
     "eval_batch_size": 256,
@@ -78,23 +89,26 @@ def _ignore_stop_signals(worker_id: int) -> None:
 
 
 class MetricLog:
-    """Appends one JSON object per line to ``metrics.jsonl``."""
+    """Appends one JSON object per line to ``metrics.jsonl`` (rank 0 only: ``enabled``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, enabled: bool = True) -> None:
         self.path = path
+        self.enabled = enabled
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a") as stream:
             stream.write(json.dumps(record) + "\n")
 
 
 class Trainer:
-    """Builds model, data, objective and optimizer from ``cfg`` and trains them.
+    """Builds model, data, objective and strategy from ``cfg`` and trains them.
 
     Args:
         cfg: a resolved config (see ``load_config``).
         work_dir: the run directory.
-        resume: continue from ``work_dir/checkpoints/last.pt``.
+        resume: continue from the latest checkpoint in ``work_dir/checkpoints``.
     """
 
     def __init__(self, cfg: dict, work_dir: str | Path, resume: bool = False) -> None:
@@ -108,10 +122,14 @@ class Trainer:
         self.cfg = cfg
         self.work_dir = Path(work_dir)
         self.checkpoint_dir = self.work_dir / "checkpoints"
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         import_custom_modules(cfg.get("custom_imports", []))
         load_plugins()
         self.train_cfg = _with_defaults("train", cfg.get("train"), TRAIN_DEFAULTS)
+        if self.train_cfg["scale_lr"] not in LR_SCALINGS:
+            raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
+                             f"{self.train_cfg['scale_lr']!r}")
+        if int(self.train_cfg["accumulate_steps"]) < 1:
+            raise ValueError("train.accumulate_steps must be 1 or more")
         data_cfg = dict(cfg["data"])
         splits = {k: data_cfg.pop(k, None) for k in ("tokenizer", "train", "val", "test")}
         for split in ("tokenizer", "train"):
@@ -125,25 +143,23 @@ class Trainer:
         self.data_cfg = _with_defaults("data", data_cfg, DATA_DEFAULTS)
         self.eval_cfg = _with_defaults("evaluation", cfg.get("evaluation"), EVALUATION_DEFAULTS)
         self.splits = splits
-        self.resume_state = None
-        if resume:
-            last = self.checkpoint_dir / "last.pt"
-            if not last.is_file():
-                raise FileNotFoundError(f"--resume: no checkpoint at {last}; start without "
-                                        f"--resume or point --work-dir at the interrupted run")
-            self.resume_state = load_checkpoint(last)
+        self.strategy = STRATEGIES.build(
+            cfg.get("strategy") or {"type": "ddp" if launched_world_size() > 1 else "single"})
+        self.is_main = self.strategy.is_main
+        if self.is_main:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
-        start_from = (load_checkpoint(cfg["load_from"])
-                      if cfg.get("load_from") and self.resume_state is None else None)
-        torch.manual_seed(self.train_cfg["seed"])
-        random.seed(self.train_cfg["seed"])
+        start_from = load_checkpoint(cfg["load_from"]) if cfg.get("load_from") and not resume \
+            else None
+        seed = self.train_cfg["seed"]
+        torch.manual_seed(seed)  # the same initial weights on every rank
+        random.seed(seed)
         self.tokenizer = TOKENIZERS.build(splits["tokenizer"])
-        if self.resume_state is not None:
-            self.tokenizer.load_state_dict(self.resume_state["tokenizer"])
-        elif start_from is not None:
+        if start_from is not None:
             # A later stage keeps the vocabulary its weights were trained with.
             self.tokenizer.load_state_dict(start_from["tokenizer"])
         elif not self.tokenizer.fitted:
+            # Fitted from the data alone, so every rank (and a resumed run) gets the same.
             self.tokenizer.fit(read_captions(splits["train"]["shards"]))
         size = self.data_cfg["image_size"]
         self.train_transform = build_transforms(self.data_cfg["train_transforms"], size)
@@ -155,20 +171,33 @@ class Trainer:
         if not isinstance(self.objective, torch.nn.Module):
             raise TypeError(f"objective {cfg['objective']['type']!r} must be a torch.nn.Module")
         # Attention constraints (CCR/CCS) add their losses to the objective's.
-        self.constraints = [CONSTRAINTS.build(c) for c in cfg.get("constraints") or []]
-        if self.constraints and not hasattr(self.model, "attention"):
+        constraints = [CONSTRAINTS.build(c) for c in cfg.get("constraints") or []]
+        if constraints and not hasattr(self.model, "attention"):
             raise ValueError(f"constraints need a model with cross attention; "
                              f"{cfg['model']['type']} has no attention()")
         if start_from is not None:
             self._load_weights(start_from, cfg["load_from"])
-        # Objectives may hold parameters too (InfoNCE's learnable temperature).
-        self.optimizer = build_optimizer(cfg["optimizer"], self.model, self.objective)
-        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+
         self.train_set = DATASETS.build(
             splits["train"], tokenizer=self.tokenizer, transform=self.train_transform,
-            training=True, seed=self.train_cfg["seed"])
+            training=True, seed=seed)
+        if hasattr(self.train_set, "check_readers"):
+            self.train_set.check_readers(self.strategy.world_size,
+                                         max(self.data_cfg["num_workers"], 1))
+        self.accumulate_steps = int(self.train_cfg["accumulate_steps"])
+        micro_batch = self.train_set.batch_size
+        self.global_batch = micro_batch * self.accumulate_steps * self.strategy.world_size
         samples = self.train_cfg["samples_per_epoch"] or self.train_set.num_samples()
-        self.steps_per_epoch = max(samples // self.train_set.batch_size, 1)
+        self.steps_per_epoch = max(samples // self.global_batch, 1)
+        optimizer_cfg = self._scaled_optimizer_config(cfg["optimizer"])
+        self.step_module = TrainingStep(self.model, self.objective, constraints,
+                                        gather=self.train_cfg["gather_features"])
+        self.strategy.setup(self.step_module, optimizer_cfg, micro_batch, self.accumulate_steps,
+                            self.train_cfg["clip_grad"])
+        self.model = self.strategy.model
+        if self.strategy.rank:  # different dropout masks and augmentations on every rank
+            torch.manual_seed(seed + 1000 * self.strategy.rank)
+        self.base_lrs = [group["lr"] for group in self.strategy.param_groups()]
         schedule_cfg = dict(cfg.get("schedule") or {"type": "constant"})
         set_by_trainer = ("kind", "total_steps", "steps_per_epoch")
         known = ("type", *(p for p in inspect.signature(LRSchedule).parameters
@@ -181,7 +210,7 @@ class Trainer:
                                    total_steps=self.steps_per_epoch * self.train_cfg["epochs"],
                                    steps_per_epoch=self.steps_per_epoch, **schedule_cfg)
         self.hooks = [HOOKS.build(h) for h in cfg.get("hooks") or []]
-        self.log = MetricLog(self.work_dir / "metrics.jsonl")
+        self.log = MetricLog(self.work_dir / "metrics.jsonl", enabled=self.is_main)
 
         self.epoch = 0
         self.step = 0
@@ -189,37 +218,53 @@ class Trainer:
         self.best = {"rsum": -math.inf, "epoch": -1}
         self.skipped_samples = 0
         self._stop_signal: int | None = None
-        if self.resume_state is not None:
-            self._restore(self.resume_state)
-        dump_config(cfg, self.work_dir / "config.yaml")
+        if resume:
+            self._restore(self.strategy.load(self.checkpoint_dir))
+        if self.is_main:
+            dump_config(cfg, self.work_dir / "config.yaml")
+        logger.info("%s; global batch %d = %d per rank x %d rank(s) x %d accumulation step(s); "
+                    "%d steps per epoch (%d samples); base lr %.3g (scale_lr %s)",
+                    self.strategy.describe(), self.global_batch, micro_batch,
+                    self.strategy.world_size, self.accumulate_steps, self.steps_per_epoch,
+                    samples, self.base_lrs[0], self.train_cfg["scale_lr"])
+
+    @property
+    def optimizer(self):
+        """The strategy's optimizer (its ``param_groups`` carry the learning rates)."""
+        return self.strategy.optimizer
+
+    def _scaled_optimizer_config(self, optimizer_cfg: dict) -> dict:
+        """``train.scale_lr``: the configured lr is for ``train.reference_batch`` samples."""
+        rule = self.train_cfg["scale_lr"]
+        if rule == "none":
+            return optimizer_cfg
+        reference = self.train_cfg["reference_batch"] or self.train_set.batch_size
+        ratio = self.global_batch / reference
+        factor = ratio if rule == "linear" else math.sqrt(ratio)
+        lr = optimizer_cfg.get("lr")
+        if lr is None:
+            raise ValueError("train.scale_lr needs optimizer.lr set in the config")
+        return {**optimizer_cfg, "lr": lr * factor}
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict:
+        """The trainer's own state (the strategy adds model, optimizer and RNG states)."""
         return {
-            "model": self.model.state_dict(),
-            "objective": self.configured_objective.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "tokenizer": self.tokenizer.state_dict(),
             "epoch": self.epoch,
             "step": self.step,
             "batch_in_epoch": self.batch_in_epoch,
             "best": dict(self.best),
             "skipped_samples": self.skipped_samples,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "config": self.cfg,
             "mmgoal_version": mmgoal.__version__,
         }
 
     def _restore(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.configured_objective.load_state_dict(state["objective"])
-        self.optimizer.load_state_dict(state["optimizer"])
         self.epoch, self.step = state["epoch"], state["step"]
         self.batch_in_epoch = state["batch_in_epoch"]
         self.best = dict(state["best"])
         self.skipped_samples = state["skipped_samples"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
         logger.info("resumed at epoch %d, step %d", self.epoch, self.step)
 
     def _load_weights(self, state: dict, path: str) -> None:
@@ -231,43 +276,26 @@ class Trainer:
                              f"config's model ({str(error).splitlines()[0]})") from error
         logger.info("model weights loaded from %s", path)
 
-    def save(self, name: str = "last.pt") -> None:
-        save_checkpoint(self.state_dict(), self.checkpoint_dir / name)
+    def save(self) -> None:
+        """A resumable checkpoint (collective: every rank calls it)."""
+        self.strategy.save(self.checkpoint_dir, self.state_dict())
+
+    def save_weights(self, name: str, **extra: Any) -> None:
+        """The float32 weights (+ tokenizer, config) as ``checkpoints/<name>`` (collective)."""
+        weights = self.strategy.full_state_dict()
+        if self.is_main:
+            save_checkpoint({"model": weights, "tokenizer": self.tokenizer.state_dict(),
+                             "config": self.cfg, **extra}, self.checkpoint_dir / name)
+        self.strategy.barrier()
 
     # -------------------------------------------------------------- training
     def _set_lr(self) -> float:
-        factor = self.schedule.factor(self.step)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * factor
-        return self.optimizer.param_groups[0]["lr"]
-
-    def training_step(self, batch: dict) -> dict[str, torch.Tensor]:
-        """Forward, objective, backward and optimizer step for one batch."""
-        image_features = self.model.encode_image(batch)
-        text_features = self.model.encode_text(batch)
-        sims = self.model.similarity(image_features, text_features)
-        outputs = self.objective(sims, positives=positives_from_groups(batch["image_groups"]),
-                                 **accepted_kwargs(self.objective.forward, {
-                                     "model": self.model, "image_features": image_features,
-                                     "text_features": text_features}))
-        if self.constraints:  # image b and text b of a training batch are a matched pair
-            attention = self.model.attention(image_features, text_features)
-            for constraint in self.constraints:
-                outputs.update(constraint(attention))
-        loss = sum(v for k, v in outputs.items() if k.endswith("_loss"))
-        self.optimizer.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):
-            return {"loss": loss.detach(), **outputs, "nonfinite": True}
-        loss.backward()
-        # The norm of every gradient (clipped to clip_grad when set): a NaN/inf gradient
-        # under a finite loss skips the step like a non-finite loss does.
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.train_cfg["clip_grad"] or math.inf)
-        if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return {"loss": loss.detach(), **outputs, "nonfinite": True}
-        self.optimizer.step()
-        return {"loss": loss.detach(), **outputs, "nonfinite": False}
+        groups = self.strategy.param_groups()
+        if not self.strategy.owns_schedule:
+            factor = self.schedule.factor(self.step)
+            for group, base in zip(groups, self.base_lrs):
+                group["lr"] = base * factor
+        return groups[0]["lr"]
 
     def _loader(self) -> torch.utils.data.DataLoader:
         self.train_set.set_epoch(self.epoch)
@@ -307,6 +335,18 @@ class Trainer:
                 signal.signal(sig, handler)
         return self._final_report(time.perf_counter() - start)
 
+    def _micro_batch(self, batch: dict) -> tuple[dict, bool, bool]:
+        """Forward and backward of a micro-batch; (outputs, non-finite, stop) as all ranks agree."""
+        outputs = self.strategy.forward(batch, self.objective)
+        loss = outputs["loss"]
+        nonfinite, stop = self.strategy.agree(not bool(torch.isfinite(loss)),
+                                              self._stop_signal is not None)
+        if nonfinite:  # on any rank: no rank may start a backward that the others skip
+            self.strategy.drop_micro_batch()
+        else:
+            self.strategy.backward(loss)
+        return outputs, nonfinite, stop
+
     def _train_epoch(self) -> bool:
         """One epoch (or its rest, after a resume); False when stopped by a signal."""
         self.model.train()  # before the hooks, which may put frozen parts in eval mode
@@ -314,29 +354,41 @@ class Trainer:
             hook.before_epoch(self)
         cfg = self.train_cfg
         skip = self.batch_in_epoch
-        bar = tqdm(total=self.steps_per_epoch, initial=skip, desc=f"epoch {self.epoch}",
-                   unit="step", disable=not cfg["progress"], dynamic_ncols=True)
+        micro_batches = self.steps_per_epoch * self.accumulate_steps
+        bar = tqdm(total=self.steps_per_epoch, initial=self.step % self.steps_per_epoch,
+                   desc=f"epoch {self.epoch}", unit="step", dynamic_ncols=True,
+                   disable=not (cfg["progress"] and self.is_main))
         nonfinite_run = 0
+        window_nonfinite = stop = False
         tick, samples_since = time.perf_counter(), 0
         for index, batch in enumerate(self._loader()):
+            if index >= micro_batches:
+                break
             if index < skip:  # resuming inside an epoch: replay the data order, skip the work
                 continue
             lr = self._set_lr()
-            outputs = self.training_step(batch)
+            outputs, nonfinite, stop_now = self._micro_batch(batch)
+            window_nonfinite |= nonfinite
+            stop |= stop_now
             self.skipped_samples += batch["skipped"]
+            self.batch_in_epoch += 1
+            samples_since += len(batch["captions"]) * self.strategy.world_size
+            if self.batch_in_epoch % self.accumulate_steps:
+                continue
+            applied = self.strategy.step()
+            outputs["nonfinite"] = window_nonfinite or not applied
+            window_nonfinite = False
             if outputs["nonfinite"]:
                 nonfinite_run += 1
                 logger.warning("non-finite loss or gradient at step %d: step skipped", self.step)
                 if nonfinite_run >= cfg["max_nonfinite_steps"]:
                     raise FloatingPointError(
                         f"{nonfinite_run} non-finite losses in a row (step {self.step}; a NaN/inf "
-                        f"loss or gradient); lower "
-                        f"the learning rate, check the data, or raise train.max_nonfinite_steps")
+                        f"loss or gradient); lower the learning rate, check the data, or raise "
+                        f"train.max_nonfinite_steps")
             else:
                 nonfinite_run = 0
             self.step += 1
-            self.batch_in_epoch += 1
-            samples_since += len(batch["captions"])
             for hook in self.hooks:
                 hook.after_step(self, outputs)
             if self.step % cfg["log_every"] == 0:
@@ -354,7 +406,9 @@ class Trainer:
             every = cfg["checkpoint_every_steps"]
             if every and self.step % every == 0:
                 self.save()
-            if self._stop_signal is not None:
+            # A hook may have raised the stop flag after this step's agreement.
+            stop = stop or self.strategy.agree(self._stop_signal is not None)[0]
+            if stop:
                 bar.close()
                 self.save()
                 logger.warning("stopped at epoch %d, step %d; continue with --resume",
@@ -366,48 +420,63 @@ class Trainer:
             hook.after_epoch(self, metrics)
         return True
 
+    def evaluation_model(self) -> torch.nn.Module | None:
+        """A float32 model with full weights on rank 0 (collective; None on other ranks)."""
+        if self.strategy.plain_module:
+            return self.model if self.is_main else None
+        weights = self.strategy.full_state_dict()
+        if not self.is_main:
+            return None
+        model = MODELS.build(self.cfg["model"], tokenizer=self.tokenizer)
+        model.load_state_dict(weights)
+        return model
+
     def _end_of_epoch(self) -> dict[str, float]:
         epoch = self.epoch
         metrics: dict[str, float] = {}
         every = self.train_cfg["eval_every"]
         last_epoch = epoch + 1 == self.train_cfg["epochs"]
         if self.splits["val"] and every and ((epoch + 1) % every == 0 or last_epoch):
-            metrics = self.evaluate("val")
-            self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
-            logger.info("epoch %d val: %s", epoch, format_metrics(metrics))
+            model = self.evaluation_model()
+            if self.is_main:
+                metrics = self.evaluate("val", model)
+                self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
+                logger.info("epoch %d val: %s", epoch, format_metrics(metrics))
+            metrics = self.strategy.broadcast(metrics)
             if metrics["rsum"] > self.best["rsum"]:
                 self.best = {"rsum": metrics["rsum"], "epoch": epoch}
-                save_checkpoint({"model": self.model.state_dict(),
-                                 "tokenizer": self.tokenizer.state_dict(),
-                                 "epoch": epoch, "metrics": metrics, "config": self.cfg},
-                                self.checkpoint_dir / "best.pt")
+                self.save_weights("best.pt", epoch=epoch, metrics=metrics)
         self.epoch += 1
         self.batch_in_epoch = 0
         self.save()
         return metrics
 
-    def evaluate(self, split: str) -> dict[str, float]:
-        """Retrieval metrics of the current model on ``split`` (``val`` or ``test``)."""
+    def evaluate(self, split: str, model: torch.nn.Module | None = None) -> dict[str, float]:
+        """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``."""
         split_cfg = self.splits[split]
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
         return evaluate_retrieval(
-            self.model, split_cfg["shards"], self.eval_transform, self.tokenizer,
-            batch_size=self.data_cfg["eval_batch_size"], folds=split_cfg.get("folds", 1),
-            progress=self.train_cfg["progress"], scoring=self.eval_cfg)
+            model if model is not None else self.model, split_cfg["shards"],
+            self.eval_transform, self.tokenizer, batch_size=self.data_cfg["eval_batch_size"],
+            folds=split_cfg.get("folds", 1), progress=self.train_cfg["progress"],
+            scoring=self.eval_cfg)
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,
                                   "train_seconds": seconds, "best": self.best,
                                   "skipped_samples": self.skipped_samples}
-        best_path = self.checkpoint_dir / "best.pt"
-        if best_path.is_file():
-            self.model.load_state_dict(load_checkpoint(best_path)["model"])
         if self.splits["test"]:
-            report["test"] = self.evaluate("test")
-            self.log.write({"type": "test", "step": self.step, **report["test"]})
-        (self.work_dir / "report.json").write_text(json.dumps(report, indent=2))
-        return report
+            model = self.evaluation_model()
+            if self.is_main:
+                best_path = self.checkpoint_dir / "best.pt"
+                if best_path.is_file():
+                    model.load_state_dict(load_checkpoint(best_path)["model"])
+                report["test"] = self.evaluate("test", model)
+                self.log.write({"type": "test", "step": self.step, **report["test"]})
+        if self.is_main:
+            (self.work_dir / "report.json").write_text(json.dumps(report, indent=2))
+        return self.strategy.broadcast(report)
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

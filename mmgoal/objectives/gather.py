@@ -1,15 +1,23 @@
 """Gathering features across ranks so objectives see the global batch.
 
-open_clip's local-loss pattern: every rank all-gathers the features of all
-ranks, puts its own (gradient-carrying) tensor back in its slot, and computes
-the objective on the global score matrix. Each rank then back-propagates only
-into its own slice; summed over ranks (``all_reduce`` of the parameter
-gradients) that is exactly the gradient of one process holding the whole
-batch. Data-parallel wrappers average instead of summing, hence
-:func:`global_loss_scale`.
+Every rank all-gathers the features of all ranks and computes the objective on
+the global score matrix, so hardest negatives are mined and weights normalised
+over the whole batch (open_clip's gather). The gather's backward sums the
+gradients that every rank computed for each slice and hands each rank the sum
+for its own slice (``torch.distributed.nn.all_gather``'s rule). With every rank
+computing the same global loss ``L``, rank ``r``'s encoder gradient is ``world x
+dL/dtheta`` through its slice, and the data-parallel average of those is exactly
+one process's gradient of ``L``; a parameter used after the gather (a learnable
+temperature, fusion layers) gets ``dL/dtheta`` on every rank, whose average is
+again exact. No loss rescaling is needed.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,31 +30,91 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
-def gather_with_grad(local: torch.Tensor) -> torch.Tensor:
-    """(B, ...) per rank -> (world * B, ...) in rank order; only the local slice has a gradient.
+class _AllGather(torch.autograd.Function):
+    """all_gather whose backward sums every rank's gradient of each slice."""
 
-    Every rank must pass the same shape (training batches drop their last
-    partial batch for that reason).
+    @staticmethod
+    def forward(ctx, local: torch.Tensor) -> torch.Tensor:
+        rank, world = world_info()
+        ctx.rank, ctx.size = rank, local.shape[0]
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size]
+
+
+def _same_shapes(local: torch.Tensor) -> list[torch.Size]:
+    shape = torch.tensor(local.shape, dtype=torch.long)
+    shapes = [torch.empty_like(shape) for _ in range(world_info()[1])]
+    dist.all_gather(shapes, shape)
+    return [torch.Size(s.tolist()) for s in shapes]
+
+
+def gather_with_grad(local: torch.Tensor, pad_dim: int | None = None) -> torch.Tensor:
+    """(B, ...) per rank -> (world * B, ...) in rank order, differentiable (see the module doc).
+
+    Args:
+        local: this rank's rows; every rank must have the same number of rows
+            (training batches drop their last partial batch for that reason).
+        pad_dim: a dimension whose size may differ across ranks (token counts);
+            it is zero-padded to the largest size before gathering.
     """
     rank, world = world_info()
     if world == 1:
         return local
-    shape = torch.tensor(local.shape, device=local.device)
-    shapes = [torch.empty_like(shape) for _ in range(world)]
-    dist.all_gather(shapes, shape)
-    if any(not torch.equal(s, shape) for s in shapes):
+    shapes = _same_shapes(local)
+    if pad_dim is not None:
+        width = max(s[pad_dim] for s in shapes)
+        if local.shape[pad_dim] < width:
+            pad = [0, 0] * (local.dim() - pad_dim - 1) + [0, width - local.shape[pad_dim]]
+            local = torch.nn.functional.pad(local, pad)
+        shapes = [s[:pad_dim] + s[pad_dim + 1:] for s in shapes]
+        mine = local.shape[:pad_dim] + local.shape[pad_dim + 1:]
+    else:
+        mine = local.shape
+    if any(s != mine for s in shapes):
         raise RuntimeError(f"gather_with_grad needs the same shape on every rank, got "
-                           f"{[tuple(s.tolist()) for s in shapes]}; drop partial batches")
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.detach().contiguous())
-    parts[rank] = local
-    return torch.cat(parts)
+                           f"{[tuple(s) for s in shapes]}; drop partial batches")
+    if local.dtype == torch.bool:  # gloo cannot gather bool
+        return _AllGather.apply(local.to(torch.uint8)).bool()
+    return _AllGather.apply(local)
 
 
-def global_loss_scale() -> int:
-    """Factor for a loss on gathered features under gradient averaging (DDP, DeepSpeed).
+def gather_features(features: Any) -> Any:
+    """A feature object (tensor or ``ImageFeatures``-like dataclass) gathered over ranks.
 
-    Averaging the ranks' gradients divides their sum by the world size; the sum
-    is the single-process gradient, so the loss is multiplied back.
+    Every tensor field is gathered along the batch; fields of rank 3 or more
+    (tokens) and masks are padded along dimension 1 to the longest rank.
     """
-    return world_info()[1]
+    if world_info()[1] == 1:
+        return features
+    if isinstance(features, torch.Tensor):
+        return gather_with_grad(features, pad_dim=1 if features.dim() >= 2 else None)
+    if not dataclasses.is_dataclass(features):
+        raise TypeError(f"cannot gather features of type {type(features).__name__}; give "
+                        f"tensors or a dataclass of tensors (ImageFeatures, TextFeatures)")
+    gathered = {}
+    for field in dataclasses.fields(features):
+        value = getattr(features, field.name)
+        if isinstance(value, torch.Tensor):
+            token_like = value.dim() >= 3 or (value.dim() == 2 and value.dtype == torch.bool)
+            value = gather_with_grad(value, pad_dim=1 if token_like else None)
+        gathered[field.name] = value
+    return type(features)(**gathered)
+
+
+def id_hashes(image_ids: Sequence) -> torch.Tensor:
+    """(B,) int64 stable hashes of image ids: equal ids, equal numbers, on every rank."""
+    return torch.tensor([int.from_bytes(hashlib.blake2b(str(i).encode(), digest_size=8).digest(),
+                                        "little", signed=True) for i in image_ids],
+                        dtype=torch.long)
+
+
+def gather_groups(image_ids: Sequence) -> torch.Tensor:
+    """(world * B,) group numbers of the global batch: positives are equal image ids."""
+    return gather_with_grad(id_hashes(image_ids))

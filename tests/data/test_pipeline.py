@@ -1,4 +1,5 @@
 import io
+import itertools
 import json
 
 import pytest
@@ -97,17 +98,41 @@ def test_training_order_is_seeded_by_epoch(tmp_path, tokenizer):
             writer.write(sample(key, key, ["a red square", "a blue circle", "a square"]))
     urls = str(tmp_path / "t-{000000..000004}.tar")
 
-    def order(epoch, seed=0):
+    def order(epoch, seed=0, batches=10):
         ds = dataset(urls, tokenizer, training=True, batch_size=8, shuffle_buffer=16, seed=seed)
         ds.set_epoch(epoch)
-        return [(i, c) for b in ds for i, c in zip(b["image_ids"], b["captions"])]
+        return [(i, c) for b in itertools.islice(ds, batches)
+                for i, c in zip(b["image_ids"], b["captions"])]
 
     first = order(0)
     assert first == order(0)
-    assert sorted(i for i, _ in first) == list(range(40))
+    # The stream runs on past the shards (passes in new orders); a shuffle buffer of
+    # 16 mixes only the ends of neighbouring passes.
+    ids = [i for i, _ in first]
+    assert set(ids) == set(range(40)) and max(ids.count(i) for i in ids) <= 3
     assert first != order(1)
     assert first != order(0, seed=1)
-    assert [i for i, _ in first] != list(range(40))
+    assert ids[:40] != list(range(40))
+    assert sum(i in ids[:40] for i in range(40)) >= 30
+
+
+def test_training_stream_needs_a_shard_per_reader_and_a_readable_sample(tmp_path, tokenizer):
+    with ShardWriter(tmp_path, "t", max_count=4) as writer:
+        for key in range(8):
+            writer.write(sample(key, key, ["a red square"]))
+    urls = str(tmp_path / "t-{000000..000001}.tar")
+    ds = dataset(urls, tokenizer, training=True, batch_size=4)
+    ds.check_readers(world_size=2, workers=1)
+    with pytest.raises(ValueError, match="2 training shard.*2 rank.*x 2 data worker.*resampled"):
+        ds.check_readers(world_size=2, workers=2)
+    dataset(urls, tokenizer, training=True, batch_size=4, resampled=True).check_readers(2, 2)
+    # resampled draws shards with replacement and still never runs dry
+    drawn = dataset(urls, tokenizer, training=True, batch_size=4, resampled=True)
+    assert len(list(itertools.islice(drawn, 12))) == 12
+    (tmp_path / "bad.tar").write_bytes(b"not a tar file" * 100)
+    broken = dataset(str(tmp_path / "bad.tar"), tokenizer, training=True, batch_size=4)
+    with pytest.raises(RuntimeError, match="whole pass of its training shards without a readable"):
+        next(iter(broken))
 
 
 def test_eval_batches_keep_shard_order_and_all_captions(tiny_benchmark):

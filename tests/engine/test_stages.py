@@ -53,7 +53,7 @@ def test_load_from_refuses_another_architecture(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
     source = tiny_config(out, epochs=1)
     trainer = Trainer(source, tmp_path / "src")
-    trainer.save("start.pt")
+    trainer.save_weights("start.pt")
     other = tiny_config(out, epochs=1)
     other["model"]["embed_dim"] = 8
     other["load_from"] = str(tmp_path / "src" / "checkpoints" / "start.pt")

@@ -1,9 +1,11 @@
 """A small CNN for CPU-sized experiments, registered in timm as ``mmgoal_small_cnn``.
 
-Plain conv-BN-ReLU stages, optionally fed with two coordinate channels
-(CoordConv, Liu et al. 2018) so that globally pooled features still know where
-things are: captions of the synthetic benchmark talk about positions and
-left/right relations. Built through ``timm.create_model`` like any timm model.
+Plain conv-norm-ReLU stages (batch norm, or group norm where per-sample
+statistics matter: several processes on CPU, where SyncBatchNorm does not run),
+optionally fed with two coordinate channels (CoordConv, Liu et al. 2018) so that
+globally pooled features still know where things are: captions of the synthetic
+benchmark talk about positions and left/right relations. Built through
+``timm.create_model`` like any timm model.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 
 
 class SmallCNN(nn.Module):
-    """Stages of (3x3 conv stride 2, 3x3 conv) with BN and ReLU, then global pooling.
+    """Stages of (3x3 conv stride 2, 3x3 conv) with a norm and ReLU, then global pooling.
 
     Args:
         widths: channels of each stage; each stage halves the resolution.
@@ -25,21 +27,32 @@ class SmallCNN(nn.Module):
         in_chans: image channels.
         num_classes: size of a linear classifier; 0 gives pooled features.
         global_pool: timm pooling name (``avg``, ``max``, ``avgmax``, ``''`` for none).
+        drop_rate: dropout before the classifier.
+        norm: ``batch`` or ``group`` (8 groups or fewer; batch-independent, so a
+            batch split over processes trains exactly as the whole batch in one).
     """
 
     def __init__(self, widths: Sequence[int] = (32, 64, 128, 256), coord_channels: bool = True,
                  in_chans: int = 3, num_classes: int = 0, global_pool: str = "avg",
-                 drop_rate: float = 0.0) -> None:
+                 drop_rate: float = 0.0, norm: str = "batch") -> None:
         super().__init__()
+        if norm not in ("batch", "group"):
+            raise ValueError(f"norm must be 'batch' or 'group', got {norm!r}")
+
+        def norm_layer(width: int) -> nn.Module:
+            if norm == "batch":
+                return nn.BatchNorm2d(width)
+            return nn.GroupNorm(min(8, width), width)
+
         self.coord_channels = coord_channels
         layers: list[nn.Module] = []
         channels = in_chans + (2 if coord_channels else 0)
         for width in widths:
             layers += [
                 nn.Conv2d(channels, width, 3, stride=2, padding=1, bias=False),
-                nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                norm_layer(width), nn.ReLU(inplace=True),
                 nn.Conv2d(width, width, 3, padding=1, bias=False),
-                nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                norm_layer(width), nn.ReLU(inplace=True),
             ]
             channels = width
         self.features = nn.Sequential(*layers)

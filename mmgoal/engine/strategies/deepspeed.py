@@ -1,0 +1,289 @@
+"""DeepSpeed: ZeRO stages 0-3, bf16/fp16 mixed precision, accumulation, clipping, checkpoints.
+
+The DeepSpeed config is generated from the mmgoal config (micro batch =
+``data.train.batch_size``, ``train.accumulate_steps``, ``train.clip_grad``,
+``zero_stage``, ``precision``) and, when a JSON is given (``--deepspeed
+ds.json`` or ``strategy.config``), merged under it: the JSON's own keys win,
+``"auto"`` takes the mmgoal value, and a batch size that contradicts the mmgoal
+config is an error. A JSON ``optimizer`` / ``scheduler`` replaces mmgoal's.
+
+Checkpoints: ``checkpoints/deepspeed/<tag>/`` holds DeepSpeed's own files (every
+rank's partitions), ``trainer_state.pt`` (epoch, step, data position, every
+rank's RNG) and ``weights.pt``, the consolidated float32 model in the mmgoal
+format (what ``tools/export.py`` and ``tools/evaluate.py`` read, and what a run
+with another number of processes or ZeRO stage resumes from, with a fresh
+optimizer state).
+``checkpoints/deepspeed/latest`` names the newest complete tag; it is rewritten
+atomically only after every rank has finished writing, so a run killed while
+saving resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.engine.optimizers import build_optimizer
+from mmgoal.engine.strategies.base import (
+    LATEST,
+    Strategy,
+    launched_world_size,
+    prune_except,
+    read_pointer,
+    rng_state,
+    write_pointer,
+)
+from mmgoal.registry import STRATEGIES
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+WEIGHTS = "weights.pt"
+TRAINER_STATE = "trainer_state.pt"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_deepspeed_json(config: str | dict | None) -> dict:
+    """A DeepSpeed config from a JSON file path or a mapping ({} when None)."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON ({error})") from error
+
+
+@STRATEGIES.register("deepspeed")
+class DeepSpeedStrategy(Strategy):
+    """Train through ``deepspeed.initialize`` (see the module docstring).
+
+    Args:
+        zero_stage: ZeRO stage 0, 1, 2 or 3 (when the JSON sets none).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (dynamic loss scaling; GPUs only),
+            when the JSON enables neither bf16 nor fp16.
+        config: a DeepSpeed JSON path or mapping merged over the generated config.
+        timeout_minutes: how long a collective waits for a rank before failing.
+    """
+
+    def __init__(self, zero_stage: int = 2, precision: str = "fp32",
+                 config: str | dict | None = None, timeout_minutes: float = 60.0) -> None:
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"strategy.zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"strategy.precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {precision!r}")
+        self.user_config = read_deepspeed_json(config)
+        self.zero_stage = self.user_config.get("zero_optimization", {}).get("stage", zero_stage)
+        if self.user_config.get("bf16", {}).get("enabled"):
+            precision = "bf16"
+        elif self.user_config.get("fp16", {}).get("enabled"):
+            precision = "fp16"
+        self.precision = precision
+        super().__init__(timeout_minutes)
+        self.plain_module = self.zero_stage < 3 and precision == "fp32"
+        self._window_ok = True
+
+    def join_process_group(self, timeout_minutes: float) -> None:
+        import datetime
+
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        if self.precision == "fp16" and not get_accelerator().is_fp16_supported():
+            raise ValueError(f"precision fp16 is not supported on {get_accelerator().device_name()}"
+                             f" (DeepSpeed trains fp16 on GPUs); use precision: bf16 or fp32")
+        if launched_world_size() == 1 and not dist.is_initialized():
+            # DeepSpeed always needs a process group: one process makes a group of one.
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("LOCAL_RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, verbose=False,
+                                   timeout=datetime.timedelta(minutes=timeout_minutes))
+
+    def describe(self) -> str:
+        return (f"DeepSpeed ZeRO-{self.zero_stage} {self.precision}, {self.world_size} "
+                f"process(es)")
+
+    def deepspeed_config(self, micro_batch: int, accumulate_steps: int,
+                         clip_grad: float | None) -> dict:
+        """The merged DeepSpeed config (see the module docstring)."""
+        cfg = copy.deepcopy(self.user_config)
+        for key, value in (("train_micro_batch_size_per_gpu", micro_batch),
+                           ("gradient_accumulation_steps", accumulate_steps),
+                           ("train_batch_size", micro_batch * accumulate_steps * self.world_size)):
+            given = cfg.get(key, "auto")
+            if given not in ("auto", value):
+                raise ValueError(
+                    f"the DeepSpeed config sets {key}={given}, but the mmgoal config gives "
+                    f"{value} (data.train.batch_size per rank x train.accumulate_steps x "
+                    f"{self.world_size} ranks); set it in one place or write \"auto\" in the JSON")
+            cfg[key] = value
+        if cfg.get("gradient_clipping", "auto") == "auto":
+            cfg["gradient_clipping"] = float(clip_grad or 0.0)
+        cfg.setdefault("zero_optimization", {})["stage"] = self.zero_stage
+        if self.precision != "fp32":
+            cfg.setdefault(self.precision, {})["enabled"] = True
+        cfg.setdefault("zero_allow_untested_optimizer", True)
+        cfg.setdefault("steps_per_print", 2**31 - 1)
+        return cfg
+
+    def setup(self, module: nn.Module, optimizer_cfg: dict, micro_batch: int,
+              accumulate_steps: int, clip_grad: float | None) -> None:
+        import deepspeed
+
+        self.accumulate_steps = accumulate_steps
+        self.config = self.deepspeed_config(micro_batch, accumulate_steps, clip_grad)
+        self.client_optimizer = (None if "optimizer" in self.config else
+                                 build_optimizer(optimizer_cfg, module.model, module.objective))
+        parameters = (None if self.client_optimizer is not None else
+                      [p for p in module.parameters() if p.requires_grad])
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=self.client_optimizer, model_parameters=parameters,
+            config=self.config)
+        self.module = self.engine.module
+        self.trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                      "fp16": torch.float16}[self.precision]
+
+    @property
+    def owns_schedule(self) -> bool:
+        return "scheduler" in self.config
+
+    def param_groups(self) -> list[dict]:
+        return (self.client_optimizer or self.optimizer).param_groups
+
+    def forward(self, batch: dict, objective: nn.Module) -> dict[str, torch.Tensor]:
+        if self.dtype != torch.float32:
+            batch = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                     else v for k, v in batch.items()}
+        return self.engine(batch, objective)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # DeepSpeed counts micro-batches in step()
+
+    def drop_micro_batch(self) -> None:
+        self._window_ok = False
+        if self.accumulate_steps > 1:
+            # Inside a window DeepSpeed cannot forget what it has accumulated: the
+            # dropped micro-batch contributes a zero gradient, the rest of the window applies.
+            self.backward(sum((p * 0).sum() for p in self.module.parameters() if p.requires_grad))
+
+    def _check_trainable(self) -> None:
+        if self.zero_stage == 0:
+            return
+        now = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        if now != self.trainable:
+            changed = sorted(now ^ self.trainable)
+            raise RuntimeError(
+                f"the trainable parameters changed after DeepSpeed ZeRO-{self.zero_stage} "
+                f"partitioned them ({', '.join(changed[:5])}{'...' if len(changed) > 5 else ''}); "
+                f"ZeRO fixes the trainable set at start: freeze with FreezeSchedule only under "
+                f"strategy ddp/single or zero_stage 0")
+
+    def step(self) -> bool:
+        window_ok, self._window_ok = self._window_ok, True
+        if not window_ok and self.accumulate_steps == 1:
+            return False
+        self._check_trainable()
+        self.engine.step()
+        if self.precision == "fp16":
+            return window_ok  # overflow skips are how dynamic loss scaling finds its scale
+        return window_ok and self.engine.was_step_applied()
+
+    # ------------------------------------------------------------ checkpoints
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        model = self.module.model
+        if self.zero_stage == 0:
+            return super().full_state_dict()
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full: dict[str, torch.Tensor] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            value = safe_get_full_fp32_param(param)  # collective: every rank calls it
+            if value is None:  # not optimised (frozen at start): the module's own copy
+                with deepspeed.zero.GatheredParameters([param], enabled=self.zero_stage == 3):
+                    value = param.detach().float().clone()
+            full[name] = value
+        if not self.is_main:
+            return None
+        return {k: full.get(k, v.float() if v.is_floating_point() else v)
+                for k, v in model.state_dict().items()}
+
+    def save(self, directory: Path, state: dict) -> None:
+        root = directory / "deepspeed"
+        tag = f"epoch{state['epoch']:04d}-step{state['step']:09d}"
+        if tag == read_pointer(root / LATEST):  # never overwrite the checkpoint in use
+            tag += "-again"
+        rngs = self.gather_objects(rng_state())
+        self.engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+        weights = self.full_state_dict()
+        if self.is_main:
+            save_checkpoint({"model": weights, "tokenizer": state["tokenizer"],
+                             "config": state["config"], "epoch": state["epoch"],
+                             "step": state["step"]}, root / tag / WEIGHTS)
+            save_checkpoint({**state, "rng": rngs, "world_size": self.world_size,
+                             "zero_stage": self.zero_stage, "precision": self.precision},
+                            root / tag / TRAINER_STATE)
+        self.barrier()
+        if self.is_main:
+            write_pointer(root / LATEST, tag)
+            prune_except(root, tag)
+        self.barrier()
+
+    def load(self, directory: Path) -> dict:
+        root = directory / "deepspeed"
+        tag = read_pointer(root / LATEST)
+        if tag is None:
+            raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint under {root}; "
+                                    f"start without --resume or point --work-dir at the run")
+        state = load_checkpoint(root / tag / TRAINER_STATE)
+        if state["world_size"] == self.world_size and state["zero_stage"] == self.zero_stage:
+            self.engine.load_checkpoint(str(root), tag=tag)
+        else:
+            logger.warning("checkpoint %s was written by %d process(es) with ZeRO-%d; this run "
+                           "has %d with ZeRO-%d: the weights are loaded, the optimizer state "
+                           "starts afresh", tag, state["world_size"], state["zero_stage"],
+                           self.world_size, self.zero_stage)
+            self.load_weights(load_checkpoint(root / tag / WEIGHTS)["model"])
+        self.restore_rng(state["rng"])
+        return state
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set the model (and the optimizer's float32 master copies) to ``weights``."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        model = self.module.model
+        params = list(model.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0,
+                                               enabled=self.zero_stage == 3):
+            model.load_state_dict(weights)
+        if self.zero_stage > 0:
+            for name, param in model.named_parameters():
+                if param.requires_grad:
+                    safe_set_full_fp32_param(param, weights[name].to(torch.float32))

@@ -1,0 +1,76 @@
+"""Imported by multi-process test runs (``custom_imports: [distributed_fixtures]``).
+
+``GlobalBatchSlices`` gives rank ``r`` of ``W`` the ``r``-th slice of the same
+global batches that one process with a ``W`` times larger batch sees, so a
+2-rank run and a single process can be compared weight for weight. The hooks
+interrupt a run at a fixed step the way a cluster does.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Callable
+
+import torch
+
+from mmgoal.data.pipeline import SkipCounter, collate_batch, iter_eval_batches
+from mmgoal.engine.hooks import Hook
+from mmgoal.objectives.gather import world_info
+from mmgoal.registry import DATASETS, HOOKS
+
+
+@DATASETS.register(force=True)
+class GlobalBatchSlices(torch.utils.data.IterableDataset):
+    """This rank's slice of seeded global batches of (image, first caption) samples."""
+
+    def __init__(self, shards: str, batch_size: int, tokenizer: Callable, transform: Callable,
+                 training: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.tokenizer, self.seed = batch_size, tokenizer, seed
+        self.samples = [
+            {"image": image, "image_id": image_id, "caption": captions[0]}
+            for batch in iter_eval_batches(shards, transform, batch_size=64)
+            for image, image_id, captions in zip(batch["images"], batch["image_ids"],
+                                                 batch["captions"])]
+        self.epoch = 0
+
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        rank, world = world_info()
+        order = list(range(len(self.samples)))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        size = self.batch_size * world
+        for start in range(0, len(order) - size + 1, size):
+            mine = order[start + rank * self.batch_size:start + (rank + 1) * self.batch_size]
+            yield collate_batch([self.samples[i] for i in mine], self.tokenizer, SkipCounter())
+
+
+@HOOKS.register(force=True)
+class SignalLauncherAt(Hook):
+    """Rank ``rank`` sends SIGTERM to its launcher after ``step`` (a preempted job)."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def after_step(self, trainer, outputs) -> None:
+        if trainer.step == self.step and trainer.strategy.rank == self.rank:
+            os.kill(os.getppid(), signal.SIGTERM)
+
+
+@HOOKS.register(force=True)
+class KillAllAt(Hook):
+    """Rank 0 SIGKILLs the launcher and every rank after ``step`` (a lost node)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_step(self, trainer, outputs) -> None:
+        if trainer.step == self.step and trainer.strategy.rank == 0:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
