@@ -10,9 +10,9 @@ config is an error. A JSON ``optimizer`` / ``scheduler`` replaces mmgoal's.
 Checkpoints: ``checkpoints/deepspeed/<tag>/`` holds DeepSpeed's own files (every
 rank's partitions), ``trainer_state.pt`` (epoch, step, data position, every
 rank's RNG) and ``weights.pt``, the consolidated float32 model in the mmgoal
-format (what ``tools/export.py`` and ``tools/evaluate.py`` read, and what a run
-with another number of processes or ZeRO stage resumes from, with a fresh
-optimizer state).
+format (what ``tools/export.py`` and ``tools/evaluate.py`` read). A run with
+another number of processes or ZeRO stage resumes through DeepSpeed's universal
+checkpoint (converted once, next to the tag), optimizer state included.
 ``checkpoints/deepspeed/latest`` names the newest complete tag; it is rewritten
 atomically only after every rank has finished writing, so a run killed while
 saving resumes from the previous checkpoint.
@@ -24,7 +24,10 @@ import copy
 import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -49,6 +52,10 @@ logger = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "bf16", "fp16")
 WEIGHTS = "weights.pt"
 TRAINER_STATE = "trainer_state.pt"
+UNIVERSAL_SUFFIX = "-universal"
+# What DeepSpeed's ds_to_universal converter requires of a checkpoint (beyond Megatron's
+# tensor-parallel patterns, which mmgoal models do not have).
+UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
 
 
 def _free_port() -> int:
@@ -240,7 +247,8 @@ class DeepSpeedStrategy(Strategy):
         if tag == read_pointer(root / LATEST):  # never overwrite the checkpoint in use
             tag += "-again"
         rngs = self.gather_objects(rng_state())
-        self.engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=UNIVERSAL_INFO,
+                                    save_latest=False)
         weights = self.full_state_dict()
         if self.is_main:
             save_checkpoint({"model": weights, "tokenizer": state["tokenizer"],
@@ -266,24 +274,32 @@ class DeepSpeedStrategy(Strategy):
             self.engine.load_checkpoint(str(root), tag=tag)
         else:
             logger.warning("checkpoint %s was written by %d process(es) with ZeRO-%d; this run "
-                           "has %d with ZeRO-%d: the weights are loaded, the optimizer state "
-                           "starts afresh", tag, state["world_size"], state["zero_stage"],
+                           "has %d with ZeRO-%d: resuming through DeepSpeed's universal "
+                           "checkpoint", tag, state["world_size"], state["zero_stage"],
                            self.world_size, self.zero_stage)
-            self.load_weights(load_checkpoint(root / tag / WEIGHTS)["model"])
+            self.load_universal(root, tag)
         self.restore_rng(state["rng"])
         return state
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Set the model (and the optimizer's float32 master copies) to ``weights``."""
-        import deepspeed
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        model = self.module.model
-        params = list(model.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0,
-                                               enabled=self.zero_stage == 3):
-            model.load_state_dict(weights)
-        if self.zero_stage > 0:
-            for name, param in model.named_parameters():
-                if param.requires_grad:
-                    safe_set_full_fp32_param(param, weights[name].to(torch.float32))
+    def load_universal(self, root: Path, tag: str) -> None:
+        """Load ``tag`` into another layout: rank 0 converts it to DeepSpeed's universal
+        format (every parameter's weights and optimizer state whole), every rank loads."""
+        universal = root / f"{tag}{UNIVERSAL_SUFFIX}"
+        if self.is_main and not universal.is_dir():
+            result = subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                 str(root / tag), "--output_folder", str(universal)],
+                capture_output=True, text=True)
+            if result.returncode:
+                shutil.rmtree(universal, ignore_errors=True)
+                tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+                raise RuntimeError(f"converting {root / tag} to a universal checkpoint failed:\n"
+                                   f"{tail}\nresume with the original number of processes "
+                                   f"and ZeRO stage, or start from its weights with load_from: "
+                                   f"{root / tag / WEIGHTS}")
+        self.barrier()
+        self.engine._config.load_universal_checkpoint = True  # read at load time
+        try:
+            self.engine.load_checkpoint(str(root), tag=universal.name)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
