@@ -285,8 +285,16 @@ class ShardDataset(torch.utils.data.IterableDataset):
             return len(read_captions(self.urls))
         total = 0
         for url in self.urls:
-            with tarfile.open(url) as archive:
-                total += len({Path(m.name).name.split(".", 1)[0] for m in archive if m.isfile()})
+            keys: set[str] = set()
+            try:
+                with tarfile.open(url) as archive:
+                    for member in archive:
+                        if member.isfile():
+                            keys.add(Path(member.name).name.split(".", 1)[0])
+            except (tarfile.TarError, OSError) as error:  # count what precedes the damage
+                logger.warning("shard %s is damaged (%s); counting its %d readable samples",
+                               url, error, len(keys))
+            total += len(keys)
         return total
 
     def check_readers(self, world_size: int, workers: int) -> None:

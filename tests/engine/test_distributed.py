@@ -1,0 +1,273 @@
+"""Two processes on CPU (gloo) train exactly like one, under torchrun and deepspeed.
+
+Every run here is the quickstart model (group norm, so per-rank batch statistics
+do not differ from the global batch's) with the GOAL objective, fed by
+``GlobalBatchSlices`` (distributed_fixtures.py): rank r of 2 gets the r-th half
+of the very global batches that a single process with twice the batch sees.
+"""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mmgoal.engine.checkpoint import load_checkpoint
+from mmgoal.engine.strategies.base import LATEST, read_pointer
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PER_RANK = 8
+STEPS = 20  # 160 images, global batch 16: 10 steps per epoch, 2 epochs
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def environment() -> dict:
+    return {**os.environ, "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{ROOT}",
+            "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                   str(BIN.parent / "torch_extensions"))}
+
+
+def launch(launcher: str, config: Path, work_dir: Path, *extra: str,
+           timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run tools/finetune.py under ``torchrun``/``deepspeed`` with 2 processes, or alone."""
+    script = [str(ROOT / "tools" / "finetune.py"), str(config), "--work-dir", str(work_dir),
+              *extra]
+    command = {
+        "single": [sys.executable],
+        "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"],
+        "deepspeed": [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port",
+                      str(free_port())],
+    }[launcher] + script
+    # A session of its own: KillAllAt kills the launcher's whole process group.
+    return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True,
+                          timeout=timeout, start_new_session=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_config(path: Path, data: Path, batch: int, **top) -> Path:
+    cfg = {
+        "_base_": str(ROOT / "configs" / "quickstart.yaml"),
+        "custom_imports": ["distributed_fixtures"],
+        "model": {"embed_dim": 16,
+                  "image_encoder": {"model_kwargs": {"widths": [8, 16], "norm": "group"}},
+                  "text_encoder": {"word_dim": 8, "hidden_size": 16}},
+        "objective": {"_delete_": True, "type": "GoalObjective", "triplet": "cir",
+                      "pair": "sig_ms"},
+        "hooks": [],
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 2},
+        "data": {"image_size": 32, "num_workers": 0,
+                 "train": {"_delete_": True, "type": "GlobalBatchSlices",
+                           "shards": str(data / "train-{000000..000003}.tar"),
+                           "batch_size": batch},
+                 "val": {"shards": str(data / "val-000000.tar")},
+                 "test": {"shards": str(data / "test-000000.tar")}},
+        "train": {"epochs": 2, "log_every": 5, "progress": False},
+    }
+    for key, value in top.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    """The model weights at the end of a run, whatever strategy wrote it."""
+    tag = read_pointer(run / "checkpoints" / "deepspeed" / LATEST)
+    path = (run / "checkpoints" / "deepspeed" / tag / "weights.pt" if tag
+            else run / "checkpoints" / "last.pt")
+    return load_checkpoint(path)["model"]
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The data, configs, the one-process reference and the 2-rank DeepSpeed ZeRO-2 run."""
+    from mmgoal.data.synthetic import write_benchmark
+
+    root = tmp_path_factory.mktemp("distributed")
+    data = root / "data"
+    write_benchmark(data, {"train": 160, "val": 32, "test": 40}, seed=3, image_size=32,
+                    shard_size=40, progress=False)
+    configs = {"single": write_config(root / "single.yaml", data, 2 * PER_RANK),
+               "ranks": write_config(root / "ranks.yaml", data, PER_RANK)}
+    ok(launch("single", configs["single"], root / "single"))
+    ok(launch("deepspeed", configs["ranks"], root / "zero2", "--deepspeed"))
+    return root, data, configs
+
+
+def test_deepspeed_zero2_on_two_ranks_trains_like_one_process(setup):
+    root, _, _ = setup
+    single, zero2 = final_weights(root / "single"), final_weights(root / "zero2")
+    assert max_difference(single, zero2) < 1e-5
+    state = load_checkpoint(next((root / "zero2" / "checkpoints" / "deepspeed").glob(
+        "*/trainer_state.pt")))
+    assert state["step"] == STEPS and state["world_size"] == 2 and len(state["rng"]) == 2
+    # rank 0 alone logs: one record per logged step, not two
+    records = [json.loads(line) for line in
+               (root / "zero2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == [5, 10, 15, 20]
+    assert [r["type"] for r in records].count("val") == 2
+    # and it wrote the report; weights equal to 1e-7 may still break a tie in a rank
+    reports = [json.loads((root / run / "report.json").read_text()) for run in ("single", "zero2")]
+    assert reports[1]["test"] == pytest.approx(reports[0]["test"], abs=0.1)
+
+
+def test_ddp_under_torchrun_trains_like_one_process(setup, tmp_path):
+    root, _, configs = setup
+    result = ok(launch("torchrun", configs["ranks"], tmp_path / "ddp"))
+    assert "global batch 16 = 8 per rank x 2 rank(s) x 1 accumulation step(s)" in result.stderr
+    assert max_difference(final_weights(root / "single"), final_weights(tmp_path / "ddp")) < 1e-5
+
+
+@pytest.mark.parametrize("zero_config,tolerance", [
+    ({"zero_optimization": {"stage": 0}}, 1e-5),
+    ({"zero_optimization": {"stage": 1}}, 1e-5),
+    ({"zero_optimization": {"stage": 3}}, 1e-5),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, None),
+])
+def test_zero_stages_and_bf16_agree(setup, tmp_path, zero_config, tolerance):
+    root, _, configs = setup
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({**zero_config, "train_micro_batch_size_per_gpu": "auto"}))
+    ok(launch("torchrun", configs["ranks"], tmp_path / "run", "--deepspeed", str(ds_json)))
+    reference, weights = final_weights(root / "zero2"), final_weights(tmp_path / "run")
+    if tolerance is not None:
+        assert max_difference(reference, weights) < tolerance
+        return
+    # bf16 products: the training path differs at bf16's precision (8 bits) from the
+    # first step on; after 20 Adam steps the updates still point the same way.
+    initial = initial_weights(configs["ranks"], root / "zero2")
+    flat = {name: torch.cat([w[k].float().flatten() for k in sorted(reference)])
+            for name, w in (("fp32", reference), ("bf16", weights), ("init", initial))}
+    fp32_update, bf16_update = flat["fp32"] - flat["init"], flat["bf16"] - flat["init"]
+    assert torch.nn.functional.cosine_similarity(fp32_update, bf16_update, dim=0) > 0.9
+    assert (bf16_update - fp32_update).norm() < 0.5 * fp32_update.norm()
+
+
+def initial_weights(config: Path, run: Path) -> dict[str, torch.Tensor]:
+    """The model a run starts from: its seed, its vocabulary, nothing trained."""
+    from mmgoal.config import load_config
+    from mmgoal.registry import MODELS, TOKENIZERS
+
+    cfg = load_config(str(config))
+    torch.manual_seed(cfg["train"]["seed"])
+    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
+    tokenizer.load_state_dict(load_checkpoint(run / "checkpoints" / "best.pt")["tokenizer"])
+    model = MODELS.build(cfg["model"], tokenizer=tokenizer)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_sigterm_stops_every_rank_and_the_run_resumes_exactly(setup, tmp_path):
+    root, data, configs = setup
+    stopping = write_config(tmp_path / "stop.yaml", data, PER_RANK,
+                            hooks=[{"type": "SignalLauncherAt", "step": 7}])
+    run = tmp_path / "run"
+    result = launch("torchrun", stopping, run, "--deepspeed")
+    assert result.returncode != 0 and "stopping after this step" in result.stderr
+    stopped = load_checkpoint(next(run.glob("checkpoints/deepspeed/*/trainer_state.pt")))
+    assert 7 <= stopped["step"] < STEPS and not (run / "report.json").exists()
+    # the same checkpoint resumed by one process with the same global batch
+    shutil.copytree(run, tmp_path / "one")
+    ok(launch("torchrun", configs["ranks"], run, "--deepspeed", "--resume"))
+    assert max_difference(final_weights(root / "zero2"), final_weights(run)) < 1e-6
+    result = ok(launch("single", configs["single"], tmp_path / "one", "--deepspeed", "--resume"))
+    assert "universal checkpoint" in result.stderr
+    assert max_difference(final_weights(root / "zero2"), final_weights(tmp_path / "one")) < 1e-5
+
+
+def test_a_sigkilled_run_resumes_from_its_last_checkpoint(setup, tmp_path):
+    root, data, configs = setup
+    killed = write_config(tmp_path / "kill.yaml", data, PER_RANK,
+                          hooks=[{"type": "KillAllAt", "step": 13}],
+                          train={"epochs": 2, "log_every": 5, "progress": False,
+                                 "checkpoint_every_steps": 5})
+    run = tmp_path / "run"
+    result = launch("torchrun", killed, run, "--deepspeed")
+    assert result.returncode != 0
+    tag = read_pointer(run / "checkpoints" / "deepspeed" / LATEST)
+    assert load_checkpoint(run / "checkpoints" / "deepspeed" / tag / "trainer_state.pt")[
+        "step"] == 10
+    ok(launch("torchrun", configs["ranks"], run, "--deepspeed", "--resume"))
+    assert max_difference(final_weights(root / "zero2"), final_weights(run)) < 1e-6
+
+
+def test_two_rank_checkpoint_is_exported_and_evaluated_by_one_process(setup, tmp_path):
+    root, _, configs = setup
+    # an unfinished newer checkpoint (a save killed halfway) is not what `latest` names
+    unfinished = root / "zero2" / "checkpoints" / "deepspeed" / "epoch0009-step000000099"
+    unfinished.mkdir(exist_ok=True)
+    (unfinished / "mp_rank_00_model_states.pt").write_bytes(b"half a file")
+    exported = tmp_path / "zero2.pt"
+    ok(subprocess.run([sys.executable, "tools/export.py", str(root / "zero2"), "--out",
+                       str(exported)], cwd=ROOT, env=environment(), capture_output=True,
+                      text=True, timeout=120))
+    assert max_difference(torch.load(exported, weights_only=True)["model"],
+                          final_weights(root / "single")) < 1e-5
+    results = []
+    for checkpoint in (exported, root / "single" / "checkpoints" / "last.pt"):
+        out = tmp_path / f"{checkpoint.stem}.json"
+        ok(subprocess.run([sys.executable, "tools/evaluate.py", str(configs["ranks"]),
+                           str(checkpoint), "--out", str(out)], cwd=ROOT, env=environment(),
+                          capture_output=True, text=True, timeout=120))
+        results.append(json.loads(out.read_text()))
+    assert results[0]["metrics"] == pytest.approx(results[1]["metrics"], abs=0.1)
+
+
+def corrupt_shard_config(tmp_path: Path, data: Path, shards: list[Path]) -> Path:
+    cfg = {
+        "_base_": str(ROOT / "configs" / "quickstart.yaml"),
+        "model": {"embed_dim": 16,
+                  "image_encoder": {"model_kwargs": {"widths": [8, 16], "norm": "group"}},
+                  "text_encoder": {"word_dim": 8, "hidden_size": 16}},
+        "hooks": [],
+        "data": {"image_size": 32, "num_workers": 0,
+                 "train": {"shards": [str(s) for s in shards], "batch_size": 8},
+                 "val": {"shards": str(data / "val-000000.tar")}, "test": None},
+        "train": {"epochs": 1, "progress": False},
+    }
+    path = tmp_path / "corrupt.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_corrupt_shard_on_one_rank_does_not_hang_the_other(setup, tmp_path):
+    _, data, _ = setup
+    shards = sorted(Path(p) for p in glob.glob(str(data / "train-*.tar")))
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(shards[1].read_bytes()[: shards[1].stat().st_size // 2])
+    config = corrupt_shard_config(tmp_path, data, [shards[0], cut, shards[2], shards[3]])
+    ok(launch("torchrun", config, tmp_path / "cut", timeout=240))
+    report = json.loads((tmp_path / "cut" / "report.json").read_text())
+    assert report["steps"] >= 140 // 16  # an epoch of what the shards still hold
+    # every shard of rank 1 unreadable: rank 1 says so and the launcher stops both
+    garbage = tmp_path / "garbage.tar"
+    garbage.write_bytes(b"not a tar file" * 1000)
+    config = corrupt_shard_config(tmp_path, data, [shards[0], garbage])
+    result = launch("torchrun", config, tmp_path / "garbage", timeout=240)
+    assert result.returncode != 0
+    assert "rank 1 worker 0 read a whole pass of its training shards" in result.stderr
