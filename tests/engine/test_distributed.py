@@ -271,3 +271,15 @@ def test_a_corrupt_shard_on_one_rank_does_not_hang_the_other(setup, tmp_path):
     result = launch("torchrun", config, tmp_path / "garbage", timeout=240)
     assert result.returncode != 0
     assert "rank 1 worker 0 read a whole pass of its training shards" in result.stderr
+
+
+def test_gradient_accumulation_matches_between_deepspeed_and_one_process(setup, tmp_path):
+    root, data, _ = setup
+    train = {"epochs": 1, "log_every": 5, "progress": False, "accumulate_steps": 2}
+    single = write_config(tmp_path / "single.yaml", data, 8, train=train)
+    ranks = write_config(tmp_path / "ranks.yaml", data, 4, train=train)
+    ok(launch("single", single, tmp_path / "single"))
+    result = ok(launch("torchrun", ranks, tmp_path / "ranks", "--deepspeed"))
+    assert "global batch 16 = 4 per rank x 2 rank(s) x 2 accumulation step(s)" in result.stderr
+    assert max_difference(final_weights(tmp_path / "single"),
+                          final_weights(tmp_path / "ranks")) < 1e-5

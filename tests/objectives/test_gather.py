@@ -1,4 +1,4 @@
-"""A GOAL objective on features gathered over 2 processes (gloo, CPU) matches one process."""
+"""Objectives on features gathered over 2 processes (gloo, CPU) match one process."""
 
 import os
 import socket
@@ -9,37 +9,39 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mmgoal.objectives.gather import gather_features, gather_with_grad
+from mmgoal.models.features import TextFeatures
+from mmgoal.objectives.gather import gather_features, gather_groups, gather_with_grad
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import OBJECTIVES
 
 BATCH, DIM = 12, 5
-GROUPS = torch.tensor([0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 8])  # duplicates across the rank split
+IDS = [0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 8]  # duplicates across the rank split
+OBJECTIVES_TRIED = {
+    "goal": {"type": "GoalObjective", "triplet": "cir", "pair": "sig_ms"},
+    # a parameter used after the gather: its gradient must not be counted twice
+    "infonce": {"type": "InfoNCELoss", "temperature": 0.1, "learnable": True},
+}
 
 
-def make_problem():
+def make_problem(name):
     torch.manual_seed(0)
     image_encoder = torch.nn.Linear(DIM, 4, dtype=torch.float64)
     text_encoder = torch.nn.Linear(DIM, 4, dtype=torch.float64)
+    objective = OBJECTIVES.build(OBJECTIVES_TRIED[name]).double()
     images = torch.randn(BATCH, DIM, dtype=torch.float64)
     texts = torch.randn(BATCH, DIM, dtype=torch.float64)
-    return image_encoder, text_encoder, images, texts
+    return image_encoder, text_encoder, objective, images, texts
 
 
-def objective():
-    return OBJECTIVES.build({"type": "GoalObjective", "triplet": "cir", "pair": "sig_ms"})
-
-
-def step(image_encoder, text_encoder, images, texts, groups):
+def step(image_encoder, text_encoder, objective, images, texts, ids):
     """One SGD step; the loss sees the features of every rank."""
-    img = gather_with_grad(F.normalize(image_encoder(images), dim=-1))
-    txt = gather_with_grad(F.normalize(text_encoder(texts), dim=-1))
-    all_groups = gather_with_grad(groups)
-    loss = objective()(img @ txt.T, positives_from_groups(all_groups))["goal_loss"]
-    loss.backward()
-    params = [*image_encoder.parameters(), *text_encoder.parameters()]
+    img = gather_features(F.normalize(image_encoder(images), dim=-1))
+    txt = gather_features(F.normalize(text_encoder(texts), dim=-1))
+    outputs = objective(img @ txt.T, positives_from_groups(gather_groups(ids)))
+    sum(v for k, v in outputs.items() if k.endswith("_loss")).backward()
+    params = [*image_encoder.parameters(), *text_encoder.parameters(), *objective.parameters()]
     for p in params:
-        if dist.is_initialized():  # what DDP does: average the ranks' gradients
+        if dist.is_initialized():  # what data parallel does: average the ranks' gradients
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
         p.data -= 0.1 * p.grad
@@ -50,10 +52,20 @@ def worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        image_encoder, text_encoder, images, texts = make_problem()
         local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        params = step(image_encoder, text_encoder, images[local], texts[local], GROUPS[local])
-        torch.save(params, os.path.join(out_dir, f"rank{rank}.pt"))
+        results = {}
+        for name in OBJECTIVES_TRIED:
+            image_encoder, text_encoder, objective, images, texts = make_problem(name)
+            results[name] = step(image_encoder, text_encoder, objective, images[local],
+                                 texts[local], IDS[local])
+        # word tokens of different lengths on the two ranks: padded to the longest
+        width = 3 + 2 * rank
+        tokens = torch.full((2, width, 4), float(rank + 1), requires_grad=True)
+        mask = torch.ones(2, width, dtype=torch.bool)
+        gathered = gather_features(TextFeatures(tokens[:, 0], tokens=tokens, mask=mask))
+        (gathered.tokens * torch.arange(4.0)[:, None, None]).sum().backward()
+        results["tokens"] = [gathered.tokens.detach(), gathered.mask, tokens.grad]
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -66,14 +78,25 @@ def free_port():
 
 @pytest.mark.multiprocess
 def test_two_process_gathered_update_matches_one_process(tmp_path):
-    single = step(*make_problem(), GROUPS)
     mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        gathered = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        for a, b in zip(single, gathered):
-            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for name in OBJECTIVES_TRIED:
+        single = step(*make_problem(name), IDS)
+        for gathered in ranks:
+            for a, b in zip(single, gathered[name]):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    for rank, result in enumerate(ranks):
+        tokens, mask, grad = result["tokens"]
+        assert tokens.shape == (4, 5, 4)  # 2 + 2 rows, 5 = the longer rank's width
+        assert mask.tolist() == [[True] * 3 + [False] * 2] * 2 + [[True] * 5] * 2
+        assert tokens[:2, :3].eq(1).all() and tokens[:2, 3:].eq(0).all()
+        assert tokens[2:].eq(2).all()
+        # every rank's loss weighs its rows 0..3: the summed gradient of a slice is 2x
+        expected = 2 * torch.arange(4.0)[2 * rank:2 * rank + 2, None, None].expand_as(grad)
+        assert torch.equal(grad, expected)
 
 
 def test_gather_is_the_identity_in_one_process():
     x = torch.randn(3, 2, requires_grad=True)
     assert gather_with_grad(x) is x and gather_features(x) is x
+    assert torch.equal(gather_groups(["a", "b", "a"])[[0, 2]].diff(), torch.zeros(1).long())

@@ -79,6 +79,34 @@ def read_deepspeed_json(config: str | dict | None) -> dict:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON ({error})") from error
 
 
+def merge_deepspeed_config(user: dict, micro_batch: int, accumulate_steps: int, world_size: int,
+                           clip_grad: float | None, zero_stage: int, precision: str) -> dict:
+    """The DeepSpeed config: ``user``'s keys, the mmgoal values where it has none or "auto".
+
+    Raises:
+        ValueError: a batch size in ``user`` contradicts the mmgoal config.
+    """
+    cfg = copy.deepcopy(user)
+    for key, value in (("train_micro_batch_size_per_gpu", micro_batch),
+                       ("gradient_accumulation_steps", accumulate_steps),
+                       ("train_batch_size", micro_batch * accumulate_steps * world_size)):
+        given = cfg.get(key, "auto")
+        if given not in ("auto", value):
+            raise ValueError(
+                f"the DeepSpeed config sets {key}={given}, but the mmgoal config gives {value} "
+                f"(data.train.batch_size per rank x train.accumulate_steps x {world_size} "
+                f"ranks); set it in one place or write \"auto\" in the JSON")
+        cfg[key] = value
+    if cfg.get("gradient_clipping", "auto") == "auto":
+        cfg["gradient_clipping"] = float(clip_grad or 0.0)
+    cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
+    if precision != "fp32":
+        cfg.setdefault(precision, {})["enabled"] = True
+    cfg.setdefault("zero_allow_untested_optimizer", True)
+    cfg.setdefault("steps_per_print", 2**31 - 1)
+    return cfg
+
+
 @STRATEGIES.register("deepspeed")
 class DeepSpeedStrategy(Strategy):
     """Train through ``deepspeed.initialize`` (see the module docstring).
@@ -133,35 +161,15 @@ class DeepSpeedStrategy(Strategy):
         return (f"DeepSpeed ZeRO-{self.zero_stage} {self.precision}, {self.world_size} "
                 f"process(es)")
 
-    def deepspeed_config(self, micro_batch: int, accumulate_steps: int,
-                         clip_grad: float | None) -> dict:
-        """The merged DeepSpeed config (see the module docstring)."""
-        cfg = copy.deepcopy(self.user_config)
-        for key, value in (("train_micro_batch_size_per_gpu", micro_batch),
-                           ("gradient_accumulation_steps", accumulate_steps),
-                           ("train_batch_size", micro_batch * accumulate_steps * self.world_size)):
-            given = cfg.get(key, "auto")
-            if given not in ("auto", value):
-                raise ValueError(
-                    f"the DeepSpeed config sets {key}={given}, but the mmgoal config gives "
-                    f"{value} (data.train.batch_size per rank x train.accumulate_steps x "
-                    f"{self.world_size} ranks); set it in one place or write \"auto\" in the JSON")
-            cfg[key] = value
-        if cfg.get("gradient_clipping", "auto") == "auto":
-            cfg["gradient_clipping"] = float(clip_grad or 0.0)
-        cfg.setdefault("zero_optimization", {})["stage"] = self.zero_stage
-        if self.precision != "fp32":
-            cfg.setdefault(self.precision, {})["enabled"] = True
-        cfg.setdefault("zero_allow_untested_optimizer", True)
-        cfg.setdefault("steps_per_print", 2**31 - 1)
-        return cfg
-
     def setup(self, module: nn.Module, optimizer_cfg: dict, micro_batch: int,
               accumulate_steps: int, clip_grad: float | None) -> None:
         import deepspeed
 
         self.accumulate_steps = accumulate_steps
-        self.config = self.deepspeed_config(micro_batch, accumulate_steps, clip_grad)
+        self.config = merge_deepspeed_config(
+            self.user_config, micro_batch=micro_batch, accumulate_steps=accumulate_steps,
+            world_size=self.world_size, clip_grad=clip_grad, zero_stage=self.zero_stage,
+            precision=self.precision)
         self.client_optimizer = (None if "optimizer" in self.config else
                                  build_optimizer(optimizer_cfg, module.model, module.objective))
         parameters = (None if self.client_optimizer is not None else

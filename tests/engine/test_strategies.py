@@ -1,0 +1,96 @@
+"""Strategy choices and their mistakes, in one process."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+from test_trainer import tiny_config
+
+from mmgoal.engine.strategies.deepspeed import merge_deepspeed_config
+from mmgoal.engine.trainer import Trainer
+from mmgoal.registry import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def finetune_tool():
+    spec = importlib.util.spec_from_file_location("finetune", ROOT / "tools" / "finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_deepspeed_config_takes_the_json_first_and_mmgoal_values_for_the_rest():
+    merged = merge_deepspeed_config(
+        {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0,
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}},
+        micro_batch=8, accumulate_steps=2, world_size=4, clip_grad=2.0, zero_stage=3,
+        precision="bf16")
+    assert merged["train_micro_batch_size_per_gpu"] == 8
+    assert merged["gradient_accumulation_steps"] == 2
+    assert merged["train_batch_size"] == 64  # 8 per rank x 2 accumulation x 4 ranks
+    assert merged["gradient_clipping"] == 1.0  # the JSON's own
+    assert merged["zero_optimization"] == {"stage": 3}
+    assert merged["bf16"] == {"enabled": True} and "fp16" not in merged
+    assert merged["optimizer"]["params"]["lr"] == 1e-4
+    plain = merge_deepspeed_config({}, micro_batch=8, accumulate_steps=1, world_size=1,
+                                   clip_grad=None, zero_stage=0, precision="fp32")
+    assert plain["gradient_clipping"] == 0.0 and "bf16" not in plain
+
+
+def test_a_deepspeed_batch_size_against_the_mmgoal_config_is_an_error():
+    with pytest.raises(ValueError, match=r"sets train_batch_size=128, but the mmgoal config "
+                                         r"gives 32 .*2 ranks.*\"auto\""):
+        merge_deepspeed_config({"train_batch_size": 128}, micro_batch=16, accumulate_steps=1,
+                               world_size=2, clip_grad=None, zero_stage=2, precision="fp32")
+
+
+def test_strategy_mistakes_say_what_to_do(monkeypatch):
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got 4"):
+        STRATEGIES.build({"type": "deepspeed", "zero_stage": 4})
+    with pytest.raises(ValueError, match="precision must be one of fp32, bf16, fp16"):
+        STRATEGIES.build({"type": "deepspeed", "precision": "fp8"})
+    with pytest.raises(ValueError, match="fp16 is not supported on cpu.*bf16 or fp32"):
+        STRATEGIES.build({"type": "deepspeed", "precision": "fp16"})
+    with pytest.raises(FileNotFoundError, match="DeepSpeed config .*missing.json does not exist"):
+        STRATEGIES.build({"type": "deepspeed", "config": "missing.json"})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="'single' was started by a launcher with WORLD_SIZE=2"):
+        STRATEGIES.build({"type": "single"})
+
+
+def test_deepspeed_flag_sets_the_strategy_and_keeps_its_settings():
+    tool = finetune_tool()
+    args = tool.parse_args(["c.yaml", "--deepspeed", "ds.json", "--local_rank=1"])
+    assert args.deepspeed == "ds.json" and args.local_rank == 1
+    assert tool.parse_args(["c.yaml", "--deepspeed"]).deepspeed is True
+    assert tool.parse_args(["c.yaml"]).deepspeed is None
+    cfg = {"model": {}, "strategy": {"type": "deepspeed", "zero_stage": 3}}
+    assert tool.with_deepspeed(cfg, True)["strategy"] == {"type": "deepspeed", "zero_stage": 3}
+    assert tool.with_deepspeed({"strategy": {"type": "ddp"}}, "ds.json")["strategy"] == {
+        "type": "deepspeed", "config": "ds.json"}
+
+
+@pytest.mark.parametrize("rule,factor", [("none", 1.0), ("linear", 3.0), ("sqrt", math.sqrt(3))])
+def test_learning_rate_scales_with_the_global_batch(tiny_benchmark, tmp_path, rule, factor):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, scale_lr=rule, reference_batch=4)  # batch 12 in one process
+    cfg["data"]["train"]["batch_size"] = 12
+    trainer = Trainer(cfg, tmp_path / rule)
+    assert trainer.global_batch == 12
+    assert trainer.base_lrs[0] == pytest.approx(3e-3 * factor)
+    cfg = tiny_config(out, scale_lr="quadratic")
+    with pytest.raises(ValueError, match="scale_lr must be one of none, linear, sqrt"):
+        Trainer(cfg, tmp_path / "bad")
+
+
+def test_accumulation_counts_steps_over_micro_batches(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=1, accumulate_steps=2, log_every=1)
+    trainer = Trainer(cfg, tmp_path / "acc")
+    assert trainer.global_batch == 32 and trainer.steps_per_epoch == 96 // 32
+    trainer.fit()
+    assert trainer.step == 3 and trainer.batch_in_epoch == 0
+    with pytest.raises(ValueError, match="accumulate_steps must be 1 or more"):
+        Trainer(tiny_config(out, accumulate_steps=0), tmp_path / "zero")
