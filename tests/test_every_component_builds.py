@@ -66,6 +66,8 @@ EXAMPLES = {
     # remaps are functions, exercised in tests/models/test_pretrained.py
     "CHECKPOINT_REMAPS": {"timm": None, "efficientnet_pytorch": None},
     "OPTIMIZERS": {"AdamW": {"lr": 1e-3}, "Adam": {"lr": 1e-3}, "SGD": {"lr": 1e-3}},
+    # deepspeed starts a process group: tests/engine/test_distributed.py, test_strategies.py
+    "STRATEGIES": {"single": {}, "ddp": {"bucket_mb": 1.0}, "deepspeed": None},
 }
 REGISTRIES = [name for name, value in vars(registry).items()
               if isinstance(value, registry.Registry)]

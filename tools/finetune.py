@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from mmgoal.config import load_config  # noqa: E402
+from mmgoal.engine.strategies import has_checkpoint  # noqa: E402
 from mmgoal.engine.trainer import Trainer, check_data_paths, metrics_table  # noqa: E402
 
 
@@ -31,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", help="run directory (default: work_dirs/<config name>)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in <work-dir>/checkpoints")
+    parser.add_argument("--auto-resume", action="store_true",
+                        help="--resume when <work-dir> has a checkpoint, else start afresh "
+                             "(for jobs that a scheduler requeues)")
     parser.add_argument("--deepspeed", nargs="?", const=True, metavar="DS_CONFIG.json",
                         help="train with DeepSpeed (strategy: deepspeed), optionally with a "
                              "DeepSpeed JSON merged over the config's settings")
@@ -72,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
-    trainer = Trainer(cfg, work_dir, resume=args.resume)
+    resume = args.resume or (args.auto_resume and has_checkpoint(work_dir / "checkpoints"))
+    try:
+        trainer = Trainer(cfg, work_dir, resume=resume)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     report = trainer.fit()
     trainer.strategy.close()
     if not trainer.is_main:

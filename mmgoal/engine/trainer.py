@@ -222,11 +222,12 @@ class Trainer:
             self._restore(self.strategy.load(self.checkpoint_dir))
         if self.is_main:
             dump_config(cfg, self.work_dir / "config.yaml")
+        lr = ("from the DeepSpeed scheduler" if self.strategy.owns_schedule else
+              f"{self.base_lrs[0]:.3g} (scale_lr {self.train_cfg['scale_lr']})")
         logger.info("%s; global batch %d = %d per rank x %d rank(s) x %d accumulation step(s); "
-                    "%d steps per epoch (%d samples); base lr %.3g (scale_lr %s)",
-                    self.strategy.describe(), self.global_batch, micro_batch,
-                    self.strategy.world_size, self.accumulate_steps, self.steps_per_epoch,
-                    samples, self.base_lrs[0], self.train_cfg["scale_lr"])
+                    "%d steps per epoch (%d samples); base lr %s", self.strategy.describe(),
+                    self.global_batch, micro_batch, self.strategy.world_size,
+                    self.accumulate_steps, self.steps_per_epoch, samples, lr)
 
     @property
     def optimizer(self):

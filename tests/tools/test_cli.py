@@ -40,10 +40,11 @@ def tiny_config_file(tiny_benchmark, tmp_path):
 @pytest.mark.slow
 def test_finetune_then_evaluate_agree(tiny_config_file, tmp_path):
     work = tmp_path / "run"
+    # --auto-resume starts afresh in an empty work directory...
     result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", work,
-                      "--cfg-options", "optimizer.lr=0.003")
+                      "--cfg-options", "optimizer.lr=0.003", "--auto-resume")
     assert result.returncode == 0, result.stderr
-    assert "rsum" in result.stdout and "R@1" in result.stdout
+    assert "rsum" in result.stdout and "R@1" in result.stdout and "resumed" not in result.stderr
     report = json.loads((work / "report.json").read_text())
     assert yaml.safe_load((work / "config.yaml").read_text())["optimizer"]["lr"] == 0.003
     result = run_tool("tools/evaluate.py", tiny_config_file, work / "checkpoints" / "best.pt",
@@ -63,6 +64,11 @@ def test_finetune_then_evaluate_agree(tiny_config_file, tmp_path):
     stats = score_stats(work, "test", 1000)
     assert f"positive median {stats['positive_median']:.2f}" in result.stdout
     assert stats["negative_q25"] <= stats["negative_median"] <= stats["negative_q75"]
+    # ...and resumes where it has a checkpoint (here: the end, so nothing is trained)
+    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", work,
+                      "--cfg-options", "optimizer.lr=0.003", "--auto-resume")
+    assert result.returncode == 0, result.stderr
+    assert "resumed at epoch 2, step" in result.stderr
 
 
 def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
@@ -71,6 +77,10 @@ def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
     assert result.returncode == 2
     assert "no key 'lrr' under optimizer" in result.stderr
     assert "Traceback" not in result.stderr
+    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", tmp_path / "new",
+                      "--resume")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--resume: no checkpoint at" in result.stderr
     result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", tmp_path / "x",
                       "--cfg-options", "data.train.shards=/nowhere/train-{0..3}.tar")
     assert result.returncode == 2

@@ -72,6 +72,11 @@ def read_pointer(path: Path) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
+def has_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` holds a resumable checkpoint of any strategy."""
+    return (directory / "last.pt").is_file() or (directory / "deepspeed" / LATEST).is_file()
+
+
 def prune_except(directory: Path, keep: str) -> None:
     """Remove every checkpoint folder in ``directory`` but ``keep`` (and unfinished ones)."""
     for child in directory.iterdir():
