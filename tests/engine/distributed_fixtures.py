@@ -18,7 +18,7 @@ import torch
 from mmgoal.data.pipeline import SkipCounter, collate_batch, iter_eval_batches
 from mmgoal.engine.hooks import Hook
 from mmgoal.objectives.gather import world_info
-from mmgoal.registry import DATASETS, HOOKS
+from mmgoal.registry import DATASETS, HOOKS, OBJECTIVES
 
 
 @DATASETS.register(force=True)
@@ -74,3 +74,22 @@ class KillAllAt(Hook):
     def after_step(self, trainer, outputs) -> None:
         if trainer.step == self.step and trainer.strategy.rank == 0:
             os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+@OBJECTIVES.register(force=True)
+class NaNOnOneRank(torch.nn.Module):
+    """GOAL cir x sig_ms whose loss is NaN on rank ``rank`` from call ``first`` (1-based) on,
+    for ``count`` calls: a fault that only one rank sees."""
+
+    def __init__(self, rank: int = 1, first: int = 3, count: int = 1) -> None:
+        super().__init__()
+        self.inner = OBJECTIVES.build({"type": "GoalObjective", "triplet": "cir",
+                                       "pair": "sig_ms"})
+        self.rank, self.first, self.count, self.calls = rank, first, count, 0
+
+    def forward(self, sims, positives=None):
+        self.calls += 1
+        outputs = self.inner(sims, positives)
+        if world_info()[0] == self.rank and self.first <= self.calls < self.first + self.count:
+            outputs["goal_loss"] = outputs["goal_loss"] * float("nan")
+        return outputs

@@ -81,7 +81,8 @@ def write_config(path: Path, data: Path, batch: int, **top) -> Path:
         "train": {"epochs": 2, "log_every": 5, "progress": False},
     }
     for key, value in top.items():
-        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+        merge = isinstance(value, dict) and not value.get("_delete_")
+        cfg[key] = {**cfg.get(key, {}), **value} if merge else value
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -283,3 +284,24 @@ def test_gradient_accumulation_matches_between_deepspeed_and_one_process(setup, 
     assert "global batch 16 = 4 per rank x 2 rank(s) x 2 accumulation step(s)" in result.stderr
     assert max_difference(final_weights(tmp_path / "single"),
                           final_weights(tmp_path / "ranks")) < 1e-5
+
+
+def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(setup, tmp_path):
+    _, data, _ = setup
+    train = {"epochs": 1, "log_every": 1, "progress": False, "max_nonfinite_steps": 3}
+    once = write_config(tmp_path / "once.yaml", data, PER_RANK, train=train,
+                        objective={"_delete_": True, "type": "NaNOnOneRank", "first": 3})
+    result = ok(launch("torchrun", once, tmp_path / "once", "--deepspeed"))
+    assert "non-finite loss or gradient at step 2: step skipped" in result.stderr
+    weights = final_weights(tmp_path / "once")
+    assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+    steps = [json.loads(line) for line in (tmp_path / "once" / "metrics.jsonl").read_text()
+             .splitlines() if '"train"' in line]
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    # NaN on rank 1 for good: both ranks stop after 3 skipped steps, neither hangs
+    always = write_config(tmp_path / "always.yaml", data, PER_RANK, train=train,
+                          objective={"_delete_": True, "type": "NaNOnOneRank", "first": 3,
+                                     "count": 100})
+    result = launch("torchrun", always, tmp_path / "always", "--deepspeed", timeout=240)
+    assert result.returncode != 0
+    assert "3 non-finite losses in a row (step 4" in result.stderr
