@@ -149,15 +149,16 @@ class Trainer:
         if self.is_main:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
+        resumed = self.strategy.read_state(self.checkpoint_dir) if resume else None
         start_from = load_checkpoint(cfg["load_from"]) if cfg.get("load_from") and not resume \
             else None
         seed = self.train_cfg["seed"]
         torch.manual_seed(seed)  # the same initial weights on every rank
         random.seed(seed)
         self.tokenizer = TOKENIZERS.build(splits["tokenizer"])
-        if start_from is not None:
-            # A later stage keeps the vocabulary its weights were trained with.
-            self.tokenizer.load_state_dict(start_from["tokenizer"])
+        if resumed is not None or start_from is not None:
+            # A resumed run, or a later stage, keeps the vocabulary its weights were trained with.
+            self.tokenizer.load_state_dict((resumed or start_from)["tokenizer"])
         elif not self.tokenizer.fitted:
             # Fitted from the data alone, so every rank (and a resumed run) gets the same.
             self.tokenizer.fit(read_captions(splits["train"]["shards"]))

@@ -175,6 +175,14 @@ class Strategy:
         """Write a resumable checkpoint of everything plus the trainer's ``state``."""
         raise NotImplementedError
 
+    def read_state(self, directory: Path) -> dict:
+        """The trainer's state in the latest checkpoint of ``directory``, nothing restored.
+
+        Raises:
+            FileNotFoundError: there is no complete checkpoint.
+        """
+        raise NotImplementedError
+
     def load(self, directory: Path) -> dict:
         """Restore the latest checkpoint in ``directory``; return the trainer's state.
 

@@ -271,12 +271,20 @@ class DeepSpeedStrategy(Strategy):
             prune_except(root, tag)
         self.barrier()
 
-    def load(self, directory: Path) -> dict:
+    def latest_tag(self, directory: Path) -> tuple[Path, str]:
         root = directory / "deepspeed"
         tag = read_pointer(root / LATEST)
         if tag is None:
             raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint under {root}; "
                                     f"start without --resume or point --work-dir at the run")
+        return root, tag
+
+    def read_state(self, directory: Path) -> dict:
+        root, tag = self.latest_tag(directory)
+        return load_checkpoint(root / tag / TRAINER_STATE)
+
+    def load(self, directory: Path) -> dict:
+        root, tag = self.latest_tag(directory)
         state = load_checkpoint(root / tag / TRAINER_STATE)
         if state["world_size"] == self.world_size and state["zero_stage"] == self.zero_stage:
             self.engine.load_checkpoint(str(root), tag=tag)

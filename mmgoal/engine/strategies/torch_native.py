@@ -82,12 +82,15 @@ class SingleProcess(Strategy):
                              "world_size": self.world_size}, directory / LAST)
         self.barrier()
 
-    def load(self, directory: Path) -> dict:
+    def read_state(self, directory: Path) -> dict:
         path = directory / LAST
         if not path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {path}; start without --resume "
                                     f"or point --work-dir at the interrupted run")
-        state = load_checkpoint(path)
+        return load_checkpoint(path)
+
+    def load(self, directory: Path) -> dict:
+        state = self.read_state(directory)
         self.module.model.load_state_dict(state["model"])
         self.module.objective.load_state_dict(state["objective"])
         self.optimizer.load_state_dict(state["optimizer"])
