@@ -154,6 +154,7 @@ TRIPLET_WEIGHTS = Registry("triplet weight")
 PAIR_WEIGHTS = Registry("pair weight")
 CHECKPOINT_REMAPS = Registry("checkpoint remap")
 TEXT_AUGMENTS = Registry("text augment")
+SHARD_SOURCES = Registry("shard source")
 
 _plugins_loaded = False
 

@@ -1,3 +1,3 @@
-"""Shards, synthetic scenes, tokenizers and transforms."""
+"""Shards, synthetic scenes, shard sources, tokenizers and transforms."""
 
-from mmgoal.data import pipeline, shards, synthetic, tokenizers, transforms  # noqa: F401
+from mmgoal.data import pipeline, shards, sources, synthetic, tokenizers, transforms  # noqa: F401

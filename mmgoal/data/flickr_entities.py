@@ -96,12 +96,14 @@ def read_image_entities(root: str | Path, image_id: str | int) -> dict | None:
             "entities": entities}
 
 
-def entities_for_captions(record: dict, captions: list[str]) -> list[dict]:
+def entities_for_captions(record: dict, captions: list[str], fractions: bool = True
+                          ) -> list[dict]:
     """The record's entities re-indexed to ``captions`` (joined by normalised text),
-    boxes as fractions of the image size. Entities of sentences not among
-    ``captions`` are dropped."""
+    boxes as fractions of the image size (or in pixels, as shards store them,
+    without ``fractions``). Entities of sentences not among ``captions`` are dropped."""
     index = {normalise_caption(c): k for k, c in enumerate(captions)}
-    scale = [record["width"], record["height"], record["width"], record["height"]]
+    scale = ([record["width"], record["height"], record["width"], record["height"]]
+             if fractions else [1, 1, 1, 1])
     if not all(scale):
         raise ValueError("a Flickr30K Entities annotation has no <size>: cannot scale its boxes")
     out = []

@@ -15,6 +15,7 @@ problem, counts it and skips the sample; a corrupt sample never stops a run.
 
 from __future__ import annotations
 
+import functools
 import glob
 import io
 import itertools
@@ -116,26 +117,36 @@ def _load_npy(data: bytes, where: str, name: str) -> np.ndarray:
         raise CorruptSampleError(f"{where}: unreadable {name} ({error})") from error
 
 
-def decode_sample(sample: dict) -> dict:
+def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
     """Tar members -> ``{"key", "image_id", "captions", "meta"}`` plus what the sample has.
 
-    ``image`` (PIL RGB) from an image member; ``regions`` ((R, D) float tensor)
-    from ``regions.npy``; ``boxes`` ((R, 4) xyxy as fractions of the image size)
-    from ``boxes.npy`` or, failing that, from the boxes of the JSON's entities;
-    ``entities``: the JSON's entities with their boxes as fractions too.
-    A sample needs an image or regions.
+    Captions come from the JSON's ``captions`` list, or with ``caption_key``
+    from that member alone (``txt``: img2dataset / open_clip shards, one caption
+    per sample, the JSON optional). ``image`` (PIL RGB) from an image member;
+    ``regions`` ((R, D) float tensor) from ``regions.npy``; ``boxes`` ((R, 4)
+    xyxy as fractions of the image size) from ``boxes.npy`` or, failing that,
+    from the boxes of the JSON's entities; ``entities``: the JSON's entities with
+    their boxes as fractions too. A sample needs an image or regions.
     """
     key = sample.get("__key__", "?")
     where = f"sample {key!r} of {sample.get('__url__', '?')}"
-    if "json" not in sample:
+    meta: dict = {}
+    if "json" in sample:
+        try:
+            meta = json.loads(sample["json"])
+        except (ValueError, UnicodeDecodeError) as error:
+            raise CorruptSampleError(f"{where}: unreadable JSON ({error})") from error
+    elif caption_key is None:
         raise CorruptSampleError(f"{where} has no .json member")
-    try:
-        meta = json.loads(sample["json"])
-    except (ValueError, UnicodeDecodeError) as error:
-        raise CorruptSampleError(f"{where}: unreadable JSON ({error})") from error
-    captions = meta.get("captions")
-    if not captions or not all(isinstance(c, str) for c in captions):
-        raise CorruptSampleError(f"{where}: 'captions' must be a non-empty list of strings")
+    if caption_key is None:
+        captions = meta.get("captions")
+    elif caption_key in sample:
+        captions = [sample[caption_key].decode("utf-8", errors="replace").strip()]
+    else:
+        raise CorruptSampleError(f"{where} has no .{caption_key} member (data.train.caption_key)")
+    if not captions or not all(isinstance(c, str) and c for c in captions):
+        raise CorruptSampleError(f"{where}: captions must be a non-empty list of non-empty "
+                                 f"strings")
     out = {"key": key, "image_id": meta.get("image_id", key), "captions": captions, "meta": meta}
     if "regions.npy" in sample:
         regions = _load_npy(sample["regions.npy"], where, "regions.npy")
@@ -250,6 +261,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         text_augment: ``TEXT_AUGMENTS`` config applied to training captions'
             token ids (VSE-infinity's mask / replace / delete), e.g.
             ``{type: TokenAugment, p: 0.2}``.
+        caption_key: read one caption per sample from this member (``txt`` for
+            img2dataset / open_clip shards) instead of the JSON's ``captions``.
         resampled: draw training shards with replacement (each rank and worker
             from its own seeded, epoch-dependent stream) instead of splitting them;
             any number of shards then feeds any number of readers, and an epoch
@@ -259,7 +272,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
                  transform: Callable, training: bool = True, expand_captions: bool = False,
                  shuffle_buffer: int = 2000, seed: int = 0,
-                 text_augment: dict | None = None, resampled: bool = False) -> None:
+                 text_augment: dict | None = None, resampled: bool = False,
+                 caption_key: str | None = None) -> None:
         super().__init__()
         self.urls = expand_shards(shards)
         self.batch_size = batch_size
@@ -270,6 +284,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
         self.resampled = resampled
+        self.caption_key = caption_key
         self.epoch = 0
         self.counter = SkipCounter()
         self.text_augment = (TEXT_AUGMENTS.build(text_augment, tokenizer=tokenizer)
@@ -282,7 +297,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         image is decoded.
         """
         if self.expand_captions:
-            return len(read_captions(self.urls))
+            return len(read_captions(self.urls, self.caption_key))
         total = 0
         for url in self.urls:
             keys: set[str] = set()
@@ -359,7 +374,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
             stages.append(wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
                                       rng=self._rng(1)))
         stages += [
-            wds.map(decode_sample, handler=handler),
+            wds.map(functools.partial(decode_sample, caption_key=self.caption_key),
+                    handler=handler),
             lambda src: choose_captions(src, self.expand_captions, self._rng(2)),
             wds.map(lambda s: transform_image(s, self.transform), handler=handler),
             wds.batched(self.batch_size, partial=not self.training,
@@ -397,16 +413,24 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
     yield from pipeline
 
 
-def read_captions(shards: str | list[str]) -> list[str]:
-    """Every caption of the shards (used to fit word vocabularies); images are not decoded."""
+def read_captions(shards: str | list[str], caption_key: str | None = None) -> list[str]:
+    """Every caption of the shards (used to fit word vocabularies); images are not decoded.
+
+    Args:
+        caption_key: read the captions from that member (``txt``) instead of the JSON.
+    """
     counter = SkipCounter()
     captions: list[str] = []
+    suffix = f".{caption_key or 'json'}"
     for sample in wds.DataPipeline(
         wds.SimpleShardList(expand_shards(shards)),
-        wds.tarfile_to_samples(handler=counter, select_files=lambda name: name.endswith(".json")),
+        wds.tarfile_to_samples(handler=counter, select_files=lambda name: name.endswith(suffix)),
     ):
         try:
-            captions.extend(json.loads(sample["json"]).get("captions", []))
+            if caption_key is None:
+                captions.extend(json.loads(sample["json"]).get("captions", []))
+            else:
+                captions.append(sample[caption_key].decode("utf-8", errors="replace").strip())
         except (KeyError, ValueError) as error:
             counter(CorruptSampleError(f"sample {sample.get('__key__')!r}: {error}"))
     return captions

@@ -22,18 +22,21 @@ class ShardWriter:
         out_dir: folder of the shards (created if missing).
         prefix: shard names are ``{prefix}-{index:06d}.tar``.
         max_count: samples per shard.
+        first_index: number of the first shard (a conversion writes shard ``i`` alone).
 
     Attributes:
         paths: the finished shards, in order.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, prefix: str, max_count: int = 1000) -> None:
+    def __init__(self, out_dir: str | os.PathLike, prefix: str, max_count: int = 1000,
+                 first_index: int = 0) -> None:
         if max_count < 1:
             raise ValueError(f"max_count must be at least 1, got {max_count}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.prefix = prefix
         self.max_count = max_count
+        self.first_index = first_index
         self.paths: list[Path] = []
         self._stream = None
         self._writer: wds.TarWriter | None = None
@@ -41,7 +44,7 @@ class ShardWriter:
 
     def _open_next(self) -> None:
         self._close_current()
-        path = self.out_dir / f"{self.prefix}-{len(self.paths):06d}.tar"
+        path = self.out_dir / f"{self.prefix}-{self.first_index + len(self.paths):06d}.tar"
         self._stream = open(path.with_suffix(".tar.tmp"), "wb")
         # A fixed mtime makes the bytes of a shard a function of its samples only.
         self._writer = wds.TarWriter(self._stream, mtime=0.0)

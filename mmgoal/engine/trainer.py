@@ -161,7 +161,8 @@ class Trainer:
             self.tokenizer.load_state_dict((resumed or start_from)["tokenizer"])
         elif not self.tokenizer.fitted:
             # Fitted from the data alone, so every rank (and a resumed run) gets the same.
-            self.tokenizer.fit(read_captions(splits["train"]["shards"]))
+            self.tokenizer.fit(read_captions(splits["train"]["shards"],
+                                             splits["train"].get("caption_key")))
         size = self.data_cfg["image_size"]
         self.train_transform = build_transforms(self.data_cfg["train_transforms"], size)
         self.eval_transform = build_transforms(self.data_cfg["eval_transforms"], size)

@@ -1,0 +1,202 @@
+"""Converting datasets into shards: sources, one shard per task, resumable.
+
+A source (registered in ``SHARD_SOURCES``) says which splits it has, which items
+each split holds and how one item becomes a shard sample. The converter cuts
+every split into shards of ``shard_size`` items (``{split}-{index:06d}.tar``),
+writes each shard as one task (several in parallel with ``workers``), and next
+to it ``.{split}-{index:06d}.stats.json`` with what the shard holds and what was
+skipped and why. A shard is written to a temporary name and renamed when
+complete, and its stats after it; so a conversion killed at any moment and run
+again with ``resume`` redoes only the shards without stats, and the result is
+byte for byte that of an uninterrupted run. An item that cannot be converted (a
+missing or unreadable image, a caption file short of lines) is skipped and
+counted under its reason, never fatal.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import multiprocessing
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+from tqdm import tqdm
+
+from mmgoal.data.shards import ShardWriter
+
+logger = logging.getLogger(__name__)
+
+MAX_EXAMPLES = 5
+
+
+class SkippedItem(Exception):
+    """An item that cannot become a sample; ``reason`` groups it in the summary."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class ShardSource:
+    """Base class of shard sources (see the module docstring)."""
+
+    def splits(self) -> list[str]:
+        """Names of the splits, which become the shards' name prefixes."""
+        raise NotImplementedError
+
+    def items(self, split: str) -> Sequence[Any]:
+        """The split's items, in a fixed order (picklable: they travel to workers)."""
+        raise NotImplementedError
+
+    def plan(self, split: str, shard_size: int) -> list[Sequence[Any]]:
+        """The items of every shard of ``split``: consecutive runs of ``shard_size``."""
+        items = self.items(split)
+        return [items[start:start + shard_size] for start in range(0, len(items), shard_size)]
+
+    def sample(self, split: str, item: Any) -> dict:
+        """One shard sample (``__key__`` plus ``ext: bytes``); raises ``SkippedItem``."""
+        raise NotImplementedError
+
+
+def image_member(path: Path, max_size: int | None = None,
+                 jpeg_quality: int | None = None) -> tuple[str, bytes, int, int]:
+    """An image file as a sample member: (extension, bytes, width, height).
+
+    The file is decoded whole to catch truncated images. Its bytes are kept as
+    they are unless it is larger than ``max_size`` (longer side) or
+    ``jpeg_quality`` asks for re-encoding; then it is written as JPEG.
+
+    Raises:
+        SkippedItem: the file is missing or unreadable.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise SkippedItem("missing image", f"{path} ({error.strerror})") from error
+    try:
+        image = Image.open(path)  # by path: PIL's messages then name the file
+        image.load()
+    except Exception as error:  # PIL raises many types for broken files
+        raise SkippedItem("unreadable image", f"{path} ({error})") from error
+    width, height = image.size
+    too_large = max_size is not None and max(width, height) > max_size
+    if not too_large and jpeg_quality is None:
+        extension = path.suffix.lower().lstrip(".").replace("jpeg", "jpg")
+        return extension, data, width, height
+    image = image.convert("RGB")
+    if too_large:
+        image.thumbnail((max_size, max_size), Image.Resampling.BICUBIC)
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=jpeg_quality or 95)
+    return "jpg", buffer.getvalue(), image.size[0], image.size[1]
+
+
+def stats_path(out_dir: Path, split: str, index: int) -> Path:
+    return out_dir / f".{split}-{index:06d}.stats.json"
+
+
+def convert_shard(task: tuple[ShardSource, Path, str, int, Sequence[Any]]) -> dict:
+    """Write one shard and its stats; return the stats."""
+    source, out_dir, split, index, items = task
+    skipped: Counter[str] = Counter()
+    examples: list[str] = []
+    samples = captions = 0
+    with ShardWriter(out_dir, split, max_count=max(len(items), 1), first_index=index) as writer:
+        for item in items:
+            try:
+                sample = source.sample(split, item)
+            except SkippedItem as error:
+                skipped[error.reason] += 1
+                if len(examples) < MAX_EXAMPLES:
+                    examples.append(str(error))
+                continue
+            writer.write(sample)
+            samples += 1
+            captions += len(json.loads(sample["json"]).get("captions", [])) \
+                if "json" in sample else 0
+    stats = {"split": split, "index": index, "items": len(items), "samples": samples,
+             "captions": captions, "skipped": dict(skipped), "examples": examples}
+    path = stats_path(out_dir, split, index)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(stats))
+    os.replace(tmp, path)
+    return stats
+
+
+def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1000,
+            workers: int = 1, resume: bool = False, progress: bool = True) -> dict:
+    """Convert every split of ``source`` into shards under ``out_dir``.
+
+    Returns:
+        The summary (also written to ``out_dir/summary.json``): per split the
+        shards, samples, captions and skipped items by reason, with examples.
+
+    Raises:
+        FileExistsError: ``out_dir`` already holds shards and ``resume`` is off.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tasks = [(source, out_dir, split, index, items)
+             for split in source.splits()
+             for index, items in enumerate(source.plan(split, shard_size))]
+    if not resume and any(out_dir.glob("*.tar")):
+        raise FileExistsError(f"{out_dir} already holds shards; pass --resume to finish an "
+                              f"interrupted conversion, or choose an empty --out folder")
+    done = {}
+    for _, _, split, index, _ in tasks:
+        path = stats_path(out_dir, split, index)
+        if resume and path.is_file():
+            done[(split, index)] = json.loads(path.read_text())
+    todo = [t for t in tasks if (t[2], t[3]) not in done]
+    if done:
+        logger.info("resuming: %d of %d shards already written", len(done), len(tasks))
+    results = list(done.values())
+    bar = tqdm(total=len(tasks), initial=len(done), unit="shard", disable=not progress,
+               desc=f"{type(source).__name__} -> {out_dir}", dynamic_ncols=True)
+    for stats in _run(todo, workers):
+        results.append(stats)
+        bar.update(1)
+    bar.close()
+    summary = summarise(results)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _run(tasks: list, workers: int) -> Iterator[dict]:
+    if workers <= 1 or len(tasks) <= 1:
+        yield from map(convert_shard, tasks)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        yield from pool.imap_unordered(convert_shard, tasks)
+
+
+def summarise(results: list[dict]) -> dict:
+    """Per split: shards, samples, captions, skipped items by reason (with examples)."""
+    summary: dict[str, dict] = {}
+    for stats in sorted(results, key=lambda s: (s["split"], s["index"])):
+        split = summary.setdefault(stats["split"], {"shards": 0, "samples": 0, "captions": 0,
+                                                    "skipped": {}, "examples": []})
+        split["shards"] += 1 if stats["samples"] else 0
+        split["samples"] += stats["samples"]
+        split["captions"] += stats["captions"]
+        for reason, count in stats["skipped"].items():
+            split["skipped"][reason] = split["skipped"].get(reason, 0) + count
+        split["examples"] = (split["examples"] + stats["examples"])[:MAX_EXAMPLES]
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    """A few lines for people: samples and captions per split, what was skipped and why."""
+    lines = []
+    for split, row in summary.items():
+        skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(row["skipped"].items()))
+        lines.append(f"{split:>8}: {row['samples']} samples, {row['captions']} captions in "
+                     f"{row['shards']} shards" + (f"; skipped {skipped}" if skipped else ""))
+        lines.extend(f"          e.g. {example}" for example in row["examples"])
+    return "\n".join(lines)

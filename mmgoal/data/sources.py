@@ -1,0 +1,267 @@
+"""Shard sources for the data sets the papers use (``tools/make_shards.py SOURCE``).
+
+- ``karpathy``: a Karpathy split JSON (``dataset_coco.json``, ``dataset_flickr30k.json``)
+  plus the image folder -> image shards per split with five captions each;
+- ``precomputed``: SCAN / VSE-infinity region features (``{split}_ims.npy``,
+  ``{split}_caps.txt``, optional boxes and image sizes) -> ``regions.npy`` shards,
+  read through memory maps so a 30 GB feature file is never loaded whole;
+- ``entities``: Flickr30K Entities ``Sentences/`` + ``Annotations/`` joined by
+  image id into the ``entities`` field of existing shards.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmgoal.data.conversion import ShardSource, SkippedItem, image_member
+from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
+from mmgoal.data.pipeline import expand_shards
+from mmgoal.registry import SHARD_SOURCES
+
+KARPATHY_SPLITS = ("train", "restval", "val", "test")
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+@SHARD_SOURCES.register("karpathy")
+class KarpathySource(ShardSource):
+    """Images and captions of a Karpathy split JSON.
+
+    ``images[]`` entries carry ``filename``, optional ``filepath`` (COCO's
+    ``train2014``/``val2014``), ``split`` and ``sentences[].raw``. A sample's
+    ``image_id`` is ``cocoid`` when given (COCO), else the file name without
+    extension (Flickr30K's Flickr id, which Flickr30K Entities uses); captions
+    are the ``raw`` sentences as they are.
+
+    Args:
+        json: the split file.
+        image_root: folder the ``filepath/filename`` paths are relative to.
+        max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
+        jpeg_quality: re-encode every image as JPEG at this quality.
+    """
+
+    def __init__(self, json: str, image_root: str, max_size: int | None = None,
+                 jpeg_quality: int | None = None) -> None:
+        path = Path(json)
+        if not path.is_file():
+            raise FileNotFoundError(f"Karpathy split file {path} does not exist")
+        try:
+            images = _read_json(path)["images"]
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"{path} has no 'images' list; is it a Karpathy split file "
+                             f"(dataset_coco.json / dataset_flickr30k.json)?") from error
+        self.image_root = Path(image_root)
+        if not self.image_root.is_dir():
+            raise FileNotFoundError(f"image root {self.image_root} is not a folder")
+        self.max_size, self.jpeg_quality = max_size, jpeg_quality
+        self.by_split: dict[str, list[dict]] = {}
+        for image in images:
+            self.by_split.setdefault(image["split"], []).append(image)
+
+    def splits(self) -> list[str]:
+        return [s for s in KARPATHY_SPLITS if s in self.by_split] + sorted(
+            set(self.by_split) - set(KARPATHY_SPLITS))
+
+    def items(self, split: str) -> list[dict]:
+        return self.by_split[split]
+
+    def sample(self, split: str, item: dict) -> dict:
+        image_id = item.get("cocoid", Path(item["filename"]).stem)
+        captions = [s["raw"] for s in item.get("sentences", [])]
+        if not captions:
+            raise SkippedItem("no captions", item["filename"])
+        path = self.image_root / item.get("filepath", "") / item["filename"]
+        extension, data, width, height = image_member(path, self.max_size, self.jpeg_quality)
+        meta = {"image_id": image_id, "captions": captions, "filename": item["filename"],
+                "split": split, "width": width, "height": height}
+        if "imgid" in item:
+            meta["imgid"] = item["imgid"]
+        return {"__key__": str(image_id), extension: data, "json": json.dumps(meta).encode()}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from error
+
+
+@SHARD_SOURCES.register("precomputed")
+class PrecomputedSource(ShardSource):
+    """Region features of SCAN / VSE-infinity: ``{split}_ims.npy`` + ``{split}_caps.txt``.
+
+    ``{split}_ims.npy`` holds (images, regions, dim) features, or one row per
+    caption (every ``captions_per_image``-th row is the image's, as SCAN's loader
+    reads them); ``{split}_caps.txt`` holds ``captions_per_image`` lines per
+    image. Optional: ``{split}_boxes.npy`` or ``{split}_ims_bbx.npy`` (images,
+    regions, 4) pixel boxes, ``{split}_ims_size.npy`` (images, 2) width and
+    height (so boxes become fractions when read), ``{split}_ids.txt`` image ids.
+    Features and boxes keep their dtype.
+
+    Args:
+        data_dir: the folder of those files.
+        splits: which splits to convert (default: every ``*_caps.txt``).
+        captions_per_image: 5 for COCO and Flickr30K.
+    """
+
+    def __init__(self, data_dir: str, splits: str | list[str] | None = None,
+                 captions_per_image: int = 5) -> None:
+        self.data_dir = Path(data_dir)
+        if not self.data_dir.is_dir():
+            raise FileNotFoundError(f"feature folder {self.data_dir} does not exist")
+        found = sorted(p.name[:-len("_caps.txt")] for p in self.data_dir.glob("*_caps.txt"))
+        wanted = [splits] if isinstance(splits, str) else list(splits or found)
+        missing = [s for s in wanted if not (self.data_dir / f"{s}_ims.npy").is_file()
+                   or s not in found]
+        if missing or not wanted:
+            raise FileNotFoundError(f"{self.data_dir} lacks {{split}}_ims.npy / _caps.txt for "
+                                    f"{', '.join(missing) or 'any split'}; found captions for "
+                                    f"{', '.join(found) or 'none'}")
+        self.wanted = wanted
+        self.per_image = captions_per_image
+        self._arrays: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_arrays": {}}  # memory maps are reopened in each worker
+
+    def _array(self, name: str) -> np.ndarray | None:
+        if name not in self._arrays:
+            path = self.data_dir / name
+            self._arrays[name] = np.load(path, mmap_mode="r") if path.is_file() else None
+        return self._arrays[name]
+
+    def _captions(self, split: str) -> list[str]:
+        key = f"{split}_caps.txt"
+        if key not in self._arrays:
+            self._arrays[key] = (self.data_dir / key).read_text().splitlines()
+        return self._arrays[key]
+
+    def splits(self) -> list[str]:
+        return self.wanted
+
+    def rows_per_image(self, split: str) -> int:
+        """1 when the features hold a row per image, ``captions_per_image`` when per caption."""
+        images = -(-len(self._captions(split)) // self.per_image)
+        rows = self._array(f"{split}_ims.npy").shape[0]
+        if rows not in (images, images * self.per_image):
+            raise ValueError(f"{self.data_dir / split}_ims.npy has {rows} rows for "
+                             f"{len(self._captions(split))} caption lines: expected one per "
+                             f"image ({images}) or one per caption ({images * self.per_image})")
+        return rows // images
+
+    def items(self, split: str) -> list[int]:
+        rows = self._array(f"{split}_ims.npy").shape[0]
+        return list(range(rows // self.rows_per_image(split)))
+
+    def sample(self, split: str, index: int) -> dict:
+        features = self._array(f"{split}_ims.npy")
+        captions = self._captions(split)
+        row = index * self.rows_per_image(split)
+        mine = captions[index * self.per_image:(index + 1) * self.per_image]
+        if len(mine) < self.per_image:
+            raise SkippedItem("missing captions", f"{split} image {index} has {len(mine)} of "
+                                                  f"{self.per_image} caption lines")
+        ids = self._ids(split)
+        image_id = ids[index] if ids else f"{split}-{index}"
+        meta: dict[str, Any] = {"image_id": image_id, "captions": mine, "split": split}
+        sample = {"__key__": f"{split}-{index:07d}", "regions.npy": _npy(features[row])}
+        boxes = self._array(f"{split}_boxes.npy")
+        boxes = boxes if boxes is not None else self._array(f"{split}_ims_bbx.npy")
+        if boxes is not None:
+            sample["boxes.npy"] = _npy(boxes[index])
+        sizes = self._array(f"{split}_ims_size.npy")
+        if sizes is not None:
+            meta["width"], meta["height"] = (int(v) for v in sizes[index][:2])
+        sample["json"] = json.dumps(meta).encode()
+        return sample
+
+    def _ids(self, split: str) -> list[str] | None:
+        key = f"{split}_ids.txt"
+        if key not in self._arrays:
+            path = self.data_dir / key
+            self._arrays[key] = path.read_text().split() if path.is_file() else None
+        return self._arrays[key]
+
+
+@SHARD_SOURCES.register("entities")
+class EntitiesSource(ShardSource):
+    """Existing shards with Flickr30K Entities phrases and boxes joined in.
+
+    Every input shard becomes an output shard of the same name; a sample's
+    captions are matched to the Entities sentences of its ``image_id``
+    (case- and space-insensitive) and its JSON gains ``entities`` (phrase,
+    first word, type, pixel boxes per caption). Samples without annotation
+    files are kept as they are.
+
+    Args:
+        shards: the input shards (brace pattern, glob or list).
+        entities_root: the folder with ``Sentences/`` and ``Annotations/``.
+    """
+
+    def __init__(self, shards: str | list[str], entities_root: str) -> None:
+        self.urls = expand_shards(shards)
+        self.root = Path(entities_root)
+        for sub in ("Sentences", "Annotations"):
+            if not (self.root / sub).is_dir():
+                raise FileNotFoundError(f"{self.root} has no {sub}/ folder; point "
+                                        f"--entities-root at the Flickr30K Entities folder")
+        self.prefixes = sorted({Path(u).name.rsplit("-", 1)[0] for u in self.urls})
+
+    def splits(self) -> list[str]:
+        return self.prefixes
+
+    def items(self, split: str) -> list[str]:
+        return [u for u in self.urls if Path(u).name.rsplit("-", 1)[0] == split]
+
+    def plan(self, split: str, shard_size: int) -> list[list[tuple[str, str]]]:
+        """One output shard per input shard, whatever ``shard_size`` says."""
+        plans: list[list[tuple[str, str]]] = []
+        for url in self.items(split):
+            index = int(Path(url).stem.rsplit("-", 1)[1])
+            while len(plans) < index:
+                plans.append([])
+            with tarfile.open(url) as archive:
+                keys = dict.fromkeys(Path(m.name).name.split(".", 1)[0]
+                                     for m in archive if m.isfile())
+            plans.append([(url, key) for key in keys])
+        return plans
+
+    def sample(self, split: str, item: tuple[str, str]) -> dict:
+        url, key = item
+        members = self._members(url).get(key, {})
+        if "json" not in members:
+            raise SkippedItem("no json member", f"{key} in {url}")
+        meta = json.loads(members["json"])
+        record = read_image_entities(self.root, meta.get("image_id", key))
+        if record is not None:
+            meta["entities"] = entities_for_captions(record, meta.get("captions", []),
+                                                     fractions=False)
+            meta.setdefault("width", record.get("width"))
+            meta.setdefault("height", record.get("height"))
+        return {"__key__": key, **{ext: data for ext, data in members.items() if ext != "json"},
+                "json": json.dumps(meta).encode()}
+
+    def _members(self, url: str) -> dict[str, dict[str, bytes]]:
+        """Every member of ``url`` by sample key (one shard held at a time)."""
+        if getattr(self, "_cached_url", None) != url:
+            grouped: dict[str, dict[str, bytes]] = {}
+            with tarfile.open(url) as archive:
+                for member in archive:
+                    if member.isfile():
+                        key, ext = Path(member.name).name.split(".", 1)
+                        grouped.setdefault(key, {})[ext] = archive.extractfile(member).read()
+            self._cached_url, self._cached = url, grouped
+        return self._cached
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_cached")}

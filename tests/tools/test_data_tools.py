@@ -1,0 +1,68 @@
+"""tools/make_shards.py and tools/inspect_shards.py from the command line."""
+
+import io
+import json
+import tarfile
+
+from PIL import Image
+from test_cli import run_tool
+
+from mmgoal.data.shards import ShardWriter
+
+
+def jpeg(size) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (200, 10, 10)).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def test_make_shards_then_inspect_them(tmp_path):
+    (tmp_path / "images").mkdir()
+    images = []
+    for index in range(4):
+        name = f"{1000 + index}.jpg"
+        if index != 3:  # the last one is missing
+            (tmp_path / "images" / name).write_bytes(jpeg((20 + index, 10)))
+        images.append({"filename": name, "split": "test" if index else "train", "imgid": index,
+                       "sentences": [{"raw": f"a red box {k}"} for k in range(5)]})
+    (tmp_path / "f30k.json").write_text(json.dumps({"images": images}))
+    out = tmp_path / "shards"
+    result = run_tool("tools/make_shards.py", "karpathy", "--json", tmp_path / "f30k.json",
+                      "--image-root", tmp_path / "images", "--out", out, "--shard-size", "2",
+                      "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "test: 2 samples, 10 captions in 1 shards; skipped 1 missing image" in result.stdout
+    assert "train: 1 samples, 5 captions in 1 shards" in result.stdout
+    result = run_tool("tools/make_shards.py", "karpathy", "--jsn", "x", "--out", out)
+    assert result.returncode == 2 and "takes no option '--jsn'" in result.stderr
+    assert "--json, --image-root, --max-size, --jpeg-quality" in result.stderr
+
+    result = run_tool("tools/inspect_shards.py", str(out / "*.tar"), "--no-progress",
+                      "--json", tmp_path / "report.json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["samples"], report["captions"], report["problems"]) == (3, 15, 0)
+    assert report["image_width"] == {"min": 20, "median": 21.0, "mean": 21.0, "max": 22}
+    assert report["caption_words"]["mean"] == 4 and report["keys"] == {"jpg": 3, "json": 3}
+    assert "no problems" in result.stdout
+
+
+def test_inspect_reports_every_kind_of_problem(tmp_path):
+    def meta(image_id, captions):
+        return json.dumps({"image_id": image_id, "captions": captions}).encode()
+
+    with ShardWriter(tmp_path, "bad", max_count=10) as writer:
+        writer.write({"__key__": "a", "jpg": jpeg((8, 8)), "json": meta(1, ["a box"])})
+        writer.write({"__key__": "b", "jpg": b"garbage", "json": meta(2, ["a box"])})
+        writer.write({"__key__": "c", "jpg": jpeg((8, 8)), "json": meta(3, [])})
+        writer.write({"__key__": "d", "json": meta(4, ["no image here"])})
+        writer.write({"__key__": "e", "jpg": jpeg((8, 8)), "json": meta(1, ["same id as a"])})
+    good = (tmp_path / "bad-000000.tar").read_bytes()
+    (tmp_path / "cut-000000.tar").write_bytes(good[:len(good) // 2])
+    result = run_tool("tools/inspect_shards.py", str(tmp_path / "*.tar"), "--no-progress")
+    assert result.returncode == 1
+    for problem in ("b: unreadable image", "c: no captions", "d: no image",
+                    "image id '1' appears 2 times", "cut-000000.tar: damaged tar after"):
+        assert problem in result.stdout, problem
+    with tarfile.open(tmp_path / "bad-000000.tar") as archive:
+        assert len(archive.getnames()) == 9

@@ -1,0 +1,162 @@
+"""Inspect and validate shards: counts, caption and image statistics, keys, problems.
+
+    python tools/inspect_shards.py 'data/coco/*.tar'
+    python tools/inspect_shards.py 'laion/{00000..00099}.tar' --caption-key txt --json report.json
+
+Every sample of every shard is read: images decoded whole, JSON parsed,
+``regions.npy``/``boxes.npy`` loaded. Reported per shard: unreadable images or
+members, samples without captions or without an image/regions, duplicate image
+ids, a damaged tar. Exits 1 when anything is wrong, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm import tqdm
+
+from mmgoal.data.pipeline import IMAGE_EXTENSIONS, expand_shards
+
+
+def samples_of(url: str) -> tuple[list[tuple[str, dict[str, bytes]]], str | None]:
+    """The shard's samples (key, members) in order, and the error that cut it short."""
+    samples: list[tuple[str, dict[str, bytes]]] = []
+    try:
+        with tarfile.open(url) as archive:
+            for member in archive:
+                if not member.isfile():
+                    continue
+                name = Path(member.name).name
+                key, _, ext = name.partition(".")
+                if not samples or samples[-1][0] != key:
+                    samples.append((key, {}))
+                samples[-1][1][ext] = archive.extractfile(member).read()
+            end = archive.offset
+    except (tarfile.TarError, OSError) as error:
+        return samples, f"damaged tar after {len(samples)} samples ({error})"
+    if Path(url).stat().st_size - end < 2 * tarfile.BLOCKSIZE:
+        # A tar cut at a member boundary reads as a shorter tar; only the end marker tells.
+        return samples, (f"damaged tar after {len(samples)} samples (no end-of-archive "
+                         f"marker: truncated?)")
+    return samples, None
+
+
+def check_sample(key: str, members: dict[str, bytes], caption_key: str | None,
+                 stats: dict) -> tuple[object, list[str]]:
+    """Add one sample to ``stats``; return (its image id, its problems)."""
+    problems: list[str] = []
+    meta: dict = {}
+    if "json" in members:
+        try:
+            meta = json.loads(members["json"])
+        except (ValueError, UnicodeDecodeError) as error:
+            problems.append(f"{key}: unreadable json ({error})")
+    if caption_key is not None:
+        captions = ([members[caption_key].decode("utf-8", errors="replace").strip()]
+                    if caption_key in members else [])
+    else:
+        captions = meta.get("captions") or []
+    if not captions:
+        problems.append(f"{key}: no captions ({'.' + caption_key if caption_key else 'json'})")
+    stats["captions"] += len(captions)
+    stats["caption_words"].extend(len(c.split()) for c in captions)
+    image_ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
+    if image_ext is not None:
+        try:
+            image = Image.open(io.BytesIO(members[image_ext]))
+            image.load()
+            stats["widths"].append(image.size[0])
+            stats["heights"].append(image.size[1])
+        except Exception as error:  # PIL raises many types for broken files
+            problems.append(f"{key}: unreadable image ({error})")
+    for name in ("regions.npy", "boxes.npy"):
+        if name in members:
+            try:
+                np.load(io.BytesIO(members[name]), allow_pickle=False)
+            except (ValueError, OSError) as error:
+                problems.append(f"{key}: unreadable {name} ({error})")
+    if image_ext is None and "regions.npy" not in members:
+        problems.append(f"{key}: no image ({', '.join(IMAGE_EXTENSIONS)}) and no regions.npy")
+    stats["keys"].update(members.keys())
+    return meta.get("image_id", key), problems
+
+
+def inspect(urls: list[str], caption_key: str | None = None, progress: bool = True) -> dict:
+    """Statistics and problems of ``urls`` (see the module docstring)."""
+    stats = {"samples": 0, "captions": 0, "caption_words": [], "widths": [], "heights": [],
+             "keys": Counter()}
+    shards = []
+    for url in tqdm(urls, unit="shard", disable=not progress):
+        samples, damage = samples_of(url)
+        problems = [damage] if damage else []
+        ids: Counter = Counter()
+        for key, members in samples:
+            image_id, found = check_sample(key, members, caption_key, stats)
+            problems.extend(found)
+            ids[str(image_id)] += 1
+        problems.extend(f"image id {i!r} appears {n} times" for i, n in ids.items() if n > 1)
+        stats["samples"] += len(samples)
+        shards.append({"shard": url, "samples": len(samples), "problems": problems})
+    return {"shards": shards, "samples": stats["samples"], "captions": stats["captions"],
+            "caption_words": describe(stats["caption_words"]),
+            "image_width": describe(stats["widths"]), "image_height": describe(stats["heights"]),
+            "keys": dict(sorted(stats["keys"].items())),
+            "problems": sum(len(s["problems"]) for s in shards)}
+
+
+def describe(values: list[int]) -> dict:
+    if not values:
+        return {}
+    array = np.asarray(values)
+    return {"min": int(array.min()), "median": float(np.median(array)),
+            "mean": round(float(array.mean()), 2), "max": int(array.max())}
+
+
+def format_report(report: dict, max_problems: int) -> str:
+    lines = [f"{len(report['shards'])} shards, {report['samples']} samples, "
+             f"{report['captions']} captions",
+             f"caption words: {report['caption_words']}",
+             f"image width: {report['image_width']}; height: {report['image_height']}",
+             "members: " + ", ".join(f".{k} x{n}" for k, n in report["keys"].items())]
+    shown = 0
+    for shard in report["shards"]:
+        for problem in shard["problems"]:
+            if shown < max_problems:
+                lines.append(f"PROBLEM {shard['shard']}: {problem}")
+            shown += 1
+    if shown > max_problems:
+        lines.append(f"... and {shown - max_problems} more (see --json)")
+    lines.append(f"{report['problems']} problem(s)" if report["problems"] else "no problems")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("shards", nargs="+", help="shard files, globs or brace patterns")
+    parser.add_argument("--caption-key", help="captions from this member (txt), not the JSON")
+    parser.add_argument("--json", type=Path, help="write the whole report here")
+    parser.add_argument("--max-problems", type=int, default=20, help="problems printed")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        urls = expand_shards(args.shards)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    report = inspect(urls, args.caption_key, progress=not args.no_progress)
+    print(format_report(report, args.max_problems))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Convert a data set into mmgoal shards (docs/data.md).
+
+    python tools/make_shards.py karpathy --json dataset_coco.json --image-root /data/coco \\
+        --out data/coco [--max-size 640] [--workers 8]
+    python tools/make_shards.py precomputed --data-dir /data/scan/f30k_precomp \\
+        --out data/f30k_precomp
+    python tools/make_shards.py entities --shards 'data/f30k/*.tar' \\
+        --entities-root /data/flickr30k_entities --out data/f30k_entities
+    python tools/make_shards.py karpathy ... --out data/coco --resume   # after an interruption
+
+Every source option after SOURCE is ``--name value`` for the source's constructor
+argument ``name`` (dashes for underscores); ``--custom-imports my.module`` makes a
+source of your own (registered in ``SHARD_SOURCES``) available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import sys
+import typing
+from pathlib import Path
+
+from mmgoal.data.conversion import convert, format_summary
+from mmgoal.registry import SHARD_SOURCES, import_custom_modules
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
+        "sources: " + ", ".join(SHARD_SOURCES.names())))
+    parser.add_argument("source", help="a registered shard source: "
+                                       + ", ".join(SHARD_SOURCES.names()))
+    parser.add_argument("--out", type=Path, required=True, help="folder of the shards")
+    parser.add_argument("--shard-size", type=int, default=1000, help="items per shard")
+    parser.add_argument("--workers", type=int, default=1, help="shards written in parallel")
+    parser.add_argument("--resume", action="store_true",
+                        help="finish an interrupted conversion (finished shards are kept)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--custom-imports", nargs="+", default=[], metavar="MODULE")
+    args, rest = parser.parse_known_args(argv)
+    import_custom_modules(args.custom_imports)
+    return args, source_options(args.source, rest)
+
+
+def source_options(source: str, rest: list[str]) -> dict:
+    """``--name value`` pairs for the constructor of ``source``, typed by its annotations.
+
+    Raises:
+        ValueError: an option the source does not take, or one without a value.
+    """
+    target = SHARD_SOURCES.get(source)
+    parameters = inspect.signature(target).parameters
+    hints = typing.get_type_hints(target.__init__)
+    options: dict = {}
+    it = iter(rest)
+    for token in it:
+        name = token.lstrip("-").replace("-", "_")
+        if not token.startswith("--") or name not in parameters:
+            known = ", ".join("--" + p.replace("_", "-") for p in parameters)
+            raise ValueError(f"source {source!r} takes no option {token!r}; it takes: {known}")
+        value = next(it, None)
+        if value is None or value.startswith("--"):
+            raise ValueError(f"option {token} needs a value")
+        kind = hints.get(name)
+        options[name] = (int(value) if kind in (int, int | None) else
+                         float(value) if kind in (float, float | None) else value)
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        args, options = parse_args(argv)
+        source = SHARD_SOURCES.build({"type": args.source, **options})
+        summary = convert(source, args.out, shard_size=args.shard_size, workers=args.workers,
+                          resume=args.resume, progress=not args.no_progress)
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    print(f"shards and summary.json in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
