@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check mmgoal tools tests bench
 
 bench: $(STAMP)
-	$(PY) bench/shard_reader.py
+	$(PY) bench/data.py
 	$(PY) bench/objectives.py
 	$(PY) bench/scan_eval.py
 

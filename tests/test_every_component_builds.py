@@ -68,6 +68,8 @@ EXAMPLES = {
     "OPTIMIZERS": {"AdamW": {"lr": 1e-3}, "Adam": {"lr": 1e-3}, "SGD": {"lr": 1e-3}},
     # deepspeed starts a process group: tests/engine/test_distributed.py, test_strategies.py
     "STRATEGIES": {"single": {}, "ddp": {"bucket_mb": 1.0}, "deepspeed": None},
+    # sources read data sets from disk: tests/data/test_sources.py builds each on fixtures
+    "SHARD_SOURCES": {"karpathy": None, "precomputed": None, "entities": None},
 }
 REGISTRIES = [name for name, value in vars(registry).items()
               if isinstance(value, registry.Registry)]

@@ -110,17 +110,20 @@ class PrecomputedSource(ShardSource):
 
     Args:
         data_dir: the folder of those files.
-        splits: which splits to convert (default: every ``*_caps.txt``).
+        splits: which splits to convert (default: every ``*_caps.txt``); a
+            comma-separated string or a list.
         captions_per_image: 5 for COCO and Flickr30K.
+        names: shard names of input splits, ``"dev=val,testall=test"`` (SCAN's
+            ``dev`` is mmgoal's ``val``; COCO's ``testall`` is the 5K test set).
     """
 
     def __init__(self, data_dir: str, splits: str | list[str] | None = None,
-                 captions_per_image: int = 5) -> None:
+                 captions_per_image: int = 5, names: str | dict = "dev=val") -> None:
         self.data_dir = Path(data_dir)
         if not self.data_dir.is_dir():
             raise FileNotFoundError(f"feature folder {self.data_dir} does not exist")
         found = sorted(p.name[:-len("_caps.txt")] for p in self.data_dir.glob("*_caps.txt"))
-        wanted = [splits] if isinstance(splits, str) else list(splits or found)
+        wanted = splits.split(",") if isinstance(splits, str) else list(splits or found)
         missing = [s for s in wanted if not (self.data_dir / f"{s}_ims.npy").is_file()
                    or s not in found]
         if missing or not wanted:
@@ -129,6 +132,11 @@ class PrecomputedSource(ShardSource):
                                     f"{', '.join(found) or 'none'}")
         self.wanted = wanted
         self.per_image = captions_per_image
+        self.names = names if isinstance(names, dict) else dict(
+            pair.split("=", 1) for pair in names.split(",") if pair)
+        self.inputs = {self.names.get(s, s): s for s in wanted}
+        if len(self.inputs) < len(wanted):
+            raise ValueError(f"names {names!r} give two splits the same shard name")
         self._arrays: dict[str, Any] = {}
 
     def __getstate__(self) -> dict:
@@ -147,10 +155,11 @@ class PrecomputedSource(ShardSource):
         return self._arrays[key]
 
     def splits(self) -> list[str]:
-        return self.wanted
+        return list(self.inputs)
 
     def rows_per_image(self, split: str) -> int:
         """1 when the features hold a row per image, ``captions_per_image`` when per caption."""
+        split = self.inputs.get(split, split)
         images = -(-len(self._captions(split)) // self.per_image)
         rows = self._array(f"{split}_ims.npy").shape[0]
         if rows not in (images, images * self.per_image):
@@ -160,10 +169,11 @@ class PrecomputedSource(ShardSource):
         return rows // images
 
     def items(self, split: str) -> list[int]:
-        rows = self._array(f"{split}_ims.npy").shape[0]
+        rows = self._array(f"{self.inputs[split]}_ims.npy").shape[0]
         return list(range(rows // self.rows_per_image(split)))
 
-    def sample(self, split: str, index: int) -> dict:
+    def sample(self, name: str, index: int) -> dict:
+        split = self.inputs[name]
         features = self._array(f"{split}_ims.npy")
         captions = self._captions(split)
         row = index * self.rows_per_image(split)
@@ -173,8 +183,8 @@ class PrecomputedSource(ShardSource):
                                                   f"{self.per_image} caption lines")
         ids = self._ids(split)
         image_id = ids[index] if ids else f"{split}-{index}"
-        meta: dict[str, Any] = {"image_id": image_id, "captions": mine, "split": split}
-        sample = {"__key__": f"{split}-{index:07d}", "regions.npy": _npy(features[row])}
+        meta: dict[str, Any] = {"image_id": image_id, "captions": mine, "split": name}
+        sample = {"__key__": f"{name}-{index:07d}", "regions.npy": _npy(features[row])}
         boxes = self._array(f"{split}_boxes.npy")
         boxes = boxes if boxes is not None else self._array(f"{split}_ims_bbx.npy")
         if boxes is not None:

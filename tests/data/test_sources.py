@@ -190,6 +190,13 @@ def test_precomputed_feature_rows_and_boxes_arrive_unchanged(precomputed, tmp_pa
                                arrays["train"][1][0] / np.float32([100, 80, 100, 80]))
     with pytest.raises(FileNotFoundError, match="lacks .*dev.*found captions for test, train"):
         SHARD_SOURCES.build({"type": "precomputed", "data_dir": str(folder), "splits": "dev"})
+    # SCAN's split names become mmgoal's: e.g. COCO's testall (5K) -> test
+    renamed = SHARD_SOURCES.build({"type": "precomputed", "data_dir": str(folder),
+                                   "splits": "test", "names": "test=val"})
+    convert(renamed, tmp_path / "renamed", progress=False)
+    again = shard_samples(tmp_path / "renamed")
+    assert sorted(again) == ["val-0000000", "val-0000001"]
+    assert again["val-0000001"]["regions.npy"] == samples["test-0000001"]["regions.npy"]
 
 
 def test_entities_join_flickr30k_entities_files_into_existing_shards(tmp_path):

@@ -1,11 +1,13 @@
-"""Shard streaming throughput against a raw tar read of the same shards.
+"""Training data throughput against a bare read of the same tar files.
 
-    python bench/shard_reader.py [--shards 'data/synthetic/train-*.tar']
+    python bench/data.py [--shards 'data/synthetic/train-*.tar'] [--workers 0 2]
 
-Baseline: ``tarfile`` reading every member's bytes (no decoding). Measured: the
-training pipeline (tar -> samples -> shuffle -> PNG decode -> transform ->
-tokenize -> batch) in this process. Prints samples/s of both and their ratio;
-the gap is the price of decoding and batching.
+Baseline: ``tarfile`` reading every member's bytes (no decoding), in this
+process. Measured: the training pipeline (tar -> samples -> shuffle -> image
+decode -> transform -> tokenize -> batch) through the trainer's DataLoader with
+0 workers (in this process) and with 2 worker processes. Prints samples/s of
+each and its ratio to the bare read; the gap is the price of decoding and
+batching, which workers spread over cores.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import itertools
 import tarfile
 import tempfile
 import time
+
+import torch
 
 from mmgoal.data.pipeline import ShardDataset, expand_shards, read_captions
 from mmgoal.data.synthetic import write_benchmark
@@ -33,12 +37,13 @@ def raw_tar_read(urls: list[str]) -> int:
     return len(samples)
 
 
-def pipeline_read(urls: list[str], batch_size: int, samples: int) -> int:
+def pipeline_read(urls: list[str], tokenizer: WordTokenizer, batch_size: int, samples: int,
+                  workers: int) -> int:
     """One epoch of the training stream (which itself never ends): ``samples`` // batch."""
-    tokenizer = WordTokenizer().fit(read_captions(urls))
     dataset = ShardDataset(urls, batch_size, tokenizer, build_transforms(None, 64))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
     return sum(len(batch["captions"])
-               for batch in itertools.islice(dataset, samples // batch_size))
+               for batch in itertools.islice(loader, samples // batch_size))
 
 
 def timed(fn, *args) -> tuple[int, float]:
@@ -51,6 +56,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shards", help="shards to read (default: 2000 fresh synthetic images)")
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2],
+                        help="DataLoader worker counts to measure")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.shards is None:
@@ -59,11 +66,14 @@ def main() -> None:
         urls = expand_shards(args.shards)
         raw_tar_read(urls)  # warm the page cache for both readers
         n_raw, t_raw = timed(raw_tar_read, urls)
-        n_pipe, t_pipe = timed(pipeline_read, urls, args.batch_size, n_raw)
-    print(f"raw tar read (baseline): {n_raw / t_raw:10.0f} samples/s ({n_raw} in {t_raw:.2f}s)")
-    print(f"training pipeline:       {n_pipe / t_pipe:10.0f} samples/s ({n_pipe} in {t_pipe:.2f}s)")
-    print(f"ratio pipeline / raw tar: {(n_pipe / t_pipe) / (n_raw / t_raw):.3f}")
-
+        rows = [("bare tar read (baseline)", n_raw, t_raw)]
+        tokenizer = WordTokenizer().fit(read_captions(urls))
+        for workers in args.workers:
+            n, t = timed(pipeline_read, urls, tokenizer, args.batch_size, n_raw, workers)
+            rows.append((f"training pipeline, {workers} workers", n, t))
+    for name, n, t in rows:
+        print(f"{name:<32} {n / t:8.0f} samples/s ({n} in {t:.2f}s), ratio to the bare read "
+              f"{(n / t) / (n_raw / t_raw):.3f}")
 
 if __name__ == "__main__":
     main()
