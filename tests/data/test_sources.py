@@ -129,7 +129,9 @@ class Interrupting:
 
 def test_an_interrupted_conversion_resumed_equals_an_uninterrupted_one(karpathy, tmp_path):
     json_path, root, _, _ = karpathy
-    convert(karpathy_source(json_path, root), tmp_path / "whole", shard_size=2, progress=False)
+    # two worker processes for the uninterrupted run: the same bytes as one process
+    convert(karpathy_source(json_path, root), tmp_path / "whole", shard_size=2, workers=2,
+            progress=False)
     source = karpathy_source(json_path, root)
     with pytest.raises(KeyboardInterrupt):
         convert(Interrupting(source, 4), tmp_path / "cut", shard_size=2, progress=False)
