@@ -180,14 +180,24 @@ def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
     return out
 
 
-def choose_captions(samples: Iterator[dict], expand: bool, rng: random.Random) -> Iterator[dict]:
-    """One sample per caption (``expand``) or per image with a random caption."""
+def choose_captions(samples: Iterator[dict], expand: bool, rng: random.Random,
+                    phrase_rng: random.Random | None = None) -> Iterator[dict]:
+    """One sample per caption (``expand``) or per image with a random caption.
+
+    With ``phrase_rng``, a sample whose caption has entities with boxes also gets
+    one of them at random: ``phrase`` and ``phrase_box`` (its first box, xyxy
+    fractions), for box grounding.
+    """
     for sample in samples:
-        if expand:
-            for caption in sample["captions"]:
-                yield {**sample, "caption": caption}
-        else:
-            yield {**sample, "caption": rng.choice(sample["captions"])}
+        captions = sample["captions"]
+        for index in range(len(captions)) if expand else [rng.randrange(len(captions))]:
+            out = {**sample, "caption": captions[index]}
+            grounded = [e for e in sample.get("entities") or []
+                        if e.get("boxes") and e.get("caption") == index]
+            if phrase_rng is not None and grounded:
+                entity = phrase_rng.choice(grounded)
+                out["phrase"], out["phrase_box"] = entity["phrase"], entity["boxes"][0]
+            yield out
 
 
 def image_id_groups(image_ids: Sequence) -> torch.Tensor:
@@ -225,7 +235,8 @@ def collate_visual(samples: list[dict]) -> dict:
 def collate_batch(samples: list[dict], tokenizer: Callable, counter: SkipCounter,
                   text_augment: Callable | None = None,
                   generator: torch.Generator | None = None) -> dict:
-    """Samples -> batch: images/regions/boxes, tokens, ``image_groups``, ids, captions."""
+    """Samples -> batch: images/regions/boxes, tokens, ``image_groups``, ids, captions, and
+    ``phrases``/``phrase_boxes``/``phrase_valid`` where samples carry a grounded phrase."""
     batch = {
         **collate_visual(samples),
         "image_ids": [s["image_id"] for s in samples],
@@ -233,6 +244,11 @@ def collate_batch(samples: list[dict], tokenizer: Callable, counter: SkipCounter
         "captions": [s["caption"] for s in samples],
         "skipped": counter.take(),
     }
+    if any("phrase" in s for s in samples):  # box grounding: one phrase per sample
+        batch["phrases"] = [s.get("phrase", "") for s in samples]
+        batch["phrase_boxes"] = torch.tensor([s.get("phrase_box", [0.0] * 4) for s in samples],
+                                             dtype=torch.float32)
+        batch["phrase_valid"] = torch.tensor(["phrase" in s for s in samples])
     batch.update(tokenizer(batch["captions"]))
     if text_augment is not None:
         batch.update(text_augment(batch["tokens"], batch["lengths"], generator=generator))
@@ -376,7 +392,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         stages += [
             wds.map(functools.partial(decode_sample, caption_key=self.caption_key),
                     handler=handler),
-            lambda src: choose_captions(src, self.expand_captions, self._rng(2)),
+            lambda src: choose_captions(src, self.expand_captions, self._rng(2), self._rng(4)),
             wds.map(lambda s: transform_image(s, self.transform), handler=handler),
             wds.batched(self.batch_size, partial=not self.training,
                         collation_fn=lambda s: collate_batch(s, self.tokenizer, self.counter,

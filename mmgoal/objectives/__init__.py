@@ -1,3 +1,13 @@
-"""Objectives: hard-negative mining, GOAL gradient objectives, classic losses, CCR/CCS."""
+"""Objectives: hard-negative mining, GOAL gradient objectives, classic losses, CCR/CCS,
+and the cross encoder's ITM, MLM and box grounding."""
 
-from mmgoal.objectives import classic, constraints, goal, itm, mining, triplet, weights  # noqa: F401
+from mmgoal.objectives import (  # noqa: F401
+    classic,
+    constraints,
+    goal,
+    itm,
+    mining,
+    pretraining,
+    triplet,
+    weights,
+)

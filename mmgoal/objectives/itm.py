@@ -94,13 +94,14 @@ class ObjectiveSum(nn.Module):
         terms: ``OBJECTIVES`` configs. Swap one term for another with an
             override, e.g. ``objective.terms.0={type: GoalObjective, ...}`` puts
             a GOAL objective in place of the ITC term while ITM stays.
+        tokenizer: handed to the terms that take one (MLM, box grounding; set by the trainer).
     """
 
-    def __init__(self, terms: list[dict]) -> None:
+    def __init__(self, terms: list[dict], tokenizer=None) -> None:
         super().__init__()
         if not terms:
             raise ValueError("ObjectiveSum needs at least one term")
-        self.terms = nn.ModuleList(OBJECTIVES.build(term) for term in terms)
+        self.terms = nn.ModuleList(OBJECTIVES.build(term, tokenizer=tokenizer) for term in terms)
 
     def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
                 **extras) -> dict[str, torch.Tensor]:
