@@ -57,6 +57,45 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
+def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
+                          source: str = "the checkpoint") -> dict[str, list[str]]:
+    """Load the weights ``model`` shares with ``weights``; list what is left on either side.
+
+    A pretraining checkpoint starts a finetuning model: heads the finetuning
+    model lacks (MLM, box) are dropped, parts the checkpoint lacks keep their
+    initial values.
+
+    Returns:
+        ``{"dropped": checkpoint keys the model has no place for, "missing":
+        model keys the checkpoint does not fill}``.
+
+    Raises:
+        ValueError: a shared key with another shape, or no key in common (another
+            architecture).
+    """
+    own = model.state_dict()
+    shared = [k for k in weights if k in own]
+    mismatched = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in shared
+                  if weights[k].shape != own[k].shape]
+    if mismatched or not shared:
+        detail = (f"shapes differ: {'; '.join(mismatched[:3])}" if mismatched
+                  else "no weight name in common")
+        raise ValueError(f"{source}: the checkpoint's model does not match this config's model "
+                         f"({detail}); it was trained with another architecture or size")
+    model.load_state_dict({k: weights[k] for k in shared}, strict=False)
+    return {"dropped": sorted(k for k in weights if k not in own),
+            "missing": sorted(k for k in own if k not in weights)}
+
+
+def summarise_keys(keys: list[str]) -> str:
+    """Keys grouped by top-level module: ``mlm_decoder (2), box_head (3)``."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        prefix = key.split(".")[0]
+        counts[prefix] = counts.get(prefix, 0) + 1
+    return ", ".join(f"{prefix} ({n})" for prefix, n in counts.items())
+
+
 def model_from_checkpoint(cfg: dict, state: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
     """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``.
 

@@ -38,7 +38,12 @@ import mmgoal
 from mmgoal.config import dump_config
 from mmgoal.data.pipeline import expand_shards, read_captions
 from mmgoal.data.transforms import build_transforms
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.engine.checkpoint import (
+    load_checkpoint,
+    load_matching_weights,
+    save_checkpoint,
+    summarise_keys,
+)
 from mmgoal.engine.schedules import LRSchedule
 from mmgoal.engine.step import TrainingStep
 from mmgoal.engine.strategies import launched_world_size
@@ -271,13 +276,23 @@ class Trainer:
         logger.info("resumed at epoch %d, step %d", self.epoch, self.step)
 
     def _load_weights(self, state: dict, path: str) -> None:
-        """``load_from``: start from another run's model weights (e.g. VSE++ stage one)."""
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as error:
-            raise ValueError(f"load_from {path}: the checkpoint's model does not match this "
-                             f"config's model ({str(error).splitlines()[0]})") from error
+        """``load_from``: start from another run's model weights (a pretraining checkpoint,
+        VSE++ stage one); heads either side lacks are listed, a different model refused."""
+        saved = ((state.get("config") or {}).get("model") or {}).get("type")
+        wanted = self.cfg["model"]["type"]
+        if saved is not None and saved != wanted:
+            raise ValueError(f"load_from {path}: a {saved} checkpoint cannot start a {wanted} "
+                             f"model; give a checkpoint of a {wanted} run")
+        self.handoff = load_matching_weights(self.model, state["model"], f"load_from {path}")
         logger.info("model weights loaded from %s", path)
+        if self.handoff["dropped"]:
+            logger.warning("load_from: dropped %d checkpoint tensors this model has no place "
+                           "for: %s", len(self.handoff["dropped"]),
+                           summarise_keys(self.handoff["dropped"]))
+        if self.handoff["missing"]:
+            logger.warning("load_from: %d tensors of this model are not in the checkpoint and "
+                           "keep their initial values: %s", len(self.handoff["missing"]),
+                           summarise_keys(self.handoff["missing"]))
 
     def save(self) -> None:
         """A resumable checkpoint (collective: every rank calls it)."""
