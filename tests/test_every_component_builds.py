@@ -66,8 +66,10 @@ EXAMPLES = {
     # remaps are functions, exercised in tests/models/test_pretrained.py
     "CHECKPOINT_REMAPS": {"timm": None, "efficientnet_pytorch": None},
     "OPTIMIZERS": {"AdamW": {"lr": 1e-3}, "Adam": {"lr": 1e-3}, "SGD": {"lr": 1e-3}},
-    # deepspeed starts a process group: tests/engine/test_distributed.py, test_strategies.py
-    "STRATEGIES": {"single": {}, "ddp": {"bucket_mb": 1.0}, "deepspeed": None},
+    # deepspeed and accelerate start process groups and global state:
+    # tests/engine/test_distributed.py and test_strategies.py build them
+    "STRATEGIES": {"single": {}, "ddp": {"bucket_mb": 1.0}, "deepspeed": None,
+                   "accelerate": None},
     # sources read data sets from disk: tests/data/test_sources.py builds each on fixtures
     "SHARD_SOURCES": {"karpathy": None, "precomputed": None, "entities": None},
 }

@@ -93,3 +93,12 @@ class NaNOnOneRank(torch.nn.Module):
         if world_info()[0] == self.rank and self.first <= self.calls < self.first + self.count:
             outputs["goal_loss"] = outputs["goal_loss"] * float("nan")
         return outputs
+
+
+@HOOKS.register(force=True)
+class SaveRankWeights(Hook):
+    """Every rank writes its own model weights at the end (``rank{r}.pt`` in the run)."""
+
+    def after_train(self, trainer) -> None:
+        torch.save(trainer.model.state_dict(),
+                   trainer.work_dir / f"rank{trainer.strategy.rank}.pt")

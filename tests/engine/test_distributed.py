@@ -46,6 +46,10 @@ def launch(launcher: str, config: Path, work_dir: Path, *extra: str,
         "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"],
         "deepspeed": [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port",
                       str(free_port())],
+        # --multi_gpu is accelerate's multi-process switch; on CPU the strategy makes it gloo
+        "accelerate": [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+                       "no", "--main_process_port", str(free_port())],
     }[launcher] + script
     # A session of its own: KillAllAt kills the launcher's whole process group.
     return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True,
@@ -305,3 +309,15 @@ def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(setup, tmp_path):
     result = launch("torchrun", always, tmp_path / "always", "--deepspeed", timeout=240)
     assert result.returncode != 0
     assert "3 non-finite losses in a row (step 4" in result.stderr
+
+
+def test_accelerate_launch_trains_both_ranks_identically(setup, tmp_path):
+    root, data, _ = setup
+    config = write_config(tmp_path / "acc.yaml", data, PER_RANK,
+                          strategy={"type": "accelerate"},
+                          hooks=[{"type": "SaveRankWeights"}])
+    result = ok(launch("accelerate", config, tmp_path / "acc"))
+    assert "Accelerate MULTI_CPU (mixed precision no), 2 process(es)" in result.stderr
+    ranks = [torch.load(tmp_path / "acc" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    assert max_difference(final_weights(root / "single"), ranks[0]) < 1e-5

@@ -1,6 +1,6 @@
 """Strategies: how a run uses its processes (registered in ``STRATEGIES``)."""
 
-from mmgoal.engine.strategies import deepspeed, torch_native  # noqa: F401  (registration)
+from mmgoal.engine.strategies import accelerate, deepspeed, torch_native  # noqa: F401
 from mmgoal.engine.strategies.base import Strategy, has_checkpoint, launched_world_size
 
 __all__ = ["Strategy", "has_checkpoint", "launched_world_size"]
