@@ -369,8 +369,15 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     def stages(self) -> list:
         """The pipeline, stage by stage (see the module docstring)."""
-        handler = self.counter
         generator = torch.Generator().manual_seed(self._rng(3).getrandbits(63))
+        return [*self.sample_stages(), wds.batched(
+            self.batch_size, partial=not self.training,
+            collation_fn=lambda s: collate_batch(s, self.tokenizer, self.counter,
+                                                 self.text_augment, generator))]
+
+    def sample_stages(self) -> list:
+        """The stages up to one transformed sample per caption choice (no batching)."""
+        handler = self.counter
         if self.training:
             seen = [0]
 
@@ -394,9 +401,6 @@ class ShardDataset(torch.utils.data.IterableDataset):
                     handler=handler),
             lambda src: choose_captions(src, self.expand_captions, self._rng(2), self._rng(4)),
             wds.map(lambda s: transform_image(s, self.transform), handler=handler),
-            wds.batched(self.batch_size, partial=not self.training,
-                        collation_fn=lambda s: collate_batch(s, self.tokenizer, self.counter,
-                                                             self.text_augment, generator)),
         ]
         return stages
 
@@ -450,3 +454,78 @@ def read_captions(shards: str | list[str], caption_key: str | None = None) -> li
         except (KeyError, ValueError) as error:
             counter(CorruptSampleError(f"sample {sample.get('__key__')!r}: {error}"))
     return captions
+
+
+@DATASETS.register()
+class MixtureDataset(torch.utils.data.IterableDataset):
+    """Training batches mixed from several shard sources, each with a sampling weight.
+
+    Every sample of a batch comes from source ``k`` with probability
+    ``weight_k / sum(weights)``, drawn from a seeded stream that depends on the
+    seed, the epoch, the rank and the data worker; each source streams without
+    end like a ``ShardDataset`` (set ``resampled`` per source for open_clip-style
+    draws). An epoch is ``train.samples_per_epoch`` samples (default: the sum of
+    the sources' sizes). Batches carry ``source_counts`` (samples per source
+    name), which the trainer logs.
+
+    Args:
+        sources: ``ShardDataset`` configs (without ``type`` and ``batch_size``), each
+            with a ``name`` and a ``weight``, e.g. ``{name: web, weight: 3, shards:
+            ..., caption_key: txt}``.
+        batch_size, tokenizer, transform, training, seed, text_augment: as ``ShardDataset``.
+    """
+
+    def __init__(self, sources: list[dict], batch_size: int, tokenizer: Callable,
+                 transform: Callable, training: bool = True, seed: int = 0,
+                 text_augment: dict | None = None) -> None:
+        super().__init__()
+        if not sources:
+            raise ValueError("MixtureDataset needs at least one source")
+        self.names, self.weights, self.sources = [], [], []
+        for index, source in enumerate(sources):
+            source = dict(source)
+            name = str(source.pop("name", f"source{index}"))
+            weight = float(source.pop("weight", 1.0))
+            if weight <= 0:
+                raise ValueError(f"MixtureDataset source {name!r}: weight must be positive, "
+                                 f"got {weight}")
+            self.names.append(name)
+            self.weights.append(weight)
+            self.sources.append(ShardDataset(batch_size=1, tokenizer=tokenizer,
+                                             transform=transform, training=training,
+                                             seed=seed + 7919 * index, **source))
+        if len(set(self.names)) < len(self.names):
+            raise ValueError(f"MixtureDataset source names must differ, got {self.names}")
+        self.batch_size, self.tokenizer, self.training = batch_size, tokenizer, training
+        self.seed, self.epoch = seed, 0
+        self.counter = SkipCounter()
+        self.text_augment = (TEXT_AUGMENTS.build(text_augment, tokenizer=tokenizer)
+                             if text_augment and training else None)
+
+    def num_samples(self) -> int:
+        return sum(source.num_samples() for source in self.sources)
+
+    def check_readers(self, world_size: int, workers: int) -> None:
+        for source in self.sources:
+            source.check_readers(world_size, workers)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        for source in self.sources:
+            source.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict]:
+        rank, _, worker, _ = wds.utils.pytorch_worker_info()
+        rng = random.Random(f"{self.seed}-{self.epoch}-{rank}-{worker}-mixture")
+        generator = torch.Generator().manual_seed(rng.getrandbits(63))
+        streams = [iter(wds.DataPipeline(*source.sample_stages())) for source in self.sources]
+        order = range(len(streams))
+        while True:
+            picks = rng.choices(order, weights=self.weights, k=self.batch_size)
+            samples = [next(streams[k]) for k in picks]
+            skipped = sum(source.counter.take() for source in self.sources)
+            batch = collate_batch(samples, self.tokenizer, self.counter, self.text_augment,
+                                  generator)
+            batch["skipped"] += skipped
+            batch["source_counts"] = {name: picks.count(k) for k, name in enumerate(self.names)}
+            yield batch

@@ -166,8 +166,9 @@ class Trainer:
             self.tokenizer.load_state_dict((resumed or start_from)["tokenizer"])
         elif not self.tokenizer.fitted:
             # Fitted from the data alone, so every rank (and a resumed run) gets the same.
-            self.tokenizer.fit(read_captions(splits["train"]["shards"],
-                                             splits["train"].get("caption_key")))
+            self.tokenizer.fit(c for source in training_sources(splits["train"])
+                               for c in read_captions(source["shards"],
+                                                      source.get("caption_key")))
         size = self.data_cfg["image_size"]
         self.train_transform = build_transforms(self.data_cfg["train_transforms"], size)
         self.eval_transform = build_transforms(self.data_cfg["eval_transforms"], size)
@@ -224,6 +225,7 @@ class Trainer:
         self.batch_in_epoch = 0
         self.best = {"rsum": -math.inf, "epoch": -1}
         self.skipped_samples = 0
+        self.source_counts: dict[str, int] = {}  # samples per source of a mixture, this rank
         self._stop_signal: int | None = None
         if resume:
             self._restore(self.strategy.load(self.checkpoint_dir))
@@ -389,6 +391,8 @@ class Trainer:
             window_nonfinite |= nonfinite
             stop |= stop_now
             self.skipped_samples += batch["skipped"]
+            for name, count in batch.get("source_counts", {}).items():
+                self.source_counts[name] = self.source_counts.get(name, 0) + count
             self.batch_in_epoch += 1
             samples_since += len(batch["captions"]) * self.strategy.world_size
             if self.batch_in_epoch % self.accumulate_steps:
@@ -413,7 +417,8 @@ class Trainer:
                 elapsed = time.perf_counter() - tick
                 record = {"type": "train", "epoch": self.epoch, "step": self.step, "lr": lr,
                           "samples_per_s": samples_since / max(elapsed, 1e-9),
-                          "skipped_samples": self.skipped_samples}
+                          "skipped_samples": self.skipped_samples,
+                          **{f"samples_{name}": n for name, n in self.source_counts.items()}}
                 record.update({k: float(v.detach()) for k, v in outputs.items()
                                if isinstance(v, torch.Tensor) and v.numel() == 1})
                 self.log.write(record)
@@ -515,9 +520,14 @@ def metrics_table(metrics: dict[str, float]) -> str:
     return "\n".join(rows)
 
 
+def training_sources(train_cfg: dict) -> list[dict]:
+    """The shard sections of a training split: itself, or a mixture's sources."""
+    return list(train_cfg.get("sources") or [train_cfg])
+
+
 def check_data_paths(cfg: dict) -> None:
     """Fail early, with the command to run, when a split's shards are missing."""
     for split in ("train", "val", "test"):
         section = cfg.get("data", {}).get(split)
-        if section:
-            expand_shards(section["shards"])
+        for source in training_sources(section) if section else []:
+            expand_shards(source["shards"])

@@ -1,6 +1,7 @@
 """Shards in the img2dataset / open_clip layout (jpg + txt + json) train like ours."""
 
 import io
+import json
 
 import numpy as np
 import webdataset as wds
@@ -37,3 +38,17 @@ def test_img2dataset_shards_train_the_quickstart_model(tiny_benchmark, tmp_path)
     report = trainer.fit()
     assert report["steps"] == 6 and report["skipped_samples"] == 0
     assert np.isfinite(report["test"]["rsum"])
+
+    # the same web shards mixed 1:1 with the benchmark's own: counts per source in the log
+    cfg = tiny_config(out, epochs=1, samples_per_epoch=48, log_every=2)
+    cfg["data"]["train"] = {"type": "MixtureDataset", "batch_size": 8, "sources": [
+        {"name": "scenes", "weight": 1, "shards": str(out / "train-{000000..000002}.tar")},
+        {"name": "web", "weight": 1, "shards": str(folder / "{00000..00001}.tar"),
+         "caption_key": "txt"}]}
+    trainer = Trainer(cfg, tmp_path / "mixed")
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "mixed" / "metrics.jsonl")
+               .read_text().splitlines() if '"train"' in line]
+    for record in records:
+        assert record["samples_scenes"] + record["samples_web"] == 8 * record["step"]
+    assert 0 < records[-1]["samples_web"] < 48
