@@ -68,7 +68,8 @@ def test_config_loads_and_its_model_encodes_a_batch(config, monkeypatch):
     torch.manual_seed(0)
     model = MODELS.build(cfg["model"], tokenizer=tokenizer).eval()
     # module paths named by the optimizer's paramwise groups and by the hooks exist
-    build_optimizer(cfg["optimizer"], model, OBJECTIVES.build(cfg["objective"]))
+    objective = OBJECTIVES.build(cfg["objective"], tokenizer=tokenizer)
+    build_optimizer(cfg["optimizer"], model, objective)
     for hook in (HOOKS.build(h) for h in cfg.get("hooks") or []):
         hook.before_train(SimpleNamespace(model=model, epoch=0))
     # Vision transformers are built for their image size; CNNs take a smaller one.

@@ -48,12 +48,14 @@ EXAMPLES = {
                    "CircleLoss": {"margin": 0.3}, "MultiSimilarityLoss": {"eps": 0.2},
                    "InfoNCELoss": {"temperature": 0.05},
                    "ITMLoss": {"weight": 0.5, "temperature": 0.1},
-                   "ObjectiveSum": {"terms": [{"type": "InfoNCELoss"}, {"type": "ITMLoss"}]}},
+                   "ObjectiveSum": {"terms": [{"type": "InfoNCELoss"}, {"type": "ITMLoss"}]},
+                   # need a [MASK] tokenizer, the batch and heads: test_pretraining.py
+                   "MLMLoss": None, "BoxGroundingLoss": None},
     # weights are functions, exercised combination by combination in tests/objectives/test_goal.py
     "TRIPLET_WEIGHTS": {"con": None, "nca": None, "cir": None},
     "PAIR_WEIGHTS": {"con": None, "lin": None, "sig": None, "lin_ms": None, "sig_ms": None},
     "TOKENIZERS": {"WordTokenizer": {}, "HFTokenizer": None},  # None: needs local files
-    "DATASETS": {"ShardDataset": None},  # needs shards: tests/data/test_pipeline.py
+    "DATASETS": {"ShardDataset": None, "MixtureDataset": None},  # need shards: tests/data/
     "TRANSFORMS": {"Resize": {"size": 8}, "CenterCrop": {"size": 8},
                    "RandomResizedCrop": {"size": 8}, "RandomHorizontalFlip": {},
                    "ColorJitter": {"brightness": 0.1}, "ToTensor": {},

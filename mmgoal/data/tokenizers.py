@@ -195,7 +195,6 @@ class HFTokenizer:
         pass
 
 
-@TEXT_AUGMENTS.register()
 def corrupt_tokens(tokens: torch.Tensor, lengths: torch.Tensor, special_ids: torch.Tensor,
                    vocab_size: int, mask_id: int, p: float, mask: float, replace: float,
                    generator: torch.Generator | None = None
@@ -225,6 +224,7 @@ def corrupt_tokens(tokens: torch.Tensor, lengths: torch.Tensor, special_ids: tor
     return out, picked, masked, replaced
 
 
+@TEXT_AUGMENTS.register()
 class TokenAugment:
     """VSE-infinity's caption augmentation on token ids: mask, replace or delete.
 

@@ -57,7 +57,8 @@ class AccelerateStrategy(SingleProcess):
             raise RuntimeError(
                 f"the launcher started {launched} processes but Accelerate joined "
                 f"{self.accelerator.num_processes}; on CPU launch with `accelerate launch "
-                f"--multi_gpu --num_processes N` or configs/distributed/accelerate_cpu.yaml")
+                f"--multi_gpu --num_processes N` (a CPU-only accelerate config starts one "
+                f"process)")
 
     def describe(self) -> str:
         return (f"Accelerate {self.accelerator.distributed_type.value} "
