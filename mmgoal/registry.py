@@ -100,8 +100,11 @@ class Registry:
         signature = inspect.signature(target)
         params = signature.parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        kwargs.update(accepted_kwargs(target, {k: v for k, v in context.items()
-                                               if k not in kwargs}))
+        # Context goes to named parameters only: a class without its own __init__
+        # (nn.Module's *args, **kwargs) must not receive the tokenizer.
+        named = {n for n, p in params.items()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        kwargs.update({k: v for k, v in context.items() if k in named and k not in kwargs})
         if not takes_any:
             accepted = [
                 n for n, p in params.items()

@@ -112,3 +112,20 @@ def test_every_registry_lives_in_registry_module():
     names = {"MODELS", "ENCODERS", "POOLERS", "OBJECTIVES", "CONSTRAINTS", "DATASETS",
              "TOKENIZERS", "TRANSFORMS", "HOOKS", "STRATEGIES"}
     assert names <= {n for n, v in vars(registry).items() if isinstance(v, Registry)}
+
+
+def test_context_reaches_named_parameters_only():
+    reg = Registry("thing")
+
+    @reg.register()
+    class Named:
+        def __init__(self, size=1, tokenizer=None):
+            self.size, self.tokenizer = size, tokenizer
+
+    @reg.register()
+    class Inherited(dict):  # no __init__ of its own: dict(**kwargs) would take anything
+        pass
+
+    assert reg.build({"type": "Named"}, tokenizer="tok").tokenizer == "tok"
+    assert reg.build({"type": "Named", "tokenizer": "mine"}, tokenizer="tok").tokenizer == "mine"
+    assert reg.build({"type": "Inherited"}, tokenizer="tok") == {}
