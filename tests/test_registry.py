@@ -2,6 +2,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import mmgoal  # noqa: F401  (registers the built-ins)
 from mmgoal import registry
@@ -123,9 +124,9 @@ def test_context_reaches_named_parameters_only():
             self.size, self.tokenizer = size, tokenizer
 
     @reg.register()
-    class Inherited(dict):  # no __init__ of its own: dict(**kwargs) would take anything
+    class Inherited(torch.nn.Module):  # no __init__ of its own: Module(*args, **kwargs)
         pass
 
     assert reg.build({"type": "Named"}, tokenizer="tok").tokenizer == "tok"
     assert reg.build({"type": "Named", "tokenizer": "mine"}, tokenizer="tok").tokenizer == "mine"
-    assert reg.build({"type": "Inherited"}, tokenizer="tok") == {}
+    assert isinstance(reg.build({"type": "Inherited"}, tokenizer="tok"), Inherited)
