@@ -17,6 +17,7 @@ import json
 import sys
 import tarfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,27 +27,33 @@ from tqdm import tqdm
 from mmgoal.data.pipeline import IMAGE_EXTENSIONS, expand_shards
 
 
-def samples_of(url: str) -> tuple[list[tuple[str, dict[str, bytes]]], str | None]:
-    """The shard's samples (key, members) in order, and the error that cut it short."""
-    samples: list[tuple[str, dict[str, bytes]]] = []
+def samples_of(url: str, damage: list[str]) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """The shard's samples (key, members) one at a time (a shard can be gigabytes);
+    what cut the shard short is appended to ``damage``."""
+    key, members, end = None, {}, None
+    archive = None
     try:
-        with tarfile.open(url) as archive:
-            for member in archive:
-                if not member.isfile():
-                    continue
-                name = Path(member.name).name
-                key, _, ext = name.partition(".")
-                if not samples or samples[-1][0] != key:
-                    samples.append((key, {}))
-                samples[-1][1][ext] = archive.extractfile(member).read()
-            end = archive.offset
+        archive = tarfile.open(url)
+        for member in archive:
+            if not member.isfile():
+                continue
+            name_key, _, ext = Path(member.name).name.partition(".")
+            if name_key != key and key is not None:
+                yield key, members
+                members = {}
+            key = name_key
+            members[ext] = archive.extractfile(member).read()
+        end = archive.offset
     except (tarfile.TarError, OSError) as error:
-        return samples, f"damaged tar after {len(samples)} samples ({error})"
-    if Path(url).stat().st_size - end < 2 * tarfile.BLOCKSIZE:
+        damage.append(str(error))
+    finally:
+        if archive is not None:
+            archive.close()
+    if key is not None:
+        yield key, members
+    if end is not None and Path(url).stat().st_size - end < 2 * tarfile.BLOCKSIZE:
         # A tar cut at a member boundary reads as a shorter tar; only the end marker tells.
-        return samples, (f"damaged tar after {len(samples)} samples (no end-of-archive "
-                         f"marker: truncated?)")
-    return samples, None
+        damage.append("no end-of-archive marker: truncated?")
 
 
 def check_sample(key: str, members: dict[str, bytes], caption_key: str | None,
@@ -95,16 +102,18 @@ def inspect(urls: list[str], caption_key: str | None = None, progress: bool = Tr
              "keys": Counter()}
     shards = []
     for url in tqdm(urls, unit="shard", disable=not progress):
-        samples, damage = samples_of(url)
-        problems = [damage] if damage else []
+        damage: list[str] = []
+        problems: list[str] = []
         ids: Counter = Counter()
-        for key, members in samples:
+        for key, members in samples_of(url, damage):
             image_id, found = check_sample(key, members, caption_key, stats)
             problems.extend(found)
             ids[str(image_id)] += 1
+        count = sum(ids.values())
+        problems.extend(f"damaged tar after {count} samples ({d})" for d in damage)
         problems.extend(f"image id {i!r} appears {n} times" for i, n in ids.items() if n > 1)
-        stats["samples"] += len(samples)
-        shards.append({"shard": url, "samples": len(samples), "problems": problems})
+        stats["samples"] += count
+        shards.append({"shard": url, "samples": count, "problems": problems})
     return {"shards": shards, "samples": stats["samples"], "captions": stats["captions"],
             "caption_words": describe(stats["caption_words"]),
             "image_width": describe(stats["widths"]), "image_height": describe(stats["heights"]),
