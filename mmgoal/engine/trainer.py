@@ -228,7 +228,7 @@ class Trainer:
         self.source_counts: dict[str, int] = {}  # samples per source of a mixture, this rank
         self._stop_signal: int | None = None
         if resume:
-            self._restore(self.strategy.load(self.checkpoint_dir))
+            self._restore(self.strategy.load(self.checkpoint_dir, resumed))
         if self.is_main:
             dump_config(cfg, self.work_dir / "config.yaml")
         lr = ("from the DeepSpeed scheduler" if self.strategy.owns_schedule else

@@ -183,8 +183,10 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def load(self, directory: Path) -> dict:
+    def load(self, directory: Path, state: dict | None = None) -> dict:
         """Restore the latest checkpoint in ``directory``; return the trainer's state.
+
+        ``state``: what ``read_state`` returned for it already (not read again).
 
         Raises:
             FileNotFoundError: there is no complete checkpoint.

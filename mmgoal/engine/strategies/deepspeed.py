@@ -283,9 +283,9 @@ class DeepSpeedStrategy(Strategy):
         root, tag = self.latest_tag(directory)
         return load_checkpoint(root / tag / TRAINER_STATE)
 
-    def load(self, directory: Path) -> dict:
+    def load(self, directory: Path, state: dict | None = None) -> dict:
         root, tag = self.latest_tag(directory)
-        state = load_checkpoint(root / tag / TRAINER_STATE)
+        state = state if state is not None else load_checkpoint(root / tag / TRAINER_STATE)
         if state["world_size"] == self.world_size and state["zero_stage"] == self.zero_stage:
             self.engine.load_checkpoint(str(root), tag=tag)
         else:

@@ -89,8 +89,8 @@ class SingleProcess(Strategy):
                                     f"or point --work-dir at the interrupted run")
         return load_checkpoint(path)
 
-    def load(self, directory: Path) -> dict:
-        state = self.read_state(directory)
+    def load(self, directory: Path, state: dict | None = None) -> dict:
+        state = state if state is not None else self.read_state(directory)
         self.module.model.load_state_dict(state["model"])
         self.module.objective.load_state_dict(state["objective"])
         self.optimizer.load_state_dict(state["optimizer"])
