@@ -302,7 +302,10 @@ class Trainer:
 
     def save_weights(self, name: str, **extra: Any) -> None:
         """The float32 weights (+ tokenizer, config) as ``checkpoints/<name>`` (collective)."""
-        weights = self.strategy.full_state_dict()
+        self._write_weights(name, self.strategy.full_state_dict(), **extra)
+
+    def _write_weights(self, name: str, weights: dict | None, **extra: Any) -> None:
+        """Rank 0 writes ``weights`` (its ``full_state_dict()``); every rank waits."""
         if self.is_main:
             save_checkpoint({"model": weights, "tokenizer": self.tokenizer.state_dict(),
                              "config": self.cfg, **extra}, self.checkpoint_dir / name)
@@ -443,13 +446,13 @@ class Trainer:
             hook.after_epoch(self, metrics)
         return True
 
-    def evaluation_model(self) -> torch.nn.Module | None:
-        """A float32 model with full weights on rank 0 (collective; None on other ranks)."""
+    def evaluation_model(self, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+        """A float32 model to evaluate on rank 0: the trained one when its weights are full
+        float32 ones (loaded with ``weights`` when given), else a copy built with ``weights``."""
         if self.strategy.plain_module:
-            return self.model if self.is_main else None
-        weights = self.strategy.full_state_dict()
-        if not self.is_main:
-            return None
+            if weights is not None:
+                self.model.load_state_dict(weights)
+            return self.model
         model = MODELS.build(self.cfg["model"], tokenizer=self.tokenizer)
         model.load_state_dict(weights)
         return model
@@ -460,15 +463,17 @@ class Trainer:
         every = self.train_cfg["eval_every"]
         last_epoch = epoch + 1 == self.train_cfg["epochs"]
         if self.splits["val"] and every and ((epoch + 1) % every == 0 or last_epoch):
-            model = self.evaluation_model()
+            # One gather (collective) serves the evaluation copy and best.pt.
+            weights = self.strategy.full_state_dict()
             if self.is_main:
+                model = self.evaluation_model(None if self.strategy.plain_module else weights)
                 metrics = self.evaluate("val", model)
                 self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
                 logger.info("epoch %d val: %s", epoch, format_metrics(metrics))
             metrics = self.strategy.broadcast(metrics)
             if metrics["rsum"] > self.best["rsum"]:
                 self.best = {"rsum": metrics["rsum"], "epoch": epoch}
-                self.save_weights("best.pt", epoch=epoch, metrics=metrics)
+                self._write_weights("best.pt", weights, epoch=epoch, metrics=metrics)
         self.epoch += 1
         self.batch_in_epoch = 0
         self.save()
@@ -490,12 +495,15 @@ class Trainer:
                                   "train_seconds": seconds, "best": self.best,
                                   "skipped_samples": self.skipped_samples}
         if self.splits["test"]:
-            model = self.evaluation_model()
+            if self.best["epoch"] >= 0:  # best.pt exists, and every rank knows it
+                weights = (load_checkpoint(self.checkpoint_dir / "best.pt")["model"]
+                           if self.is_main else None)
+            elif self.strategy.plain_module:  # no validation: the trained model as it is
+                weights = None
+            else:
+                weights = self.strategy.full_state_dict()  # collective
             if self.is_main:
-                best_path = self.checkpoint_dir / "best.pt"
-                if best_path.is_file():
-                    model.load_state_dict(load_checkpoint(best_path)["model"])
-                report["test"] = self.evaluate("test", model)
+                report["test"] = self.evaluate("test", self.evaluation_model(weights))
                 self.log.write({"type": "test", "step": self.step, **report["test"]})
         if self.is_main:
             (self.work_dir / "report.json").write_text(json.dumps(report, indent=2))
