@@ -491,9 +491,10 @@ class MixtureDataset(torch.utils.data.IterableDataset):
                                  f"got {weight}")
             self.names.append(name)
             self.weights.append(weight)
-            self.sources.append(ShardDataset(batch_size=1, tokenizer=tokenizer,
-                                             transform=transform, training=training,
-                                             seed=seed + 7919 * index, **source))
+            # Through the registry: a wrong key in a source gets its message and hint.
+            self.sources.append(DATASETS.build(
+                {"type": "ShardDataset", **source}, batch_size=1, tokenizer=tokenizer,
+                transform=transform, training=training, seed=seed + 7919 * index))
         if len(set(self.names)) < len(self.names):
             raise ValueError(f"MixtureDataset source names must differ, got {self.names}")
         self.batch_size, self.tokenizer, self.training = batch_size, tokenizer, training

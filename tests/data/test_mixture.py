@@ -62,3 +62,5 @@ def test_mixture_mistakes(sources):
         mixture([sources[0], {**sources[1], "name": "scenes"}])
     with pytest.raises(ValueError, match="at least one source"):
         mixture([])
+    with pytest.raises(TypeError, match="'shard' \\(did you mean 'shards'\\?\\)"):
+        mixture([{"name": "x", "shard": "a-*.tar"}])
