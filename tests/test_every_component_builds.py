@@ -70,7 +70,8 @@ EXAMPLES = {
     "OPTIMIZERS": {"AdamW": {"lr": 1e-3}, "Adam": {"lr": 1e-3}, "SGD": {"lr": 1e-3}},
     # deepspeed and accelerate start process groups and global state:
     # tests/engine/test_distributed.py and test_strategies.py build them
-    "STRATEGIES": {"single": {}, "ddp": {"bucket_mb": 1.0}, "deepspeed": None,
+    "STRATEGIES": {"torch": {"device": "cpu"}, "single": {}, "ddp": {"bucket_mb": 1.0},
+                   "deepspeed": None,
                    "accelerate": None},
     # sources read data sets from disk: tests/data/test_sources.py builds each on fixtures
     "SHARD_SOURCES": {"karpathy": None, "precomputed": None, "entities": None},

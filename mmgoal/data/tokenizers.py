@@ -213,12 +213,13 @@ def corrupt_tokens(tokens: torch.Tensor, lengths: torch.Tensor, special_ids: tor
     """
     batch, width = tokens.shape
     real = length_mask(lengths, width)
-    picked = ((torch.rand(batch, width, generator=generator) < p) & real
+    device = tokens.device  # the data pipeline's CPU, or the device MLMLoss trains on
+    picked = ((torch.rand(batch, width, generator=generator, device=device) < p) & real
               & ~torch.isin(tokens, special_ids))
-    action = torch.rand(batch, width, generator=generator)
+    action = torch.rand(batch, width, generator=generator, device=device)
     masked = picked & (action < mask)
     replaced = picked & (action >= mask) & (action < mask + replace)
-    random_ids = torch.randint(vocab_size, (batch, width), generator=generator)
+    random_ids = torch.randint(vocab_size, (batch, width), generator=generator, device=device)
     random_ids = torch.where(torch.isin(random_ids, special_ids), tokens, random_ids)
     out = torch.where(masked, mask_id, torch.where(replaced, random_ids, tokens))
     return out, picked, masked, replaced

@@ -49,7 +49,7 @@ class TrainingStep(nn.Module):
         if self.gather and world_info()[1] > 1:
             all_images = gather_features(image_features)
             all_texts = gather_features(text_features)
-            groups = gather_groups(batch["image_ids"])
+            groups = gather_groups(batch["image_ids"], device=groups.device)
         sims = self.model.similarity(all_images, all_texts)
         # Per-pair objectives (MLM, box grounding) take this rank's own pairs.
         outputs = objective(sims, positives=positives_from_groups(groups),

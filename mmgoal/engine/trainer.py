@@ -1,9 +1,10 @@
 """The trainer: build everything from a config, train, evaluate, report.
 
-The trainer is the same for one process, ``torchrun`` and ``deepspeed``: the
-strategy (``strategy:`` in the config, ``--deepspeed`` on the command line;
-``single`` or ``ddp`` by default, by the launcher's WORLD_SIZE) owns processes,
-optimizer, precision and checkpoint files. A run directory holds
+The trainer is the same for one process, ``torchrun`` and ``deepspeed``, on
+CPUs and GPUs: the strategy (``strategy:`` in the config, ``--deepspeed`` on the
+command line; ``torch`` by default: one process, or torch DDP under a launcher)
+owns the device (``train.device``), processes, optimizer, precision
+(``train.precision``) and checkpoint files. A run directory holds
 ``config.yaml`` (resolved), ``metrics.jsonl`` (one JSON object per logged step
 and epoch), ``checkpoints/`` (the strategy's resumable checkpoint: model,
 optimizer, step, position in the epoch, every rank's RNG state; and
@@ -12,15 +13,17 @@ optimizer, step, position in the epoch, every rank's RNG state; and
 alone writes them and shows progress bars.
 
 An optimisation step takes ``train.accumulate_steps`` micro-batches of
-``data.train.batch_size`` on every rank: the global batch is their product with
-the number of processes, and an epoch is ``train.samples_per_epoch`` (default:
-the training split's size) divided by it. SIGINT/SIGTERM on any rank stop every
+``data.train.batch_size`` on every rank (one window, handed to the strategy's
+``train_step``): the global batch is their product with the number of
+processes, and an epoch is ``train.samples_per_epoch`` (default: the training
+split's size) divided by it. SIGINT/SIGTERM on any rank stop every
 rank after the same step, with a checkpoint; a second SIGINT stops at once.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -28,6 +31,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ import mmgoal
 from mmgoal.config import dump_config
 from mmgoal.data.pipeline import expand_shards, read_captions
 from mmgoal.data.transforms import build_transforms
+from mmgoal.devices import configure_cuda, resolve_device
 from mmgoal.engine.checkpoint import (
     load_checkpoint,
     load_matching_weights,
@@ -46,8 +51,8 @@ from mmgoal.engine.checkpoint import (
 )
 from mmgoal.engine.schedules import LRSchedule
 from mmgoal.engine.step import TrainingStep
-from mmgoal.engine.strategies import launched_world_size
 from mmgoal.evaluation.gallery import SCORING_DEFAULTS, evaluate_retrieval
+from mmgoal.models.efficiency import compile_model
 from mmgoal.registry import (
     CONSTRAINTS,
     DATASETS,
@@ -69,6 +74,9 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "checkpoint_every_steps": 0, "max_nonfinite_steps": 5, "progress": True,
     "samples_per_epoch": None, "accumulate_steps": 1, "gather_features": True,
     "scale_lr": "none", "reference_batch": None,
+    # where and how (docs/getting_started.md, "Training on GPUs")
+    "device": "auto", "precision": "fp32", "matmul_precision": "high", "cudnn_benchmark": True,
+    "sync_bn": False, "compile": False,
 }
 LR_SCALINGS = ("none", "linear", "sqrt")
 DATA_DEFAULTS: dict[str, Any] = {
@@ -148,8 +156,13 @@ class Trainer:
         self.data_cfg = _with_defaults("data", data_cfg, DATA_DEFAULTS)
         self.eval_cfg = _with_defaults("evaluation", cfg.get("evaluation"), EVALUATION_DEFAULTS)
         self.splits = splits
+        # The device first: a GPU asked for where there is none stops before anything is built.
+        device = resolve_device(self.train_cfg["device"])
+        configure_cuda(device, self.train_cfg["matmul_precision"],
+                       self.train_cfg["cudnn_benchmark"])
         self.strategy = STRATEGIES.build(
-            cfg.get("strategy") or {"type": "ddp" if launched_world_size() > 1 else "single"})
+            self._strategy_config(cfg), device=device, precision=self.train_cfg["precision"],
+            sync_bn=self.train_cfg["sync_bn"])
         self.is_main = self.strategy.is_main
         if self.is_main:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -198,6 +211,9 @@ class Trainer:
         samples = self.train_cfg["samples_per_epoch"] or self.train_set.num_samples()
         self.steps_per_epoch = max(samples // self.global_batch, 1)
         optimizer_cfg = self._scaled_optimizer_config(cfg["optimizer"])
+        if self.train_cfg["compile"]:
+            compiled = compile_model(self.model)
+            logger.info("torch.compile: %s (compiled at their first call)", ", ".join(compiled))
         self.step_module = TrainingStep(self.model, self.objective, constraints,
                                         gather=self.train_cfg["gather_features"])
         self.strategy.setup(self.step_module, optimizer_cfg, micro_batch, self.accumulate_steps,
@@ -225,6 +241,7 @@ class Trainer:
         self.batch_in_epoch = 0
         self.best = {"rsum": -math.inf, "epoch": -1}
         self.skipped_samples = 0
+        self._samples_since_log = 0  # samples (all ranks) since the last logged step
         self.source_counts: dict[str, int] = {}  # samples per source of a mixture, this rank
         self._stop_signal: int | None = None
         if resume:
@@ -237,6 +254,16 @@ class Trainer:
                     "%d steps per epoch (%d samples); base lr %s", self.strategy.describe(),
                     self.global_batch, micro_batch, self.strategy.world_size,
                     self.accumulate_steps, self.steps_per_epoch, samples, lr)
+
+    def _strategy_config(self, cfg: dict) -> dict:
+        """The ``strategy`` section (default ``torch``), its precision agreeing with train's."""
+        strategy = dict(cfg.get("strategy") or {"type": "torch"})
+        own = strategy.get("precision")
+        given = (cfg.get("train") or {}).get("precision")
+        if own is not None and given is not None and own != given:
+            raise ValueError(f"train.precision is {given!r} but strategy.precision is {own!r}; "
+                             f"set train.precision alone")
+        return strategy
 
     @property
     def optimizer(self):
@@ -325,6 +352,7 @@ class Trainer:
         workers = self.data_cfg["num_workers"]
         return torch.utils.data.DataLoader(self.train_set, batch_size=None, num_workers=workers,
                                            persistent_workers=False,
+                                           pin_memory=self.strategy.device.type == "cuda",
                                            worker_init_fn=_ignore_stop_signals)
 
     def _handle_signal(self, signum: int, frame: Any) -> None:
@@ -358,17 +386,15 @@ class Trainer:
                 signal.signal(sig, handler)
         return self._final_report(time.perf_counter() - start)
 
-    def _micro_batch(self, batch: dict) -> tuple[dict, bool, bool]:
-        """Forward and backward of a micro-batch; (outputs, non-finite, stop) as all ranks agree."""
-        outputs = self.strategy.forward(batch, self.objective)
-        loss = outputs["loss"]
-        nonfinite, stop = self.strategy.agree(not bool(torch.isfinite(loss)),
-                                              self._stop_signal is not None)
-        if nonfinite:  # on any rank: no rank may start a backward that the others skip
-            self.strategy.drop_micro_batch()
-        else:
-            self.strategy.backward(loss)
-        return outputs, nonfinite, stop
+    def _window(self, batches: Iterator[dict]) -> Iterator[dict]:
+        """The next ``accumulate_steps`` micro-batches, counted as the strategy takes them."""
+        for batch in itertools.islice(batches, self.accumulate_steps):
+            self.skipped_samples += batch["skipped"]
+            for name, count in batch.get("source_counts", {}).items():
+                self.source_counts[name] = self.source_counts.get(name, 0) + count
+            self.batch_in_epoch += 1
+            self._samples_since_log += len(batch["captions"]) * self.strategy.world_size
+            yield batch
 
     def _train_epoch(self) -> bool:
         """One epoch (or its rest, after a resume); False when stopped by a signal."""
@@ -376,34 +402,23 @@ class Trainer:
         for hook in self.hooks:
             hook.before_epoch(self)
         cfg = self.train_cfg
-        skip = self.batch_in_epoch
         micro_batches = self.steps_per_epoch * self.accumulate_steps
         bar = tqdm(total=self.steps_per_epoch, initial=self.step % self.steps_per_epoch,
                    desc=f"epoch {self.epoch}", unit="step", dynamic_ncols=True,
                    disable=not (cfg["progress"] and self.is_main))
+        batches = iter(self._loader())
+        # Resuming inside an epoch: replay the data order, skip the work.
+        for _ in itertools.islice(batches, self.batch_in_epoch):
+            pass
         nonfinite_run = 0
-        window_nonfinite = stop = False
-        tick, samples_since = time.perf_counter(), 0
-        for index, batch in enumerate(self._loader()):
-            if index >= micro_batches:
-                break
-            if index < skip:  # resuming inside an epoch: replay the data order, skip the work
-                continue
+        tick, self._samples_since_log = time.perf_counter(), 0
+        while self.batch_in_epoch < micro_batches:
             lr = self._set_lr()
-            outputs, nonfinite, stop_now = self._micro_batch(batch)
-            window_nonfinite |= nonfinite
-            stop |= stop_now
-            self.skipped_samples += batch["skipped"]
-            for name, count in batch.get("source_counts", {}).items():
-                self.source_counts[name] = self.source_counts.get(name, 0) + count
-            self.batch_in_epoch += 1
-            samples_since += len(batch["captions"]) * self.strategy.world_size
-            if self.batch_in_epoch % self.accumulate_steps:
-                continue
-            applied = self.strategy.step()
-            outputs["nonfinite"] = window_nonfinite or not applied
-            window_nonfinite = False
-            if outputs["nonfinite"]:
+            result = self.strategy.train_step(self._window(batches), self.objective)
+            if not result.micro_batches:  # the data ran out before the epoch's steps
+                break
+            outputs = {**result.outputs, "nonfinite": result.nonfinite}
+            if result.nonfinite:
                 nonfinite_run += 1
                 logger.warning("non-finite loss or gradient at step %d: step skipped", self.step)
                 if nonfinite_run >= cfg["max_nonfinite_steps"]:
@@ -419,22 +434,22 @@ class Trainer:
             if self.step % cfg["log_every"] == 0:
                 elapsed = time.perf_counter() - tick
                 record = {"type": "train", "epoch": self.epoch, "step": self.step, "lr": lr,
-                          "samples_per_s": samples_since / max(elapsed, 1e-9),
+                          "samples_per_s": self._samples_since_log / max(elapsed, 1e-9),
                           "skipped_samples": self.skipped_samples,
                           **{f"samples_{name}": n for name, n in self.source_counts.items()}}
-                record.update({k: float(v.detach()) for k, v in outputs.items()
-                               if isinstance(v, torch.Tensor) and v.numel() == 1})
+                record.update({k: float(v) for k, v in result.outputs.items()})
+                if self.strategy.device.type == "cuda":
+                    record["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 self.log.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}",
                                 img_s=f"{record['samples_per_s']:.0f}")
-                tick, samples_since = time.perf_counter(), 0
+                tick, self._samples_since_log = time.perf_counter(), 0
             bar.update(1)
             every = cfg["checkpoint_every_steps"]
             if every and self.step % every == 0:
                 self.save()
-            # A hook may have raised the stop flag after this step's agreement.
-            stop = stop or self.strategy.agree(self._stop_signal is not None)[0]
-            if stop:
+            # One agreement per step: a signal on any rank stops every rank after this step.
+            if self.strategy.agree(self._stop_signal is not None)[0]:
                 bar.close()
                 self.save()
                 logger.warning("stopped at epoch %d, step %d; continue with --resume",
@@ -455,7 +470,7 @@ class Trainer:
             return self.model
         model = MODELS.build(self.cfg["model"], tokenizer=self.tokenizer)
         model.load_state_dict(weights)
-        return model
+        return model.to(self.strategy.device)
 
     def _end_of_epoch(self) -> dict[str, float]:
         epoch = self.epoch

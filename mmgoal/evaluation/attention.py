@@ -36,7 +36,8 @@ def word_precision_recall(weights: torch.Tensor, relevant: torch.Tensor,
     Returns:
         precision, recall: (n_words, n_thresholds).
     """
-    attended = weights[:, :, None] > torch.as_tensor(thresholds, dtype=weights.dtype)
+    attended = weights[:, :, None] > torch.as_tensor(thresholds, dtype=weights.dtype,
+                                                     device=weights.device)
     hits = (attended & relevant[:, :, None]).sum(1).double()
     precision = hits / attended.sum(1).clamp(min=1)
     recall = hits / relevant.sum(1, keepdim=True).clamp(min=1)
@@ -113,15 +114,16 @@ class AttentionScorer:
 
 def matched_pairs_with_phrases(gallery: Gallery, tokenizer) -> list[tuple[int, int, list]]:
     """(image index, text index, [(token positions, boxes)]) for every annotated caption."""
+    owner = gallery.text_to_image.tolist()  # one transfer, not one per entity
     first_text: dict[int, int] = {}
-    for text, image in enumerate(gallery.text_to_image.tolist()):
+    for text, image in enumerate(owner):
         first_text.setdefault(image, text)
     pairs = []
     for image, entities in enumerate(gallery.entities):
         by_caption: dict[int, list] = {}
         for entity in entities:
             text = first_text[image] + int(entity["caption"])
-            if gallery.text_to_image[text] != image:
+            if text >= len(owner) or owner[text] != image:
                 raise ValueError(f"image {gallery.image_ids[image]!r}: an entity refers to "
                                  f"caption {entity['caption']}, which the image does not have")
             spans = tokenizer.word_token_spans(gallery.captions[text])
@@ -129,7 +131,8 @@ def matched_pairs_with_phrases(gallery: Gallery, tokenizer) -> list[tuple[int, i
             positions = sorted({p for span in spans[start:start + len(entity["phrase"].split())]
                                 for p in span})
             by_caption.setdefault(text, []).append(
-                (positions, torch.tensor(entity["boxes"], dtype=torch.float64).reshape(-1, 4)))
+                (positions, torch.tensor(entity["boxes"], dtype=torch.float64,
+                                         device="cpu").reshape(-1, 4)))
         pairs += [(image, text, phrases) for text, phrases in sorted(by_caption.items())]
     return pairs
 
@@ -160,10 +163,14 @@ def evaluate_attention(model: torch.nn.Module, gallery: Gallery, tokenizer,
     for start in tqdm(range(0, len(pairs), batch_size), desc="attention", unit="batch",
                       disable=not progress, leave=False):
         chunk = pairs[start:start + batch_size]
-        images = torch.tensor([p[0] for p in chunk])
-        texts = torch.tensor([p[1] for p in chunk])
+        device = gallery.images.embedding.device
+        images = torch.tensor([p[0] for p in chunk], device=device)
+        texts = torch.tensor([p[1] for p in chunk], device=device)
         weights = model.attention(index_features(gallery.images, images),
                                   index_features(gallery.texts, texts), direction="t2i").weights
+        # The attention runs where the model is; the per-phrase counting of a few
+        # regions and words is bookkeeping, done on the CPU from one transfer per chunk.
+        weights = weights.double().cpu()
         for row, (image, _, phrases) in enumerate(chunk):
             boxes = gallery.region_boxes[image].double()
             for positions, phrase_boxes in phrases:

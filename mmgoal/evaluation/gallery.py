@@ -1,8 +1,10 @@
 """Encoding a test gallery from shards and scoring it block by block.
 
-``encode_gallery`` embeds every image and caption once. ``score_gallery``
+``encode_gallery`` embeds every image and caption once, on the model's device
+(a GPU when the model is there), and keeps the features there. ``score_gallery``
 then calls the model's ``similarity`` on blocks of images x captions whose
-size follows a memory bound, so a cross-attention model never forms the
+size follows a memory bound (on a GPU: half its free memory unless
+``max_block_mb`` says otherwise), so a cross-attention model never forms the
 n_images x n_captions x regions x words tensor; a dual encoder's blocks are
 plain matrix products. ``evaluate_retrieval`` averages the score matrices of
 several models when given an ensemble (SCAN's t2i AVG + i2t LSE).
@@ -18,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from mmgoal.data.pipeline import SkipCounter, iter_eval_batches
+from mmgoal.devices import free_memory_mb, module_device, move_to_device
 from mmgoal.evaluation.retrieval import retrieval_metrics
 from mmgoal.models.features import (
     ImageFeatures,
@@ -28,8 +31,10 @@ from mmgoal.models.features import (
 )
 from mmgoal.models.layers.cross_attention import reuse_buffers
 
-SCORING_DEFAULTS = {"block_images": 128, "max_block_mb": 1024.0, "matmul_precision": "highest",
+SCORING_DEFAULTS = {"block_images": 128, "max_block_mb": None, "matmul_precision": "highest",
                     "rerank_k": 0, "rerank_batch_size": 128}
+CPU_BLOCK_MB = 1024.0  # the default bound of a block's working set on the CPU
+GPU_FREE_SHARE = 0.5  # ... and on a GPU, this share of its free memory
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 # Tensors of the size of a block's query-key score array that the cross attention
 # keeps alive at its peak (raw scores, clipped scores, attention, products).
@@ -71,13 +76,14 @@ def _keep_tokens(model: torch.nn.Module, features, keep: bool):
 def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: Callable,
                    tokenizer: Callable, batch_size: int = 256, progress: bool = True,
                    with_annotations: bool = False, keep_tokens: bool = False) -> Gallery:
-    """Encode every image and caption of the shards, in shard order.
+    """Encode every image and caption of the shards, in shard order, on the model's device.
 
     ``with_annotations`` also keeps entities and region boxes (attention metrics);
     ``keep_tokens`` keeps every token (ITM re-ranking).
     """
     was_training = model.training
     model.eval()
+    device = module_device(model)
     counter = SkipCounter()
     images: list[ImageFeatures] = []
     gallery = Gallery(None, None, None, 0)
@@ -86,9 +92,10 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
     for batch in tqdm(iter_eval_batches(shards, transform, batch_size, counter),
                       desc="encode images", unit="batch", disable=not progress, leave=False):
-        images.append(_keep_tokens(model, model.encode_image(batch),
+        on_device = move_to_device(batch, device)
+        images.append(_keep_tokens(model, model.encode_image(on_device),
                                    with_annotations or keep_tokens))
-        if boxes_of is not None:
+        if boxes_of is not None:  # a few boxes per image: the attention metrics count on the CPU
             gallery.region_boxes += [b.float() for b in boxes_of(batch)]
         for image_id, caption_list, entities in zip(batch["image_ids"], batch["captions"],
                                                     batch["entities"]):
@@ -101,17 +108,27 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     texts = []
     for start in tqdm(range(0, len(gallery.captions), batch_size), desc="encode texts",
                       unit="batch", disable=not progress, leave=False):
-        features = model.encode_text(tokenizer(gallery.captions[start:start + batch_size]))
+        tokens = move_to_device(tokenizer(gallery.captions[start:start + batch_size]), device)
+        features = model.encode_text(tokens)
         texts.append(_keep_tokens(model, features, with_annotations or keep_tokens))
     model.train(was_training)
     gallery.images, gallery.texts = cat_features(images), cat_features(texts)
-    gallery.text_to_image = torch.tensor(text_to_image)
+    gallery.text_to_image = torch.tensor(text_to_image, device=device)
     gallery.skipped = counter.total
     return gallery
 
 
+def block_budget_mb(device: torch.device, max_block_mb: float | None = None) -> float:
+    """The memory bound of one scoring block: ``max_block_mb`` when given, else 1024 MiB on
+    the CPU and half the free memory of a GPU."""
+    if max_block_mb is not None:
+        return float(max_block_mb)
+    free = free_memory_mb(device)
+    return CPU_BLOCK_MB if free is None else GPU_FREE_SHARE * free
+
+
 def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragments: int,
-                block_images: int = 128, max_block_mb: float = 1024.0) -> tuple[int, int]:
+                block_images: int = 128, max_block_mb: float = CPU_BLOCK_MB) -> tuple[int, int]:
     """Images and texts per scoring block so that the block's working set fits the bound.
 
     A block of ``bi`` images and ``bt`` texts holds about ``6 * bi * bt * R * W``
@@ -129,9 +146,12 @@ def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragment
 
 @torch.no_grad()
 def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
-                  block_images: int = 128, max_block_mb: float = 1024.0,
+                  block_images: int = 128, max_block_mb: float | None = None,
                   progress: bool = True, matmul_precision: str = "highest") -> torch.Tensor:
     """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks.
+
+    The scores are computed and returned on the features' device.
+    ``max_block_mb`` bounds a block's working set (default: :func:`block_budget_mb`).
 
     ``matmul_precision`` is ``torch.set_float32_matmul_precision`` while scoring:
     ``highest`` (exact float32, the default) or ``medium``, which lets float32
@@ -151,13 +171,14 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
 
 
 def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
-                  block_images: int, max_block_mb: float, progress: bool) -> torch.Tensor:
+                  block_images: int, max_block_mb: float | None, progress: bool) -> torch.Tensor:
     n_images, n_texts = len(images.embedding), len(texts.embedding)
+    device = images.embedding.device
     image_fragments = images.tokens.shape[1] if images.tokens is not None else 1
     text_fragments = texts.tokens.shape[1] if texts.tokens is not None else 1
     bi, bt = block_sizes(n_images, n_texts, image_fragments, text_fragments, block_images,
-                         max_block_mb)
-    sims = torch.empty(n_images, n_texts)
+                         block_budget_mb(device, max_block_mb))
+    sims = torch.empty(n_images, n_texts, device=device)
     blocks = math.ceil(n_images / bi) * math.ceil(n_texts / bt)
     with tqdm(total=blocks, desc="score gallery", unit="block", disable=not progress,
               leave=False) as bar:

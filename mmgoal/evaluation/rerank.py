@@ -20,7 +20,7 @@ def itm_scores(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
                image_index: torch.Tensor, text_index: torch.Tensor, batch_size: int = 128,
                progress: bool = False, desc: str = "ITM") -> torch.Tensor:
     """The "match" logit of the pairs (image_index[p], text_index[p]), in batches."""
-    scores = torch.empty(len(image_index))
+    scores = torch.empty(len(image_index), device=images.embedding.device)
     for start in tqdm(range(0, len(image_index), batch_size), desc=desc, unit="batch",
                       disable=not progress, leave=False):
         end = start + batch_size
@@ -58,12 +58,12 @@ def itm_rerank(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
     n_images, n_texts = itc.shape
     k_texts, k_images = min(k, n_texts), min(k, n_images)
     text_cand = itc.topk(k_texts, dim=1).indices  # (n_images, k)
-    rows = torch.arange(n_images)[:, None].expand(-1, k_texts).reshape(-1)
+    rows = torch.arange(n_images, device=itc.device)[:, None].expand(-1, k_texts).reshape(-1)
     cols = text_cand.reshape(-1)
     i2t = _place_above(itc, rows, cols, itm_scores(model, images, texts, rows, cols, batch_size,
                                                    progress, "ITM i2t"))
     image_cand = itc.T.topk(k_images, dim=1).indices  # (n_texts, k)
-    cols = torch.arange(n_texts)[:, None].expand(-1, k_images).reshape(-1)
+    cols = torch.arange(n_texts, device=itc.device)[:, None].expand(-1, k_images).reshape(-1)
     rows = image_cand.reshape(-1)
     t2i = _place_above(itc, rows, cols, itm_scores(model, images, texts, rows, cols, batch_size,
                                                    progress, "ITM t2i"))

@@ -74,12 +74,15 @@ def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1,
         the six recalls). Image-to-text ranks the best-ranked ground-truth
         caption of each image. Ties are broken against the query.
     """
-    sims = torch.as_tensor(sims).detach().float().cpu()
-    sims_t2i = sims if sims_t2i is None else torch.as_tensor(sims_t2i).detach().float().cpu()
+    # Ranks are counted where the scores are (a GPU's gallery stays there).
+    device = sims.device if isinstance(sims, torch.Tensor) else torch.device("cpu")
+    sims = torch.as_tensor(sims, device=device).detach().float()
+    sims_t2i = (sims if sims_t2i is None else
+                torch.as_tensor(sims_t2i, device=device).detach().float())
     if sims_t2i.shape != sims.shape:
         raise ValueError(f"sims_t2i must have the shape of sims {tuple(sims.shape)}, got "
                          f"{tuple(sims_t2i.shape)}")
-    text_to_image = torch.as_tensor(text_to_image, dtype=torch.long).cpu()
+    text_to_image = torch.as_tensor(text_to_image, dtype=torch.long, device=device)
     if sims.ndim != 2 or text_to_image.shape != (sims.shape[1],):
         raise ValueError(f"sims must be (n_images, n_texts) and text_to_image (n_texts,); got "
                          f"{tuple(sims.shape)} and {tuple(text_to_image.shape)}")

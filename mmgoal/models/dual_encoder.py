@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.features import ImageFeatures, TextFeatures
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
 from mmgoal.sequences import length_mask
@@ -66,13 +67,15 @@ class DualEncoder(nn.Module):
         image_projection, text_projection: ``linear``, ``mlp`` (VSE-infinity's
             linear + residual MLP) or ``none``; applied to every token before
             pooling.
+        grad_checkpointing: recompute the towers' activations in the backward
+            (timm / Hugging Face towers; docs/getting_started.md, "Training on GPUs").
         tokenizer: passed to the text encoder (vocabulary size, padding id).
     """
 
     def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: int = 1024,
                  image_pooler: dict | None = None, text_pooler: dict | None = None,
                  image_projection: str = "linear", text_projection: str = "linear",
-                 tokenizer=None) -> None:
+                 grad_checkpointing: bool = False, tokenizer=None) -> None:
         super().__init__()
         self.image_encoder = ENCODERS.build(image_encoder)
         self.text_encoder = ENCODERS.build(text_encoder, tokenizer=tokenizer)
@@ -90,6 +93,8 @@ class DualEncoder(nn.Module):
         self.text_proj = build_projection(text_projection, self.text_encoder.out_dim,
                                           embed_dim, "text")
         self.embed_dim = embed_dim
+        if grad_checkpointing:
+            enable_grad_checkpointing(self)
 
     @staticmethod
     def _project_tokens(projection: nn.Module, tokens: torch.Tensor,

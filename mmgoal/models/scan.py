@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.models.dual_encoder import DualEncoder, build_projection
+from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.features import ImageFeatures, TextFeatures
 from mmgoal.models.layers.cross_attention import (
     DIRECTIONS,
@@ -48,6 +49,7 @@ class SCAN(nn.Module):
         lambda_softmax: attention inverse temperature (9 for t2i, 4 for i2t).
         pooling: ``avg`` or ``lse`` over the query fragments' relevances.
         lambda_lse: LogSumExp sharpness (6 t2i; 5 Flickr30K / 20 COCO i2t).
+        grad_checkpointing: recompute the towers' activations in the backward.
         tokenizer: passed to the text encoder.
 
     ``ImageFeatures.embedding`` / ``TextFeatures.embedding`` hold the normalised
@@ -60,7 +62,8 @@ class SCAN(nn.Module):
     def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: int = 1024,
                  image_projection: str = "linear", text_projection: str = "none",
                  direction: str = "t2i", lambda_softmax: float = 9.0, pooling: str = "avg",
-                 lambda_lse: float = 6.0, tokenizer=None) -> None:
+                 lambda_lse: float = 6.0, grad_checkpointing: bool = False,
+                 tokenizer=None) -> None:
         super().__init__()
         if direction not in DIRECTIONS:
             raise ValueError(f"SCAN direction must be one of {DIRECTIONS}, got {direction!r}")
@@ -84,6 +87,8 @@ class SCAN(nn.Module):
         self.lambda_softmax = lambda_softmax
         self.pooling = pooling
         self.lambda_lse = lambda_lse
+        if grad_checkpointing:
+            enable_grad_checkpointing(self)
 
     def encode_image(self, batch: dict) -> ImageFeatures:
         """The batch's images or regions -> L2-normalised region features and their mask."""

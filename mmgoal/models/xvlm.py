@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.encoders.hf_text import HFTextEncoder
 from mmgoal.models.encoders.timm_image import create_timm_backbone
 from mmgoal.models.features import ImageFeatures, TextFeatures
@@ -40,11 +41,14 @@ class XVLM(nn.Module):
             ``separate``: a masked-language-modelling head on the fusion states
             (pretraining; ``MLMLoss``). None: no head.
         box_head: a box regressor on the fusion CLS state (pretraining; ``BoxGroundingLoss``).
+        grad_checkpointing: recompute the activations of the ViT, the BERT and the
+            fusion layers in the backward.
         tokenizer: vocabulary size for a ``text.config`` model (set by the trainer).
     """
 
     def __init__(self, vision: dict, text: dict, fusion_layers: int = 6, embed_dim: int = 256,
-                 mlm_head: str | None = None, box_head: bool = False, tokenizer=None) -> None:
+                 mlm_head: str | None = None, box_head: bool = False,
+                 grad_checkpointing: bool = False, tokenizer=None) -> None:
         super().__init__()
         vision = dict(vision)
         if "model_name" not in vision:
@@ -91,6 +95,8 @@ class XVLM(nn.Module):
         if box_head:
             self.box_head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(),
                                           nn.Linear(hidden, 4))
+        if grad_checkpointing:
+            enable_grad_checkpointing(self)
 
     def encode_image(self, batch: dict) -> ImageFeatures:
         """images (B, 3, H, W) -> ITC embedding of the CLS token and every image token."""

@@ -49,7 +49,7 @@ class _AllGather(torch.autograd.Function):
 
 
 def _same_shapes(local: torch.Tensor) -> list[torch.Size]:
-    shape = torch.tensor(local.shape, dtype=torch.long)
+    shape = torch.tensor(local.shape, dtype=torch.long, device=local.device)
     shapes = [torch.empty_like(shape) for _ in range(world_info()[1])]
     dist.all_gather(shapes, shape)
     return [torch.Size(s.tolist()) for s in shapes]
@@ -108,13 +108,14 @@ def gather_features(features: Any) -> Any:
     return type(features)(**gathered)
 
 
-def id_hashes(image_ids: Sequence) -> torch.Tensor:
+def id_hashes(image_ids: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:
     """(B,) int64 stable hashes of image ids: equal ids, equal numbers, on every rank."""
     return torch.tensor([int.from_bytes(hashlib.blake2b(str(i).encode(), digest_size=8).digest(),
                                         "little", signed=True) for i in image_ids],
-                        dtype=torch.long)
+                        dtype=torch.long, device=device)
 
 
-def gather_groups(image_ids: Sequence) -> torch.Tensor:
-    """(world * B,) group numbers of the global batch: positives are equal image ids."""
-    return gather_with_grad(id_hashes(image_ids))
+def gather_groups(image_ids: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(world * B,) group numbers of the global batch on ``device`` (NCCL gathers on the
+    GPU): positives are equal image ids."""
+    return gather_with_grad(id_hashes(image_ids, device))

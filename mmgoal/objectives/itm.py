@@ -77,7 +77,8 @@ class ITMLoss(nn.Module):
                                image_features])
         texts = cat_features([text_features, text_features,
                               index_features(text_features, negative_text)])
-        labels = torch.cat([torch.ones(batch), torch.zeros(2 * batch)]).long().to(sims.device)
+        labels = torch.cat([torch.ones(batch, dtype=torch.long, device=sims.device),
+                            torch.zeros(2 * batch, dtype=torch.long, device=sims.device)])
         keep = torch.cat([torch.ones(batch, dtype=torch.bool, device=sims.device),
                           image_ok, text_ok])
         logits = model.match_logits(images, texts)

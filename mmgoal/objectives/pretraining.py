@@ -25,7 +25,7 @@ def mlm_inputs(tokens: torch.Tensor, lengths: torch.Tensor, tokenizer, p: float 
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, L) ids -> (masked ids, labels): labels hold the original id where a token was
     picked and ``IGNORE`` elsewhere (special tokens and padding are never picked)."""
-    special = torch.tensor(tokenizer.special_ids, dtype=torch.long)
+    special = torch.tensor(tokenizer.special_ids, dtype=torch.long, device=tokens.device)
     inputs, picked, _, _ = corrupt_tokens(tokens, lengths, special, len(tokenizer),
                                           tokenizer.mask_id, p, 0.8, 0.1, generator)
     return inputs, torch.where(picked, tokens, IGNORE)

@@ -321,3 +321,27 @@ def test_accelerate_launch_trains_both_ranks_identically(setup, tmp_path):
     ranks = [torch.load(tmp_path / "acc" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
     assert max_difference(final_weights(root / "single"), ranks[0]) < 1e-5
+
+
+def test_ddp_accumulates_without_sync_and_rewraps_when_the_objective_changes(setup, tmp_path):
+    """torch DDP with 2 accumulation steps and a warm-up objective that leaves InfoNCE's
+    learnable temperature unused in epoch 0: the unused-parameter search stays on there and
+    goes once the configured objective uses every parameter; weights equal one process."""
+    _, data, _ = setup
+    train = {"epochs": 2, "log_every": 5, "progress": False, "accumulate_steps": 2}
+    top = {"train": train,
+           "objective": {"_delete_": True, "type": "InfoNCELoss", "temperature": 0.1,
+                         "learnable": True},
+           "hooks": [{"type": "ObjectiveWarmup", "epochs": 1,
+                      "objective": {"type": "TripletLoss", "margin": 0.2}}]}
+    single = write_config(tmp_path / "single.yaml", data, 8, **top)
+    ranks = write_config(tmp_path / "ranks.yaml", data, 4, **top)
+    ok(launch("single", single, tmp_path / "single"))
+    result = ok(launch("torchrun", ranks, tmp_path / "ranks"))
+    assert "torch DDP on cpu, 2 process(es)" in result.stderr
+    assert "1 trainable parameter(s) got no gradient in a step" in result.stderr
+    single_state = load_checkpoint(tmp_path / "single" / "checkpoints" / "last.pt")
+    ranks_state = load_checkpoint(tmp_path / "ranks" / "checkpoints" / "last.pt")
+    assert max_difference(single_state["model"], ranks_state["model"]) < 1e-5
+    temperature = [s["objective"]["temperature"] for s in (single_state, ranks_state)]
+    assert torch.allclose(*temperature, atol=1e-6) and abs(float(temperature[0]) - 0.1) > 1e-4

@@ -1,15 +1,18 @@
 """Strategy choices and their mistakes, in one process."""
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 from test_trainer import tiny_config
 
 from mmgoal.engine.strategies.deepspeed import merge_deepspeed_config
 from mmgoal.engine.trainer import Trainer
-from mmgoal.registry import STRATEGIES
+from mmgoal.registry import OBJECTIVES, STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,18 +49,19 @@ def test_a_deepspeed_batch_size_against_the_mmgoal_config_is_an_error():
                                world_size=2, clip_grad=None, zero_stage=2, precision="fp32")
 
 
-def test_strategy_mistakes_say_what_to_do(monkeypatch):
+def test_strategy_mistakes_say_what_to_do():
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got 4"):
         STRATEGIES.build({"type": "deepspeed", "zero_stage": 4})
     with pytest.raises(ValueError, match="precision must be one of fp32, bf16, fp16"):
         STRATEGIES.build({"type": "deepspeed", "precision": "fp8"})
-    with pytest.raises(ValueError, match="fp16 is not supported on cpu.*bf16 or fp32"):
-        STRATEGIES.build({"type": "deepspeed", "precision": "fp16"})
+    for strategy in ("deepspeed", "torch"):
+        with pytest.raises(ValueError, match="fp16 trains on GPUs only.*on the CPU use bf16 or "
+                                             "fp32"):
+            STRATEGIES.build({"type": strategy, "precision": "fp16", "device": "cpu"})
     with pytest.raises(FileNotFoundError, match="DeepSpeed config .*missing.json does not exist"):
         STRATEGIES.build({"type": "deepspeed", "config": "missing.json"})
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="'single' was started by a launcher with WORLD_SIZE=2"):
-        STRATEGIES.build({"type": "single"})
+    with pytest.raises(ValueError, match="find_unused_parameters must be auto, true or false"):
+        STRATEGIES.build({"type": "ddp", "find_unused_parameters": "sometimes"})
 
 
 def test_deepspeed_flag_sets_the_strategy_and_keeps_its_settings():
@@ -94,3 +98,67 @@ def test_accumulation_counts_steps_over_micro_batches(tiny_benchmark, tmp_path):
     assert trainer.step == 3 and trainer.batch_in_epoch == 0
     with pytest.raises(ValueError, match="accumulate_steps must be 1 or more"):
         Trainer(tiny_config(out, accumulate_steps=0), tmp_path / "zero")
+
+
+class RecordsScoreDtype(torch.nn.Module):
+    """InfoNCE that remembers the dtype of the scores it was given."""
+
+    dtypes: list = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = OBJECTIVES.build({"type": "InfoNCELoss", "temperature": 0.1})
+
+    def forward(self, sims, positives=None):
+        RecordsScoreDtype.dtypes.append(sims.dtype)
+        return self.inner(sims, positives)
+
+
+@pytest.fixture
+def dtype_recorder():
+    OBJECTIVES.register("RecordsScoreDtype", force=True)(RecordsScoreDtype)
+    yield
+    OBJECTIVES._entries.pop("RecordsScoreDtype")
+
+
+def test_a_bf16_autocast_run_on_the_cpu_trains_with_finite_losses(tiny_benchmark, tmp_path,
+                                                                   dtype_recorder):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=1, log_every=1, precision="bf16")
+    cfg["objective"] = {"type": "RecordsScoreDtype"}
+    cfg["hooks"] = []
+    RecordsScoreDtype.dtypes.clear()
+    trainer = Trainer(cfg, tmp_path / "bf16")
+    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert "torch one process on cpu, bf16 autocast" in trainer.strategy.describe()
+    report = trainer.fit()
+    assert set(RecordsScoreDtype.dtypes) == {torch.bfloat16}  # the products ran in bf16
+    steps = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").open()
+             if '"train"' in line]
+    assert len(steps) == 6 and all(math.isfinite(r["loss"]) for r in steps)
+    weights = trainer.model.state_dict()
+    assert all(p.dtype == torch.float32 for p in weights.values() if p.is_floating_point())
+    assert any(not torch.equal(initial[k], weights[k]) for k in weights)  # it trained
+    assert math.isfinite(report["test"]["rsum"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_stops_before_anything_is_built(tiny_benchmark, tmp_path, capsys):
+    out, _ = tiny_benchmark
+    with pytest.raises(ValueError, match="train.device 'cuda' asks for a GPU, but this machine "
+                                         "has no CUDA device"):
+        Trainer(tiny_config(out, device="cuda"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # no checkpoint folder, no model built
+    config = tmp_path / "cuda.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(out, device="cuda:0")))
+    assert finetune_tool().main([str(config), "--work-dir", str(tmp_path / "cli")]) == 2
+    assert "error: train.device 'cuda:0' asks for a GPU" in capsys.readouterr().err
+
+
+def test_train_and_strategy_precision_must_agree(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, precision="bf16")
+    cfg["strategy"] = {"type": "deepspeed", "precision": "fp32"}
+    with pytest.raises(ValueError, match="train.precision is 'bf16' but strategy.precision is "
+                                         "'fp32'; set train.precision alone"):
+        Trainer(cfg, tmp_path / "run")

@@ -15,6 +15,7 @@ exists and checks that the Accelerator sees every process the launcher started.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -24,32 +25,44 @@ from torch import nn
 
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import launched_world_size
-from mmgoal.engine.strategies.torch_native import SingleProcess
+from mmgoal.engine.strategies.torch_native import TorchStrategy, trainable_parameters
 from mmgoal.objectives.gather import world_info
 from mmgoal.registry import STRATEGIES
 
+# train.precision -> Accelerate's mixed_precision
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
 
 @STRATEGIES.register("accelerate")
-class AccelerateStrategy(SingleProcess):
+class AccelerateStrategy(TorchStrategy):
     """Train through ``accelerate.Accelerator`` (see the module docstring).
 
     Args:
-        mixed_precision: ``no``, ``bf16`` or ``fp16`` (Accelerate's autocast).
+        device, precision: from ``train.device`` / ``train.precision``; Accelerate
+            places the model itself (``cpu`` sets its ``cpu`` option).
+        mixed_precision: Accelerate's own name (``no``, ``bf16``, ``fp16``); when
+            given it replaces ``train.precision``.
         timeout_minutes: how long a collective waits for a rank before failing.
     """
 
-    def __init__(self, mixed_precision: str = "no", timeout_minutes: float = 60.0) -> None:
-        self.mixed_precision = mixed_precision
-        super().__init__(timeout_minutes)
+    def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
+                 mixed_precision: str | None = None, timeout_minutes: float = 60.0) -> None:
+        if mixed_precision is not None:
+            names = {v: k for k, v in MIXED_PRECISION.items()}
+            if mixed_precision not in names:
+                raise ValueError(f"strategy.mixed_precision must be no, bf16 or fp16, got "
+                                 f"{mixed_precision!r}")
+            precision = names[mixed_precision]
+        super().__init__(device, precision, timeout_minutes=timeout_minutes)
 
     def join_process_group(self, timeout_minutes: float) -> None:
         from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
         launched = launched_world_size()
-        if launched > 1 and not torch.cuda.is_available():
+        if launched > 1 and self.device.type == "cpu":
             os.environ["ACCELERATE_USE_CPU"] = "true"  # else N one-process runs
         self.accelerator = Accelerator(
-            mixed_precision=self.mixed_precision,
+            mixed_precision=MIXED_PRECISION[self.precision], cpu=self.device.type == "cpu",
             kwargs_handlers=[
                 InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=timeout_minutes)),
                 DistributedDataParallelKwargs(find_unused_parameters=True)])
@@ -59,21 +72,46 @@ class AccelerateStrategy(SingleProcess):
                 f"{self.accelerator.num_processes}; on CPU launch with `accelerate launch "
                 f"--multi_gpu --num_processes N` (a CPU-only accelerate config starts one "
                 f"process)")
+        self.device = self.accelerator.device
 
     def describe(self) -> str:
         return (f"Accelerate {self.accelerator.distributed_type.value} "
-                f"(mixed precision {self.mixed_precision}), {world_info()[1]} process(es)")
+                f"(mixed precision {MIXED_PRECISION[self.precision]}), {world_info()[1]} "
+                f"process(es)")
 
     def setup(self, module: nn.Module, optimizer_cfg: dict, micro_batch: int,
               accumulate_steps: int, clip_grad: float | None) -> None:
         self.module = module
-        self._accumulate = accumulate_steps
+        self.accumulate_steps = accumulate_steps
         self.clip_grad = clip_grad or math.inf
         self.wrapped, self.optimizer = self.accelerator.prepare(
             module, build_optimizer(optimizer_cfg, module.model, module.objective))
+        self.scaler = torch.amp.GradScaler(enabled=False)  # Accelerate scales fp16 itself
 
-    def forward(self, batch: dict, objective: nn.Module) -> dict[str, torch.Tensor]:
-        return self.wrapped(batch, objective)
+    def wrap_for(self, objective: nn.Module) -> None:
+        """Nothing: ``Accelerator.prepare`` wrapped the module once, in ``setup``."""
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss / self._accumulate)
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(self.wrapped)
+
+    def micro_step(self, batch: dict, objective: nn.Module,
+                   last: bool) -> tuple[dict[str, torch.Tensor], bool]:
+        # Accelerator.prepare put the forward under autocast for bf16/fp16.
+        with self.no_sync(last):
+            outputs = self.wrapped(batch, objective)
+            nonfinite = self.loss_is_nonfinite(outputs["loss"])
+            self.accelerator.backward(outputs["loss"] / self.accumulate_steps)
+        return outputs, nonfinite
+
+    def clip_and_check(self) -> bool:
+        norm = self.accelerator.clip_grad_norm_(trainable_parameters(self.module),
+                                                self.clip_grad)
+        return bool(torch.isfinite(torch.as_tensor(norm, device=self.device)))
+
+    def apply_step(self, window_ok: bool) -> bool:
+        applied = window_ok and self.clip_and_check()
+        if applied or (window_ok and self.precision == "fp16"):
+            # Accelerate's optimizer skips an fp16 overflow step itself and lowers the scale.
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return applied

@@ -1,11 +1,13 @@
 """What every strategy does: processes, collective decisions, checkpoint pointers.
 
-A strategy owns everything that depends on how many processes train and how:
-the process group, the optimizer and how gradients are reduced, clipped and
-applied, mixed precision, and the checkpoint files. The trainer talks to the
-strategy only (``forward``, ``backward``, ``drop_micro_batch``, ``step``,
-``save``, ``load``...), so it reads the same for one process, ``torchrun`` and
-``deepspeed``.
+A strategy owns everything that depends on where and how the processes train:
+the device (model, objective and every batch live there), the process group,
+the optimizer and how gradients are reduced, clipped and applied, mixed
+precision, and the checkpoint files. The trainer talks to the strategy only:
+``train_step`` takes a window of micro-batches (one optimisation step, gradient
+accumulation included) and says what happened in a :class:`StepResult`;
+``save``/``load`` write and read checkpoints. So the trainer reads the same for
+one process, ``torchrun``, ``deepspeed`` and ``accelerate``, on CPUs and GPUs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmgoal.devices import check_precision, move_to_device, resolve_device
 from mmgoal.objectives.gather import world_info
 
 logger = logging.getLogger(__name__)
@@ -34,7 +39,12 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_process_group(timeout_minutes: float) -> None:
+def process_group_backend(device: torch.device) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(timeout_minutes: float, device: torch.device) -> None:
     """Join the launcher's process group (gloo on CPU, NCCL on GPUs), once."""
     if dist.is_initialized() or launched_world_size() == 1:
         return
@@ -43,19 +53,54 @@ def init_process_group(timeout_minutes: float) -> None:
     if missing:
         raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} "
                            f"unset; start the run with torchrun or deepspeed (docs/distributed.md)")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(process_group_backend(device),
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's generator
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def flag_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """(item, is_last) pairs; looks one item ahead, so a window cut short still ends."""
+    iterator = iter(items)
+    end = object()
+    current = next(iterator, end)
+    while current is not end:
+        following = next(iterator, end)
+        yield current, following is end
+        current = following
+
+
+@dataclass
+class StepResult:
+    """What one optimisation step did.
+
+    Attributes:
+        applied: the optimizer updated the weights.
+        nonfinite: a micro-batch's loss or the gradient was NaN/inf (or an fp16
+            loss-scale overflow): the step was skipped on every rank.
+        outputs: the objective's scalar outputs (``loss``, each ``*_loss`` term,
+            metrics) averaged over the window's micro-batches, detached, on the device.
+        micro_batches: how many micro-batches the window held.
+    """
+
+    applied: bool
+    nonfinite: bool
+    outputs: dict[str, torch.Tensor]
+    micro_batches: int
 
 
 def write_pointer(path: Path, value: str) -> None:
@@ -84,23 +129,40 @@ def prune_except(directory: Path, keep: str) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
+def cpu_float_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict on the CPU with floating tensors in float32 (what weight files hold)."""
+    return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu()
+            for k, v in state.items()}
+
+
 class Strategy:
     """Base class; see the module docstring. Subclasses implement the training calls.
 
+    Args:
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (the trainer passes
+            ``train.device``; see :func:`mmgoal.devices.resolve_device`).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (the trainer passes ``train.precision``).
+        timeout_minutes: how long a collective waits for a rank before failing.
+
     Attributes:
+        device: where the model, the objective and every batch live.
         plain_module: the wrapped model holds full float32 weights on every rank,
             so rank 0 can evaluate it directly (else ``evaluation_model`` builds a copy).
     """
 
     plain_module = True
 
-    def __init__(self, timeout_minutes: float = 60.0) -> None:
+    def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
+                 timeout_minutes: float = 60.0) -> None:
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        check_precision(precision, self.device)
+        self.precision = precision
         self.join_process_group(timeout_minutes)
         self.rank, self.world_size = world_info()
         self.module: nn.Module | None = None
 
     def join_process_group(self, timeout_minutes: float) -> None:
-        init_process_group(timeout_minutes)
+        init_process_group(timeout_minutes, self.device)
 
     @property
     def is_main(self) -> bool:
@@ -114,7 +176,7 @@ class Strategy:
         """Each flag is True on every rank when it is True on any (one all-reduce)."""
         if self.world_size == 1:
             return [bool(f) for f in flags]
-        values = torch.tensor([float(f) for f in flags])
+        values = torch.tensor([float(f) for f in flags], device=self.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return [bool(v) for v in values]
 
@@ -156,18 +218,54 @@ class Strategy:
     def param_groups(self) -> list[dict]:
         raise NotImplementedError
 
-    def forward(self, batch: dict, objective: nn.Module) -> dict[str, torch.Tensor]:
+    def to_device(self, batch: Any) -> Any:
+        """A batch (from pinned memory when the device is a GPU) moved to the device."""
+        return move_to_device(batch, self.device, non_blocking=self.device.type == "cuda")
+
+    def train_step(self, micro_batches: Iterable[dict], objective: nn.Module) -> StepResult:
+        """One optimisation step over a window of micro-batches (gradient accumulation).
+
+        Every micro-batch is moved to the device, run forward and backward; all
+        ranks agree after each forward whether its loss is finite, and a window
+        with a non-finite loss (or gradient) is skipped on every rank.
+
+        Args:
+            micro_batches: the window, ``train.accumulate_steps`` batches (fewer
+                only where the data ran out).
+            objective: the active objective (a warm-up may swap in another one).
+        """
+        if isinstance(objective, nn.Module):
+            objective.to(self.device)  # a warm-up objective the hook built on the CPU
+        window_ok, count, sums = True, 0, {}
+        for batch, last in flag_last(micro_batches):
+            outputs, nonfinite = self.micro_step(self.to_device(batch), objective, last)
+            window_ok &= not nonfinite
+            count += 1
+            for key, value in outputs.items():
+                if isinstance(value, torch.Tensor) and value.numel() == 1:
+                    value = value.detach().float().reshape(())
+                    sums[key] = sums[key] + value if key in sums else value
+        applied = self.apply_step(window_ok) if count else False
+        return StepResult(applied=applied, nonfinite=count > 0 and not applied,
+                          outputs={k: v / count for k, v in sums.items()}, micro_batches=count)
+
+    def micro_step(self, batch: dict, objective: nn.Module,
+                   last: bool) -> tuple[dict[str, torch.Tensor], bool]:
+        """Forward and backward of one micro-batch already on the device.
+
+        ``last``: it ends the window (data parallel reduces the gradients there).
+
+        Returns:
+            (the outputs, whether any rank's loss was non-finite).
+        """
         raise NotImplementedError
 
-    def backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError
+    def loss_is_nonfinite(self, loss: torch.Tensor) -> bool:
+        """True on every rank when the loss of any rank is NaN/inf (one all-reduce)."""
+        return self.agree(not bool(torch.isfinite(loss)))[0]
 
-    def drop_micro_batch(self) -> None:
-        """A non-finite micro-batch: no gradient from it; its optimizer step is skipped."""
-        raise NotImplementedError
-
-    def step(self) -> bool:
-        """Apply the accumulated gradients; False when the step was skipped (non-finite)."""
+    def apply_step(self, window_ok: bool) -> bool:
+        """Apply the window's accumulated gradients; False when skipped (non-finite)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ checkpoints
@@ -197,8 +295,7 @@ class Strategy:
         """The model's float32 weights on rank 0 (collective; None on other ranks)."""
         if not self.is_main:
             return None
-        return {k: v.detach().float() if v.is_floating_point() else v
-                for k, v in self.model.state_dict().items()}
+        return cpu_float_state(self.model.state_dict())
 
     def restore_rng(self, states: list[dict]) -> None:
         """This rank's RNG state from a checkpoint's per-rank list."""

@@ -34,12 +34,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmgoal.devices import PRECISIONS, precision_dtype
 from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import (
     LATEST,
     Strategy,
+    cpu_float_state,
     launched_world_size,
+    process_group_backend,
     prune_except,
     read_pointer,
     rng_state,
@@ -49,7 +52,6 @@ from mmgoal.registry import STRATEGIES
 
 logger = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 WEIGHTS = "weights.pt"
 TRAINER_STATE = "trainer_state.pt"
 UNIVERSAL_SUFFIX = "-universal"
@@ -114,13 +116,15 @@ class DeepSpeedStrategy(Strategy):
     Args:
         zero_stage: ZeRO stage 0, 1, 2 or 3 (when the JSON sets none).
         precision: ``fp32``, ``bf16`` or ``fp16`` (dynamic loss scaling; GPUs only),
-            when the JSON enables neither bf16 nor fp16.
+            when the JSON enables neither bf16 nor fp16 (default: ``train.precision``).
         config: a DeepSpeed JSON path or mapping merged over the generated config.
+        device: ``train.device``; it must be DeepSpeed's accelerator (``DS_ACCELERATOR``).
         timeout_minutes: how long a collective waits for a rank before failing.
     """
 
     def __init__(self, zero_stage: int = 2, precision: str = "fp32",
-                 config: str | dict | None = None, timeout_minutes: float = 60.0) -> None:
+                 config: str | dict | None = None, device: str | torch.device = "auto",
+                 timeout_minutes: float = 60.0) -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"strategy.zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         if precision not in PRECISIONS:
@@ -132,10 +136,8 @@ class DeepSpeedStrategy(Strategy):
             precision = "bf16"
         elif self.user_config.get("fp16", {}).get("enabled"):
             precision = "fp16"
-        self.precision = precision
-        super().__init__(timeout_minutes)
+        super().__init__(device, precision, timeout_minutes)
         self.plain_module = self.zero_stage < 3 and precision == "fp32"
-        self._window_ok = True
 
     def join_process_group(self, timeout_minutes: float) -> None:
         import datetime
@@ -143,9 +145,11 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        if self.precision == "fp16" and not get_accelerator().is_fp16_supported():
-            raise ValueError(f"precision fp16 is not supported on {get_accelerator().device_name()}"
-                             f" (DeepSpeed trains fp16 on GPUs); use precision: bf16 or fp32")
+        accelerator = get_accelerator().device_name()
+        if accelerator != self.device.type:
+            raise ValueError(f"DeepSpeed runs on its accelerator, {accelerator}, but "
+                             f"train.device is {self.device}; use train.device: auto, or set "
+                             f"DS_ACCELERATOR=cpu to train on the CPU")
         if launched_world_size() == 1 and not dist.is_initialized():
             # DeepSpeed always needs a process group: one process makes a group of one.
             os.environ.setdefault("RANK", "0")
@@ -153,8 +157,10 @@ class DeepSpeedStrategy(Strategy):
             os.environ.setdefault("WORLD_SIZE", "1")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False,
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        deepspeed.init_distributed(dist_backend=process_group_backend(self.device),
+                                   verbose=False,
                                    timeout=datetime.timedelta(minutes=timeout_minutes))
 
     def describe(self) -> str:
@@ -178,9 +184,9 @@ class DeepSpeedStrategy(Strategy):
             model=module, optimizer=self.client_optimizer, model_parameters=parameters,
             config=self.config)
         self.module = self.engine.module
+        self.device = self.engine.device
         self.trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
-                      "fp16": torch.float16}[self.precision]
+        self.dtype = precision_dtype(self.precision)
 
     @property
     def owns_schedule(self) -> bool:
@@ -189,23 +195,23 @@ class DeepSpeedStrategy(Strategy):
     def param_groups(self) -> list[dict]:
         return (self.client_optimizer or self.optimizer).param_groups
 
-    def forward(self, batch: dict, objective: nn.Module) -> dict[str, torch.Tensor]:
+    def micro_step(self, batch: dict, objective: nn.Module,
+                   last: bool) -> tuple[dict[str, torch.Tensor], bool]:
         if self.dtype != torch.float32:
             batch = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
                      else v for k, v in batch.items()}
-        return self.engine(batch, objective)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
-        if not self.engine.is_gradient_accumulation_boundary():
-            self.engine.step()  # DeepSpeed counts micro-batches in step()
-
-    def drop_micro_batch(self) -> None:
-        self._window_ok = False
-        if self.accumulate_steps > 1:
+        outputs = self.engine(batch, objective)
+        nonfinite = self.loss_is_nonfinite(outputs["loss"])
+        if not nonfinite:
+            self.engine.backward(outputs["loss"])
+        elif self.accumulate_steps > 1:
             # Inside a window DeepSpeed cannot forget what it has accumulated: the
             # dropped micro-batch contributes a zero gradient, the rest of the window applies.
-            self.backward(sum((p * 0).sum() for p in self.module.parameters() if p.requires_grad))
+            self.engine.backward(sum((p * 0).sum() for p in self.module.parameters()
+                                     if p.requires_grad))
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # DeepSpeed counts micro-batches in step()
+        return outputs, nonfinite
 
     def _check_trainable(self) -> None:
         if self.zero_stage == 0:
@@ -219,8 +225,7 @@ class DeepSpeedStrategy(Strategy):
                 f"ZeRO fixes the trainable set at start: freeze with FreezeSchedule only under "
                 f"strategy ddp/single or zero_stage 0")
 
-    def step(self) -> bool:
-        window_ok, self._window_ok = self._window_ok, True
+    def apply_step(self, window_ok: bool) -> bool:
         if not window_ok and self.accumulate_steps == 1:
             return False
         self._check_trainable()
@@ -246,8 +251,7 @@ class DeepSpeedStrategy(Strategy):
             full[name] = value
         if not self.is_main:
             return None
-        return {k: full.get(k, v.float() if v.is_floating_point() else v)
-                for k, v in model.state_dict().items()}
+        return cpu_float_state({k: full.get(k, v) for k, v in model.state_dict().items()})
 
     def save(self, directory: Path, state: dict) -> None:
         root = directory / "deepspeed"

@@ -1,84 +1,192 @@
-"""Plain PyTorch strategies: one process (``single``) and data parallel (``ddp``, torchrun)."""
+"""Plain PyTorch: one process, or data parallel over ``torchrun``'s processes with torch DDP.
+
+``torch`` (aliases ``single`` and ``ddp``) trains on ``train.device`` in
+``train.precision``: one process is world size 1; under a launcher the
+training module is wrapped in ``torch.nn.parallel.DistributedDataParallel``
+(NCCL between GPUs, gloo between CPU processes), whose bucketed all-reduce
+overlaps with the backward pass; micro-batches inside an accumulation window
+run under ``no_sync()``. bf16/fp16 go through ``torch.autocast``; fp16 scales
+the loss with ``torch.amp.GradScaler``, whose state is checkpointed.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from mmgoal.devices import autocast
 from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.engine.optimizers import build_optimizer
-from mmgoal.engine.strategies.base import Strategy, launched_world_size, rng_state
+from mmgoal.engine.strategies.base import Strategy, rng_state
 from mmgoal.registry import STRATEGIES
 
 logger = logging.getLogger(__name__)
 
 LAST = "last.pt"
+FIND_UNUSED = ("auto", True, False)
 
 
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@STRATEGIES.register("torch")
+@STRATEGIES.register("ddp")
 @STRATEGIES.register("single")
-class SingleProcess(Strategy):
-    """One process: a torch optimizer, gradient accumulation and clipping by hand.
+class TorchStrategy(Strategy):
+    """One process or torch DDP; a torch optimizer, accumulation, clipping, autocast.
 
-    ``checkpoints/last.pt`` holds model, objective, optimizer and the trainer's state.
+    ``checkpoints/last.pt`` holds model, objective, optimizer, the fp16 loss
+    scaler and the trainer's state with every rank's RNG.
+
+    Args:
+        device, precision: from ``train.device`` / ``train.precision`` (see
+            :class:`~mmgoal.engine.strategies.base.Strategy`).
+        bucket_mb: size of DDP's gradient buckets (all-reduced as soon as each fills).
+        find_unused_parameters: ``auto`` (the default) wraps with DDP's
+            unused-parameter search for the first step after the trainable set or
+            the objective changes (a ``FreezeSchedule`` epoch, an
+            ``ObjectiveWarmup`` switch) and keeps it only when some trainable
+            parameter got no gradient there (a head the objective does not use);
+            ``true``/``false`` force it (``true`` where use depends on the data).
+        sync_bn: convert BatchNorm to ``SyncBatchNorm`` (statistics over the
+            global batch) when training on several GPUs; ignored on CPUs.
+        timeout_minutes: how long a collective waits for a rank before failing.
     """
 
-    def __init__(self, timeout_minutes: float = 60.0) -> None:
-        super().__init__(timeout_minutes)
-        self._window_ok = True
-        self._accumulate = 1
+    def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
+                 bucket_mb: float = 25.0, find_unused_parameters: str | bool = "auto",
+                 sync_bn: bool = False, timeout_minutes: float = 60.0) -> None:
+        if find_unused_parameters not in FIND_UNUSED:
+            raise ValueError(f"strategy.find_unused_parameters must be auto, true or false, "
+                             f"got {find_unused_parameters!r}")
+        super().__init__(device, precision, timeout_minutes)
+        self.bucket_mb = bucket_mb
+        self.find_unused = find_unused_parameters
+        self.sync_bn = sync_bn
+        self.accumulate_steps = 1
+        self._graph: tuple | None = None  # (trainable flags, objective) the wrapper was made for
+        self._probing = False
 
-    def join_process_group(self, timeout_minutes: float) -> None:
-        if launched_world_size() > 1:
-            raise ValueError("strategy 'single' was started by a launcher with WORLD_SIZE="
-                             f"{launched_world_size()}; use strategy ddp or deepspeed")
+    def describe(self) -> str:
+        parallel = "DDP" if self.world_size > 1 else "one process"
+        autocast_name = "" if self.precision == "fp32" else f", {self.precision} autocast"
+        return f"torch {parallel} on {self.device}{autocast_name}, {self.world_size} process(es)"
 
     def setup(self, module: nn.Module, optimizer_cfg: dict, micro_batch: int,
               accumulate_steps: int, clip_grad: float | None) -> None:
-        self.module = module
+        self.module = self.prepare_module(module, micro_batch)
         self.optimizer = build_optimizer(optimizer_cfg, module.model, module.objective)
-        self._accumulate = accumulate_steps
+        self.accumulate_steps = accumulate_steps
         self.clip_grad = clip_grad or math.inf
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.wrapped = self.module
+
+    def prepare_module(self, module: nn.Module, micro_batch: int) -> nn.Module:
+        """The training module on the device, with SyncBatchNorm where asked and possible."""
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+        if self.sync_bn and has_bn and self.world_size > 1:
+            if self.device.type == "cuda":
+                module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+            else:
+                logger.warning("train.sync_bn is ignored on CPUs (SyncBatchNorm runs on GPUs "
+                               "only): BatchNorm statistics are per rank")
+        elif has_bn and self.world_size > 1:
+            logger.warning("BatchNorm statistics are computed per rank (%d samples), not over "
+                           "the global batch; train.sync_bn: true syncs them on GPUs",
+                           micro_batch)
+        return module.to(self.device)
 
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
-    def forward(self, batch: dict, objective: nn.Module) -> dict[str, torch.Tensor]:
-        return self.module(batch, objective)
+    # ------------------------------------------------------------ DDP wrapper
+    def wrap_for(self, objective: nn.Module) -> None:
+        """(Re)wrap in DDP when the trainable set or the objective changed, or a probe ended."""
+        if self.world_size == 1:
+            return
+        graph = (tuple(p.requires_grad for p in self.module.parameters()), id(objective))
+        if graph == self._graph and not self._probing:
+            return
+        if graph == self._graph:  # the probe step is over: every parameter got a gradient
+            find_unused, self._probing = False, False
+        elif self.find_unused == "auto":
+            find_unused, self._probing = True, True
+        else:
+            find_unused = self.find_unused
+        first = self._graph is None
+        self._graph = graph
+        self.wrapped = nn.parallel.DistributedDataParallel(
+            self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=self.bucket_mb, find_unused_parameters=find_unused,
+            init_sync=first)  # rank 0's initial weights; later wrappers find them equal
+
+    def _end_probe(self) -> None:
+        """After the probe's backward: keep the unused-parameter search only if needed."""
+        if not self._probing:
+            return
+        unused = [p for p in trainable_parameters(self.module) if p.grad is None]
+        if unused:  # DDP leaves the gradient of a parameter no rank used as None
+            self._probing = False
+            logger.info("DDP: %d trainable parameter(s) got no gradient in a step; keeping "
+                        "find_unused_parameters on", len(unused))
+        # else: wrap_for rewraps without the search at the next step
+
+    # -------------------------------------------------------------- training
+    def train_step(self, micro_batches, objective):
+        self.wrap_for(objective)
+        return super().train_step(micro_batches, objective)
+
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Inside an accumulation window gradients stay local; the last micro-batch reduces."""
+        if last or self.wrapped is self.module:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
+
+    def micro_step(self, batch: dict, objective: nn.Module,
+                   last: bool) -> tuple[dict[str, torch.Tensor], bool]:
+        with self.no_sync(last):
+            with autocast(self.device, self.precision):
+                outputs = self.wrapped(batch, objective)
+            nonfinite = self.loss_is_nonfinite(outputs["loss"])
+            # Every rank runs the backward, also of a non-finite loss, so DDP's reduction
+            # completes; the window is then skipped and its gradients dropped.
+            self.backward(outputs["loss"] / self.accumulate_steps)
+        return outputs, nonfinite
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss / self._accumulate).backward()
+        self.scaler.scale(loss).backward()
 
-    def drop_micro_batch(self) -> None:
-        self._window_ok = False
+    def clip_and_check(self) -> bool:
+        """Clip the gradient norm; False when it is non-finite."""
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.module), self.clip_grad)
+        return bool(torch.isfinite(norm))
 
-    def reduce_gradients(self) -> None:
-        """Make every rank's gradients the mean over ranks (nothing to do in one process)."""
-
-    def step(self) -> bool:
-        window_ok, self._window_ok = self._window_ok, True
-        if not window_ok:
-            self.optimizer.zero_grad(set_to_none=True)
-            return False
-        self.reduce_gradients()
-        # A NaN/inf gradient under a finite loss skips the step like a non-finite loss.
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad)
-        applied = bool(torch.isfinite(norm))
+    def apply_step(self, window_ok: bool) -> bool:
+        self._end_probe()
+        applied = window_ok and self.clip_and_check()
         if applied:
-            self.optimizer.step()
+            self.scaler.step(self.optimizer)
+        if self.scaler.is_enabled() and window_ok:
+            # After an overflow the scale halves; the skipped step counts as non-finite.
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return applied
 
+    # ------------------------------------------------------------ checkpoints
     def save(self, directory: Path, state: dict) -> None:
         rngs = self.gather_objects(rng_state())
         if self.is_main:
             save_checkpoint({**state, "rng": rngs, "model": self.module.model.state_dict(),
                              "objective": self.module.objective.state_dict(),
                              "optimizer": self.optimizer.state_dict(),
+                             "scaler": self.scaler.state_dict(),
                              "world_size": self.world_size}, directory / LAST)
         self.barrier()
 
@@ -94,67 +202,7 @@ class SingleProcess(Strategy):
         self.module.model.load_state_dict(state["model"])
         self.module.objective.load_state_dict(state["objective"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.restore_rng(state["rng"])
         return state
-
-
-@STRATEGIES.register("ddp")
-class DataParallel(SingleProcess):
-    """Data parallel over the processes of ``torchrun`` (or any launcher setting WORLD_SIZE).
-
-    Rank 0's initial weights are broadcast; after the local backward the
-    gradients are averaged with one all-reduce per flat bucket, so models whose
-    trainable set changes between epochs (``FreezeSchedule``) need nothing
-    special. Every rank holds the whole optimizer; rank 0 writes ``last.pt``
-    with the RNG states of all ranks.
-
-    Args:
-        bucket_mb: size of the flat buffers gradients are averaged in.
-        timeout_minutes: how long a collective waits for a rank before failing.
-    """
-
-    def __init__(self, bucket_mb: float = 25.0, timeout_minutes: float = 60.0) -> None:
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        super().__init__(timeout_minutes)
-
-    def join_process_group(self, timeout_minutes: float) -> None:
-        Strategy.join_process_group(self, timeout_minutes)
-
-    def setup(self, module: nn.Module, optimizer_cfg: dict, micro_batch: int,
-              accumulate_steps: int, clip_grad: float | None) -> None:
-        super().setup(module, optimizer_cfg, micro_batch, accumulate_steps, clip_grad)
-        if self.world_size > 1:
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
-            if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
-                logger.warning("BatchNorm statistics are computed per rank (%d samples), not over "
-                               "the global batch", micro_batch)
-
-    def reduce_gradients(self) -> None:
-        if self.world_size == 1:
-            return
-        # Every rank must reduce the same tensors: a parameter that got a gradient on
-        # some rank joins as zeros where it got none; one unused on every rank keeps
-        # None, so the optimizer skips it as in one process.
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        used = torch.tensor([float(p.grad is not None) for p in params])
-        dist.all_reduce(used, op=dist.ReduceOp.MAX)
-        params = [p for p, u in zip(params, used) if u]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for p in [*params, None]:
-            if p is not None:
-                bucket.append(p.grad)
-                size += p.grad.numel() * p.grad.element_size()
-            if bucket and (p is None or size >= self.bucket_bytes):
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-                dist.all_reduce(flat)
-                flat /= self.world_size
-                offset = 0
-                for grad in bucket:
-                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
-                bucket, size = [], 0

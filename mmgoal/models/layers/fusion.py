@@ -15,6 +15,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,17 +68,26 @@ class FusionEncoder(nn.Module):
     def __init__(self, config, num_layers: int, init_from: list[nn.Module] | None = None) -> None:
         super().__init__()
         self.layer = nn.ModuleList(FusionLayer(config) for _ in range(num_layers))
+        self.grad_checkpointing = False
         for fusion, bert in zip(self.layer, init_from or []):
             missing, unexpected = fusion.load_state_dict(bert.state_dict(), strict=False)
             if unexpected or any(not k.startswith("crossattention.") for k in missing):
                 raise ValueError(f"cannot initialise a fusion layer from {type(bert).__name__}: "
                                  f"missing {missing}, unexpected {unexpected}")
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each layer's activations in the backward instead of storing them."""
+        self.grad_checkpointing = enable
+
     def forward(self, text: torch.Tensor, text_mask: torch.Tensor, image: torch.Tensor,
                 image_mask: torch.Tensor) -> torch.Tensor:
         """text (B, L, H), text_mask (B, L) bool, image (B, N, H), image_mask (B, N) bool."""
         text_add = additive_mask(text_mask, text.dtype)
         image_add = additive_mask(image_mask, text.dtype)
+        recompute = self.grad_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layer:
-            text = layer(text, text_add, image, image_add)
+            if recompute:
+                text = checkpoint(layer, text, text_add, image, image_add, use_reentrant=False)
+            else:
+                text = layer(text, text_add, image, image_add)
         return text

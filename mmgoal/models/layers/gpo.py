@@ -22,11 +22,13 @@ from mmgoal.registry import POOLERS
 from mmgoal.sequences import length_mask
 
 
-def sinusoidal_positions(length: int, dim: int) -> torch.Tensor:
+def sinusoidal_positions(length: int, dim: int,
+                         device: torch.device | str = "cpu") -> torch.Tensor:
     """(length, dim) sine (even channels) / cosine (odd channels) encoding of 0..length-1."""
-    position = torch.arange(length, dtype=torch.float32)[:, None]
-    frequency = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(10000.0) / dim))
-    encoding = torch.zeros(length, dim)
+    position = torch.arange(length, dtype=torch.float32, device=device)[:, None]
+    frequency = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32, device=device)
+                          * -(math.log(10000.0) / dim))
+    encoding = torch.zeros(length, dim, device=device)
     encoding[:, 0::2] = torch.sin(position * frequency)
     encoding[:, 1::2] = torch.cos(position * frequency)
     return encoding
@@ -105,7 +107,7 @@ class GPO(nn.Module):
 
     def pool_weights(self, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
         """(B,) lengths -> (B, max_length) weights, summing to 1 over the real positions."""
-        encoding = sinusoidal_positions(max_length, self.d_pe).to(lengths.device)
+        encoding = sinusoidal_positions(max_length, self.d_pe, lengths.device)
         encoding = encoding.expand(len(lengths), -1, -1)
         packed = pack_padded_sequence(encoding, lengths.cpu().clamp(min=1), batch_first=True,
                                       enforce_sorted=False)

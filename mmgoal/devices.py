@@ -1,0 +1,145 @@
+"""Where tensors live and in what precision: device choice, batch transfer, autocast.
+
+One config runs unchanged on a laptop CPU, one GPU and many: ``train.device:
+auto`` is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; ``cpu``,
+``cuda`` and ``cuda:N`` ask for one. Everything that trains or evaluates moves
+its inputs to the device of the model (:func:`module_device`), so the CPU only
+sees final matrices and metrics (docs/getting_started.md, "Training on GPUs").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cuda_summary() -> str:
+    """What this machine offers, for error messages: devices found and torch's CUDA build."""
+    build = torch.version.cuda or "none (a CPU-only build)"
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__}, CUDA build {build})"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return f"{len(names)} CUDA device(s): {', '.join(names)} (torch {torch.__version__})"
+
+
+def resolve_device(spec: str = "auto", local_rank: int | None = None) -> torch.device:
+    """The device ``train.device`` names.
+
+    Args:
+        spec: ``auto`` (``cuda:<local rank>`` when CUDA is available, else ``cpu``),
+            ``cpu``, ``cuda`` (``cuda:<local rank>``) or ``cuda:N``.
+        local_rank: this process's index on its node (default: ``LOCAL_RANK`` or 0).
+
+    Raises:
+        ValueError: an unknown spec, or CUDA asked for where there is none.
+    """
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    spec = str(spec).strip().lower()
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    kind, _, index = spec.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"train.device {spec!r} asks for a GPU, but this machine has "
+                         f"{cuda_summary()}; use train.device: auto (the GPU where there is "
+                         f"one, else the CPU) or cpu")
+    number = int(index) if index else local_rank
+    if number >= torch.cuda.device_count():
+        raise ValueError(f"train.device {spec!r}: this process would use cuda:{number}, but "
+                         f"this machine has {cuda_summary()}")
+    return torch.device("cuda", number)
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """``fp32`` / ``bf16`` / ``fp16`` -> the torch dtype.
+
+    Raises:
+        ValueError: any other name.
+    """
+    if precision not in _DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return _DTYPES[precision]
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """Refuse a precision the device cannot train in, with what to use instead."""
+    precision_dtype(precision)
+    if precision == "fp16" and device.type == "cpu":
+        raise ValueError("train.precision fp16 trains on GPUs only (float16 with loss "
+                         "scaling); on the CPU use bf16 or fp32")
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"train.precision bf16: {torch.cuda.get_device_name(device)} has no "
+                         f"bfloat16 support; use fp16 (with loss scaling) or fp32")
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for bf16/fp16 on ``device``; nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=precision_dtype(precision))
+
+
+def move_to_device(value, device: torch.device, non_blocking: bool = False):
+    """``value`` with every tensor moved to ``device``: mappings, lists, tuples and
+    dataclasses (``ImageFeatures``) are walked; anything else is returned as it is.
+
+    ``non_blocking`` overlaps the copy with compute when the source is pinned memory.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, Mapping):
+        return {k: move_to_device(v, device, non_blocking) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        moved = [move_to_device(v, device, non_blocking) for v in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{
+            f.name: move_to_device(getattr(value, f.name), device, non_blocking)
+            for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's first parameter (or buffer); the CPU for an empty module."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def free_memory_mb(device: torch.device) -> float | None:
+    """Free memory of a CUDA device in MiB (what the allocator could still get); None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free / 2**20 + (torch.cuda.memory_reserved(device)
+                           - torch.cuda.memory_allocated(device)) / 2**20
+
+
+def configure_cuda(device: torch.device, matmul_precision: str, cudnn_benchmark: bool) -> None:
+    """Per-process GPU settings: the current device, TF32 matmuls, cuDNN autotuning.
+
+    ``matmul_precision`` is ``torch.set_float32_matmul_precision``'s: ``high``
+    lets float32 products use TF32 on GPUs that have it (Ampere and newer),
+    ``highest`` keeps them exact. Nothing changes on the CPU, so CPU runs stay exact.
+    """
+    if matmul_precision not in ("highest", "high", "medium"):
+        raise ValueError(f"train.matmul_precision must be highest, high or medium, got "
+                         f"{matmul_precision!r}")
+    if device.type != "cuda":
+        return
+    torch.cuda.set_device(device)
+    torch.set_float32_matmul_precision(matmul_precision)
+    torch.backends.cudnn.allow_tf32 = matmul_precision != "highest"
+    # Training batches have one image size, so the fastest convolution found once stays so.
+    torch.backends.cudnn.benchmark = cudnn_benchmark
