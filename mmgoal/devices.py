@@ -29,13 +29,15 @@ def cuda_summary() -> str:
     return f"{len(names)} CUDA device(s): {', '.join(names)} (torch {torch.__version__})"
 
 
-def resolve_device(spec: str = "auto", local_rank: int | None = None) -> torch.device:
+def resolve_device(spec: str = "auto", local_rank: int | None = None,
+                   name: str = "train.device") -> torch.device:
     """The device ``train.device`` names.
 
     Args:
         spec: ``auto`` (``cuda:<local rank>`` when CUDA is available, else ``cpu``),
             ``cpu``, ``cuda`` (``cuda:<local rank>``) or ``cuda:N``.
         local_rank: this process's index on its node (default: ``LOCAL_RANK`` or 0).
+        name: what the spec is called in messages (``--device`` for a tool).
 
     Raises:
         ValueError: an unknown spec, or CUDA asked for where there is none.
@@ -49,14 +51,14 @@ def resolve_device(spec: str = "auto", local_rank: int | None = None) -> torch.d
         return torch.device("cpu")
     kind, _, index = spec.partition(":")
     if kind != "cuda" or (index and not index.isdigit()):
-        raise ValueError(f"train.device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+        raise ValueError(f"{name} must be auto, cpu, cuda or cuda:N, got {spec!r}")
     if not torch.cuda.is_available():
-        raise ValueError(f"train.device {spec!r} asks for a GPU, but this machine has "
-                         f"{cuda_summary()}; use train.device: auto (the GPU where there is "
-                         f"one, else the CPU) or cpu")
+        raise ValueError(f"{name} {spec!r} asks for a GPU, but this machine has "
+                         f"{cuda_summary()}; use {name} auto (the GPU where there is one, "
+                         f"else the CPU) or cpu")
     number = int(index) if index else local_rank
     if number >= torch.cuda.device_count():
-        raise ValueError(f"train.device {spec!r}: this process would use cuda:{number}, but "
+        raise ValueError(f"{name} {spec!r}: this process would use cuda:{number}, but "
                          f"this machine has {cuda_summary()}")
     return torch.device("cuda", number)
 

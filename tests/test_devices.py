@@ -26,7 +26,7 @@ def test_auto_is_the_cpu_without_cuda_and_a_bad_name_is_refused():
 def test_cuda_without_cuda_names_what_was_asked_and_what_was_found(spec):
     with pytest.raises(ValueError, match=rf"train.device '{spec}' asks for a GPU, but this "
                                          rf"machine has no CUDA device \(torch .*\); use "
-                                         rf"train.device: auto .* or cpu"):
+                                         rf"train.device auto .* or cpu"):
         resolve_device(spec)
 
 

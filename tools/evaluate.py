@@ -10,6 +10,8 @@
     python tools/evaluate.py CONFIG CKPT --attention [--entities DIR] [--curve pr.png]
     # a cross encoder: ITC for the gallery, the top K of every query re-scored by ITM
     python tools/evaluate.py configs/xvlm/xvlm_tiny_synthetic.yaml CKPT --rerank-k 16
+    # encoding and scoring run on the GPU when there is one (--device cpu to stay on the CPU)
+    python tools/evaluate.py CONFIG CKPT --device cuda:1
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.transforms import build_transforms  # noqa: E402
+from mmgoal.devices import resolve_device  # noqa: E402
 from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 from mmgoal.engine.trainer import metrics_table  # noqa: E402
 from mmgoal.evaluation.gallery import Member, evaluate_retrieval  # noqa: E402
 
 
-def member(cfg: dict, state: dict) -> Member:
-    """A model with the preprocessing of its config."""
+def member(cfg: dict, state: dict, device) -> Member:
+    """A model on ``device`` with the preprocessing of its config."""
     model, tokenizer = model_from_checkpoint(cfg, state)
+    model.to(device)
     data_cfg = cfg["data"]
     transform = build_transforms(data_cfg.get("eval_transforms"), data_cfg.get("image_size", 64))
     return Member(model, transform, tokenizer)
@@ -113,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                                         "(default: <checkpoint>.<split>.attention.png)")
     parser.add_argument("--out", help="JSON file for the metrics "
                                       "(default: <checkpoint>.<split>.json)")
+    parser.add_argument("--device", default="auto",
+                        help="auto (the GPU where there is one), cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
     try:
+        device = resolve_device(args.device, name="--device")
         cfg = load_config(args.config, args.cfg_options)
         states = [load_checkpoint(args.checkpoint)]
         states += [load_checkpoint(path) for path in args.ensemble]
@@ -129,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    members = [member(cfg, states[0])] + [member(s["config"], s) for s in states[1:]]
+    members = [member(cfg, states[0], device)] + [member(s["config"], s, device)
+                                                   for s in states[1:]]
     folds = args.folds or split_cfg.get("folds", 1)
     scoring = dict(cfg.get("evaluation") or {})
     if args.rerank_k is not None:

@@ -5,6 +5,7 @@
     python tools/finetune.py configs/quickstart.yaml --work-dir work_dirs/run1 --resume
     torchrun --nproc_per_node 2 tools/finetune.py configs/quickstart.yaml
     deepspeed --num_gpus 2 tools/finetune.py configs/quickstart.yaml --deepspeed [ds.json]
+    python tools/finetune.py configs/gpu/quickstart_bf16.yaml         # a GPU, bf16 autocast
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from mmgoal.models.layers.cross_attention import (
     DIRECTIONS,
     POOLINGS,
     Attention,
+    at_least_float32,
     scan_attention,
     scan_similarity,
 )
@@ -30,6 +31,16 @@ from mmgoal.sequences import length_mask
 def _mean_embedding(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """The normalised mean of the real fragments."""
     return F.normalize(MeanPool()(tokens, lengths)[0], dim=-1)
+
+
+def unit_fragments(fragments: torch.Tensor) -> torch.Tensor:
+    """(B, L, D) fragments L2-normalised in float32, padding (zeros) kept zero.
+
+    In float16 the norm's floor (1e-12) is zero and a zero padding row turns into
+    NaN, which the cross attention's products would spread; SCAN's attention runs
+    in float32 anyway (``full_precision``).
+    """
+    return F.normalize(at_least_float32(fragments), dim=-1)
 
 
 @MODELS.register()
@@ -93,7 +104,7 @@ class SCAN(nn.Module):
     def encode_image(self, batch: dict) -> ImageFeatures:
         """The batch's images or regions -> L2-normalised region features and their mask."""
         tokens, lengths = self.image_encoder(batch)
-        tokens = F.normalize(DualEncoder._project_tokens(self.image_proj, tokens, lengths), dim=-1)
+        tokens = unit_fragments(DualEncoder._project_tokens(self.image_proj, tokens, lengths))
         mask = length_mask(lengths, tokens.shape[1])
         return ImageFeatures(_mean_embedding(tokens, lengths), tokens=tokens, mask=mask)
 
@@ -101,7 +112,7 @@ class SCAN(nn.Module):
         """``tokens`` (B, L), ``lengths`` (B,) -> L2-normalised word features and their mask."""
         lengths = batch["lengths"]
         states = self.text_encoder.forward_tokens(batch["tokens"], lengths)
-        words = F.normalize(DualEncoder._project_tokens(self.text_proj, states, lengths), dim=-1)
+        words = unit_fragments(DualEncoder._project_tokens(self.text_proj, states, lengths))
         mask = length_mask(lengths, words.shape[1])
         return TextFeatures(_mean_embedding(words, lengths), tokens=words, mask=mask)
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.models.layers.cross_attention import Attention
+from mmgoal.objectives.mining import draw_one_per_row
 from mmgoal.registry import CONSTRAINTS
 
 REVERSE_KINDS = ("complement", "negated_softmax")
@@ -45,8 +46,7 @@ def sample_fragments(mask: torch.Tensor, generator: torch.Generator | None = Non
         allowed[torch.arange(len(mask), device=mask.device), exclude] = False
     valid = allowed.any(1)
     probs = allowed.float() + (~valid)[:, None].float()  # rows with nothing: any index
-    index = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(mask.device)
-    return index, valid
+    return draw_one_per_row(probs, generator), valid
 
 
 def reversed_weights(attention: Attention, kind: str, lambda_softmax: float | None = None

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.models.features import ImageFeatures, TextFeatures, cat_features, index_features
-from mmgoal.objectives.mining import check_positives
+from mmgoal.objectives.mining import check_positives, draw_one_per_row
 from mmgoal.registry import OBJECTIVES, accepted_kwargs
 
 
@@ -31,8 +31,7 @@ def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperatu
     valid = (~positives).any(1)
     probs = torch.softmax(logits, dim=1).nan_to_num(0.0)
     probs[~valid] = 1.0  # anything: the row is masked out
-    index = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1)
-    return index.to(sims.device), valid
+    return draw_one_per_row(probs, generator), valid
 
 
 @OBJECTIVES.register()

@@ -99,3 +99,14 @@ def mine_triplets(sims: torch.Tensor, positives: torch.Tensor) -> MinedTriplets:
                                                                            (rows, cols))
     return MinedTriplets(rows, cols, text_of_image[rows], row_valid[rows],
                          image_of_text[cols], col_valid[cols])
+
+
+def draw_one_per_row(probs: torch.Tensor, generator: torch.Generator | None = None
+                     ) -> torch.Tensor:
+    """(n_rows,) one column per row of ``probs`` (n_rows, n_cols), drawn with ``multinomial``.
+
+    Drawn where ``generator`` lives (a seeded CPU generator gives the same draws on
+    any device); without one, on ``probs``' own device, so a GPU run copies nothing.
+    """
+    where = probs.device if generator is None else generator.device
+    return torch.multinomial(probs.to(where), 1, generator=generator).squeeze(1).to(probs.device)

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +55,12 @@ def test_finetune_then_evaluate_agree(tiny_config_file, tmp_path):
     for key, value in report["test"].items():
         assert evaluated[key] == pytest.approx(value), key
     assert f"{report['test']['rsum']:.2f}" in result.stdout
+    if not torch.cuda.is_available():  # a GPU asked for where there is none: said, not a trace
+        result = run_tool("tools/evaluate.py", tiny_config_file, work / "checkpoints" / "best.pt",
+                          "--device", "cuda")
+        assert result.returncode == 2
+        assert "error: --device 'cuda' asks for a GPU, but this machine has no CUDA device" \
+            in result.stderr
     # the collapse check scores the same checkpoint: its positive median is the diagonal's
     result = run_tool("tools/score_stats.py", work, "--pairs", "1000")
     assert result.returncode == 0, result.stderr

@@ -19,7 +19,7 @@ matrix, so the heavy work is one matrix product of all queries with all keys.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +152,18 @@ def _attend_all_pairs(queries: torch.Tensor, query_mask: torch.Tensor, keys: tor
     return _pool(relevance, query_mask, pooling, lambda_lse)
 
 
+def full_precision(device: torch.device) -> AbstractContextManager:
+    """Autocast off: SCAN divides by norms down to ``EPS`` (1e-8), which float16 cannot
+    hold, so its cross attention runs in float32 also in bf16/fp16 training (on GPUs
+    the products still use TF32 under ``train.matmul_precision: high``)."""
+    return torch.autocast(device.type, enabled=False)
+
+
+def at_least_float32(features: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 features as float32; float32 and float64 as they are."""
+    return features.float() if features.dtype in (torch.float16, torch.bfloat16) else features
+
+
 def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
                     word_mask: torch.Tensor, direction: str = "t2i", lambda_softmax: float = 9.0,
                     pooling: str = "avg", lambda_lse: float = 6.0) -> torch.Tensor:
@@ -171,11 +183,13 @@ def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: tor
     """
     _check(direction, pooling)
     region_mask, word_mask = region_mask.bool(), word_mask.bool()
-    if direction == "t2i":
-        return _attend_all_pairs(words, word_mask, regions, region_mask, lambda_softmax,
-                                 pooling, lambda_lse)
-    return _attend_all_pairs(regions, region_mask, words, word_mask, lambda_softmax,
-                             pooling, lambda_lse).T
+    with full_precision(regions.device):
+        regions, words = at_least_float32(regions), at_least_float32(words)
+        if direction == "t2i":
+            return _attend_all_pairs(words, word_mask, regions, region_mask, lambda_softmax,
+                                     pooling, lambda_lse)
+        return _attend_all_pairs(regions, region_mask, words, word_mask, lambda_softmax,
+                                 pooling, lambda_lse).T
 
 
 @dataclass
@@ -214,12 +228,15 @@ def scan_attention(regions: torch.Tensor, region_mask: torch.Tensor, words: torc
         raise ValueError(f"matched pairs need as many images as texts, got "
                          f"{regions.shape[0]} and {words.shape[0]}")
     region_mask, word_mask = region_mask.bool(), word_mask.bool()
+    regions, words = at_least_float32(regions), at_least_float32(words)
     if direction == "t2i":
         queries, query_mask, keys, key_mask = words, word_mask, regions, region_mask
     else:
         queries, query_mask, keys, key_mask = regions, region_mask, words, word_mask
-    raw = queries @ keys.transpose(1, 2)
-    scores = clipped_l2_scores(raw, query_mask[:, :, None], query_dim=1)
-    logits = (lambda_softmax * scores).masked_fill(~key_mask[:, None, :], float("-inf"))
-    return Attention(queries, keys, torch.softmax(logits, dim=-1), scores, query_mask,
-                     key_mask, direction, lambda_softmax)
+    with full_precision(regions.device):
+        raw = queries @ keys.transpose(1, 2)
+        scores = clipped_l2_scores(raw, query_mask[:, :, None], query_dim=1)
+        logits = (lambda_softmax * scores).masked_fill(~key_mask[:, None, :], float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+    return Attention(queries, keys, weights, scores, query_mask, key_mask, direction,
+                     lambda_softmax)

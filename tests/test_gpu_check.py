@@ -1,0 +1,45 @@
+"""bench/gpu_check.py --dry-run: the GPU check builds and runs everything it can on a CPU, so a
+GPU session spends its minutes measuring, not debugging the script."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_dry_run_fills_every_row_of_the_report(tmp_path):
+    check = gpu_check()
+    out = tmp_path / "gpu.md"
+    assert check.main(["--dry-run", "--out", str(out)]) == 0
+    text = out.read_text()
+    # the gpu tests are found (collected, not run, on a CPU): 12 model/precision cases,
+    # 15 GOAL combinations, SCAN + retrieval, ITM, DeepSpeed, quickstart
+    assert re.search(r"`python -m pytest -m gpu .*`: 31 tests collected", text)
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    for model in ("quickstart (CNN + GRU)", "VSE-infinity EfficientNet-Lite0 + MiniLM",
+                  "tiny X-VLM"):
+        speeds = [float(r.split("|")[5].replace(",", "")) for r in rows if model in r]
+        assert len(speeds) == 2 and all(s > 0 for s in speeds), model  # fp32 and bf16
+    assert len([r for r in rows if r.startswith("| GOAL ")]) == 15
+    assert re.search(r"\| cpu \| highest \| 20 x 50 \| \d", text)
+    assert re.search(r"\| cpu \| fp32 \| 64 \| \d+ \|", text)  # the whole trainer
+
+
+def test_without_cuda_and_without_dry_run_it_says_what_to_do(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert gpu_check().main([]) == 2
+    assert "no CUDA device here; run with --dry-run" in capsys.readouterr().err
