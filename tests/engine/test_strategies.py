@@ -162,3 +162,30 @@ def test_train_and_strategy_precision_must_agree(tiny_benchmark, tmp_path):
     with pytest.raises(ValueError, match="train.precision is 'bf16' but strategy.precision is "
                                          "'fp32'; set train.precision alone"):
         Trainer(cfg, tmp_path / "run")
+
+
+def test_a_loss_scale_overflow_skips_the_step_halves_the_scale_and_is_checkpointed(
+        tiny_benchmark, tmp_path):
+    """fp16's GradScaler path, on the CPU: the scaler is switched on by hand with a scale
+    so large that the scaled gradients overflow (fp16 itself trains on GPUs only)."""
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=1)
+    trainer = Trainer(cfg, tmp_path / "run")
+    strategy = trainer.strategy
+    strategy.scaler = torch.amp.GradScaler("cpu", init_scale=1e38)
+    batch = next(iter(trainer._loader()))
+    before = {k: v.clone() for k, v in trainer.model.named_parameters()}
+    result = strategy.train_step([batch], trainer.objective)
+    assert not result.applied and result.nonfinite
+    assert torch.isfinite(result.outputs["loss"])  # the loss was fine, its scaled gradient not
+    assert strategy.scaler.get_scale() == pytest.approx(5e37)
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
+    strategy.scaler.update(1024.0)
+    result = strategy.train_step([batch], trainer.objective)
+    assert result.applied and not result.nonfinite
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
+    trainer.save()
+    resumed = Trainer(cfg, tmp_path / "run", resume=True)
+    resumed.strategy.scaler = torch.amp.GradScaler("cpu")
+    resumed.strategy.load(resumed.checkpoint_dir)
+    assert resumed.strategy.scaler.get_scale() == 1024.0
