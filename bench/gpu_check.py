@@ -314,6 +314,20 @@ def number(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def section(title: str, text: str, columns: list[tuple[str, str, int | None]],
+            rows: list[dict]) -> list[str]:
+    """A titled markdown table; columns are (header, key, digits or None for text)."""
+    lines = ["", f"## {title}", "", text, "",
+             "| " + " | ".join(header for header, _, _ in columns) + " |",
+             "|" + "|".join("---" if digits is None else "---:" for _, _, digits in columns)
+             + "|"]
+    for row in rows:
+        cells = [str(row[key]) if digits is None else number(row[key], digits)
+                 for _, key, digits in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(info: dict, tests: dict | None, training: list[dict], trainer: list[dict],
            scan: list[dict], goal: list[dict], command: str) -> str:
     lines = ["# GPU check", "",
@@ -327,34 +341,33 @@ def report(info: dict, tests: dict | None, training: list[dict], trainer: list[d
                   f"`python -m pytest -m gpu {' '.join(GPU_TESTS)}`: {tests['summary']}"]
         if tests["failures"]:
             lines += ["", "```", tests["failures"], "```"]
-    lines += ["", "## Training steps", "",
-              "Whole steps (forward, backward, clipping, AdamW) through the `torch` strategy, "
-              "the batch moved from pinned CPU memory every step; median of 20 after a "
-              "warm-up (CPU: 3).", "",
-              "| model | device | precision | batch | samples/s | peak GPU memory (GiB) |",
-              "|---|---|---|---:|---:|---:|"]
-    lines += [f"| {r['model']} | {r['device']} | {r['precision']} | {r['batch']} | "
-              f"{number(r['samples_per_s'], 0)} | {number(r['peak_gib'], 2)} |" for r in training]
-    lines += ["", "## The whole trainer on the quickstart", "",
-              "`tools/finetune.py configs/quickstart.yaml` on freshly written 64-px shards "
-              "(4 loader workers; no evaluation): median samples/s of the logged steps.", "",
-              "| device | precision | images | samples/s | seconds |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {r['device']} | {r['precision']} | {r['images']} | "
-              f"{number(r['samples_per_s'], 0)} | {number(r['seconds'])} |" for r in trainer]
-    lines += ["", "## SCAN gallery scoring", "",
-              "`score_gallery` of SCAN t2i (36 regions, 12 words, 1024-d, blocks sized from "
-              "free memory); the CPU row is measured on a tenth of the captions and scaled. "
-              "bench/scan_eval.py's 2-core CPU figures: 25.5 s (highest), 14.3 s (medium).", "",
-              "| device | matmul precision | gallery | seconds |", "|---|---|---|---:|"]
-    lines += [f"| {r['device']} | {r['matmul_precision']} | {r['gallery']} | "
-              f"{number(r['seconds'], 2)} |" for r in scan]
-    lines += ["", "## GOAL objectives against autograd", "",
-              "Forward + backward of each combination on the same (n, n) scores, median of 10, "
-              "ratio to `TripletLoss(max_violation=True)` through autograd.", "",
-              "| objective | n | ms | time ratio | peak memory ratio |",
-              "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['objective']} | {r['n']} | {number(r['ms'], 2)} | "
-              f"{number(r['time_ratio'], 2)} | {number(r['memory_ratio'], 2)} |" for r in goal]
+    lines += section(
+        "Training steps",
+        "Whole steps (forward, backward, clipping, AdamW) through the `torch` strategy, the "
+        "batch moved from pinned CPU memory every step; median of 20 after a warm-up (CPU: 3).",
+        [("model", "model", None), ("device", "device", None), ("precision", "precision", None),
+         ("batch", "batch", None), ("samples/s", "samples_per_s", 0),
+         ("peak GPU memory (GiB)", "peak_gib", 2)], training)
+    lines += section(
+        "The whole trainer on the quickstart",
+        "`tools/finetune.py configs/quickstart.yaml` on freshly written 64-px shards (4 loader "
+        "workers; no evaluation): median samples/s of the logged steps.",
+        [("device", "device", None), ("precision", "precision", None),
+         ("images", "images", None), ("samples/s", "samples_per_s", 0),
+         ("seconds", "seconds", 1)], trainer)
+    lines += section(
+        "SCAN gallery scoring",
+        "`score_gallery` of SCAN t2i (36 regions, 12 words, 1024-d, blocks sized from free "
+        "memory); the CPU row is measured on a tenth of the captions and scaled. "
+        "bench/scan_eval.py's 2-core CPU figures: 25.5 s (highest), 14.3 s (medium).",
+        [("device", "device", None), ("matmul precision", "matmul_precision", None),
+         ("gallery", "gallery", None), ("seconds", "seconds", 2)], scan)
+    lines += section(
+        "GOAL objectives against autograd",
+        "Forward + backward of each combination on the same (n, n) scores, median of 10, "
+        "ratio to `TripletLoss(max_violation=True)` through autograd.",
+        [("objective", "objective", None), ("n", "n", None), ("ms", "ms", 2),
+         ("time ratio", "time_ratio", 2), ("peak memory ratio", "memory_ratio", 2)], goal)
     return "\n".join(lines) + "\n"
 
 
