@@ -234,7 +234,7 @@ class Strategy:
                 only where the data ran out).
             objective: the active objective (a warm-up may swap in another one).
         """
-        if isinstance(objective, nn.Module):
+        if isinstance(objective, nn.Module) and objective is not self.module.objective:
             objective.to(self.device)  # a warm-up objective the hook built on the CPU
         window_ok, count, sums = True, 0, {}
         for batch, last in flag_last(micro_batches):
