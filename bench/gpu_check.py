@@ -51,9 +51,13 @@ from mmgoal.config import load_config  # noqa: E402
 from mmgoal.engine.step import TrainingStep  # noqa: E402
 from mmgoal.engine.strategies.torch_native import TorchStrategy  # noqa: E402
 from mmgoal.evaluation.gallery import score_gallery  # noqa: E402
-from mmgoal.models.features import ImageFeatures, TextFeatures  # noqa: E402
 from mmgoal.models.layers.cross_attention import scan_similarity  # noqa: E402
 from mmgoal.registry import MODELS, OBJECTIVES, TOKENIZERS  # noqa: E402
+from mmgoal.structures import (  # noqa: E402
+    ImageFeatures,
+    ObjectiveInputs,  # noqa: E402
+    TextFeatures,
+)
 
 GPU_TESTS = ["tests/test_cuda.py", "tests/engine/test_cuda_training.py"]
 CAPTIONS = ["a large red circle left of a small blue square", "a green star above a cross",
@@ -289,7 +293,7 @@ def goal_rows(device: torch.device, dry_run: bool) -> list[dict]:
 
         def step():
             sims = base.clone().requires_grad_()
-            out = objective(sims)
+            out = objective(ObjectiveInputs(sims))
             sum(v for k, v in out.items() if k.endswith("_loss")).backward()
 
         reset_peak(device)

@@ -29,6 +29,7 @@ def measure(name: str, batch: int, repeats: int) -> dict:
     import torch.nn.functional as F
 
     from mmgoal.registry import OBJECTIVES
+    from mmgoal.structures import ObjectiveInputs
 
     torch.manual_seed(0)
     cfg = {"type": "TripletLoss"} if name == BASELINE else {
@@ -42,7 +43,7 @@ def measure(name: str, batch: int, repeats: int) -> dict:
     for _ in range(repeats + 1):  # the first run warms up
         sims = base.clone().requires_grad_()
         start = time.perf_counter()
-        out = objective(sims)
+        out = objective(ObjectiveInputs(sims))
         sum(v for k, v in out.items() if k.endswith("_loss")).backward()
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before

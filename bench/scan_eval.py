@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from mmgoal.evaluation.gallery import score_gallery
-from mmgoal.models.features import ImageFeatures, TextFeatures
 from mmgoal.models.layers.cross_attention import scan_similarity
+from mmgoal.structures import ImageFeatures, TextFeatures
 
 
 class _Scorer(torch.nn.Module):

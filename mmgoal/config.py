@@ -9,16 +9,22 @@ A config is plain data: it is read with ``yaml.safe_load`` and never runs code.
 * ``overrides`` (``--cfg-options``) are ``dotted.key=value`` strings; values are
   parsed as Python literals (``1``, ``1e-3``, ``[1, 2]``, ``'a'``; ``true``,
   ``false``, ``null`` too), anything else stays a string. Overriding a key that
-  does not exist is an error, so a typo never passes silently.
+  nothing knows is an error with the closest match, so a typo never passes
+  silently; ``apply_override``'s ``known_keys`` says which absent keys a
+  schema knows (the trainer's: :func:`mmgoal.engine.schema.load_run_config`).
+* :class:`ConfigSection` is the base of a section's schema: a dataclass whose
+  fields are the section's keys with their defaults, read by ``from_dict``.
 """
 
 from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import difflib
 import os
-from collections.abc import Iterable, Mapping
+import typing
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +117,15 @@ def parse_value(text: str) -> Any:
     return text
 
 
-def apply_override(cfg: dict, override: str) -> None:
-    """Apply one ``dotted.key=value`` override in place; the key must exist."""
+KnownKeys = Callable[[list[str], dict], Iterable[str]]
+
+
+def apply_override(cfg: dict, override: str, known_keys: KnownKeys | None = None) -> None:
+    """Apply one ``dotted.key=value`` override in place.
+
+    The key must exist, or ``known_keys(path, mapping)`` (``path``: the keys
+    leading to ``mapping``) must name it as a key that mapping may hold.
+    """
     if "=" not in override:
         raise ValueError(f"override {override!r} must look like key.subkey=value")
     dotted, text = override.split("=", 1)
@@ -129,12 +142,14 @@ def apply_override(cfg: dict, override: str) -> None:
                 )
             key = int(key)
         elif isinstance(node, dict):
-            if key not in node:
-                close = difflib.get_close_matches(key, [str(k) for k in node], n=1)
+            allowed = set(known_keys(keys[:depth], node)) if known_keys else set()
+            if key not in node and not (last and key in allowed):
+                choices = sorted({str(k) for k in node} | allowed)
+                close = difflib.get_close_matches(key, choices, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ValueError(
                     f"override {dotted!r}: no key {key!r} under {where}.{hint} "
-                    f"Keys there: {', '.join(sorted(map(str, node)))}"
+                    f"Keys there: {', '.join(choices)}"
                 )
         else:
             raise ValueError(f"override {dotted!r}: {where} is a value, not a mapping or list")
@@ -147,3 +162,77 @@ def apply_override(cfg: dict, override: str) -> None:
 def dump_config(cfg: Mapping, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (what was run, reloadable with load_config)."""
     Path(path).write_text(yaml.safe_dump(dict(cfg), sort_keys=False))
+
+
+def unknown_key_error(where: str, unknown: Iterable[str], known: Iterable[str]) -> ValueError:
+    """The error for keys a section does not have, with the closest known key for each."""
+    known = sorted(known)
+    hints = []
+    for key in sorted(unknown):
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ValueError(f"unknown key(s) {', '.join(hints)} in '{where}'; known keys: "
+                      f"{', '.join(known)}")
+
+
+@dataclasses.dataclass
+class ConfigSection:
+    """A config section's schema: subclasses are dataclasses whose fields are its keys.
+
+    A field whose type is another ``ConfigSection`` (or ``None`` or one) is read
+    as a nested section. ``__post_init__`` of a subclass checks its values.
+    """
+
+    @classmethod
+    def from_dict(cls, given: Mapping[str, Any] | None, where: str):
+        """The section from a config mapping; an unknown key is a ``ValueError``.
+
+        Args:
+            given: the section as written (``None``: every default).
+            where: its dotted name, for messages (``"train"``, ``"data.val"``; ``""``:
+                the whole config).
+        """
+        if given is not None and not isinstance(given, Mapping):
+            raise ValueError(f"'{where or 'the config'}' must be a mapping, got {given!r}")
+        given = dict(given or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(given) - set(fields)
+        if unknown:
+            raise unknown_key_error(where or "the top level", unknown, fields)
+        prefix = f"{where}." if where else ""
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for name, value in given.items():
+            section = _section_type(hints[name])
+            values[name] = (section.from_dict(value, prefix + name)
+                            if section is not None and value is not None else value)
+        missing = sorted(name for name, f in fields.items() if name not in values
+                         and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"the config has no {', '.join(prefix + m for m in missing)}")
+        return cls(**values)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The keys this section may hold."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as plain config data, defaults included."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _section_type(hint: Any) -> type[ConfigSection] | None:
+    """The ``ConfigSection`` class a field's type names, directly or as ``X | None``."""
+    candidates = typing.get_args(hint) or (hint,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, ConfigSection):
+            return candidate
+    return None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, ConfigSection):
+        return value.to_dict()
+    return copy.deepcopy(value)

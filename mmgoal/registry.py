@@ -15,8 +15,11 @@ import difflib
 import importlib
 import inspect
 import logging
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -24,15 +27,33 @@ logger = logging.getLogger(__name__)
 PLUGIN_GROUP = "mmgoal.plugins"
 
 
+class ConfigError(ValueError, TypeError):
+    """A component config that cannot be built: an unknown or missing key, a bad value.
+
+    A ``ValueError`` (tools report it and exit 2) and, as the arguments a
+    component was called with, a ``TypeError``.
+    """
+
+
+class UnknownNameError(ConfigError, KeyError):
+    """A ``type`` that is not in the registry (also a ``KeyError``, as a lookup)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
 class Registry:
     """A named mapping from component names to classes or functions.
 
     Args:
         name: what the registry holds, used in error messages (``"objective"``).
+        inputs: parameters its entries receive when called (a weight's scores),
+            which are never config keys.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, inputs: tuple[str, ...] = ()) -> None:
         self.name = name
+        self.inputs = inputs  # call-time parameters of its entries, never config keys
         self._entries: dict[str, Callable[..., Any]] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -76,12 +97,26 @@ class Registry:
             available = self.names()
             close = difflib.get_close_matches(name, available, n=1, cutoff=0.5)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise KeyError(
+            raise UnknownNameError(
                 f"{name!r} is not in the {self.name} registry.{hint} Available: "
                 f"{', '.join(available) or '(none)'}. A component of your own must be "
                 f"imported first: list its module under custom_imports in the config."
             )
         return self._entries[name]
+
+    def parameters(self, name: str) -> tuple[list[str], bool]:
+        """The keyword parameters of the component ``name``, and whether it takes any.
+
+        A class whose ``__init__`` passes ``**kwargs`` on to its base class takes
+        the base's parameters too (followed up the MRO); it takes any keyword
+        only when no class on the way names its parameters in full.
+        """
+        params, takes_any = _keyword_parameters(self.get(name))
+        return [p.name for p in params if p.name not in self.inputs], takes_any
+
+    def required(self, name: str) -> list[str]:
+        """The parameters of ``name`` that have no default."""
+        return [p.name for p in _keyword_parameters(self.get(name))[0] if p.default is p.empty]
 
     def build(self, cfg: Mapping[str, Any], **context: Any) -> Any:
         """Build the component described by ``cfg`` (``type`` plus keyword arguments).
@@ -91,55 +126,49 @@ class Registry:
         config does not set it.
         """
         if not isinstance(cfg, Mapping) or "type" not in cfg:
-            raise TypeError(
+            raise ConfigError(
                 f"a {self.name} config must be a mapping with a 'type' key, got {cfg!r}"
             )
         kwargs = copy.deepcopy(dict(cfg))
         type_name = kwargs.pop("type")
         target = self.get(type_name)
-        signature = inspect.signature(target)
-        params = signature.parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        accepted, takes_any = self.parameters(type_name)
         # Context goes to named parameters only: a class without its own __init__
         # (nn.Module's *args, **kwargs) must not receive the tokenizer.
-        named = {n for n, p in params.items()
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        kwargs.update({k: v for k, v in context.items() if k in named and k not in kwargs})
+        kwargs.update({k: v for k, v in context.items() if k in accepted and k not in kwargs})
         if not takes_any:
-            accepted = [
-                n for n, p in params.items()
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            ]
             unknown = [k for k in kwargs if k not in accepted]
             if unknown:
                 hints = []
                 for key in unknown:
                     close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
                     hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-                raise TypeError(
+                raise ConfigError(
                     f"{self.name} {type_name!r} got unknown config key(s) {', '.join(hints)}; "
                     f"it accepts: {', '.join(accepted)}"
                 )
-            missing = [
-                n for n, p in params.items()
-                if p.default is inspect.Parameter.empty
-                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                and n not in kwargs
-            ]
+            missing = [n for n in self.required(type_name) if n not in kwargs]
             if missing:
-                raise TypeError(
+                raise ConfigError(
                     f"{self.name} {type_name!r} needs config key(s) {', '.join(missing)}"
                 )
         return target(**kwargs)
 
 
-def accepted_kwargs(target: Callable[..., Any], candidates: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``candidates`` that ``target`` accepts: all of them when it takes ``**kwargs``,
-    else those it names as parameters."""
-    params = inspect.signature(target).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(candidates)
-    return {k: v for k, v in candidates.items() if k in params}
+def _keyword_parameters(target: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool]:
+    """The keyword parameters of a function, or of a class's ``__init__`` and, while it
+    passes ``**kwargs`` on, of the ``__init__`` up its MRO; and whether any keyword goes."""
+    inits = [cls.__dict__["__init__"] for cls in target.__mro__
+             if cls is not object and "__init__" in cls.__dict__] \
+        if isinstance(target, type) else [target]
+    params: dict[str, inspect.Parameter] = {}
+    for init in inits:
+        signature = inspect.signature(init).parameters.values()
+        params.update({p.name: p for p in signature if p.name not in params and p.name != "self"
+                       and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)})
+        if not any(p.kind is p.VAR_KEYWORD for p in signature):
+            return list(params.values()), False
+    return list(params.values()), bool(inits)
 
 
 MODELS = Registry("model")
@@ -153,8 +182,9 @@ TRANSFORMS = Registry("transform")
 HOOKS = Registry("hook")
 STRATEGIES = Registry("strategy")
 OPTIMIZERS = Registry("optimizer")
-TRIPLET_WEIGHTS = Registry("triplet weight")
-PAIR_WEIGHTS = Registry("pair weight")
+SCHEDULES = Registry("schedule")
+TRIPLET_WEIGHTS = Registry("triplet weight", inputs=("s_p", "s_n"))
+PAIR_WEIGHTS = Registry("pair weight", inputs=("s_p", "s_n", "relative"))
 CHECKPOINT_REMAPS = Registry("checkpoint remap")
 TEXT_AUGMENTS = Registry("text augment")
 SHARD_SOURCES = Registry("shard source")
@@ -162,22 +192,45 @@ SHARD_SOURCES = Registry("shard source")
 _plugins_loaded = False
 
 
-def import_custom_modules(modules: Iterable[str]) -> None:
+def import_custom_modules(modules: Iterable[str], beside: str | os.PathLike | None = None
+                          ) -> None:
     """Import the modules a config names under ``custom_imports``.
 
+    Args:
+        modules: dotted module names.
+        beside: the config file's folder: a named module that is not importable
+            otherwise is looked for there (the folder joins ``sys.path``), so a
+            plug-in can sit next to its config. Only the named modules are imported.
+
     Raises:
-        ImportError: a module cannot be imported; the message names it.
+        ImportError: a module cannot be imported; the message names it and says
+            where it was looked for.
     """
     if isinstance(modules, str):
         modules = [modules]
     for module in modules:
         try:
             importlib.import_module(module)
+            continue
+        except ModuleNotFoundError as error:
+            missing_itself = error.name is not None and module.startswith(error.name)
+            if beside is None or not missing_itself:
+                raise _custom_import_error(module, error, beside) from error
+        folder = str(Path(beside).resolve())
+        if folder not in sys.path:
+            sys.path.append(folder)
+        try:
+            importlib.import_module(module)
         except ImportError as error:
-            raise ImportError(
-                f"custom_imports lists {module!r}, which cannot be imported ({error}); "
-                f"check the module path and that its package is installed or on PYTHONPATH"
-            ) from error
+            raise _custom_import_error(module, error, beside) from error
+
+
+def _custom_import_error(module: str, error: ImportError,
+                         beside: str | os.PathLike | None) -> ImportError:
+    where = f" (also looked beside the config, in {beside})" if beside is not None else ""
+    return ImportError(f"custom_imports lists {module!r}, which cannot be imported: "
+                       f"{error}{where}; put the module beside the config, install its "
+                       f"package, or add its folder to PYTHONPATH")
 
 
 def load_plugins() -> None:

@@ -16,9 +16,9 @@ from mmgoal.devices import autocast, move_to_device
 from mmgoal.evaluation.gallery import score_gallery
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
-from mmgoal.models.features import ImageFeatures, TextFeatures
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import MODELS, OBJECTIVES
+from mmgoal.structures import ImageFeatures, ObjectiveInputs, TextFeatures
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -84,7 +84,8 @@ def test_every_model_family_trains_on_cuda(family, precision):
     with autocast(CUDA, precision):
         images, texts = model.encode_image(batch), model.encode_text(batch)
         sims = model.similarity(images, texts)
-        loss = objective(sims, positives_from_groups(batch["image_groups"]))["goal_loss"]
+        positives = positives_from_groups(batch["image_groups"])
+        loss = objective(ObjectiveInputs(sims, positives))["goal_loss"]
     assert sims.is_cuda and torch.isfinite(sims).all()
     if family != "SCAN" and precision != "fp32":  # a plain product of embeddings
         assert sims.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -111,7 +112,7 @@ def test_goal_gradients_on_cuda_equal_the_cpu(triplet, pair):
     results = []
     for device in ("cpu", "cuda"):
         scores = sims.to(device).requires_grad_()
-        out = objective(scores, positives.to(device))
+        out = objective(ObjectiveInputs(scores, positives.to(device)))
         out["goal_loss"].backward()
         results.append((out["goal_loss"].detach().cpu(), scores.grad.cpu()))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmgoal.devices import autocast, check_precision, move_to_device, resolve_device
-from mmgoal.models.features import ImageFeatures
+from mmgoal.structures import ImageFeatures
 
 NO_CUDA = not torch.cuda.is_available()
 

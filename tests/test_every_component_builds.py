@@ -9,6 +9,7 @@ import torch
 import mmgoal  # noqa: F401
 from mmgoal import registry
 from mmgoal.data.tokenizers import WordTokenizer
+from mmgoal.structures import ObjectiveInputs
 
 TOKENIZER = WordTokenizer(vocab=["a", "red", "circle"])
 EXAMPLES = {
@@ -68,6 +69,8 @@ EXAMPLES = {
     # remaps are functions, exercised in tests/models/test_pretrained.py
     "CHECKPOINT_REMAPS": {"timm": None, "efficientnet_pytorch": None},
     "OPTIMIZERS": {"AdamW": {"lr": 1e-3}, "Adam": {"lr": 1e-3}, "SGD": {"lr": 1e-3}},
+    "SCHEDULES": {"constant": {"warmup_steps": 2}, "cosine": {"min_ratio": 0.1},
+                  "linear": {"warmup_ratio": 0.1}, "step": {"milestones": [2], "gamma": 0.5}},
     # deepspeed and accelerate start process groups and global state:
     # tests/engine/test_distributed.py and test_strategies.py build them
     "STRATEGIES": {"torch": {"device": "cpu"}, "single": {}, "ddp": {"bucket_mb": 1.0},
@@ -101,12 +104,50 @@ def test_every_registered_name_has_an_example_that_builds(registry_name):
                                           tokenizer=TOKENIZER)
             batch = {"images": torch.randn(4, 3, 16, 16),
                      **TOKENIZER(["a red circle", "a circle", "red", "a red red circle"])}
-            out = built(sims, positives=torch.eye(4, dtype=torch.bool), model=model,
-                        image_features=model.encode_image(batch),
-                        text_features=model.encode_text(batch))
+            out = built(ObjectiveInputs(sims, positives=torch.eye(4, dtype=torch.bool),
+                                        model=model, image_features=model.encode_image(batch),
+                                        text_features=model.encode_text(batch)))
             loss = sum(v for k, v in out.items() if k.endswith("_loss"))
             loss.backward()
             if name == "ITMLoss":  # the scores only pick the negatives; the fusion learns
                 assert model.itm_head.weight.grad.abs().sum() > 0
             else:
                 assert torch.isfinite(sims.grad).all() and sims.grad.abs().sum() > 0
+
+
+# What each built-in model offers beyond the required contract.
+CAPABILITIES_OF = {"DualEncoder": set(), "SCAN": {"CrossAttentionModel"},
+                   "XVLM": {"MatchingModel", "MaskedLanguageModel", "BoxPredictingModel"}}
+
+
+@pytest.mark.parametrize("name", registry.MODELS.names())
+def test_every_model_follows_the_model_contract(name):
+    """docs/plugins.md's model Protocol: the required methods, with the protocol's
+    parameters, for every registered model; and exactly the capabilities it claims."""
+    import inspect
+
+    from mmgoal import contract
+
+    model = registry.MODELS.build({"type": name, **EXAMPLES["MODELS"][name]},
+                                  tokenizer=TOKENIZER)
+    assert isinstance(model, contract.RetrievalModel)
+    offered = {protocol.__name__ for protocol in contract.CAPABILITIES
+               if isinstance(model, protocol)}
+    assert offered == CAPABILITIES_OF[name]
+    for protocol in (contract.RetrievalModel, *contract.CAPABILITIES):
+        if not isinstance(model, protocol):
+            continue
+        for method in ("encode_image", "encode_text", "similarity", "attention", "match_logits",
+                       "mlm_logits", "predict_boxes"):
+            if method not in vars(protocol):
+                continue
+            wanted = [p for p in inspect.signature(getattr(protocol, method)).parameters
+                      if p != "self"]
+            given = list(inspect.signature(getattr(model, method)).parameters)
+            assert given[:len(wanted)] == wanted, (name, method, given)
+    with pytest.raises(ValueError, match=r"ITM re-ranking\) needs a MatchingModel "
+                                         r"\(match_logits\(\)\); DualEncoder is not one"):
+        contract.require(registry.MODELS.build({"type": "DualEncoder",
+                                                **EXAMPLES["MODELS"]["DualEncoder"]},
+                                               tokenizer=TOKENIZER),
+                         contract.MatchingModel, "evaluation.rerank_k (ITM re-ranking)")

@@ -24,30 +24,16 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from mmgoal.config import load_config  # noqa: E402
-from mmgoal.data.transforms import build_transforms  # noqa: E402
 from mmgoal.devices import resolve_device  # noqa: E402
-from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 from mmgoal.engine.trainer import metrics_table  # noqa: E402
 from mmgoal.evaluation.gallery import Member, evaluate_retrieval  # noqa: E402
-
-
-def member(cfg: dict, state: dict, device) -> Member:
-    """A model on ``device`` with the preprocessing of its config."""
-    model, tokenizer = model_from_checkpoint(cfg, state)
-    model.to(device)
-    data_cfg = cfg["data"]
-    transform = build_transforms(data_cfg.get("eval_transforms"), data_cfg.get("image_size", 64))
-    return Member(model, transform, tokenizer)
+from mmgoal.evaluation.loading import load_for_evaluation  # noqa: E402
+from mmgoal.extras import pyplot  # noqa: E402
 
 
 def plot_curve(report, path: Path, title: str) -> None:
-    """The attention precision-recall curve over the T_att sweep."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The attention precision-recall curve over the T_att sweep (needs the plot extra)."""
+    plt = pyplot("the attention precision-recall curve")
     fig, ax = plt.subplots(figsize=(4.5, 4))
     ax.plot(report.recall, report.precision, "o-")
     for t, r, p in zip(report.thresholds, report.recall, report.precision):
@@ -72,7 +58,7 @@ def attention_report(args, cfg: dict, evaluator: Member, split_cfg: dict):
     from mmgoal.evaluation.gallery import encode_gallery
 
     gallery = encode_gallery(evaluator.model, split_cfg["shards"], evaluator.transform,
-                             evaluator.tokenizer, cfg["data"].get("eval_batch_size", 256),
+                             evaluator.tokenizer, cfg["data"]["eval_batch_size"],
                              with_annotations=True)
     source = None
     if args.entities:
@@ -121,34 +107,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
     try:
-        device = resolve_device(args.device, name="--device")
-        cfg = load_config(args.config, args.cfg_options)
-        states = [load_checkpoint(args.checkpoint)]
-        states += [load_checkpoint(path) for path in args.ensemble]
-        split_cfg = cfg["data"].get(args.split)
-        if not split_cfg:
-            raise ValueError(f"the config has no data.{args.split} section")
-        for path, state in zip(args.ensemble, states[1:]):
-            if "config" not in state:
-                raise ValueError(f"{path} holds no config to build its model from")
-        if args.entities and not Path(args.entities, "Sentences").is_dir():
-            raise FileNotFoundError(f"--entities {args.entities}: no Sentences/ folder there")
+        return evaluate(args)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    members = [member(cfg, states[0], device)] + [member(s["config"], s, device)
-                                                   for s in states[1:]]
-    folds = args.folds or split_cfg.get("folds", 1)
-    scoring = dict(cfg.get("evaluation") or {})
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    if args.entities and not Path(args.entities, "Sentences").is_dir():
+        raise FileNotFoundError(f"--entities {args.entities}: no Sentences/ folder there")
+    device = resolve_device(args.device, name="--device")
+    first = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device)
+    # every ensemble member is built from the config saved inside its checkpoint
+    members = [first] + [load_for_evaluation(path, device=device) for path in args.ensemble]
+    cfg = first.config
+    split_cfg = cfg["data"][args.split]
+    if not split_cfg:
+        raise ValueError(f"the config has no data.{args.split} section")
+    folds = args.folds or split_cfg["folds"]
+    scoring = dict(cfg["evaluation"])
     if args.rerank_k is not None:
         scoring["rerank_k"] = args.rerank_k
-    try:
-        metrics = evaluate_retrieval(members, split_cfg["shards"],
-                                     batch_size=cfg["data"].get("eval_batch_size", 256),
-                                     folds=folds, scoring=scoring)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    metrics = evaluate_retrieval(members, split_cfg["shards"],
+                                 batch_size=cfg["data"]["eval_batch_size"], folds=folds,
+                                 scoring=scoring)
     name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)
     print(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
     print(metrics_table(metrics))
@@ -159,18 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     result = {"split": args.split, "folds": folds, "checkpoint": str(args.checkpoint),
               "ensemble": list(args.ensemble), "metrics": metrics}
     if args.attention:
-        try:
-            report = attention_report(args, cfg, members[0], split_cfg)
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+        report = attention_report(args, cfg, first, split_cfg)
         best = report.best
         print(f"attention ({report.phrases} phrases, T_IoU {args.t_iou}): best F1 "
               f"{best['f1']:.4f} at T_att {best['t_att']:g} (precision {best['precision']:.4f},"
               f" recall {best['recall']:.4f})")
         curve = Path(args.curve or f"{args.checkpoint}.{args.split}.attention.png")
-        plot_curve(report, curve, f"attention PR, {Path(args.checkpoint).parent.parent.name}")
-        print(f"PR curve written to {curve}")
+        try:
+            plot_curve(report, curve,
+                       f"attention PR, {Path(args.checkpoint).parent.parent.name}")
+            print(f"PR curve written to {curve}")
+        except ImportError as error:  # the metrics need no matplotlib: report and go on
+            print(f"no PR curve: {error}", file=sys.stderr)
         result["attention"] = report.as_dict()
     out = Path(args.out or f"{args.checkpoint}.{args.split}.json")
     out.write_text(json.dumps(result, indent=2))

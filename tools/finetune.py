@@ -3,6 +3,7 @@
     python tools/finetune.py configs/quickstart.yaml
     python tools/finetune.py configs/quickstart.yaml --cfg-options train.epochs=2 optimizer.lr=1e-3
     python tools/finetune.py configs/quickstart.yaml --work-dir work_dirs/run1 --resume
+    python tools/finetune.py configs/quickstart.yaml --print-config   # every key, defaults included
     torchrun --nproc_per_node 2 tools/finetune.py configs/quickstart.yaml
     deepspeed --num_gpus 2 tools/finetune.py configs/quickstart.yaml --deepspeed [ds.json]
     python tools/finetune.py configs/gpu/quickstart_bf16.yaml         # a GPU, bf16 autocast
@@ -16,11 +17,13 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from mmgoal.config import load_config  # noqa: E402
+from mmgoal.engine.schema import load_run_config  # noqa: E402
 from mmgoal.engine.strategies import has_checkpoint  # noqa: E402
 from mmgoal.engine.trainer import Trainer, check_data_paths, metrics_table  # noqa: E402
 
@@ -31,8 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override config keys, e.g. train.epochs=2 data.train.batch_size=64")
     parser.add_argument("--work-dir", help="run directory (default: work_dirs/<config name>)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (bases merged, every default filled in, "
+                             "overrides applied) and exit")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in <work-dir>/checkpoints")
+                        help="continue from the latest checkpoint in <work-dir>/checkpoints, "
+                             "with the run's own config.yaml (plus --cfg-options)")
     parser.add_argument("--auto-resume", action="store_true",
                         help="--resume when <work-dir> has a checkpoint, else start afresh "
                              "(for jobs that a scheduler requeues)")
@@ -54,6 +61,18 @@ def with_deepspeed(cfg: dict, deepspeed: bool | str) -> dict:
     return {**cfg, "strategy": strategy}
 
 
+def run_config_file(config: str, work_dir: Path, resume: bool) -> Path:
+    """The config a run trains with: a resumed run keeps its own ``config.yaml`` (what
+    trained its weights), whatever the config file says now."""
+    stored = work_dir / "config.yaml"
+    if not (resume and stored.is_file()):
+        return Path(config)
+    logging.getLogger(__name__).info(
+        "resuming with the run's own config %s (%s is not read again; change settings of a "
+        "resumed run with --cfg-options)", stored, config)
+    return stored
+
+
 def setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -68,19 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     setup_logging()
+    work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
+    resume = args.resume or (args.auto_resume and has_checkpoint(work_dir / "checkpoints"))
     try:
-        cfg = load_config(args.config, args.cfg_options)
+        cfg = load_run_config(run_config_file(args.config, work_dir, resume), args.cfg_options)
         if args.deepspeed:
             cfg = with_deepspeed(cfg, args.deepspeed)
+        if args.print_config:
+            print(yaml.safe_dump(cfg, sort_keys=False), end="")
+            return 0
         check_data_paths(cfg)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
-    resume = args.resume or (args.auto_resume and has_checkpoint(work_dir / "checkpoints"))
     try:
         trainer = Trainer(cfg, work_dir, resume=resume)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a missing extra
         print(f"error: {error}", file=sys.stderr)
         return 2
     report = trainer.fit()

@@ -27,8 +27,9 @@ from mmgoal.registry import SHARD_SOURCES, import_custom_modules
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
-        "sources: " + ", ".join(SHARD_SOURCES.names())))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog=source_options_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a registered shard source: "
                                        + ", ".join(SHARD_SOURCES.names()))
     parser.add_argument("--out", type=Path, required=True, help="folder of the shards")
@@ -41,6 +42,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     args, rest = parser.parse_known_args(argv)
     import_custom_modules(args.custom_imports)
     return args, source_options(args.source, rest)
+
+
+def source_options_help() -> str:
+    """The options of every registered source, one source a line (optional ones bracketed)."""
+    lines = ["source options (after SOURCE; those in brackets have defaults):"]
+    for source in SHARD_SOURCES.names():
+        required = SHARD_SOURCES.required(source)
+        options = [f"--{p.replace('_', '-')}" if p in required else f"[--{p.replace('_', '-')}]"
+                   for p in inspect.signature(SHARD_SOURCES.get(source)).parameters]
+        lines.append(f"  {source}: {' '.join(options)}")
+    return "\n".join(lines)
 
 
 def source_options(source: str, rest: list[str]) -> dict:

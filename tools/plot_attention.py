@@ -1,7 +1,7 @@
 """Draw an image with its regions shaded by one word's attention (a cross-attention model).
 
     python tools/plot_attention.py configs/scan/scan_synthetic.yaml \
-        work_dirs/scan_synthetic/checkpoints/best.pt --index 3 --caption 0 --word circle
+        work_dirs/scan_synthetic/checkpoints/best.pt --index 8 --caption 1 --word triangle
     python tools/plot_attention.py CONFIG CKPT --index 0 --caption 2 --word 4 --out att.png
 
 ``--index`` is the image's position in the split's shards, ``--caption`` one of
@@ -20,23 +20,18 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import webdataset as wds  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
 
-from mmgoal.config import load_config  # noqa: E402
+from mmgoal.contract import CrossAttentionModel, require  # noqa: E402
 from mmgoal.data.pipeline import (  # noqa: E402
     collate_visual,
     decode_sample,
     expand_shards,
     transform_image,
 )
-from mmgoal.data.transforms import build_transforms  # noqa: E402
-from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from mmgoal.evaluation.loading import load_for_evaluation  # noqa: E402
+from mmgoal.extras import pyplot  # noqa: E402
 
 
 def nth_sample(shards, index: int) -> dict:
@@ -65,9 +60,10 @@ def word_position(caption: str, word: str) -> int:
 def word_attention(model, tokenizer, sample: dict, transform, caption: str, position: int):
     """(region boxes as xyxy fractions (R, 4), attention weights (R,)) of one word."""
     batch = collate_visual([transform_image(sample, transform)])
-    if not hasattr(model, "attention") or not hasattr(model.image_encoder, "region_boxes"):
-        raise ValueError(f"{type(model).__name__} with {type(model.image_encoder).__name__} "
-                         f"has no region attention to draw")
+    require(model, CrossAttentionModel, "tools/plot_attention.py")
+    if not hasattr(model.image_encoder, "region_boxes"):
+        raise ValueError(f"{type(model.image_encoder).__name__} cannot say where its regions "
+                         f"are (no region_boxes): there is no region attention to draw")
     tokens = tokenizer.word_token_spans(caption)[position]
     if not tokens:
         raise ValueError("that word was cut by the tokenizer's max_length")
@@ -90,12 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="PNG (default: <checkpoint>.attention_<index>_<word>.png)")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.cfg_options)
-        state = load_checkpoint(args.checkpoint)
-        model, tokenizer = model_from_checkpoint(cfg, state)
-        transform = build_transforms(cfg["data"].get("eval_transforms"),
-                                     cfg["data"].get("image_size", 64))
-        sample = nth_sample(cfg["data"][args.split]["shards"], args.index)
+        plt = pyplot("tools/plot_attention.py")
+        loaded = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device="cpu")
+        model, tokenizer, transform = loaded.model, loaded.tokenizer, loaded.transform
+        split = loaded.config["data"][args.split]
+        if not split:
+            raise ValueError(f"the config has no data.{args.split} section")
+        sample = nth_sample(split["shards"], args.index)
         if "image" not in sample:
             raise ValueError("the sample has no image to draw (regions only)")
         if args.caption >= len(sample["captions"]):
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         caption = sample["captions"][args.caption]
         position = word_position(caption, args.word)
         boxes, weights = word_attention(model, tokenizer, sample, transform, caption, position)
-    except (FileNotFoundError, ValueError, KeyError) as error:
+    except (ImportError, FileNotFoundError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     image = sample["image"]
@@ -121,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             whole.append(weight)
             continue
         alpha = 0.6 * weight / max(top, 1e-8)
-        ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor="yellow", alpha=alpha,
+        ax.add_patch(plt.Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor="yellow", alpha=alpha,
                                edgecolor="red", linewidth=1.5 if weight == top else 0.5))
         ax.text(x0 + 0.5, y0 + 0.5, f"{weight:.2f}", fontsize=7, va="top", color="black",
                 bbox={"facecolor": "white", "alpha": 0.6, "pad": 0.5, "linewidth": 0})

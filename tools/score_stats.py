@@ -20,17 +20,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from mmgoal.data.pipeline import iter_eval_batches  # noqa: E402
-from mmgoal.data.transforms import build_transforms  # noqa: E402
-from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from mmgoal.evaluation.loading import load_for_evaluation  # noqa: E402
 from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
 
 
 def score_stats(run_dir: Path, split: str, pairs: int) -> dict[str, float]:
-    state = load_checkpoint(run_dir / "checkpoints" / "best.pt")
-    cfg = state["config"]
-    model, tokenizer = model_from_checkpoint(cfg, state)
-    transform = build_transforms(cfg["data"].get("eval_transforms"),
-                                 cfg["data"].get("image_size", 64))
+    loaded = load_for_evaluation(run_dir / "checkpoints" / "best.pt", device="cpu")
+    model, tokenizer, transform, cfg = (loaded.model, loaded.tokenizer, loaded.transform,
+                                        loaded.config)
     positive, negative = [], []
     with torch.no_grad():
         for batch in iter_eval_batches(cfg["data"][split]["shards"], transform, 128):
@@ -44,7 +41,7 @@ def score_stats(run_dir: Path, split: str, pairs: int) -> dict[str, float]:
             if sum(len(p) for p in positive) >= pairs:
                 break
     s_p, s_n = torch.cat(positive)[:pairs], torch.cat(negative)[:pairs]
-    return {"epoch": state["epoch"], "pairs": len(s_p), "positive_median": s_p.median().item(),
+    return {"epoch": loaded.epoch, "pairs": len(s_p), "positive_median": s_p.median().item(),
             "negative_median": s_n.median().item(), "negative_q25": s_n.quantile(0.25).item(),
             "negative_q75": s_n.quantile(0.75).item()}
 

@@ -2,9 +2,14 @@
 
     python tools/sweep.py configs/goal/sweep_synthetic.yaml --seeds 3 --out work_dirs/sweep
     python tools/sweep.py configs/goal/sweep_synthetic.yaml --triplet nca cir --pair con sig_ms \\
-        --grid objective.tau=1,5,10,30 --seeds 3 --out work_dirs/sweep_tau
+        --grid objective.triplet.tau=1,5,10,30 --seeds 3 --out work_dirs/sweep_tau
 
-The config's objective must be a ``GoalObjective``. Every run gets its own
+The config's objective must be a ``GoalObjective``. Each run sets
+``objective.triplet`` and ``objective.pair`` to the combination under test, with
+the grid's ``objective.triplet.<option>`` / ``objective.pair.<option>`` values as
+that weight's options (the config's own weight options are replaced); a grid
+option that a swept weight does not take is an error before anything trains.
+Other grid keys are ordinary overrides. Every run gets its own
 directory ``OUT/<triplet>x<pair>/<grid point>/seed<k>``; a sweep started again
 skips finished runs and resumes an interrupted one from its last checkpoint.
 Writes ``OUT/runs.json`` (every run: setting, seed, validation rsum, test
@@ -28,20 +33,27 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from mmgoal.config import load_config, parse_value  # noqa: E402
+from mmgoal.config import parse_value  # noqa: E402
+from mmgoal.engine.schema import load_run_config  # noqa: E402
 from mmgoal.engine.trainer import Trainer, check_data_paths  # noqa: E402
+from mmgoal.registry import OBJECTIVES  # noqa: E402
 
 TRIPLETS = ("con", "nca", "cir")
 PAIRS = ("con", "lin", "sig", "lin_ms", "sig_ms")
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list]]:
-    """``["objective.tau=1,5,10"]`` -> ``[("objective.tau", [1, 5, 10])]``."""
+    """``["objective.triplet.tau=1,5"]`` -> ``[("objective.triplet.tau", [1, 5])]``."""
     grid = []
     for item in items:
         key, sep, values = item.partition("=")
         if not sep or not values:
             raise ValueError(f"--grid {item!r} must look like key.subkey=v1,v2,...")
+        section, _, name = key.partition(".")
+        if section == "objective" and name not in ("triplet", "pair", "reduction") and (
+                "." not in name):
+            raise ValueError(f"--grid {key}: GOAL weight options go with their weight: "
+                             f"--grid objective.triplet.{name}=... or objective.pair.{name}=...")
         grid.append((key, [parse_value(v) for v in values.split(",")]))
     return grid
 
@@ -55,14 +67,38 @@ def slug(point: dict) -> str:
     return "_".join(f"{k.split('.')[-1]}={v}" for k, v in point.items()) or "default"
 
 
+def setting_overrides(triplet: str, pair: str, point: dict) -> list[str]:
+    """The overrides of one combination and grid point: weight options join their weight."""
+    weights = {"triplet": {"type": triplet}, "pair": {"type": pair}}
+    others = []
+    for key, value in point.items():
+        slot, _, option = key.removeprefix("objective.").partition(".")
+        if key.startswith("objective.") and slot in weights and option:
+            weights[slot][option] = value
+        else:
+            others.append(f"{key}={value}")
+    return [f"objective.{slot}={spec!r}" for slot, spec in weights.items()] + others
+
+
+def check_settings(config: str, cfg_options: list[str], triplets: list[str], pairs: list[str],
+                   points: list[dict]) -> None:
+    """Build every combination's objective once, so a bad option stops the sweep before training."""
+    for triplet, pair, point in itertools.product(triplets, pairs, points):
+        cfg = load_run_config(config, [*cfg_options, *setting_overrides(triplet, pair, point)])
+        if cfg.get("objective", {}).get("type") != "GoalObjective":
+            raise ValueError(f"{config}: the sweep needs objective.type GoalObjective")
+        try:
+            OBJECTIVES.build(cfg["objective"])
+        except (ValueError, KeyError) as error:
+            raise ValueError(f"{triplet}x{pair} {slug(point)}: {error}") from error
+
+
 def run_one(config: str, overrides: list[str], work_dir: Path) -> dict:
     """Train (or resume, or skip) one run; returns its report."""
     report_path = work_dir / "report.json"
     if report_path.is_file():
         return json.loads(report_path.read_text())
-    cfg = load_config(config, overrides)
-    if cfg.get("objective", {}).get("type") != "GoalObjective":
-        raise ValueError(f"{config}: the sweep needs objective.type GoalObjective")
+    cfg = load_run_config(config, overrides)
     cfg.setdefault("train", {})["progress"] = False
     resume = (work_dir / "checkpoints" / "last.pt").is_file()
     report = Trainer(cfg, work_dir, resume=resume).fit()
@@ -115,27 +151,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair", nargs="+", default=list(PAIRS), choices=PAIRS)
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per setting")
     parser.add_argument("--grid", nargs="+", default=[], metavar="KEY=V1,V2",
-                        help="extra hyperparameter grid, e.g. objective.tau=1,5,10,30")
+                        help="extra hyperparameter grid, e.g. objective.triplet.tau=1,5,10,30")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default="work_dirs/sweep", help="sweep directory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        grid = parse_grid(args.grid)
-        check_data_paths(load_config(args.config, args.cfg_options))
+        points = grid_points(parse_grid(args.grid))
+        check_data_paths(load_run_config(args.config, args.cfg_options))
+        check_settings(args.config, args.cfg_options, args.triplet, args.pair, points)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = list(itertools.product(args.triplet, args.pair, grid_points(grid),
-                                      range(args.seeds)))
+    settings = list(itertools.product(args.triplet, args.pair, points, range(args.seeds)))
     runs = []
     start = time.perf_counter()
     for index, (triplet, pair, point, seed) in enumerate(settings, 1):
-        overrides = [*args.cfg_options, f"objective.triplet={triplet}",
-                     f"objective.pair={pair}", f"train.seed={seed}",
-                     *(f"{k}={v}" for k, v in point.items())]
+        overrides = [*args.cfg_options, f"train.seed={seed}",
+                     *setting_overrides(triplet, pair, point)]
         work_dir = out / f"{triplet}x{pair}" / slug(point) / f"seed{seed}"
         try:
             report = run_one(args.config, overrides, work_dir)

@@ -1,3 +1,3 @@
 """Trainer, optimizers, schedules, hooks and checkpoints."""
 
-from mmgoal.engine import hooks, optimizers, strategies  # noqa: F401
+from mmgoal.engine import hooks, optimizers, schedules, strategies  # noqa: F401

@@ -13,7 +13,20 @@ if TYPE_CHECKING:
 
 
 class Hook:
-    """Base class: every method is a no-op; override the ones you need."""
+    """Base class: every method is a no-op; override the ones you need.
+
+    The trainer calls them in this order (docs/plugins.md):
+
+    * ``before_train``: once per ``fit()``, also when a resumed run starts.
+    * ``before_epoch``: ``trainer.epoch`` is the epoch about to run (after the
+      model is put in train mode; on a resume, before the epoch's rest).
+    * ``after_step``: ``trainer.step`` counts the step just taken; ``outputs``
+      are its losses averaged over the accumulation window, plus ``nonfinite``.
+    * ``after_epoch``: ``trainer.epoch`` is still the epoch just trained; after
+      validation (``metrics``; empty when it did not run) and best.pt, before
+      the epoch counter moves and the epoch's checkpoint is written.
+    * ``after_train``: after the last epoch, before the test evaluation.
+    """
 
     def before_train(self, trainer: Trainer) -> None: ...
 

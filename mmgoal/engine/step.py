@@ -7,12 +7,14 @@ attention constraints are its children, and its ``forward`` returns the losses.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from mmgoal.objectives.gather import gather_features, gather_groups, world_info
+from mmgoal.engine.gather import gather_features, gather_groups, world_info
 from mmgoal.objectives.mining import positives_from_groups
-from mmgoal.registry import accepted_kwargs
+from mmgoal.structures import ObjectiveInputs
 
 
 class TrainingStep(nn.Module):
@@ -24,11 +26,14 @@ class TrainingStep(nn.Module):
         constraints: attention constraints (CCR/CCS), computed on this rank's pairs.
         gather: with several processes, score the features gathered from every
             rank (the global batch) instead of this rank's alone.
+        tokenizer: the run's tokenizer, handed to objectives in their inputs.
     """
 
     def __init__(self, model: nn.Module, objective: nn.Module,
-                 constraints: list[nn.Module] | None = None, gather: bool = True) -> None:
+                 constraints: list[nn.Module] | None = None, gather: bool = True,
+                 tokenizer: Any = None) -> None:
         super().__init__()
+        self.tokenizer = tokenizer
         self.model = model
         self.objective = objective
         self.constraints = nn.ModuleList(constraints or [])
@@ -52,12 +57,11 @@ class TrainingStep(nn.Module):
             groups = gather_groups(batch["image_ids"], device=groups.device)
         sims = self.model.similarity(all_images, all_texts)
         # Per-pair objectives (MLM, box grounding) take this rank's own pairs.
-        outputs = objective(sims, positives=positives_from_groups(groups),
-                            **accepted_kwargs(objective.forward, {
-                                "model": self.model, "image_features": all_images,
-                                "text_features": all_texts, "batch": batch,
-                                "local_image_features": image_features,
-                                "local_text_features": text_features}))
+        outputs = objective(ObjectiveInputs(
+            sims, positives_from_groups(groups), image_features=all_images,
+            text_features=all_texts, local_image_features=image_features,
+            local_text_features=text_features, batch=batch, model=self.model,
+            tokenizer=self.tokenizer))
         if len(self.constraints):  # image b and text b of a training batch are a matched pair
             attention = self.model.attention(image_features, text_features)
             for constraint in self.constraints:

@@ -22,7 +22,6 @@ rank after the same step, with a checkpoint; a second SIGINT stops at once.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import logging
@@ -40,6 +39,7 @@ from tqdm import tqdm
 
 import mmgoal
 from mmgoal.config import dump_config
+from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.pipeline import expand_shards, read_captions
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
@@ -49,9 +49,10 @@ from mmgoal.engine.checkpoint import (
     save_checkpoint,
     summarise_keys,
 )
-from mmgoal.engine.schedules import LRSchedule
+from mmgoal.engine.schema import RunConfig, training_sources
 from mmgoal.engine.step import TrainingStep
-from mmgoal.evaluation.gallery import SCORING_DEFAULTS, evaluate_retrieval
+from mmgoal.engine.strategies.base import Strategy
+from mmgoal.evaluation.gallery import evaluate_retrieval
 from mmgoal.models.efficiency import compile_model
 from mmgoal.registry import (
     CONSTRAINTS,
@@ -59,6 +60,7 @@ from mmgoal.registry import (
     HOOKS,
     MODELS,
     OBJECTIVES,
+    SCHEDULES,
     STRATEGIES,
     TOKENIZERS,
     import_custom_modules,
@@ -66,33 +68,6 @@ from mmgoal.registry import (
 )
 
 logger = logging.getLogger(__name__)
-
-TOP_LEVEL_KEYS = ("model", "objective", "data", "optimizer", "schedule", "train", "hooks",
-                  "custom_imports", "evaluation", "load_from", "constraints", "strategy")
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "epochs": 10, "seed": 0, "clip_grad": 2.0, "log_every": 10, "eval_every": 1,
-    "checkpoint_every_steps": 0, "max_nonfinite_steps": 5, "progress": True,
-    "samples_per_epoch": None, "accumulate_steps": 1, "gather_features": True,
-    "scale_lr": "none", "reference_batch": None,
-    # where and how (docs/getting_started.md, "Training on GPUs")
-    "device": "auto", "precision": "fp32", "matmul_precision": "high", "cudnn_benchmark": True,
-    "sync_bn": False, "compile": False,
-}
-LR_SCALINGS = ("none", "linear", "sqrt")
-DATA_DEFAULTS: dict[str, Any] = {
-    "image_size": 64, "num_workers": 1, "train_transforms": None, "eval_transforms": None,
-    "eval_batch_size": 256,
-}
-EVALUATION_DEFAULTS: dict[str, Any] = dict(SCORING_DEFAULTS)
-
-
-def _with_defaults(section: str, given: dict | None, defaults: dict) -> dict:
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(unknown)} in '{section}'; known keys: "
-                         f"{', '.join(sorted(defaults))}")
-    return {**defaults, **given}
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
@@ -118,122 +93,40 @@ class MetricLog:
 class Trainer:
     """Builds model, data, objective and strategy from ``cfg`` and trains them.
 
+    Construction reads top to bottom: the config against its schema
+    (:mod:`mmgoal.engine.schema`), the strategy and its device, the checkpoints
+    to start from, then tokenizer, model and objective, data, optimisation, and
+    the restored progress of a resumed run.
+
     Args:
-        cfg: a resolved config (see ``load_config``).
+        cfg: a config (``load_run_config``; its defaults are filled in here too).
         work_dir: the run directory.
         resume: continue from the latest checkpoint in ``work_dir/checkpoints``.
     """
 
     def __init__(self, cfg: dict, work_dir: str | Path, resume: bool = False) -> None:
-        unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
-        if unknown:
-            raise ValueError(f"unknown top-level config key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(TOP_LEVEL_KEYS)}")
-        for key in ("model", "objective", "data", "optimizer"):
-            if key not in cfg:
-                raise ValueError(f"the config has no '{key}' section")
-        self.cfg = cfg
+        self.config = RunConfig.from_dict(cfg, "")  # checked against the schema
+        self.cfg = self.config.to_dict()  # every default written out: saved as config.yaml
         self.work_dir = Path(work_dir)
         self.checkpoint_dir = self.work_dir / "checkpoints"
-        import_custom_modules(cfg.get("custom_imports", []))
+        import_custom_modules(self.config.custom_imports)
         load_plugins()
-        self.train_cfg = _with_defaults("train", cfg.get("train"), TRAIN_DEFAULTS)
-        if self.train_cfg["scale_lr"] not in LR_SCALINGS:
-            raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
-                             f"{self.train_cfg['scale_lr']!r}")
-        if int(self.train_cfg["accumulate_steps"]) < 1:
-            raise ValueError("train.accumulate_steps must be 1 or more")
-        data_cfg = dict(cfg["data"])
-        splits = {k: data_cfg.pop(k, None) for k in ("tokenizer", "train", "val", "test")}
-        for split in ("tokenizer", "train"):
-            if splits[split] is None:
-                raise ValueError(f"the config has no 'data.{split}' section")
-        for split in ("val", "test"):
-            unknown = sorted(set(splits[split] or {}) - {"shards", "folds"})
-            if unknown:
-                raise ValueError(f"unknown key(s) {', '.join(unknown)} in 'data.{split}'; "
-                                 f"known keys: folds, shards")
-        self.data_cfg = _with_defaults("data", data_cfg, DATA_DEFAULTS)
-        self.eval_cfg = _with_defaults("evaluation", cfg.get("evaluation"), EVALUATION_DEFAULTS)
-        self.splits = splits
-        # The device first: a GPU asked for where there is none stops before anything is built.
-        device = resolve_device(self.train_cfg["device"])
-        configure_cuda(device, self.train_cfg["matmul_precision"],
-                       self.train_cfg["cudnn_benchmark"])
-        self.strategy = STRATEGIES.build(
-            self._strategy_config(cfg), device=device, precision=self.train_cfg["precision"],
-            sync_bn=self.train_cfg["sync_bn"])
+        self.strategy = self._build_strategy()
         self.is_main = self.strategy.is_main
         if self.is_main:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-
         resumed = self.strategy.read_state(self.checkpoint_dir) if resume else None
-        start_from = load_checkpoint(cfg["load_from"]) if cfg.get("load_from") and not resume \
-            else None
-        seed = self.train_cfg["seed"]
-        torch.manual_seed(seed)  # the same initial weights on every rank
-        random.seed(seed)
-        self.tokenizer = TOKENIZERS.build(splits["tokenizer"])
-        if resumed is not None or start_from is not None:
-            # A resumed run, or a later stage, keeps the vocabulary its weights were trained with.
-            self.tokenizer.load_state_dict((resumed or start_from)["tokenizer"])
-        elif not self.tokenizer.fitted:
-            # Fitted from the data alone, so every rank (and a resumed run) gets the same.
-            self.tokenizer.fit(c for source in training_sources(splits["train"])
-                               for c in read_captions(source["shards"],
-                                                      source.get("caption_key")))
-        size = self.data_cfg["image_size"]
-        self.train_transform = build_transforms(self.data_cfg["train_transforms"], size)
-        self.eval_transform = build_transforms(self.data_cfg["eval_transforms"], size)
-        self.model = MODELS.build(cfg["model"], tokenizer=self.tokenizer)
-        self.objective = OBJECTIVES.build(cfg["objective"], tokenizer=self.tokenizer)
-        # Hooks may swap the active objective (ObjectiveWarmup); this one is checkpointed.
-        self.configured_objective = self.objective
-        if not isinstance(self.objective, torch.nn.Module):
-            raise TypeError(f"objective {cfg['objective']['type']!r} must be a torch.nn.Module")
-        # Attention constraints (CCR/CCS) add their losses to the objective's.
-        constraints = [CONSTRAINTS.build(c) for c in cfg.get("constraints") or []]
-        if constraints and not hasattr(self.model, "attention"):
-            raise ValueError(f"constraints need a model with cross attention; "
-                             f"{cfg['model']['type']} has no attention()")
-        if start_from is not None:
-            self._load_weights(start_from, cfg["load_from"])
+        start_from = (load_checkpoint(self.config.load_from)
+                      if self.config.load_from and not resume else None)
+        self._seed(rank=0)  # the same initial weights on every rank
 
-        self.train_set = DATASETS.build(
-            splits["train"], tokenizer=self.tokenizer, transform=self.train_transform,
-            training=True, seed=seed)
-        if hasattr(self.train_set, "check_readers"):
-            self.train_set.check_readers(self.strategy.world_size,
-                                         max(self.data_cfg["num_workers"], 1))
-        self.accumulate_steps = int(self.train_cfg["accumulate_steps"])
-        micro_batch = self.train_set.batch_size
-        self.global_batch = micro_batch * self.accumulate_steps * self.strategy.world_size
-        samples = self.train_cfg["samples_per_epoch"] or self.train_set.num_samples()
-        self.steps_per_epoch = max(samples // self.global_batch, 1)
-        optimizer_cfg = self._scaled_optimizer_config(cfg["optimizer"])
-        if self.train_cfg["compile"]:
-            compiled = compile_model(self.model)
-            logger.info("torch.compile: %s (compiled at their first call)", ", ".join(compiled))
-        self.step_module = TrainingStep(self.model, self.objective, constraints,
-                                        gather=self.train_cfg["gather_features"])
-        self.strategy.setup(self.step_module, optimizer_cfg, micro_batch, self.accumulate_steps,
-                            self.train_cfg["clip_grad"])
-        self.model = self.strategy.model
-        if self.strategy.rank:  # different dropout masks and augmentations on every rank
-            torch.manual_seed(seed + 1000 * self.strategy.rank)
-        self.base_lrs = [group["lr"] for group in self.strategy.param_groups()]
-        schedule_cfg = dict(cfg.get("schedule") or {"type": "constant"})
-        set_by_trainer = ("kind", "total_steps", "steps_per_epoch")
-        known = ("type", *(p for p in inspect.signature(LRSchedule).parameters
-                           if p not in set_by_trainer))
-        unknown = sorted(set(schedule_cfg) - set(known))
-        if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)} in 'schedule'; known keys: "
-                             f"{', '.join(known)}")
-        self.schedule = LRSchedule(kind=schedule_cfg.pop("type", "cosine"),
-                                   total_steps=self.steps_per_epoch * self.train_cfg["epochs"],
-                                   steps_per_epoch=self.steps_per_epoch, **schedule_cfg)
-        self.hooks = [HOOKS.build(h) for h in cfg.get("hooks") or []]
+        self.tokenizer = self._build_tokenizer(resumed or start_from)
+        self.model, self.objective, constraints = self._build_model_and_objective()
+        if start_from is not None:
+            self._load_weights(start_from, self.config.load_from)
+        self._build_data()
+        self._build_optimisation(constraints)
+        self.hooks = [HOOKS.build(h) for h in self.config.hooks]
         self.log = MetricLog(self.work_dir / "metrics.jsonl", enabled=self.is_main)
 
         self.epoch = 0
@@ -247,35 +140,110 @@ class Trainer:
         if resume:
             self._restore(self.strategy.load(self.checkpoint_dir, resumed))
         if self.is_main:
-            dump_config(cfg, self.work_dir / "config.yaml")
+            dump_config(self.cfg, self.work_dir / "config.yaml")
+        self._log_setup()
+
+    # ---------------------------------------------------------- construction
+    def _build_strategy(self) -> Strategy:
+        """The strategy on ``train.device``: a GPU asked for where there is none stops here,
+        before anything is built."""
+        train = self.config.train
+        device = resolve_device(train.device)
+        configure_cuda(device, train.matmul_precision, train.cudnn_benchmark)
+        return STRATEGIES.build(self.config.strategy, device=device, precision=train.precision,
+                                sync_bn=train.sync_bn)
+
+    def _seed(self, rank: int) -> None:
+        """Seed torch and ``random``: the same on every rank for the initial weights, then
+        per rank (different dropout masks and augmentations)."""
+        seed = self.config.train.seed + 1000 * rank
+        torch.manual_seed(seed)
+        random.seed(seed)
+
+    def _build_tokenizer(self, state: dict | None) -> Any:
+        """The tokenizer: a resumed run or a later stage keeps the vocabulary its weights were
+        trained with; a fresh one is fitted on the training captions (the same on every rank)."""
+        tokenizer = TOKENIZERS.build(self.config.data.tokenizer)
+        if state is not None:
+            tokenizer.load_state_dict(state["tokenizer"])
+        elif not tokenizer.fitted:
+            tokenizer.fit(caption for source in self.config.data.training_sources()
+                          for caption in read_captions(source["shards"],
+                                                       source.get("caption_key")))
+        return tokenizer
+
+    def _build_model_and_objective(self) -> tuple[torch.nn.Module, torch.nn.Module,
+                                                  list[torch.nn.Module]]:
+        """The model, the objective, and the attention constraints (CCR/CCS) that add their
+        losses to the objective's."""
+        model = MODELS.build(self.config.model, tokenizer=self.tokenizer)
+        objective = OBJECTIVES.build(self.config.objective, tokenizer=self.tokenizer)
+        if not isinstance(objective, torch.nn.Module):
+            raise TypeError(f"objective {self.config.objective['type']!r} must be a "
+                            f"torch.nn.Module")
+        constraints = [CONSTRAINTS.build(c) for c in self.config.constraints]
+        if constraints:
+            require(model, CrossAttentionModel, "the attention constraints (constraints:)")
+        return model, objective, constraints
+
+    def _build_data(self) -> None:
+        """Transforms, the training set, and the batch arithmetic: one step takes
+        ``accumulate_steps`` micro-batches on every rank."""
+        data = self.config.data
+        self.train_transform = build_transforms(data.train_transforms, data.image_size)
+        self.eval_transform = build_transforms(data.eval_transforms, data.image_size)
+        self.train_set = DATASETS.build(
+            data.train, tokenizer=self.tokenizer, transform=self.train_transform,
+            training=True, seed=self.config.train.seed)
+        if hasattr(self.train_set, "check_readers"):
+            self.train_set.check_readers(self.strategy.world_size, max(data.num_workers, 1))
+        self.accumulate_steps = int(self.config.train.accumulate_steps)
+        self.global_batch = (self.train_set.batch_size * self.accumulate_steps
+                             * self.strategy.world_size)
+        self.samples_per_epoch = (self.config.train.samples_per_epoch
+                                  or self.train_set.num_samples())
+        self.steps_per_epoch = max(self.samples_per_epoch // self.global_batch, 1)
+
+    def _build_optimisation(self, constraints: list[torch.nn.Module]) -> None:
+        """The training step handed to the strategy (which wraps it and builds the
+        optimizer), the base learning rates and the schedule."""
+        train = self.config.train
+        if train.compile:
+            compiled = compile_model(self.model)
+            logger.info("torch.compile: %s (compiled at their first call)", ", ".join(compiled))
+        self.step_module = TrainingStep(self.model, self.objective, constraints,
+                                        gather=train.gather_features, tokenizer=self.tokenizer)
+        self.strategy.setup(self.step_module, self._scaled_optimizer_config(),
+                            self.train_set.batch_size, self.accumulate_steps, train.clip_grad)
+        self.model = self.strategy.model
+        if self.strategy.rank:
+            self._seed(self.strategy.rank)
+        self.base_lrs = [group["lr"] for group in self.strategy.param_groups()]
+        self.schedule = SCHEDULES.build(self.config.schedule,
+                                        total_steps=self.steps_per_epoch * train.epochs,
+                                        steps_per_epoch=self.steps_per_epoch)
+
+    def _log_setup(self) -> None:
         lr = ("from the DeepSpeed scheduler" if self.strategy.owns_schedule else
-              f"{self.base_lrs[0]:.3g} (scale_lr {self.train_cfg['scale_lr']})")
+              f"{self.base_lrs[0]:.3g} (scale_lr {self.config.train.scale_lr})")
         logger.info("%s; global batch %d = %d per rank x %d rank(s) x %d accumulation step(s); "
                     "%d steps per epoch (%d samples); base lr %s", self.strategy.describe(),
-                    self.global_batch, micro_batch, self.strategy.world_size,
-                    self.accumulate_steps, self.steps_per_epoch, samples, lr)
-
-    def _strategy_config(self, cfg: dict) -> dict:
-        """The ``strategy`` section (default ``torch``), its precision agreeing with train's."""
-        strategy = dict(cfg.get("strategy") or {"type": "torch"})
-        own = strategy.get("precision")
-        given = (cfg.get("train") or {}).get("precision")
-        if own is not None and given is not None and own != given:
-            raise ValueError(f"train.precision is {given!r} but strategy.precision is {own!r}; "
-                             f"set train.precision alone")
-        return strategy
+                    self.global_batch, self.train_set.batch_size, self.strategy.world_size,
+                    self.accumulate_steps, self.steps_per_epoch, self.samples_per_epoch, lr)
 
     @property
     def optimizer(self):
         """The strategy's optimizer (its ``param_groups`` carry the learning rates)."""
         return self.strategy.optimizer
 
-    def _scaled_optimizer_config(self, optimizer_cfg: dict) -> dict:
-        """``train.scale_lr``: the configured lr is for ``train.reference_batch`` samples."""
-        rule = self.train_cfg["scale_lr"]
+    def _scaled_optimizer_config(self) -> dict:
+        """``optimizer`` with ``train.scale_lr`` applied: the configured lr is for
+        ``train.reference_batch`` samples."""
+        optimizer_cfg = self.config.optimizer
+        rule = self.config.train.scale_lr
         if rule == "none":
             return optimizer_cfg
-        reference = self.train_cfg["reference_batch"] or self.train_set.batch_size
+        reference = self.config.train.reference_batch or self.train_set.batch_size
         ratio = self.global_batch / reference
         factor = ratio if rule == "linear" else math.sqrt(ratio)
         lr = optimizer_cfg.get("lr")
@@ -308,7 +276,7 @@ class Trainer:
         """``load_from``: start from another run's model weights (a pretraining checkpoint,
         VSE++ stage one); heads either side lacks are listed, a different model refused."""
         saved = ((state.get("config") or {}).get("model") or {}).get("type")
-        wanted = self.cfg["model"]["type"]
+        wanted = self.config.model["type"]
         if saved is not None and saved != wanted:
             raise ValueError(f"load_from {path}: a {saved} checkpoint cannot start a {wanted} "
                              f"model; give a checkpoint of a {wanted} run")
@@ -349,7 +317,7 @@ class Trainer:
 
     def _loader(self) -> torch.utils.data.DataLoader:
         self.train_set.set_epoch(self.epoch)
-        workers = self.data_cfg["num_workers"]
+        workers = self.config.data.num_workers
         return torch.utils.data.DataLoader(self.train_set, batch_size=None, num_workers=workers,
                                            persistent_workers=False,
                                            pin_memory=self.strategy.device.type == "cuda",
@@ -376,7 +344,7 @@ class Trainer:
         try:
             for hook in self.hooks:
                 hook.before_train(self)
-            while self.epoch < self.train_cfg["epochs"]:
+            while self.epoch < self.config.train.epochs:
                 if not self._train_epoch():
                     return {"interrupted": True, "epoch": self.epoch, "step": self.step}
             for hook in self.hooks:
@@ -401,11 +369,11 @@ class Trainer:
         self.model.train()  # before the hooks, which may put frozen parts in eval mode
         for hook in self.hooks:
             hook.before_epoch(self)
-        cfg = self.train_cfg
+        cfg = self.config.train
         micro_batches = self.steps_per_epoch * self.accumulate_steps
         bar = tqdm(total=self.steps_per_epoch, initial=self.step % self.steps_per_epoch,
                    desc=f"epoch {self.epoch}", unit="step", dynamic_ncols=True,
-                   disable=not (cfg["progress"] and self.is_main))
+                   disable=not (cfg.progress and self.is_main))
         batches = iter(self._loader())
         # Resuming inside an epoch: replay the data order, skip the work.
         for _ in itertools.islice(batches, self.batch_in_epoch):
@@ -421,7 +389,7 @@ class Trainer:
             if result.nonfinite:
                 nonfinite_run += 1
                 logger.warning("non-finite loss or gradient at step %d: step skipped", self.step)
-                if nonfinite_run >= cfg["max_nonfinite_steps"]:
+                if nonfinite_run >= cfg.max_nonfinite_steps:
                     raise FloatingPointError(
                         f"{nonfinite_run} non-finite losses in a row (step {self.step}; a NaN/inf "
                         f"loss or gradient); lower the learning rate, check the data, or raise "
@@ -431,7 +399,7 @@ class Trainer:
             self.step += 1
             for hook in self.hooks:
                 hook.after_step(self, outputs)
-            if self.step % cfg["log_every"] == 0:
+            if self.step % cfg.log_every == 0:
                 elapsed = time.perf_counter() - tick
                 record = {"type": "train", "epoch": self.epoch, "step": self.step, "lr": lr,
                           "samples_per_s": self._samples_since_log / max(elapsed, 1e-9),
@@ -445,7 +413,7 @@ class Trainer:
                                 img_s=f"{record['samples_per_s']:.0f}")
                 tick, self._samples_since_log = time.perf_counter(), 0
             bar.update(1)
-            every = cfg["checkpoint_every_steps"]
+            every = cfg.checkpoint_every_steps
             if every and self.step % every == 0:
                 self.save()
             # One agreement per step: a signal on any rank stops every rank after this step.
@@ -456,9 +424,7 @@ class Trainer:
                                self.epoch, self.step)
                 return False
         bar.close()
-        metrics = self._end_of_epoch()
-        for hook in self.hooks:
-            hook.after_epoch(self, metrics)
+        self._end_of_epoch()
         return True
 
     def evaluation_model(self, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
@@ -468,16 +434,17 @@ class Trainer:
             if weights is not None:
                 self.model.load_state_dict(weights)
             return self.model
-        model = MODELS.build(self.cfg["model"], tokenizer=self.tokenizer)
+        model = MODELS.build(self.config.model, tokenizer=self.tokenizer)
         model.load_state_dict(weights)
         return model.to(self.strategy.device)
 
-    def _end_of_epoch(self) -> dict[str, float]:
+    def _end_of_epoch(self) -> None:
+        """Validation (and best.pt), the ``after_epoch`` hooks, then the epoch's checkpoint."""
         epoch = self.epoch
         metrics: dict[str, float] = {}
-        every = self.train_cfg["eval_every"]
-        last_epoch = epoch + 1 == self.train_cfg["epochs"]
-        if self.splits["val"] and every and ((epoch + 1) % every == 0 or last_epoch):
+        every = self.config.train.eval_every
+        last_epoch = epoch + 1 == self.config.train.epochs
+        if self.config.data.val and every and ((epoch + 1) % every == 0 or last_epoch):
             # One gather (collective) serves the evaluation copy and best.pt.
             weights = self.strategy.full_state_dict()
             if self.is_main:
@@ -489,27 +456,28 @@ class Trainer:
             if metrics["rsum"] > self.best["rsum"]:
                 self.best = {"rsum": metrics["rsum"], "epoch": epoch}
                 self._write_weights("best.pt", weights, epoch=epoch, metrics=metrics)
+        for hook in self.hooks:  # still in the epoch; what they change is checkpointed below
+            hook.after_epoch(self, metrics)
         self.epoch += 1
         self.batch_in_epoch = 0
         self.save()
-        return metrics
 
     def evaluate(self, split: str, model: torch.nn.Module | None = None) -> dict[str, float]:
         """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``."""
-        split_cfg = self.splits[split]
+        split_cfg = getattr(self.config.data, split)
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
         return evaluate_retrieval(
-            model if model is not None else self.model, split_cfg["shards"],
-            self.eval_transform, self.tokenizer, batch_size=self.data_cfg["eval_batch_size"],
-            folds=split_cfg.get("folds", 1), progress=self.train_cfg["progress"],
-            scoring=self.eval_cfg)
+            model if model is not None else self.model, split_cfg.shards,
+            self.eval_transform, self.tokenizer, batch_size=self.config.data.eval_batch_size,
+            folds=split_cfg.folds, progress=self.config.train.progress,
+            scoring=self.config.evaluation)
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,
                                   "train_seconds": seconds, "best": self.best,
                                   "skipped_samples": self.skipped_samples}
-        if self.splits["test"]:
+        if self.config.data.test:
             if self.best["epoch"] >= 0:  # best.pt exists, and every rank knows it
                 weights = (load_checkpoint(self.checkpoint_dir / "best.pt")["model"]
                            if self.is_main else None)
@@ -541,11 +509,6 @@ def metrics_table(metrics: dict[str, float]) -> str:
             + f" {metrics[f'{direction}_medr']:>6.0f} {metrics[f'{direction}_meanr']:>7.2f}")
     rows.append(f"  rsum {metrics['rsum']:.2f}")
     return "\n".join(rows)
-
-
-def training_sources(train_cfg: dict) -> list[dict]:
-    """The shard sections of a training split: itself, or a mixture's sources."""
-    return list(train_cfg.get("sources") or [train_cfg])
 
 
 def check_data_paths(cfg: dict) -> None:

@@ -1,4 +1,4 @@
-"""Attention precision, recall and F1 (the CCR/CCS paper; REFERENCE.md section 4).
+"""Attention precision, recall and F1 (the CCR/CCS paper; docs/reference/scan.md).
 
 For a word ``t`` of a matched pair, region ``v`` is *relevant* when its IoU with
 a ground-truth box of ``t``'s phrase exceeds ``T_IoU`` (0.4) and *attended*
@@ -18,8 +18,9 @@ import torch
 from torchvision.ops import box_iou
 from tqdm import tqdm
 
+from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.evaluation.gallery import Gallery
-from mmgoal.models.features import index_features
+from mmgoal.structures import index_features
 
 T_ATT_SWEEP = tuple(round(0.01 * k, 2) for k in range(11))
 T_IOU = 0.4
@@ -150,9 +151,7 @@ def evaluate_attention(model: torch.nn.Module, gallery: Gallery, tokenizer,
         entity_source: optional ``image_id -> entities`` (Flickr30K Entities
             files) replacing the shards' entities.
     """
-    if not hasattr(model, "attention"):
-        raise ValueError(f"{type(model).__name__} has no attention(): attention metrics need "
-                         f"a cross-attention model such as SCAN")
+    require(model, CrossAttentionModel, "the attention metrics")
     if not gallery.region_boxes:
         raise ValueError(f"{type(model.image_encoder).__name__} cannot say where its regions "
                          f"are (no region_boxes); attention metrics need region boxes")

@@ -19,26 +19,56 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from mmgoal.config import ConfigSection
+from mmgoal.contract import MatchingModel, require
 from mmgoal.data.pipeline import SkipCounter, iter_eval_batches
 from mmgoal.devices import free_memory_mb, module_device, move_to_device
 from mmgoal.evaluation.retrieval import retrieval_metrics
-from mmgoal.models.features import (
+from mmgoal.models.layers.cross_attention import reuse_buffers
+from mmgoal.structures import (
     ImageFeatures,
     TextFeatures,
     cat_features,
     detach_features,
     slice_features,
 )
-from mmgoal.models.layers.cross_attention import reuse_buffers
 
-SCORING_DEFAULTS = {"block_images": 128, "max_block_mb": None, "matmul_precision": "highest",
-                    "rerank_k": 0, "rerank_batch_size": 128}
 CPU_BLOCK_MB = 1024.0  # the default bound of a block's working set on the CPU
 GPU_FREE_SHARE = 0.5  # ... and on a GPU, this share of its free memory
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 # Tensors of the size of a block's query-key score array that the cross attention
 # keeps alive at its peak (raw scores, clipped scores, attention, products).
 _LIVE_COPIES = 6
+
+
+@dataclass
+class ScoringConfig(ConfigSection):
+    """``evaluation``: how a gallery is scored (:func:`score_gallery`, ITM re-ranking).
+
+    Args:
+        block_images: images scored against every text at a time.
+        max_block_mb: bound of a block's working set (``None``: 1024 MiB on a
+            CPU, half the free memory on a GPU).
+        matmul_precision: float32 matmul precision while scoring.
+        rerank_k: re-rank every query's top k by the ITM head (0: off).
+        rerank_batch_size: pairs the ITM head scores at a time.
+    """
+
+    block_images: int = 128
+    max_block_mb: float | None = None
+    matmul_precision: str = "highest"
+    rerank_k: int = 0
+    rerank_batch_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"evaluation.matmul_precision must be one of "
+                             f"{', '.join(MATMUL_PRECISIONS)}, got {self.matmul_precision!r}")
+
+    @classmethod
+    def of(cls, scoring: ScoringConfig | dict | None) -> ScoringConfig:
+        """``scoring`` as a ``ScoringConfig`` (a mapping of its keys, or the defaults)."""
+        return scoring if isinstance(scoring, cls) else cls.from_dict(scoring, "evaluation")
 
 
 @dataclass
@@ -201,17 +231,17 @@ class Member:
 
 
 def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch_size: int = 256,
-                       scoring: dict | None = None, progress: bool = True
+                       scoring: ScoringConfig | dict | None = None, progress: bool = True
                        ) -> tuple[torch.Tensor, Gallery]:
     """The mean score matrix of the members (one member: its own) and the first's gallery."""
-    scoring = {**SCORING_DEFAULTS, **(scoring or {})}
+    scoring = ScoringConfig.of(scoring)
     total, first = None, None
     for member in members:
         gallery = encode_gallery(member.model, shards, member.transform, member.tokenizer,
-                                 batch_size, progress, keep_tokens=scoring["rerank_k"] > 0)
+                                 batch_size, progress, keep_tokens=scoring.rerank_k > 0)
         sims = score_gallery(member.model, gallery.images, gallery.texts,
-                             scoring["block_images"], scoring["max_block_mb"], progress,
-                             scoring["matmul_precision"])
+                             scoring.block_images, scoring.max_block_mb, progress,
+                             scoring.matmul_precision)
         if first is None:
             first, total = gallery, sims
         else:
@@ -224,35 +254,35 @@ def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch
 def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | list[str],
                        transform: Callable | None = None, tokenizer: Callable | None = None,
                        batch_size: int = 256, folds: int = 1, progress: bool = True,
-                       scoring: dict | None = None) -> dict[str, float]:
+                       scoring: ScoringConfig | dict | None = None) -> dict[str, float]:
     """Retrieval metrics on a gallery of shards (plus ``skipped`` samples).
 
     Args:
         model: a model (with ``transform`` and ``tokenizer``), or a list of
             :class:`Member` whose score matrices are averaged (an ensemble).
-        scoring: ``block_images`` and ``max_block_mb`` for :func:`score_gallery`;
-            ``rerank_k`` > 0 re-ranks the top k of every query by the model's ITM
-            head (``rerank_batch_size`` pairs at a time): the metrics are then the
-            re-ranked ones, and ``itc_*`` keys hold the ITC-only metrics.
+        scoring: a :class:`ScoringConfig` or a mapping of its keys; with
+            ``rerank_k`` > 0 the metrics are the ITM re-ranked ones, and ``itc_*``
+            keys hold the ITC-only metrics.
     """
-    scoring = {**SCORING_DEFAULTS, **(scoring or {})}
+    scoring = ScoringConfig.of(scoring)
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
         else list(model)
     sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress)
-    if scoring["rerank_k"] <= 0:
+    if scoring.rerank_k <= 0:
         metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
         metrics["skipped"] = gallery.skipped
         return metrics
     from mmgoal.evaluation.rerank import itm_rerank
 
     reranker = members[0].model
-    if len(members) > 1 or not hasattr(reranker, "match_logits"):
-        raise ValueError("evaluation.rerank_k needs one cross encoder with match_logits "
-                         "(no ensemble)")
+    if len(members) > 1:
+        raise ValueError("evaluation.rerank_k re-ranks with one model's ITM head, not an "
+                         "ensemble")
+    require(reranker, MatchingModel, "evaluation.rerank_k (ITM re-ranking)")
     if folds > 1:
         raise ValueError("ITM re-ranking scores the whole gallery; use folds: 1")
     i2t, t2i = itm_rerank(reranker.eval(), gallery.images, gallery.texts, sims,
-                          scoring["rerank_k"], scoring["rerank_batch_size"], progress)
+                          scoring.rerank_k, scoring.rerank_batch_size, progress)
     metrics = retrieval_metrics(i2t, gallery.text_to_image, sims_t2i=t2i)
     itc = retrieval_metrics(sims, gallery.text_to_image)
     metrics.update({f"itc_{key}": value for key, value in itc.items()})

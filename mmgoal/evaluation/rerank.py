@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from mmgoal.models.features import ImageFeatures, TextFeatures, index_features, slice_features
+from mmgoal.structures import ImageFeatures, TextFeatures, index_features, slice_features
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Retrieval metrics (REFERENCE.md section 5): Recall@K, median/mean rank, rsum, COCO folds."""
+"""Retrieval metrics (docs/reference/retrieval.md): Recall@K, median/mean rank, rsum, COCO folds."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.models.efficiency import enable_grad_checkpointing
-from mmgoal.models.features import ImageFeatures, TextFeatures
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
 from mmgoal.sequences import length_mask
+from mmgoal.structures import ImageFeatures, TextFeatures
 
 
 class ResidualMLPProjection(nn.Module):

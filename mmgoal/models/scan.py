@@ -14,11 +14,9 @@ from torch import nn
 
 from mmgoal.models.dual_encoder import DualEncoder, build_projection
 from mmgoal.models.efficiency import enable_grad_checkpointing
-from mmgoal.models.features import ImageFeatures, TextFeatures
 from mmgoal.models.layers.cross_attention import (
     DIRECTIONS,
     POOLINGS,
-    Attention,
     at_least_float32,
     scan_attention,
     scan_similarity,
@@ -26,6 +24,7 @@ from mmgoal.models.layers.cross_attention import (
 from mmgoal.models.layers.gpo import MeanPool
 from mmgoal.registry import ENCODERS, MODELS
 from mmgoal.sequences import length_mask
+from mmgoal.structures import Attention, ImageFeatures, TextFeatures
 
 
 def _mean_embedding(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """X-VLM-style cross encoder: a timm vision transformer, a Hugging Face BERT whose last
-layers fuse the image, ITC projections and an ITM head (REFERENCE.md section 4).
+layers fuse the image, ITC projections and an ITM head (docs/reference/xvlm.md).
 
 The BERT's first ``L - fusion_layers`` layers encode the text alone; its last
 ``fusion_layers`` layers become :class:`~mmgoal.models.layers.fusion.FusionLayer`
@@ -17,10 +17,10 @@ from torch import nn
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.encoders.hf_text import HFTextEncoder
 from mmgoal.models.encoders.timm_image import create_timm_backbone
-from mmgoal.models.features import ImageFeatures, TextFeatures
 from mmgoal.models.layers.fusion import FusionEncoder
 from mmgoal.registry import MODELS
 from mmgoal.sequences import length_mask
+from mmgoal.structures import ImageFeatures, TextFeatures
 
 
 @MODELS.register()

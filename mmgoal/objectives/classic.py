@@ -1,9 +1,10 @@
 """Classic metric-learning losses as ordinary autograd objectives.
 
-They are the references of the GOAL equivalence tests (REFERENCE.md section 3,
-"The 15 combinations and the known losses they equal") and baselines for
-users. All but ``InfoNCELoss`` and ``MultiSimilarityLoss`` work on the hardest
-negative of every positive, in both directions.
+They are the references of the GOAL equivalence tests (docs/reference/goal.md,
+"The 15 combinations and the known losses they equal"; the formulas:
+docs/reference/objectives.md) and baselines for users. All but ``InfoNCELoss`` and
+``MultiSimilarityLoss`` work on the hardest negative of every positive, in both
+directions.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.objectives.hard_negative import HardNegativeLoss, check_reduction
-from mmgoal.objectives.mining import check_positives
+from mmgoal.objectives.mining import scores_and_positives
 from mmgoal.registry import OBJECTIVES
+from mmgoal.structures import ObjectiveInputs
 
 
 @OBJECTIVES.register()
@@ -126,9 +128,8 @@ class MultiSimilarityLoss(nn.Module):
         self.alpha, self.beta, self.lam, self.eps = alpha, beta, lam, eps
         self.reduction = check_reduction(reduction)
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
-                **extras) -> dict[str, torch.Tensor]:
-        positives = check_positives(sims, positives)
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        sims, positives = scores_and_positives(inputs)
         hp = (self.alpha, self.beta, self.lam, self.eps)
         per_anchor = torch.cat([multi_similarity_rows(sims, positives, *hp),
                                 multi_similarity_rows(sims.T, positives.T, *hp)])
@@ -167,9 +168,8 @@ class InfoNCELoss(nn.Module):
             self.register_buffer("temperature", value)
         self.min_temperature, self.max_temperature = min_temperature, max_temperature
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
-                **extras) -> dict[str, torch.Tensor]:
-        positives = check_positives(sims, positives)
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        sims, positives = scores_and_positives(inputs)
         temperature = self.temperature.clamp(self.min_temperature, self.max_temperature)
         logits = sims / temperature
         targets = positives.to(logits.dtype)

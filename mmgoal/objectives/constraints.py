@@ -1,5 +1,5 @@
 """CCR and CCS attention constraints ("More Than Just Attention: Improving Cross-Modal
-Attentions with Contrastive Constraints for Image-Text Matching"; REFERENCE.md section 4).
+Attentions with Contrastive Constraints for Image-Text Matching"; docs/reference/scan.md).
 
 Both act on the attention of matched pairs (:class:`~mmgoal.models.layers.
 cross_attention.Attention`), so they work with any model whose ``attention``
@@ -10,9 +10,9 @@ attention weights ``w`` over the keys ``k`` of the paired item:
 - reversed feature ``a^ = sum_j w^_j k_j`` with ``w^ = (1 - w) / sum(1 - w)``
   (``reverse: complement``, the default) or ``softmax(-lambda * s)`` over the
   same scores ``s`` the attention was taken of (``reverse: negated_softmax``);
-- CCR (content correlation): ``[margin - cos(q, a) + cos(q, a^)]_+``: the
+- CCR (Contrastive Content Re-sourcing): ``[margin - cos(q, a) + cos(q, a^)]_+``: the
   attended content must describe the query better than what was ignored;
-- CCS (content containment): ``[margin - cos(a, q) + cos(a, q^)]_+`` with
+- CCS (Contrastive Content Swapping): ``[margin - cos(a, q) + cos(a, q^)]_+`` with
   ``q^`` another fragment of the same sentence or image: the attended content
   must belong to its own query more than to a sibling.
 """
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmgoal.models.layers.cross_attention import Attention
 from mmgoal.objectives.mining import draw_one_per_row
 from mmgoal.registry import CONSTRAINTS
+from mmgoal.structures import Attention
 
 REVERSE_KINDS = ("complement", "negated_softmax")
 REDUCTIONS = ("sum", "mean")
@@ -104,8 +104,8 @@ class _AttentionConstraint(nn.Module):
 
 @CONSTRAINTS.register()
 class CCRConstraint(_AttentionConstraint):
-    """Content correlation: ``[margin - cos(q, a) + cos(q, a^)]_+`` for one sampled query
-    fragment per matched pair.
+    """Contrastive Content Re-sourcing: ``[margin - cos(q, a) + cos(q, a^)]_+`` for one
+    sampled query fragment per matched pair.
 
     Args:
         weight: lambda_CCR, the loss's factor in the total.
@@ -132,8 +132,8 @@ class CCRConstraint(_AttentionConstraint):
 
 @CONSTRAINTS.register()
 class CCSConstraint(_AttentionConstraint):
-    """Content containment: ``[margin - cos(a, q) + cos(a, q^)]_+``, ``q^`` another fragment
-    of the query's own sentence or image, sampled uniformly; items with a single
+    """Contrastive Content Swapping: ``[margin - cos(a, q) + cos(a, q^)]_+``, ``q^`` another
+    fragment of the query's own sentence or image, sampled uniformly; items with a single
     fragment contribute nothing.
 
     Args: as :class:`CCRConstraint` (``weight`` is lambda_CCS, ``margin``

@@ -2,7 +2,7 @@
 
 Every triplet-family loss has the gradient ``T(s_p, s_n) * P+`` on the positive
 and ``T(s_p, s_n) * P-`` on the negative of each hardest-negative triplet
-(REFERENCE.md section 3). ``GoalObjective`` assembles that gradient ``G =
+(docs/reference/goal.md). ``GoalObjective`` assembles that gradient ``G =
 dl/dS`` for any triplet weight x pair weight, including the combinations that
 no loss integrates to, and hands it to autograd through the surrogate
 ``(G.detach() * S).sum()``: its gradient is exactly ``G``, scaled by whatever
@@ -14,38 +14,152 @@ several positives per row, and has no Python loop over the batch.
 
 from __future__ import annotations
 
+import difflib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from mmgoal.objectives.hard_negative import check_reduction
-from mmgoal.objectives.mining import check_positives, mine_triplets
+from mmgoal.objectives.mining import mine_triplets, scores_and_positives
 from mmgoal.objectives.weights import RelativeScores
 from mmgoal.registry import OBJECTIVES, PAIR_WEIGHTS, TRIPLET_WEIGHTS
+from mmgoal.structures import ObjectiveInputs
+
+WEIGHT_REGISTRIES = {"triplet": TRIPLET_WEIGHTS, "pair": PAIR_WEIGHTS}
 
 
-def _keyword_binder(fn: Callable, hyper: dict[str, float]) -> tuple[dict[str, float], bool]:
-    """The hyperparameters ``fn`` names, and whether it takes ``relative``."""
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in hyper.items() if k in params}, "relative" in params
+def weight_options(weight: Callable) -> dict[str, Any]:
+    """The options of a triplet or pair weight and their defaults.
+
+    A weight is called ``weight(s_p, s_n, **options)`` (pair weights that take
+    ``relative`` get it too), so its options are its keyword parameters after the
+    two scores, less ``relative``; one without a default maps to
+    ``inspect.Parameter.empty``.
+    """
+    params = list(inspect.signature(weight).parameters.values())[2:]
+    return {p.name: p.default for p in params
+            if p.name != "relative" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+class BoundWeight(NamedTuple):
+    """A configured triplet or pair weight, checked once and called every step."""
+
+    name: str
+    fn: Callable
+    options: dict[str, Any]
+    takes_relative: bool
+
+    def __str__(self) -> str:
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.options.items())})"
+
+
+def _spelling_hint(key: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    return f"{key} (did you mean {close[0]}?)" if close else key
+
+
+def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
+    """Look up the weight of ``objective.triplet`` or ``objective.pair`` and check its options.
+
+    Args:
+        slot: ``triplet`` or ``pair``.
+        spec: a registered weight name (its default options), or a mapping
+            ``{type: name, option: value, ...}`` whose other keys are options of
+            that weight (:func:`weight_options`).
+
+    Returns:
+        The weight with every option it takes, defaults filled in.
+
+    Raises:
+        KeyError: the name is not registered (the message lists the names).
+        ValueError: ``spec`` is neither a name nor a mapping with a ``type``, it
+            sets an option the weight does not take or leaves out one without a
+            default, or a pair weight takes ``relative`` but no ``eps``.
+    """
+    registry = WEIGHT_REGISTRIES[slot]
+    where = f"objective.{slot}"
+    if isinstance(spec, str):
+        spec = {"type": spec}
+    name = spec.get("type") if isinstance(spec, Mapping) else None
+    if not isinstance(name, str):
+        raise ValueError(f"{where} must be a {registry.name} name ({', '.join(registry.names())}) "
+                         f"or a mapping with a 'type' key and that weight's options, "
+                         f"e.g. {{type: {registry.names()[0]}}}; got {spec!r}")
+    given = {key: value for key, value in spec.items() if key != "type"}
+    fn = registry.get(name)
+    defaults = weight_options(fn)
+    takes = ", ".join(defaults) or "no options"
+    unknown = [key for key in given if key not in defaults]
+    if unknown:
+        hints = ", ".join(_spelling_hint(key, list(defaults)) for key in unknown)
+        raise ValueError(f"{where}: {name!r} takes {takes}; got unknown option(s) {hints}. "
+                         f"Remove them or choose a {registry.name} that takes them.")
+    missing = [key for key, default in defaults.items()
+               if default is inspect.Parameter.empty and key not in given]
+    if missing:
+        raise ValueError(f"{where}: {name!r} needs option(s) {', '.join(missing)} "
+                         f"(it takes {takes})")
+    takes_relative = "relative" in inspect.signature(fn).parameters
+    if takes_relative and (slot != "pair" or "eps" not in defaults):
+        raise ValueError(f"{where}: {name!r} takes relative, the multi-similarity comparison "
+                         f"sets, which only pair weights get and which are built with the "
+                         f"weight's own eps option: give it an eps parameter")
+    return BoundWeight(name, fn, {**defaults, **given}, takes_relative)
+
+
+def _misplaced_options_error(specs: Mapping[str, Any], misplaced: Mapping[str, Any]
+                             ) -> ValueError:
+    """The error for keys given at the objective level, e.g. the old flat ``tau: 5``."""
+    moves, unknown = [], []
+    for key, value in misplaced.items():
+        targets = []
+        for slot, registry in WEIGHT_REGISTRIES.items():
+            takers = [name for name in registry.names()
+                      if key in weight_options(registry.get(name))]
+            if takers:
+                spec = specs[slot]
+                chosen = spec.get("type") if isinstance(spec, Mapping) else spec
+                name = chosen if chosen in takers else takers[0]
+                targets.append(f"{slot}: {{type: {name}, {key}: {value}}} ({key} is an option "
+                               f"of the {registry.name}(s) {', '.join(takers)})")
+        if targets:
+            moves.append(f"{key} -> " + " or ".join(targets))
+        else:
+            unknown.append(_spelling_hint(key, ["triplet", "pair", "reduction"]))
+    problems = []
+    if moves:
+        problems.append("GoalObjective got weight options at the objective level, where they "
+                        "would apply to no weight in particular; move each under its weight: "
+                        + "; ".join(moves))
+    if unknown:
+        problems.append(f"GoalObjective got unknown config key(s) {', '.join(unknown)}; it takes "
+                        f"triplet, pair and reduction")
+    return ValueError(". ".join(problems))
 
 
 @OBJECTIVES.register()
 class GoalObjective(nn.Module):
     """Triplet weight x pair weight, applied directly as the gradient of the scores.
 
+    Each weight is a registered name (its default options) or a mapping with
+    ``type`` and options of that weight only, e.g. ``triplet: {type: cir, tau:
+    10, cir_offset: 0.5}`` (docs/objectives.md lists every weight's options).
+
     Args:
-        triplet: a ``TRIPLET_WEIGHTS`` name: ``con``, ``nca``, ``cir``.
-        pair: a ``PAIR_WEIGHTS`` name: ``con``, ``lin``, ``sig``, ``lin_ms``, ``sig_ms``.
-        margin: ``con`` triplet margin.
-        tau: ``nca``/``cir`` sharpness (the paper's figures: 10; released code: 1).
-        cir_offset: ``cir`` offset ``c`` (released code: 0.5; paper: 0).
-        alpha, beta, lam: ``sig``/``sig_ms`` scales and threshold.
-        eps: multi-similarity comparison margin.
-        lin_shift: ``lin`` shift ``g``.
+        triplet: a ``TRIPLET_WEIGHTS`` entry: ``con`` (``margin``), ``nca``
+            (``tau``: the paper's figures 10, released code 1), ``cir`` (``tau``,
+            ``cir_offset``: released code 0.5, paper 0).
+        pair: a ``PAIR_WEIGHTS`` entry: ``con``, ``lin`` (``lin_shift``), ``sig``
+            (``alpha``, ``beta``, ``lam``), ``lin_ms`` (``lin_shift``, ``eps``),
+            ``sig_ms`` (``alpha``, ``beta``, ``lam``, ``eps``). ``eps``, the
+            multi-similarity comparison margin, builds the ``relative`` sets.
         reduction: ``sum`` over triplets (VSE++) or ``mean`` over positives.
+        **misplaced: accepted only to reject weight options given at the
+            objective level (the old flat form ``tau: 5``) with the nested form
+            to write instead; any key here is a ``ValueError``.
 
     Returns (from ``forward``): ``goal_loss``, whose value is the weighted
     violation ``sum T * (s_n - s_p)`` (for logging; it is not a loss whose
@@ -53,23 +167,19 @@ class GoalObjective(nn.Module):
     mean triplet weight.
     """
 
-    def __init__(self, triplet: str = "con", pair: str = "con", margin: float = 0.2,
-                 tau: float = 10.0, cir_offset: float = 0.5, alpha: float = 2.0,
-                 beta: float = 10.0, lam: float = 0.5, eps: float = 0.1,
-                 lin_shift: float = 0.0, reduction: str = "sum") -> None:
+    def __init__(self, triplet: str | Mapping[str, Any] = "con",
+                 pair: str | Mapping[str, Any] = "con", reduction: str = "sum",
+                 **misplaced: Any) -> None:
         super().__init__()
-        self.triplet, self.pair = triplet, pair
-        self.triplet_weight = TRIPLET_WEIGHTS.get(triplet)
-        self.pair_weight = PAIR_WEIGHTS.get(pair)
-        self.hyper = {"margin": margin, "tau": tau, "cir_offset": cir_offset, "alpha": alpha,
-                      "beta": beta, "lam": lam, "eps": eps, "lin_shift": lin_shift}
-        self.reduction = check_reduction(reduction)
+        if misplaced:
+            raise _misplaced_options_error({"triplet": triplet, "pair": pair}, misplaced)
         # Bound once: inspecting signatures every step would sit on the hot path.
-        self._triplet_kwargs, _ = _keyword_binder(self.triplet_weight, self.hyper)
-        self._pair_kwargs, self._needs_relative = _keyword_binder(self.pair_weight, self.hyper)
+        self.triplet_weight = bind_weight("triplet", triplet)
+        self.pair_weight = bind_weight("pair", pair)
+        self.reduction = check_reduction(reduction)
 
     def extra_repr(self) -> str:
-        return f"triplet={self.triplet}, pair={self.pair}, reduction={self.reduction}"
+        return f"triplet={self.triplet_weight}, pair={self.pair_weight}, reduction={self.reduction}"
 
     @torch.no_grad()
     def gradient(self, sims: torch.Tensor, positives: torch.Tensor
@@ -86,7 +196,8 @@ class GoalObjective(nn.Module):
         scores = sims.detach().to(torch.promote_types(sims.dtype, torch.float32))
         triplets = mine_triplets(scores, positives)
         s_p, *negatives = triplets.scores(scores)
-        triplet_kwargs, pair_kwargs = self._triplet_kwargs, dict(self._pair_kwargs)
+        triplet, pair = self.triplet_weight, self.pair_weight
+        pair_kwargs = dict(pair.options)
         grad = torch.zeros_like(scores)
         violation = scores.new_zeros(())
         weight_sum = scores.new_zeros(())
@@ -96,12 +207,12 @@ class GoalObjective(nn.Module):
                        (triplets.t2i_negatives, triplets.cols)))
         shared: dict = {}  # per-anchor sums the two directions' comparison sets share
         for direction, s_n, valid, mined, negative_index in directions:
-            t = self.triplet_weight(s_p, s_n, **triplet_kwargs) * valid
-            if self._needs_relative:
+            t = triplet.fn(s_p, s_n, **triplet.options) * valid
+            if pair.takes_relative:
                 pair_kwargs["relative"] = RelativeScores(
                     scores, positives, triplets.rows, triplets.cols, mined, direction, s_p, s_n,
-                    self.hyper["eps"], shared)
-            w_pos, w_neg = self.pair_weight(s_p, s_n, **pair_kwargs)
+                    pair.options["eps"], shared)
+            w_pos, w_neg = pair.fn(s_p, s_n, **pair_kwargs)
             grad.index_put_((triplets.rows, triplets.cols), -t * w_pos, accumulate=True)
             grad.index_put_(negative_index, t * w_neg, accumulate=True)
             violation += (t * (s_n - s_p)).sum()
@@ -112,9 +223,8 @@ class GoalObjective(nn.Module):
             violation /= max(len(s_p), 1)
         return grad, violation, weight_sum / n_triplets
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
-                **extras) -> dict[str, torch.Tensor]:
-        positives = check_positives(sims, positives)
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        sims, positives = scores_and_positives(inputs)
         grad, violation, mean_weight = self.gradient(sims, positives)
         surrogate = (grad.to(sims.dtype) * sims).sum()
         # value: the logged violation; gradient: exactly G (times the incoming gradient)

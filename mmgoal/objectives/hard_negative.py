@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmgoal.objectives.mining import check_positives, mine_triplets
+from mmgoal.objectives.mining import mine_triplets, scores_and_positives
+from mmgoal.structures import ObjectiveInputs
 
 REDUCTIONS = ("sum", "mean")
 
@@ -36,9 +37,8 @@ class HardNegativeLoss(nn.Module):
         """(N,) scores of positives and mined negatives -> (N,) losses."""
         raise NotImplementedError
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
-                **extras) -> dict[str, torch.Tensor]:
-        positives = check_positives(sims, positives)
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        sims, positives = scores_and_positives(inputs)
         triplets = mine_triplets(sims, positives)
         s_p, s_n_i2t, s_n_t2i = triplets.scores(sims)
         per_triplet = torch.cat([self.triplet_loss(s_p, s_n_i2t) * triplets.i2t_valid,

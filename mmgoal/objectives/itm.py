@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmgoal.models.features import ImageFeatures, TextFeatures, cat_features, index_features
-from mmgoal.objectives.mining import check_positives, draw_one_per_row
-from mmgoal.registry import OBJECTIVES, accepted_kwargs
+from mmgoal.contract import MatchingModel, require
+from mmgoal.objectives.mining import draw_one_per_row, scores_and_positives
+from mmgoal.registry import OBJECTIVES
+from mmgoal.structures import ObjectiveInputs, cat_features, index_features
 
 
 @torch.no_grad()
@@ -53,17 +54,12 @@ class ITMLoss(nn.Module):
         self.weight = weight
         self.temperature = temperature
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
-                model: nn.Module | None = None, image_features: ImageFeatures | None = None,
-                text_features: TextFeatures | None = None,
-                generator: torch.Generator | None = None, **extras) -> dict[str, torch.Tensor]:
-        if model is None or image_features is None or text_features is None:
-            raise ValueError("ITMLoss needs model, image_features and text_features "
-                             "(the trainer passes them)")
-        if not hasattr(model, "match_logits"):
-            raise ValueError(f"ITMLoss needs a cross encoder with match_logits; "
-                             f"{type(model).__name__} has none")
-        positives = check_positives(sims, positives)
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        sims, positives = scores_and_positives(inputs)
+        inputs.require("ITMLoss", "model", "image_features", "text_features")
+        require(inputs.model, MatchingModel, "ITMLoss")
+        model, generator = inputs.model, inputs.generator
+        image_features, text_features = inputs.image_features, inputs.text_features
         if sims.shape[0] != sims.shape[1]:
             raise ValueError("ITMLoss needs the training batch's aligned pairs (n_images == "
                              "n_texts)")
@@ -103,12 +99,10 @@ class ObjectiveSum(nn.Module):
             raise ValueError("ObjectiveSum needs at least one term")
         self.terms = nn.ModuleList(OBJECTIVES.build(term, tokenizer=tokenizer) for term in terms)
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
-                **extras) -> dict[str, torch.Tensor]:
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         outputs: dict[str, torch.Tensor] = {}
         for term in self.terms:
-            for key, value in term(sims, positives,
-                                   **accepted_kwargs(term.forward, extras)).items():
+            for key, value in term(inputs).items():
                 if key in outputs:
                     raise ValueError(f"two ObjectiveSum terms both return {key!r}")
                 outputs[key] = value

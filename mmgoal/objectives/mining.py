@@ -1,10 +1,12 @@
-"""Positive masks and hard-negative mining (REFERENCE.md section 2). No gradients."""
+"""Positive masks and hard-negative mining (docs/reference/goal.md). No gradients."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from mmgoal.structures import ObjectiveInputs
 
 
 def diagonal_positives(sims: torch.Tensor) -> torch.Tensor:
@@ -39,6 +41,15 @@ def check_positives(sims: torch.Tensor, positives: torch.Tensor | None) -> torch
         raise ValueError(f"positives has shape {tuple(positives.shape)}, sims has "
                          f"{tuple(sims.shape)}; they must match")
     return positives.to(device=sims.device, dtype=torch.bool)
+
+
+def scores_and_positives(inputs: ObjectiveInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """An objective's ``(scores, positives mask)``, the mask checked as ``check_positives``."""
+    if not isinstance(inputs, ObjectiveInputs):
+        raise TypeError(f"an objective takes one ObjectiveInputs (mmgoal.structures), got "
+                        f"{type(inputs).__name__}: call objective(ObjectiveInputs(sims, "
+                        f"positives))")
+    return inputs.scores, check_positives(inputs.scores, inputs.positives)
 
 
 def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,
@@ -93,7 +104,7 @@ class MinedTriplets:
 
 
 def mine_triplets(sims: torch.Tensor, positives: torch.Tensor) -> MinedTriplets:
-    """Hardest-negative triplets of every positive, in both directions (REFERENCE.md section 2)."""
+    """Hardest-negative triplets of every positive, in both directions (docs/reference/goal.md)."""
     rows, cols = positives.nonzero(as_tuple=True)
     text_of_image, image_of_text, row_valid, col_valid = hardest_negatives(sims, positives,
                                                                            (rows, cols))

@@ -1,5 +1,5 @@
 """X-VLM's pretraining objectives beside ITC and ITM: masked language modelling and
-box grounding (REFERENCE.md section 4).
+box grounding (docs/reference/xvlm.md).
 
 MLM masks 15% of a caption's real, non-special tokens (80% become [MASK], 10% a
 random token, 10% stay) and predicts them from the fusion layers' states, so the
@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.contract import BoxPredictingModel, MaskedLanguageModel, require
 from mmgoal.data.tokenizers import corrupt_tokens
-from mmgoal.models.features import index_features
 from mmgoal.registry import OBJECTIVES
+from mmgoal.structures import ObjectiveInputs, index_features
 
 IGNORE = -100  # cross-entropy's ignore_index: positions that are not predicted
 
@@ -90,15 +91,14 @@ class MLMLoss(nn.Module):
             raise ValueError("MLMLoss needs a tokenizer with a mask token (HFTokenizer)")
         self.weight, self.mask_prob, self.tokenizer = weight, mask_prob, tokenizer
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None, model=None,
-                batch: dict | None = None, local_image_features=None,
-                generator: torch.Generator | None = None, **extras) -> dict[str, torch.Tensor]:
-        if model is None or not hasattr(model, "mlm_logits") or batch is None:
-            raise ValueError("MLMLoss needs a cross encoder with mlm_logits (XVLM with "
-                             "mlm_head) and the batch (the trainer passes them)")
-        inputs, labels = mlm_inputs(batch["tokens"], batch["lengths"], self.tokenizer,
-                                    self.mask_prob, generator)
-        logits = model.mlm_logits(local_image_features, {**batch, "tokens": inputs})
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        inputs.require("MLMLoss", "model", "batch", "local_image_features")
+        require(inputs.model, MaskedLanguageModel, "MLMLoss")
+        batch = inputs.batch
+        tokens, labels = mlm_inputs(batch["tokens"], batch["lengths"], self.tokenizer,
+                                    self.mask_prob, inputs.generator)
+        logits = inputs.model.mlm_logits(inputs.local_image_features,
+                                         {**batch, "tokens": tokens})
         picked = labels != IGNORE
         if not picked.any():  # a batch of one-word captions: nothing to predict
             return {"mlm_loss": logits.sum() * 0.0}
@@ -129,12 +129,11 @@ class BoxGroundingLoss(nn.Module):
         self.weight, self.l1_weight, self.giou_weight = weight, l1_weight, giou_weight
         self.tokenizer = tokenizer
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None, model=None,
-                batch: dict | None = None, local_image_features=None,
-                **extras) -> dict[str, torch.Tensor]:
-        if model is None or not hasattr(model, "predict_boxes") or batch is None:
-            raise ValueError("BoxGroundingLoss needs a cross encoder with predict_boxes (XVLM "
-                             "with box_head: true) and the batch (the trainer passes them)")
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        inputs.require("BoxGroundingLoss", "model", "batch", "local_image_features")
+        require(inputs.model, BoxPredictingModel, "BoxGroundingLoss")
+        model, batch, local_image_features = (inputs.model, inputs.batch,
+                                              inputs.local_image_features)
         valid = batch.get("phrase_valid")
         if valid is None or not valid.any():
             zero = sum(p.sum() for p in model.box_head.parameters()) * 0.0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from mmgoal.objectives.hard_negative import HardNegativeLoss
-from mmgoal.objectives.mining import check_positives
+from mmgoal.objectives.mining import scores_and_positives
 from mmgoal.registry import OBJECTIVES
+from mmgoal.structures import ObjectiveInputs
 
 
 def sum_of_hinges(sims: torch.Tensor, positives: torch.Tensor, margin: float
@@ -55,11 +56,10 @@ class TripletLoss(HardNegativeLoss):
     def triplet_loss(self, s_p: torch.Tensor, s_n: torch.Tensor) -> torch.Tensor:
         return (self.margin + s_n - s_p).clamp(min=0)
 
-    def forward(self, sims: torch.Tensor, positives: torch.Tensor | None = None,
-                **extras) -> dict[str, torch.Tensor]:
+    def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         if self.max_violation:
-            return super().forward(sims, positives)
-        positives = check_positives(sims, positives)
+            return super().forward(inputs)
+        sims, positives = scores_and_positives(inputs)
         i2t, t2i = sum_of_hinges(sims, positives, self.margin)
         loss = i2t.sum() + t2i.sum()
         if self.reduction == "mean":

@@ -1,12 +1,14 @@
-"""GOAL triplet and pair weights (REFERENCE.md section 3): pure functions of scores.
+"""GOAL triplet and pair weights (docs/reference/goal.md): pure functions of scores.
 
 A triplet weight maps the scores of the positive and the mined negative,
 ``s_p, s_n: (N,)``, to ``T: (N,)``; a pair weight maps them to ``(P+, P-)``,
-each ``(N,)``. Hyperparameters are keyword parameters: ``GoalObjective`` passes
-each function the ones its signature names (``margin``, ``tau``,
-``cir_offset``, ``alpha``, ``beta``, ``lam``, ``eps``, ``lin_shift``). Pair
-weights that compare with the rest of the batch (multi-similarity) take a
-``relative`` parameter: a :class:`RelativeScores`.
+each ``(N,)``. A weight's options are its keyword parameters after the two
+scores: a config sets them with the weight it belongs to (``triplet: {type:
+cir, tau: 5}``) and ``GoalObjective`` rejects any option the weight does not
+name. Pair weights that compare with the rest of the batch (multi-similarity)
+take a ``relative`` parameter, a :class:`RelativeScores`, and an ``eps``
+option: ``GoalObjective`` builds the comparison sets with that ``eps``, so the
+weight's signature declares it even though its body only reads ``relative``.
 
 Add a weight of your own in a few lines (docs/objectives.md)::
 
@@ -42,7 +44,7 @@ def triplet_weight_cir(s_p: torch.Tensor, s_n: torch.Tensor, tau: float = 10.0,
 
 
 class RelativeScores:
-    """The multi-similarity comparison sets of one direction's triplets (REFERENCE.md).
+    """The multi-similarity comparison sets of one direction's triplets (docs/reference/goal.md).
 
     ``R+`` of a triplet: the scores ``r`` of the batch's *other* positive pairs
     with ``r <= s_n + eps``; ``R-``: the anchor's negatives other than the mined
@@ -158,11 +160,12 @@ def pair_weight_sig(s_p: torch.Tensor, s_n: torch.Tensor, alpha: float = 2.0,
 
 @PAIR_WEIGHTS.register("sig_ms")
 def pair_weight_sig_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeScores,
-                       alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
+                       eps: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid with multi-similarity terms: ``1/(m+ + e^{alpha(s_p-lam)})``, ``1/(m- + ...)``.
 
     ``m+ = mean_{R+} e^{alpha(s_p - r)}``, ``m- = mean_{R-} e^{-beta(s_n - r)}``; 1 when empty.
+    ``eps`` is the comparison margin ``relative`` was built with.
     """
     m_pos = relative.pos_mean_exp(alpha, empty=1.0)
     m_neg = relative.neg_mean_exp(beta, empty=1.0)
@@ -172,12 +175,14 @@ def pair_weight_sig_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeS
 
 @PAIR_WEIGHTS.register("lin_ms")
 def pair_weight_lin_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeScores,
-                       lin_shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       lin_shift: float = 0.0, eps: float = 0.1
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Linear with multi-similarity terms: ``(1 - l+) [1 + g - s_p]_+``, ``(1 + l-) [s_n + g]_+``.
 
     ``l+ = mean_{R+} (s_p - r)``, ``l- = mean_{R-} (s_n - r)``; 0 when empty.
+    ``eps`` is the comparison margin ``relative`` was built with.
     **Choice**: the linear factors are those of ``lin`` (clamped, shift ``g``), so
-    an empty comparison set gives exactly ``lin`` as REFERENCE.md requires; the
+    an empty comparison set gives exactly ``lin`` (docs/reference/goal.md); the
     unclamped ``(1 - s_p)``, ``s_n`` of the released code differ for ``s_n < 0``.
     """
     l_pos = relative.pos_mean_diff(empty=0.0)

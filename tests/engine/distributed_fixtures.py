@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from mmgoal.data.pipeline import SkipCounter, collate_batch, iter_eval_batches
+from mmgoal.engine.gather import world_info
 from mmgoal.engine.hooks import Hook
-from mmgoal.objectives.gather import world_info
 from mmgoal.registry import DATASETS, HOOKS, OBJECTIVES
 
 
@@ -87,9 +87,9 @@ class NaNOnOneRank(torch.nn.Module):
                                        "pair": "sig_ms"})
         self.rank, self.first, self.count, self.calls = rank, first, count, 0
 
-    def forward(self, sims, positives=None):
+    def forward(self, inputs):
         self.calls += 1
-        outputs = self.inner(sims, positives)
+        outputs = self.inner(inputs)
         if world_info()[0] == self.rank and self.first <= self.calls < self.first + self.count:
             outputs["goal_loss"] = outputs["goal_loss"] * float("nan")
         return outputs

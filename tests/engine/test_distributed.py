@@ -196,11 +196,14 @@ def test_sigterm_stops_every_rank_and_the_run_resumes_exactly(setup, tmp_path):
     assert result.returncode != 0 and "stopping after this step" in result.stderr
     stopped = load_checkpoint(next(run.glob("checkpoints/deepspeed/*/trainer_state.pt")))
     assert 7 <= stopped["step"] < STEPS and not (run / "report.json").exists()
-    # the same checkpoint resumed by one process with the same global batch
+    # the same checkpoint resumed by one process with the same global batch: --resume trains
+    # with the run's own config.yaml, so the per-rank batch is doubled on the command line
     shutil.copytree(run, tmp_path / "one")
     ok(launch("torchrun", configs["ranks"], run, "--deepspeed", "--resume"))
     assert max_difference(final_weights(root / "zero2"), final_weights(run)) < 1e-6
-    result = ok(launch("single", configs["single"], tmp_path / "one", "--deepspeed", "--resume"))
+    result = ok(launch("single", configs["single"], tmp_path / "one", "--deepspeed", "--resume",
+                       "--cfg-options", f"data.train.batch_size={2 * PER_RANK}"))
+    assert "resuming with the run's own config" in result.stderr
     assert "universal checkpoint" in result.stderr
     assert max_difference(final_weights(root / "zero2"), final_weights(tmp_path / "one")) < 1e-5
 
@@ -217,7 +220,9 @@ def test_a_sigkilled_run_resumes_from_its_last_checkpoint(setup, tmp_path):
     tag = read_pointer(run / "checkpoints" / "deepspeed" / LATEST)
     assert load_checkpoint(run / "checkpoints" / "deepspeed" / tag / "trainer_state.pt")[
         "step"] == 10
-    ok(launch("torchrun", configs["ranks"], run, "--deepspeed", "--resume"))
+    # the run's own config.yaml holds the killing hook: resumed without it
+    ok(launch("torchrun", configs["ranks"], run, "--deepspeed", "--resume", "--cfg-options",
+              "hooks=[]"))
     assert max_difference(final_weights(root / "zero2"), final_weights(run)) < 1e-6
 
 

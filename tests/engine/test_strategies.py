@@ -109,9 +109,9 @@ class RecordsScoreDtype(torch.nn.Module):
         super().__init__()
         self.inner = OBJECTIVES.build({"type": "InfoNCELoss", "temperature": 0.1})
 
-    def forward(self, sims, positives=None):
-        RecordsScoreDtype.dtypes.append(sims.dtype)
-        return self.inner(sims, positives)
+    def forward(self, inputs):
+        RecordsScoreDtype.dtypes.append(inputs.scores.dtype)
+        return self.inner(inputs)
 
 
 @pytest.fixture
@@ -155,12 +155,12 @@ def test_cuda_without_a_gpu_stops_before_anything_is_built(tiny_benchmark, tmp_p
     assert "error: train.device 'cuda:0' asks for a GPU" in capsys.readouterr().err
 
 
-def test_train_and_strategy_precision_must_agree(tiny_benchmark, tmp_path):
+def test_precision_is_set_under_train_only(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
     cfg = tiny_config(out, precision="bf16")
     cfg["strategy"] = {"type": "deepspeed", "precision": "fp32"}
-    with pytest.raises(ValueError, match="train.precision is 'bf16' but strategy.precision is "
-                                         "'fp32'; set train.precision alone"):
+    with pytest.raises(ValueError, match="strategy.precision is now train.precision: move "
+                                         "'precision: fp32' under train"):
         Trainer(cfg, tmp_path / "run")
 
 

@@ -8,6 +8,7 @@ import yaml
 
 from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.engine.hooks import Hook
+from mmgoal.engine.schema import resolve_config
 from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import HOOKS, OBJECTIVES
 
@@ -85,7 +86,12 @@ def test_run_directory_contents(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
     report = Trainer(tiny_config(out), tmp_path / "run").fit()
     run = tmp_path / "run"
-    assert yaml.safe_load((run / "config.yaml").read_text()) == tiny_config(out)
+    saved_config = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved_config == resolve_config(tiny_config(out))
+    # every default written out, the given values kept
+    assert saved_config["train"]["accumulate_steps"] == 1 and saved_config["train"]["epochs"] == 2
+    assert saved_config["data"]["val"]["folds"] == 1
+    assert saved_config["strategy"] == {"type": "torch"}
     saved = json.loads((run / "report.json").read_text())
     assert saved["test"] == report["test"]
     assert {"i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "i2t_medr",
@@ -103,8 +109,8 @@ def test_run_directory_contents(tiny_benchmark, tmp_path):
 def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_benchmark, tmp_path):
     @OBJECTIVES.register("NaNObjective", force=True)
     class NaNObjective(torch.nn.Module):
-        def forward(self, sims, positives=None):
-            return {"nan_loss": sims.sum() * float("nan")}
+        def forward(self, inputs):
+            return {"nan_loss": inputs.scores.sum() * float("nan")}
 
     out, _ = tiny_benchmark
     cfg = tiny_config(out, max_nonfinite_steps=3)
@@ -135,8 +141,8 @@ def test_nonfinite_gradients_under_a_finite_loss_are_skipped_too(tiny_benchmark,
 
     @OBJECTIVES.register("NaNGradientObjective", force=True)
     class NaNGradientObjective(torch.nn.Module):
-        def forward(self, sims, positives=None):
-            return {"bad_loss": NaNGradient.apply(sims).sum()}
+        def forward(self, inputs):
+            return {"bad_loss": NaNGradient.apply(inputs.scores).sum()}
 
     out, _ = tiny_benchmark
     cfg = tiny_config(out, max_nonfinite_steps=2)
@@ -158,18 +164,20 @@ def test_config_mistakes_are_reported(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
     cfg = tiny_config(out)
     cfg["trian"] = {}
-    with pytest.raises(ValueError, match="unknown top-level config key.*trian"):
+    with pytest.raises(ValueError, match="unknown key.*'trian' .did you mean 'train'.* in 'the top "
+                                         "level'"):
         Trainer(cfg, tmp_path / "a")
     cfg = tiny_config(out, epoch=3)
     with pytest.raises(ValueError, match="unknown key.*epoch.*in 'train'"):
         Trainer(cfg, tmp_path / "b")
     cfg = tiny_config(out)
     cfg["schedule"]["warmup"] = 3
-    with pytest.raises(ValueError, match="unknown key.*warmup in 'schedule'.*warmup_steps"):
+    with pytest.raises(ValueError, match="schedule 'cosine' got unknown config key.*'warmup' "
+                                         ".did you mean 'warmup_steps'"):
         Trainer(cfg, tmp_path / "d")
     cfg = tiny_config(out)
     cfg["data"]["val"]["fold"] = 5
-    with pytest.raises(ValueError, match="unknown key.*fold in 'data.val'"):
+    with pytest.raises(ValueError, match="unknown key.*'fold' .*in 'data.val'"):
         Trainer(cfg, tmp_path / "e")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         Trainer(tiny_config(out), tmp_path / "c", resume=True)

@@ -14,7 +14,7 @@ from mmgoal.evaluation.gallery import (
     score_gallery,
 )
 from mmgoal.evaluation.retrieval import retrieval_metrics
-from mmgoal.models.features import ImageFeatures, TextFeatures
+from mmgoal.structures import ImageFeatures, TextFeatures
 
 SCAN_MODEL = {
     "type": "SCAN", "embed_dim": 16,

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from mmgoal.data.tokenizers import WordTokenizer
 from mmgoal.models.layers.cross_attention import scan_attention, scan_similarity
 from mmgoal.registry import MODELS
+from mmgoal.structures import ObjectiveInputs
 
 
 def direct_pair_score(queries, keys, lambda_softmax, pooling, lambda_lse):
@@ -172,12 +173,12 @@ def test_goal_objectives_train_scan_through_its_cross_attention(tokenizer):
     def grads(objective, key):
         model.zero_grad()
         sims = model.similarity(model.encode_image(batch), model.encode_text(batch))
-        objective(sims)[key].backward()
+        objective(ObjectiveInputs(sims))[key].backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     triplet = grads(OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2}), "triplet_loss")
-    goal = grads(OBJECTIVES.build({"type": "GoalObjective", "triplet": "con", "pair": "con",
-                                   "margin": 0.2}), "goal_loss")
+    goal = grads(OBJECTIVES.build({"type": "GoalObjective", "pair": "con",
+                                   "triplet": {"type": "con", "margin": 0.2}}), "goal_loss")
     assert triplet.keys() == goal.keys() and len(goal) == len(list(model.parameters()))
     for name in goal:
         torch.testing.assert_close(goal[name], triplet[name], msg=name)

@@ -6,6 +6,7 @@ from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
 from mmgoal.objectives.itm import sample_hard_negatives
 from mmgoal.registry import MODELS, OBJECTIVES
+from mmgoal.structures import ObjectiveInputs
 
 TINY_VIT = {"model_name": "vit_tiny_patch16_224",
             "model_kwargs": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2,
@@ -92,8 +93,8 @@ def test_itm_loss_classifies_positives_and_sampled_negatives(tokenizer):
     sims = model.similarity(images, texts)
     itm = OBJECTIVES.build({"type": "ITMLoss", "weight": 0.5})
     generator = torch.Generator().manual_seed(0)
-    out = itm(sims, model=model, image_features=images, text_features=texts,
-              generator=generator)
+    out = itm(ObjectiveInputs(sims, model=model, image_features=images, text_features=texts,
+                              generator=generator))
     # Rebuild the 12 pairs by hand with the same draws.
     generator = torch.Generator().manual_seed(0)
     positives = torch.eye(4, dtype=torch.bool)
@@ -108,8 +109,8 @@ def test_itm_loss_classifies_positives_and_sampled_negatives(tokenizer):
     labels = torch.tensor([1] * 4 + [0] * 8)
     expected = 0.5 * torch.nn.functional.cross_entropy(logits, labels)
     torch.testing.assert_close(out["itm_loss"], expected)
-    with pytest.raises(ValueError, match="needs model"):
-        itm(sims)
+    with pytest.raises(ValueError, match="ITMLoss needs model, image_features, text_features"):
+        itm(ObjectiveInputs(sims))
 
 
 def test_rerank_with_the_whole_gallery_is_full_itm_and_with_k1_keeps_itc_r1(tokenizer):
@@ -221,24 +222,20 @@ def test_tiny_xvlm_trains_with_itc_itm_and_reports_reranked_metrics(tiny_benchma
     assert test["i2t_r10"] == test["itc_i2t_r10"] and test["t2i_r10"] == test["itc_t2i_r10"]
 
 
-def test_objective_sum_hands_each_term_only_the_extras_it_accepts(tokenizer):
-    from mmgoal.objectives.triplet import TripletLoss
-
-    class PlainTriplet(TripletLoss):  # a user objective without **extras
-        def forward(self, sims, positives=None):
-            return super().forward(sims, positives)
-
-    OBJECTIVES.register("PlainTriplet", force=True)(PlainTriplet)
-    try:
-        objective = OBJECTIVES.build({"type": "ObjectiveSum", "terms": [
-            {"type": "PlainTriplet", "margin": 0.2}, {"type": "ITMLoss"}]})
-        model = tiny_xvlm(tokenizer)
-        batch = {"images": torch.randn(4, 3, 32, 32), **tokenizer(CAPTIONS)}
-        images, texts = model.encode_image(batch), model.encode_text(batch)
-        sims = model.similarity(images, texts)
-        out = objective(sims, model=model, image_features=images, text_features=texts)
-    finally:
-        OBJECTIVES._entries.pop("PlainTriplet")
-    expected = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})(sims)["triplet_loss"]
+def test_objective_sum_hands_every_term_the_same_inputs(tokenizer):
+    objective = OBJECTIVES.build({"type": "ObjectiveSum", "terms": [
+        {"type": "TripletLoss", "margin": 0.2}, {"type": "ITMLoss"}]})
+    model = tiny_xvlm(tokenizer).eval()
+    batch = {"images": torch.randn(4, 3, 32, 32), **tokenizer(CAPTIONS)}
+    images, texts = model.encode_image(batch), model.encode_text(batch)
+    inputs = ObjectiveInputs(model.similarity(images, texts), image_features=images,
+                             text_features=texts, model=model,
+                             generator=torch.Generator().manual_seed(0))
+    out = objective(inputs)
+    expected = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})(inputs)["triplet_loss"]
     torch.testing.assert_close(out["triplet_loss"], expected)
-    assert "itm_loss" in out
+    inputs.generator = torch.Generator().manual_seed(0)  # the same hard negatives drawn
+    torch.testing.assert_close(out["itm_loss"],
+                               OBJECTIVES.build({"type": "ITMLoss"})(inputs)["itm_loss"])
+    with pytest.raises(ValueError, match="ITMLoss needs model in its ObjectiveInputs"):
+        objective(ObjectiveInputs(inputs.scores, image_features=images, text_features=texts))

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from mmgoal.models.layers.cross_attention import Attention
 from mmgoal.objectives.constraints import sample_fragments
 from mmgoal.registry import CONSTRAINTS
+from mmgoal.structures import Attention
 
 E0, E1 = torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0])
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import OBJECTIVES, PAIR_WEIGHTS, TRIPLET_WEIGHTS
+from mmgoal.structures import ObjectiveInputs
 
 TRIPLETS = ("con", "nca", "cir")
 PAIRS = ("con", "lin", "sig", "lin_ms", "sig_ms")
@@ -24,7 +25,7 @@ def cosine_scores(n_img=8, n_txt=8, dim=6, seed=0, dtype=torch.float64):
 
 def grad_of(objective, sims, positives, key):
     sims = sims.detach().clone().requires_grad_()
-    (grad,) = torch.autograd.grad(objective(sims, positives)[key], sims)
+    (grad,) = torch.autograd.grad(objective(ObjectiveInputs(sims, positives))[key], sims)
     return grad
 
 
@@ -38,7 +39,8 @@ def test_con_con_is_the_hardest_negative_triplet_gradient(groups):
     positives = positives_from_groups(torch.tensor(groups))
     expected = grad_of(OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2}), sims,
                        positives, "triplet_loss")
-    got = grad_of(goal(triplet="con", pair="con", margin=0.2), sims, positives, "goal_loss")
+    got = grad_of(goal(triplet={"type": "con", "margin": 0.2}, pair="con"), sims, positives,
+                  "goal_loss")
     assert expected.abs().sum() > 0
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
@@ -50,7 +52,8 @@ def test_nca_con_is_hard_ntxent_over_tau(groups, tau):
     positives = positives_from_groups(torch.tensor(groups))
     ntxent = grad_of(OBJECTIVES.build({"type": "NTXentHardLoss", "tau": tau}), sims, positives,
                      "ntxent_loss")
-    got = grad_of(goal(triplet="nca", pair="con", tau=tau), sims, positives, "goal_loss")
+    got = grad_of(goal(triplet={"type": "nca", "tau": tau}, pair="con"), sims, positives,
+                  "goal_loss")
     torch.testing.assert_close(got, ntxent / tau, atol=1e-6, rtol=0)
 
 
@@ -61,8 +64,8 @@ def test_con_sig_with_every_triplet_active_is_binomial_deviance(groups):
     hp = {"alpha": 2.0, "beta": 10.0, "lam": 0.5}
     expected = grad_of(OBJECTIVES.build({"type": "BinomialDevianceLoss", **hp}), sims,
                        positives, "binomial_loss")
-    got = grad_of(goal(triplet="con", pair="sig", margin=10.0, **hp), sims, positives,
-                  "goal_loss")
+    got = grad_of(goal(triplet={"type": "con", "margin": 10.0}, pair={"type": "sig", **hp}),
+                  sims, positives, "goal_loss")
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
@@ -73,8 +76,8 @@ def test_cir_lin_is_circle_loss_over_gamma(groups, margin, gamma):
     positives = positives_from_groups(torch.tensor(groups))
     circle = grad_of(OBJECTIVES.build({"type": "CircleLoss", "margin": margin, "gamma": gamma}),
                      sims, positives, "circle_loss")
-    got = grad_of(goal(triplet="cir", pair="lin", tau=gamma, cir_offset=1 - 2 * margin ** 2,
-                       lin_shift=margin), sims, positives, "goal_loss")
+    got = grad_of(goal(triplet={"type": "cir", "tau": gamma, "cir_offset": 1 - 2 * margin ** 2},
+                       pair={"type": "lin", "lin_shift": margin}), sims, positives, "goal_loss")
     torch.testing.assert_close(got, circle / gamma, atol=1e-6, rtol=0)
 
 
@@ -101,16 +104,17 @@ def test_against_pytorch_metric_learning():
     labels = torch.arange(8)
     cases = [
         (TripletMarginLoss(margin=0.2, distance=CosineSimilarity(), reducer=SumReducer()),
-         goal(triplet="con", pair="con", margin=0.2), 1.0),
+         goal(triplet={"type": "con", "margin": 0.2}, pair="con"), 1.0),
         (CircleLoss(m=0.25, gamma=64, reducer=SumReducer()),
-         goal(triplet="cir", pair="lin", tau=64, cir_offset=1 - 2 * 0.25 ** 2, lin_shift=0.25),
-         64.0),
+         goal(triplet={"type": "cir", "tau": 64, "cir_offset": 1 - 2 * 0.25 ** 2},
+              pair={"type": "lin", "lin_shift": 0.25}), 64.0),
     ]
     for pml_loss, goal_objective, factor in cases:
         expected = torch.autograd.grad(pml_bidirectional(pml_loss, images, texts, labels),
                                        (images, texts))
         sims = F.normalize(images, dim=-1) @ F.normalize(texts, dim=-1).T
-        got = torch.autograd.grad(goal_objective(sims)["goal_loss"], (images, texts))
+        got = torch.autograd.grad(goal_objective(ObjectiveInputs(sims))["goal_loss"],
+                                  (images, texts))
         assert expected[0].abs().sum() > 0
         for e, o in zip(expected, got):
             torch.testing.assert_close(o, e / factor, atol=1e-6, rtol=0)
@@ -171,7 +175,7 @@ def test_backward_is_scaled_by_the_incoming_gradient(triplet, pair):
 
     def loss(rows):
         sims = F.normalize(encoder(images[rows]), dim=-1) @ texts[rows].T
-        return objective(sims)["goal_loss"]
+        return objective(ObjectiveInputs(sims))["goal_loss"]
 
     halves = (slice(0, 4), slice(4, 8))
     separate = [torch.autograd.grad(loss(h), encoder.weight)[0] for h in halves]
@@ -189,8 +193,9 @@ def test_mean_reduction_and_logged_value():
     meaned = goal(triplet="nca", pair="lin", reduction="mean")
     torch.testing.assert_close(grad_of(meaned, sims, None, "goal_loss"),
                                grad_of(summed, sims, None, "goal_loss") / 8)
-    out = goal(triplet="con", pair="con", margin=0.2)(sims)
-    hinge = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})(sims)["triplet_loss"]
+    out = goal(triplet={"type": "con", "margin": 0.2}, pair="con")(ObjectiveInputs(sims))
+    hinge = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})(
+        ObjectiveInputs(sims))["triplet_loss"]
     # con x con logs sum T (s_n - s_p) = triplet loss - margin * number of active triplets
     active = out["active_fraction"] * 16
     assert out["goal_loss"].item() == pytest.approx(hinge.item() - 0.2 * active.item())
@@ -200,13 +205,14 @@ def test_relative_terms_fall_back_when_empty():
     # two pairs only: with eps = -10 the relative sets are empty, so *_ms equals the plain weight
     sims = cosine_scores(2, 2, seed=9)
     for ms, plain in (("sig_ms", "sig"), ("lin_ms", "lin")):
-        a = grad_of(goal(pair=ms, triplet="nca", eps=-10.0), sims, None, "goal_loss")
+        a = grad_of(goal(pair={"type": ms, "eps": -10.0}, triplet="nca"), sims, None,
+                    "goal_loss")
         b = grad_of(goal(pair=plain, triplet="nca"), sims, None, "goal_loss")
         torch.testing.assert_close(a, b)
 
 
 def brute_force_relative(sims, positives, eps, direction):
-    """m+, l+, m-, l- of every triplet by explicit loops over REFERENCE.md's sets."""
+    """m+, l+, m-, l- of every triplet by explicit loops over the sets of docs/reference/goal.md."""
     from mmgoal.objectives.mining import mine_triplets
 
     triplets = mine_triplets(sims, positives)
@@ -255,5 +261,86 @@ def test_unknown_weights_list_the_choices():
         goal(pair="sigms")
     with pytest.raises(KeyError, match="Available: cir, con, nca"):
         goal(triplet="arc")
+    with pytest.raises(KeyError, match="'arc' is not in the triplet weight registry"):
+        goal(triplet={"type": "arc", "tau": 5})
+    with pytest.raises(ValueError, match="objective.triplet must be a triplet weight name"):
+        goal(triplet={"tau": 5})
     assert sorted(TRIPLETS) == TRIPLET_WEIGHTS.names()
     assert sorted(PAIRS) == PAIR_WEIGHTS.names()
+
+
+def test_an_option_the_weight_does_not_take_is_an_error():
+    with pytest.raises(ValueError, match=r"objective.triplet: 'con' takes margin; got unknown "
+                                         r"option\(s\) tau\b"):
+        goal(triplet={"type": "con", "tau": 5}, pair="con")
+    with pytest.raises(ValueError, match=r"'cir' takes tau, cir_offset; got unknown option\(s\) "
+                                         r"cir_ofset \(did you mean cir_offset\?\)"):
+        goal(triplet={"type": "cir", "cir_ofset": 0.0})
+    with pytest.raises(ValueError, match=r"objective.pair: 'con' takes no options; got unknown "
+                                         r"option\(s\) eps"):
+        goal(pair={"type": "con", "eps": 0.1})
+    with pytest.raises(ValueError, match="'sig' takes alpha, beta, lam; got unknown option"):
+        goal(pair={"type": "sig", "eps": 0.1})  # eps belongs to the *_ms weights only
+
+
+def test_flat_options_say_where_they_go():
+    with pytest.raises(ValueError, match=r"move each under its weight: tau -> "
+                                         r"triplet: \{type: cir, tau: 5\}"):
+        goal(triplet="cir", pair="con", tau=5)
+    # the chosen weight does not take it: the message names one that does
+    with pytest.raises(ValueError, match=r"eps -> pair: \{type: lin_ms, eps: 0.2\} \(eps is an "
+                                         r"option of the pair weight\(s\) lin_ms, sig_ms\)"):
+        goal(pair="sig", eps=0.2)
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) reductoin \(did you mean "
+                                         r"reduction\?\)"):
+        goal(reductoin="mean")
+
+
+def test_options_are_bound_once_with_their_defaults_and_nothing_is_checkpointed():
+    objective = goal(triplet={"type": "cir", "tau": 5}, pair="sig_ms")
+    assert objective.triplet_weight.options == {"tau": 5, "cir_offset": 0.5}
+    assert objective.pair_weight.options == {"alpha": 2.0, "beta": 10.0, "lam": 0.5, "eps": 0.1}
+    assert "triplet=cir(tau=5, cir_offset=0.5)" in repr(objective)
+    assert objective.state_dict() == {} and not list(objective.parameters())
+
+
+@pytest.fixture
+def scaled_pair_weight():
+    """A user's pair weight with an option of its own: P+ = gamma (1 - s_p), P- = gamma s_n."""
+
+    @PAIR_WEIGHTS.register("scaled")
+    def pair_weight_scaled(s_p, s_n, gamma=1.0):
+        return gamma * (1 - s_p), gamma * s_n
+
+    yield pair_weight_scaled
+    PAIR_WEIGHTS._entries.pop("scaled")
+
+
+def test_a_registered_weight_takes_its_own_option(scaled_pair_weight):
+    sims = torch.tensor([[0.9, 0.3], [0.5, 0.8]], dtype=torch.float64)
+    # margin 1: all four triplets active (T = 1). Row 0: s_p 0.9, hardest negatives 0.3 (i2t,
+    # text 1) and 0.5 (t2i, image 1); row 1: s_p 0.8, negatives 0.5 (text 0) and 0.3 (image 0).
+    # G[i, i] = -2 gamma (1 - s_p); each negative is the hardest of its row and of its column,
+    # so G[i, j] = 2 gamma s_n.
+    gamma = 3.0
+    expected = torch.tensor([[-2 * gamma * 0.1, 2 * gamma * 0.3],
+                             [2 * gamma * 0.5, -2 * gamma * 0.2]], dtype=torch.float64)
+    all_active = {"type": "con", "margin": 1.0}
+    objective = goal(triplet=all_active, pair={"type": "scaled", "gamma": gamma})
+    torch.testing.assert_close(grad_of(objective, sims, None, "goal_loss"), expected)
+    default = goal(triplet=all_active, pair="scaled")
+    torch.testing.assert_close(grad_of(default, sims, None, "goal_loss"), expected / gamma)
+    with pytest.raises(ValueError, match="'scaled' takes gamma; got unknown option"):
+        goal(pair={"type": "scaled", "tau": 3.0})
+
+
+def test_a_pair_weight_with_comparison_sets_declares_eps():
+    @PAIR_WEIGHTS.register("ms_without_eps")
+    def pair_weight_ms_without_eps(s_p, s_n, relative):
+        return torch.ones_like(s_p), torch.ones_like(s_n)
+
+    try:
+        with pytest.raises(ValueError, match="give it an eps parameter"):
+            goal(pair="ms_without_eps")
+    finally:
+        PAIR_WEIGHTS._entries.pop("ms_without_eps")

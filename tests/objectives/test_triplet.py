@@ -5,6 +5,7 @@ import torch
 
 from mmgoal.objectives.mining import hardest_negatives, positives_from_groups
 from mmgoal.registry import OBJECTIVES
+from mmgoal.structures import ObjectiveInputs
 
 
 def reference_triplet(sims, positives, margin, max_violation):
@@ -31,7 +32,8 @@ def test_triplet_matches_loop_reference_in_value_and_gradient(max_violation, gro
     sims = (torch.rand(6, 6) * 2 - 1).requires_grad_()
     positives = positives_from_groups(torch.tensor(groups))
     loss = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2,
-                             "max_violation": max_violation})(sims, positives)["triplet_loss"]
+                             "max_violation": max_violation})(
+        ObjectiveInputs(sims, positives))["triplet_loss"]
     (grad,) = torch.autograd.grad(loss, sims)
     ref_sims = sims.detach().clone().requires_grad_()
     ref = reference_triplet(ref_sims, positives, 0.2, max_violation)
@@ -49,7 +51,7 @@ def test_duplicate_images_are_never_negatives():
     assert text_of_image.tolist() == [2, 2, 0]
     assert image_of_text.tolist() == [2, 2, 0]
     assert row_valid.all() and col_valid.all()
-    out = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.5})(sims, positives)
+    out = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.5})(ObjectiveInputs(sims, positives))
     # active hinges: i2t (0, 0) and (1, 1) against text 2: 0.5 + 0.1 - 0.5 each; all other
     # hinges are <= 0. Treating text 1 as a negative of row 0 would add 0.5 + 0.9 - 0.5.
     assert out["triplet_loss"].item() == pytest.approx(0.2)
@@ -57,17 +59,23 @@ def test_duplicate_images_are_never_negatives():
 
 def test_mean_reduction_and_diagonal_default():
     sims = torch.tensor([[0.1, 0.3], [0.2, 0.0]])
-    total = OBJECTIVES.build({"type": "TripletLoss"})(sims)["triplet_loss"]
+    total = OBJECTIVES.build({"type": "TripletLoss"})(ObjectiveInputs(sims))["triplet_loss"]
     # (0.2 + 0.3 - 0.1) + (0.2 + 0.2 - 0.1) + (0.2 + 0.2 - 0.0) + (0.2 + 0.3 - 0.0)
     assert total.item() == pytest.approx(0.4 + 0.3 + 0.4 + 0.5)
-    mean = OBJECTIVES.build({"type": "TripletLoss", "reduction": "mean"})(sims)["triplet_loss"]
+    mean = OBJECTIVES.build({"type": "TripletLoss", "reduction": "mean"})(
+        ObjectiveInputs(sims))["triplet_loss"]
     assert mean.item() == pytest.approx(total.item() / 2)
 
 
 def test_bad_arguments_are_explained():
+    triplet = OBJECTIVES.build({"type": "TripletLoss"})
     with pytest.raises(ValueError, match="non-square"):
-        OBJECTIVES.build({"type": "TripletLoss"})(torch.zeros(2, 3))
+        triplet(ObjectiveInputs(torch.zeros(2, 3)))
     with pytest.raises(ValueError, match="must match"):
-        OBJECTIVES.build({"type": "TripletLoss"})(torch.zeros(2, 2), torch.ones(3, 3).bool())
+        triplet(ObjectiveInputs(torch.zeros(2, 2), torch.ones(3, 3).bool()))
+    with pytest.raises(TypeError, match=r"an objective takes one ObjectiveInputs "
+                                        r"\(mmgoal.structures\), got Tensor: call "
+                                        r"objective\(ObjectiveInputs\(sims, "):
+        triplet(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="reduction"):
         OBJECTIVES.build({"type": "TripletLoss", "reduction": "avg"})

@@ -94,6 +94,20 @@ def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
     assert "make_synthetic.py" in result.stderr
 
 
+def test_print_config_shows_defaults_and_overrides(tiny_config_file, tmp_path):
+    from mmgoal.engine.schema import load_run_config
+
+    result = run_tool("tools/finetune.py", tiny_config_file, "--print-config", "--cfg-options",
+                      "train.accumulate_steps=4", "data.train.resampled=true")
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed == load_run_config(tiny_config_file, ["train.accumulate_steps=4",
+                                                         "data.train.resampled=true"])
+    assert printed["train"]["accumulate_steps"] == 4 and printed["train"]["sync_bn"] is False
+    assert printed["data"]["train"]["resampled"] is True
+    assert not (tmp_path / "work_dirs").exists() and not (ROOT / "work_dirs" / "tiny").exists()
+
+
 def test_make_synthetic_cli(tmp_path):
     result = run_tool("tools/make_synthetic.py", "--out", tmp_path, "--train", "10", "--val",
                       "0", "--test", "4", "--shard-size", "4", "--flickr-entities")
@@ -110,7 +124,27 @@ def test_plot_weights(tmp_path):
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = run_tool("tools/plot_weights.py", "--set", "taux=1", "--out", out)
-    assert result.returncode == 2 and "not a GOAL hyperparameter" in result.stderr
+    assert result.returncode == 2
+    assert "taux: not an option of any GOAL weight (did you mean tau?)" in result.stderr
+    result = run_tool("tools/plot_weights.py", ROOT / "configs/goal/quickstart_goal.yaml",
+                      "--cfg-options", "objective.triplet={'type': 'con', 'tau': 5}", "--out", out)
+    assert result.returncode == 2
+    assert "'con' takes margin; got unknown option(s) tau" in result.stderr
+
+
+def test_sweep_rejects_options_before_training(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump(tiny_overrides("goal/sweep_synthetic.yaml", out)))
+    sweep = tmp_path / "sweep"
+    # margin is con's option: swept with nca too it would be ignored there, so it is refused
+    result = run_tool("tools/sweep.py", config, "--triplet", "con", "nca", "--pair", "con",
+                      "--grid", "objective.triplet.margin=0.1,0.3", "--out", sweep)
+    assert result.returncode == 2
+    assert "ncaxcon margin=0.1: objective.triplet: 'nca' takes tau" in result.stderr
+    result = run_tool("tools/sweep.py", config, "--grid", "objective.tau=1,5", "--out", sweep)
+    assert result.returncode == 2 and "--grid objective.triplet.tau=..." in result.stderr
+    assert not sweep.exists() or not any(sweep.iterdir())
 
 
 @pytest.mark.slow
@@ -123,19 +157,21 @@ def test_sweep_tabulates_and_resumes(tiny_benchmark, tmp_path):
     config = tmp_path / "sweep.yaml"
     config.write_text(yaml.safe_dump(cfg))
     sweep = tmp_path / "sweep"
-    args = ("tools/sweep.py", config, "--triplet", "con", "nca", "--pair", "con", "--seeds", "2",
-            "--grid", "objective.margin=0.1,0.3", "--out", sweep)
+    args = ("tools/sweep.py", config, "--triplet", "con", "--pair", "con", "lin", "--seeds", "2",
+            "--grid", "objective.triplet.margin=0.1,0.3", "--out", sweep)
     result = run_tool(*args)
     assert result.returncode == 0, result.stderr
     runs = json.loads((sweep / "runs.json").read_text())
     assert len(runs) == 2 * 2 * 2
     assert {r["point"] for r in runs} == {"margin=0.1", "margin=0.3"}
+    saved = yaml.safe_load((Path(runs[-1]["dir"]) / "config.yaml").read_text())["objective"]
+    assert saved["triplet"] == {"type": "con", "margin": 0.3} and saved["pair"] == {"type": "lin"}
     table = (sweep / "table.md").read_text()
-    assert "| pair \\ triplet | con | nca |" in table
-    row = next(line for line in table.splitlines() if line.startswith("| con |"))
+    assert "| pair \\ triplet | con |" in table
     # each cell: mean ± std over the 2 seeds of the grid point with the best validation rsum
-    for triplet, cell in zip(("con", "nca"), row.split("|")[2:4]):
-        cell_runs = [r for r in runs if r["triplet"] == triplet]
+    for pair in ("con", "lin"):
+        cell = next(line for line in table.splitlines() if line.startswith(f"| {pair} |"))
+        cell_runs = [r for r in runs if r["pair"] == pair]
         points = {p: [r for r in cell_runs if r["point"] == p]
                   for p in ("margin=0.1", "margin=0.3")}
         best = max(points, key=lambda p: sum(r["val_rsum"] for r in points[p]))

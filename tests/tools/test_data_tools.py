@@ -47,6 +47,14 @@ def test_make_shards_then_inspect_them(tmp_path):
     assert "no problems" in result.stdout
 
 
+def test_make_shards_help_lists_the_options_of_every_source():
+    result = run_tool("tools/make_shards.py", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "karpathy: --json --image-root [--max-size] [--jpeg-quality]" in result.stdout
+    assert "entities: --shards --entities-root" in result.stdout
+    assert "precomputed: --data-dir [--splits]" in result.stdout
+
+
 def test_inspect_reports_every_kind_of_problem(tmp_path):
     def meta(image_id, captions):
         return json.dumps({"image_id": image_id, "captions": captions}).encode()

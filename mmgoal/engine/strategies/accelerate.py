@@ -23,10 +23,11 @@ import os
 import torch
 from torch import nn
 
+from mmgoal.engine.gather import world_info
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import launched_world_size
 from mmgoal.engine.strategies.torch_native import TorchStrategy, trainable_parameters
-from mmgoal.objectives.gather import world_info
+from mmgoal.extras import require_extra
 from mmgoal.registry import STRATEGIES
 
 # train.precision -> Accelerate's mixed_precision
@@ -36,6 +37,8 @@ MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 @STRATEGIES.register("accelerate")
 class AccelerateStrategy(TorchStrategy):
     """Train through ``accelerate.Accelerator`` (see the module docstring).
+
+    Needs the ``accelerate`` extra: ``pip install 'mmgoal[accelerate]'``.
 
     Args:
         device, precision: from ``train.device`` / ``train.precision``; Accelerate
@@ -47,6 +50,7 @@ class AccelerateStrategy(TorchStrategy):
 
     def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
                  mixed_precision: str | None = None, timeout_minutes: float = 60.0) -> None:
+        require_extra("accelerate", "strategy: {type: accelerate}")
         if mixed_precision is not None:
             names = {v: k for k, v in MIXED_PRECISION.items()}
             if mixed_precision not in names:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmgoal.devices import check_precision, move_to_device, resolve_device
-from mmgoal.objectives.gather import world_info
+from mmgoal.engine.gather import world_info
 
 logger = logging.getLogger(__name__)
 

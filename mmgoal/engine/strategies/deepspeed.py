@@ -48,6 +48,7 @@ from mmgoal.engine.strategies.base import (
     rng_state,
     write_pointer,
 )
+from mmgoal.extras import require_extra
 from mmgoal.registry import STRATEGIES
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ def merge_deepspeed_config(user: dict, micro_batch: int, accumulate_steps: int, 
 class DeepSpeedStrategy(Strategy):
     """Train through ``deepspeed.initialize`` (see the module docstring).
 
+    Needs the ``deepspeed`` extra: ``pip install 'mmgoal[deepspeed]'``.
+
     Args:
         zero_stage: ZeRO stage 0, 1, 2 or 3 (when the JSON sets none).
         precision: ``fp32``, ``bf16`` or ``fp16`` (dynamic loss scaling; GPUs only),
@@ -125,6 +128,7 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, zero_stage: int = 2, precision: str = "fp32",
                  config: str | dict | None = None, device: str | torch.device = "auto",
                  timeout_minutes: float = 60.0) -> None:
+        require_extra("deepspeed", "strategy: {type: deepspeed}")
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"strategy.zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         if precision not in PRECISIONS:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from mmgoal.structures import Attention
 
 DIRECTIONS = ("t2i", "i2t")
 POOLINGS = ("avg", "lse")
@@ -190,30 +191,6 @@ def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: tor
                                      pooling, lambda_lse)
         return _attend_all_pairs(regions, region_mask, words, word_mask, lambda_softmax,
                                  pooling, lambda_lse).T
-
-
-@dataclass
-class Attention:
-    """Attention of matched pairs: query fragments of one item over key fragments of its pair.
-
-    Attributes:
-        queries: (B, Q, D) query fragments (words for t2i, regions for i2t).
-        keys: (B, K, D) key fragments.
-        weights: (B, Q, K) attention, rows sum to 1 over real keys.
-        scores: (B, Q, K) the clipped-L2 scores the softmax was taken of.
-        query_mask: (B, Q) bool; key_mask: (B, K) bool.
-        direction: ``t2i`` or ``i2t``.
-        lambda_softmax: the inverse temperature of the softmax.
-    """
-
-    queries: torch.Tensor
-    keys: torch.Tensor
-    weights: torch.Tensor
-    scores: torch.Tensor
-    query_mask: torch.Tensor
-    key_mask: torch.Tensor
-    direction: str
-    lambda_softmax: float
 
 
 def scan_attention(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,

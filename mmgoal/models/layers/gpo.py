@@ -3,8 +3,8 @@
 GPO is the Generalized Pooling Operator of VSE-infinity (Chen et al., CVPR
 2021, "Learning the Best Pooling Strategy for Visual Semantic Embedding"): a
 weighted sum of each channel's values sorted in descending order, where the
-weights depend only on the number of tokens. The formulas follow REFERENCE.md
-section 4 and the authors' release (``lib/modules/aggr/gpo.py``).
+weights depend only on the number of tokens. The formulas follow
+docs/reference/dual_encoders.md and the authors' release (``lib/modules/aggr/gpo.py``).
 
 Every pooler maps ``features (B, L, D)`` padded and ``lengths (B,)`` to
 ``(pooled (B, D), weights (B, L) or None)``.

@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mmgoal.models.features import TextFeatures
-from mmgoal.objectives.gather import gather_features, gather_groups, gather_with_grad
+from mmgoal.engine.gather import gather_features, gather_groups, gather_with_grad
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import OBJECTIVES
+from mmgoal.structures import ObjectiveInputs, TextFeatures
 
 BATCH, DIM = 12, 5
 IDS = [0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 8]  # duplicates across the rank split
@@ -37,7 +37,7 @@ def step(image_encoder, text_encoder, objective, images, texts, ids):
     """One SGD step; the loss sees the features of every rank."""
     img = gather_features(F.normalize(image_encoder(images), dim=-1))
     txt = gather_features(F.normalize(text_encoder(texts), dim=-1))
-    outputs = objective(img @ txt.T, positives_from_groups(gather_groups(ids)))
+    outputs = objective(ObjectiveInputs(img @ txt.T, positives_from_groups(gather_groups(ids))))
     sum(v for k, v in outputs.items() if k.endswith("_loss")).backward()
     params = [*image_encoder.parameters(), *text_encoder.parameters(), *objective.parameters()]
     for p in params:

@@ -1,8 +1,13 @@
-"""What encoders hand to similarity functions and objectives."""
+"""Data shared by models, objectives and evaluation: features, attention, objective inputs.
+
+Models produce them, objectives and constraints consume them, evaluation caches
+and slices them; they live below all three so that none imports another for them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +40,69 @@ class TextFeatures:
     embedding: torch.Tensor
     tokens: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+
+
+@dataclass
+class Attention:
+    """Attention of matched pairs: query fragments of one item over key fragments of its pair.
+
+    Attributes:
+        queries: (B, Q, D) query fragments (words for t2i, regions for i2t).
+        keys: (B, K, D) key fragments.
+        weights: (B, Q, K) attention, rows sum to 1 over real keys.
+        scores: (B, Q, K) the clipped-L2 scores the softmax was taken of.
+        query_mask: (B, Q) bool; key_mask: (B, K) bool.
+        direction: ``t2i`` or ``i2t``.
+        lambda_softmax: the inverse temperature of the softmax.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+    query_mask: torch.Tensor
+    key_mask: torch.Tensor
+    direction: str
+    lambda_softmax: float
+
+
+@dataclass
+class ObjectiveInputs:
+    """What an objective receives for one batch (``TrainingStep`` fills it in).
+
+    Objectives on scores alone read ``scores`` and ``positives``; per-pair
+    objectives (ITM, MLM, box grounding) read the model, the features and the
+    batch as well.
+
+    Attributes:
+        scores: (n_img, n_txt) the model's similarities of the batch (with several
+            processes: of the global batch, gathered from every rank).
+        positives: (n_img, n_txt) bool, the matching pairs; ``None``: the diagonal.
+        image_features, text_features: the features that were scored.
+        local_image_features, local_text_features: this rank's own features.
+        batch: this rank's collated batch.
+        model: the model being trained (its heads: ``match_logits``, ``mlm_logits``, ...).
+        tokenizer: the run's tokenizer.
+        generator: for random draws (ITM's negatives, MLM's masks); ``None``: torch's.
+    """
+
+    scores: torch.Tensor
+    positives: torch.Tensor | None = None
+    image_features: ImageFeatures | None = None
+    text_features: TextFeatures | None = None
+    local_image_features: ImageFeatures | None = None
+    local_text_features: TextFeatures | None = None
+    batch: dict | None = None
+    model: Any = None
+    tokenizer: Any = None
+    generator: torch.Generator | None = None
+
+    def require(self, needed_by: str, *names: str) -> None:
+        """A ``ValueError`` naming what ``needed_by`` lacks (what the trainer passes)."""
+        missing = [name for name in names if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"{needed_by} needs {', '.join(missing)} in its ObjectiveInputs "
+                             f"(the trainer passes them)")
 
 
 def _pad_tokens(parts: list[torch.Tensor | None], masks: list[torch.Tensor | None]):

@@ -1,0 +1,86 @@
+"""The model contract: what the trainer, objectives and evaluation call on a model.
+
+Every registered model satisfies :class:`RetrievalModel`; the other protocols
+are capabilities a model may add, checked by name with :func:`require` where a
+component needs one (tests/models/test_contract.py checks every registered
+model against the protocols it claims). docs/plugins.md shows a model of your own.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from mmgoal.structures import Attention, ImageFeatures, TextFeatures
+
+
+@runtime_checkable
+class RetrievalModel(Protocol):
+    """Required of every model.
+
+    ``encode_image`` / ``encode_text`` take a collated batch (images under
+    ``images`` or regions under ``regions``; tokens under ``input_ids`` and
+    ``attention_mask``) and return features; ``similarity`` scores every image
+    against every text: ``(n_img, n_txt)``, higher is more similar.
+    An optional class attribute ``similarity_uses_tokens = True`` says that
+    scoring needs the token features, so the evaluation gallery keeps them.
+    """
+
+    def encode_image(self, batch: dict) -> ImageFeatures: ...
+
+    def encode_text(self, batch: dict) -> TextFeatures: ...
+
+    def similarity(self, image_features: ImageFeatures,
+                   text_features: TextFeatures) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CrossAttentionModel(RetrievalModel, Protocol):
+    """Attention of words over regions (or back) for matched pairs: the CCR/CCS
+    constraints and the attention metrics use it."""
+
+    def attention(self, image_features: ImageFeatures, text_features: TextFeatures,
+                  direction: str | None = None) -> Attention: ...
+
+
+@runtime_checkable
+class MatchingModel(RetrievalModel, Protocol):
+    """An image-text matching head (ITM): ``(B, 2)`` logits (no match, match) of pairs
+    ``(image b, text b)``; ITMLoss trains it and evaluation re-ranks with it."""
+
+    def match_logits(self, image_features: ImageFeatures,
+                     text_features: TextFeatures) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class MaskedLanguageModel(RetrievalModel, Protocol):
+    """Masked-token prediction conditioned on the image (X-VLM's MLM objective)."""
+
+    def mlm_logits(self, image_features: ImageFeatures, text_batch: dict) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class BoxPredictingModel(RetrievalModel, Protocol):
+    """Box prediction for a phrase (X-VLM's grounding objective): ``(B, 4)`` boxes."""
+
+    def predict_boxes(self, image_features: ImageFeatures, text_batch: dict) -> torch.Tensor: ...
+
+
+CAPABILITIES: tuple[type, ...] = (CrossAttentionModel, MatchingModel, MaskedLanguageModel,
+                                  BoxPredictingModel)
+
+
+def require(model: object, protocol: type, needed_by: str) -> None:
+    """Raise a ``ValueError`` naming what ``needed_by`` needs when ``model`` lacks it."""
+    if isinstance(model, protocol):
+        return
+    methods = ", ".join(f"{name}()" for name in _methods(protocol))
+    raise ValueError(f"{needed_by} needs a {protocol.__name__} ({methods}); "
+                     f"{type(model).__name__} is not one")
+
+
+def _methods(protocol: type) -> list[str]:
+    own = [name for name, value in vars(protocol).items()
+           if callable(value) and not name.startswith("_")]
+    return own or ["encode_image", "encode_text", "similarity"]

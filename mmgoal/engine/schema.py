@@ -1,0 +1,212 @@
+"""The run config's schema: every section, its keys and their defaults, in one place.
+
+Sections the trainer reads itself are :class:`~mmgoal.config.ConfigSection`
+dataclasses (``train``, ``data`` with ``data.val``/``data.test``,
+``evaluation``); sections that build a registered component (``model``,
+``objective``, ``optimizer``, ``schedule``, ``strategy``, ``data.tokenizer``,
+``data.train``, each of ``hooks`` and ``constraints``) hold a ``type`` and the
+keyword arguments of the class registered under that name, which the registry
+checks. :func:`load_run_config` resolves a file with every default written out,
+then applies ``--cfg-options``: any key a section or its component knows can be
+overridden, defaulted or not; a key nothing knows is an error with the closest
+match.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmgoal.config import ConfigSection, apply_override, load_config
+from mmgoal.devices import PRECISIONS
+from mmgoal.evaluation.gallery import ScoringConfig
+from mmgoal.registry import (
+    CONSTRAINTS,
+    DATASETS,
+    ENCODERS,
+    HOOKS,
+    MODELS,
+    OBJECTIVES,
+    OPTIMIZERS,
+    PAIR_WEIGHTS,
+    POOLERS,
+    SCHEDULES,
+    STRATEGIES,
+    TEXT_AUGMENTS,
+    TOKENIZERS,
+    TRANSFORMS,
+    TRIPLET_WEIGHTS,
+    Registry,
+    import_custom_modules,
+)
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+@dataclass
+class TrainConfig(ConfigSection):
+    """``train``: the loop, where it runs and how (docs/configs.md lists every key)."""
+
+    epochs: int = 10
+    seed: int = 0
+    clip_grad: float = 2.0
+    log_every: int = 10
+    eval_every: int = 1
+    checkpoint_every_steps: int = 0
+    max_nonfinite_steps: int = 5
+    progress: bool = True
+    samples_per_epoch: int | None = None
+    accumulate_steps: int = 1
+    gather_features: bool = True
+    scale_lr: str = "none"
+    reference_batch: int | None = None
+    # where and how (docs/getting_started.md, "Training on GPUs")
+    device: str = "auto"
+    precision: str = "fp32"
+    matmul_precision: str = "high"
+    cudnn_benchmark: bool = True
+    sync_bn: bool = False
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scale_lr not in LR_SCALINGS:
+            raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
+                             f"{self.scale_lr!r}")
+        if int(self.accumulate_steps) < 1:
+            raise ValueError("train.accumulate_steps must be 1 or more")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{self.precision!r}")
+
+
+@dataclass
+class SplitConfig(ConfigSection):
+    """``data.val`` / ``data.test``: an evaluation gallery."""
+
+    shards: str | list[str]
+    folds: int = 1  # COCO 1K: 5 folds of the 5K test images, metrics averaged
+
+
+@dataclass
+class DataConfig(ConfigSection):
+    """``data``: the tokenizer, the splits and the image pipeline."""
+
+    tokenizer: dict
+    train: dict  # a DATASETS entry (ShardDataset, MixtureDataset)
+    val: SplitConfig | None = None
+    test: SplitConfig | None = None
+    image_size: int = 64
+    num_workers: int = 1
+    train_transforms: list | None = None
+    eval_transforms: list | None = None
+    eval_batch_size: int = 256
+
+    def training_sources(self) -> list[dict]:
+        """The shard sections of the training split: itself, or a mixture's sources."""
+        return training_sources(self.train)
+
+
+@dataclass
+class RunConfig(ConfigSection):
+    """A whole run: what :class:`~mmgoal.engine.trainer.Trainer` builds and trains."""
+
+    model: dict
+    objective: dict
+    data: DataConfig
+    optimizer: dict
+    schedule: dict = field(default_factory=lambda: {"type": "constant"})
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: dict = field(default_factory=lambda: {"type": "torch"})
+    evaluation: ScoringConfig = field(default_factory=ScoringConfig)
+    hooks: list[dict] = field(default_factory=list)
+    constraints: list[dict] = field(default_factory=list)
+    custom_imports: list[str] = field(default_factory=list)
+    load_from: str | None = None
+
+    def __post_init__(self) -> None:
+        if "precision" in self.strategy:
+            raise ValueError(f"strategy.precision is now train.precision: move "
+                             f"'precision: {self.strategy['precision']}' under train")
+        for name in ("model", "objective", "optimizer", "schedule", "strategy"):
+            section = getattr(self, name)
+            if not isinstance(section, dict) or "type" not in section:
+                raise ValueError(f"'{name}' must be a mapping with a 'type' key (a "
+                                 f"{REGISTRY_OF_SECTION[name].name} name), got {section!r}")
+
+
+def training_sources(train_cfg: dict) -> list[dict]:
+    """The shard sections of a training split: itself, or a mixture's sources."""
+    return list(train_cfg.get("sources") or [train_cfg])
+
+
+# The registry that builds each component section (lists: each of their items).
+REGISTRY_OF_SECTION: dict[str, Registry] = {
+    "model": MODELS, "objective": OBJECTIVES, "optimizer": OPTIMIZERS, "schedule": SCHEDULES,
+    "strategy": STRATEGIES, "hooks": HOOKS, "constraints": CONSTRAINTS,
+    "data.tokenizer": TOKENIZERS, "data.train": DATASETS,
+}
+# Where a nested ``type`` (an encoder inside a model, a term of an objective) is looked up.
+NESTED_REGISTRIES = (MODELS, ENCODERS, POOLERS, OBJECTIVES, DATASETS, TOKENIZERS, TRANSFORMS,
+                     TEXT_AUGMENTS, TRIPLET_WEIGHTS, PAIR_WEIGHTS, HOOKS, CONSTRAINTS)
+
+
+def resolve_config(cfg: dict) -> dict:
+    """``cfg`` checked against the schema, with every default of the trainer's sections."""
+    return RunConfig.from_dict(cfg, "").to_dict()
+
+
+def known_keys(path: list[str], mapping: dict) -> Iterable[str]:
+    """The keys ``mapping`` (at ``path`` in a resolved config) may hold beyond its own:
+    a schema section's fields, or the parameters of the component its ``type`` names."""
+    dotted = ".".join(path)
+    sections = {"": RunConfig, "train": TrainConfig, "data": DataConfig,
+                "data.val": SplitConfig, "data.test": SplitConfig, "evaluation": ScoringConfig}
+    if dotted in sections:
+        return sections[dotted].keys()
+    type_name = mapping.get("type")
+    if not isinstance(type_name, str):
+        return ()
+    owner = REGISTRY_OF_SECTION.get(dotted) or REGISTRY_OF_SECTION.get(path[0])
+    registries = [owner] if owner is not None and type_name in owner else NESTED_REGISTRIES
+    return [key for registry in registries if type_name in registry
+            for key in registry.parameters(type_name)[0]]
+
+
+def load_run_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:
+    """A run config from a file: ``_base_`` merged, defaults filled in, overrides applied.
+
+    Raises:
+        FileNotFoundError: the file or a base is missing.
+        ValueError: an unknown key (in the file or an override), or a bad value.
+    """
+    return with_overrides(load_config(path), overrides, beside=Path(path).parent)
+
+
+def with_overrides(cfg: dict, overrides: Iterable[str] = (),
+                   beside: str | os.PathLike | None = None) -> dict:
+    """``cfg`` resolved, with ``--cfg-options`` applied to any key the schema knows.
+
+    ``custom_imports`` are imported first (also from ``beside``, the config's
+    folder), so overrides may name the options of components registered there.
+    """
+    cfg = resolve_config(cfg)
+    import_custom_modules(cfg["custom_imports"], beside=beside)
+    for override in overrides:
+        apply_override(cfg, override, known_keys)
+    cfg = resolve_config(cfg)
+    check_component_types(cfg)
+    return cfg
+
+
+def check_component_types(cfg: dict) -> None:
+    """Every component section's ``type`` is a registered name (an ``UnknownNameError``
+    with the closest match otherwise), before anything is built."""
+    for dotted, registry in REGISTRY_OF_SECTION.items():
+        section = cfg
+        for key in dotted.split("."):
+            section = section.get(key) if isinstance(section, dict) else None
+        for item in section if isinstance(section, list) else [section]:
+            if isinstance(item, dict) and "type" in item:
+                registry.get(item["type"])

@@ -1,0 +1,50 @@
+"""Optional dependencies: the packages of ``pip install 'mmgoal[EXTRA]'``.
+
+``import mmgoal``, the torch strategy, evaluation and every tool but the plots
+need none of them. Each optional package is imported only where it is used,
+after :func:`require_extra` has checked that it is installed, so a missing one
+is reported with the extra that installs it rather than with a bare
+``ModuleNotFoundError`` from deep inside a run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+
+# module name -> the extra of setup.cfg that installs it
+EXTRAS = {
+    "deepspeed": "deepspeed",
+    "accelerate": "accelerate",
+    "matplotlib": "plot",
+    "tensorboard": "tracking",
+    "wandb": "tracking",
+}
+
+
+def require_extra(module: str, purpose: str) -> None:
+    """Check that the optional package ``module`` is installed, without importing it.
+
+    Args:
+        module: a key of :data:`EXTRAS` (``"deepspeed"``).
+        purpose: what needs it, for the message (``"strategy: {type: deepspeed}"``).
+
+    Raises:
+        ImportError: ``module`` is not installed; the message names the extra.
+    """
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(
+            f"{purpose} needs {module}, which is not installed; install it with "
+            f"pip install 'mmgoal[{EXTRAS[module]}]' (or 'mmgoal[all]')")
+
+
+def pyplot(purpose: str) -> ModuleType:
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend: no display needed).
+
+    Raises:
+        ImportError: matplotlib is not installed; the message names the extra.
+    """
+    require_extra("matplotlib", purpose)
+    importlib.import_module("matplotlib").use("Agg")
+    return importlib.import_module("matplotlib.pyplot")

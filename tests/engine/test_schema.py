@@ -1,0 +1,96 @@
+"""The run config's schema: defaults written out, overrides of any key something knows."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmgoal.engine.schema import RunConfig, TrainConfig, load_run_config, resolve_config
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+
+
+def test_defaults_are_written_out_and_the_file_wins():
+    cfg = load_run_config(QUICKSTART)
+    assert cfg["train"]["epochs"] == 14  # the file's
+    assert cfg["train"]["accumulate_steps"] == 1 and cfg["train"]["sync_bn"] is False  # defaults
+    assert cfg["strategy"] == {"type": "torch"}
+    assert cfg["evaluation"]["matmul_precision"] == "highest"
+    assert cfg["data"]["val"] == {"shards": "data/synthetic/val-000000.tar", "folds": 1}
+    assert set(cfg) == set(RunConfig.keys())
+    assert resolve_config(cfg) == cfg  # resolving is idempotent
+
+
+def test_overrides_of_defaulted_keys_and_of_a_components_options():
+    cfg = load_run_config(QUICKSTART, [
+        "train.accumulate_steps=4", "evaluation.matmul_precision=medium",
+        "data.train.resampled=true",  # a ShardDataset option the file does not set
+        "schedule.min_ratio=0.1",  # a cosine option
+        "strategy.type=deepspeed", "strategy.zero_stage=3",  # the new type's options count
+    ])
+    assert cfg["train"]["accumulate_steps"] == 4
+    assert cfg["evaluation"]["matmul_precision"] == "medium"
+    assert cfg["data"]["train"]["resampled"] is True
+    assert cfg["schedule"] == {"type": "cosine", "warmup_steps": 100, "min_ratio": 0.1}
+    assert cfg["strategy"] == {"type": "deepspeed", "zero_stage": 3}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.acumulate_steps=4", "no key 'acumulate_steps' under train. Did you mean "
+                                "'accumulate_steps'?"),
+    ("strategy.zero_stage=3", "no key 'zero_stage' under strategy"),  # not a torch option
+    ("schedule.milestones=[3]", "no key 'milestones' under schedule"),  # a step option
+    ("evaluation.matmul_precision=low", "evaluation.matmul_precision must be one of highest, "
+                                        "high, medium, got 'low'"),
+    ("train.scale_lr=cubic", "train.scale_lr must be one of none, linear, sqrt"),
+    ("modle.embed_dim=8", "no key 'modle' under the top level. Did you mean 'model'?"),
+    ("objective.type=TripletLos", "'TripletLos' is not in the objective registry. Did you mean "
+                                  "'TripletLoss'?"),
+])
+def test_keys_nothing_knows_and_bad_values_are_errors(override, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("[", r"\[")
+                       .replace("?", r"\?")):
+        load_run_config(QUICKSTART, [override])
+
+
+def test_section_schema_reports_unknown_and_missing_keys():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) 'epoch' \(did you mean 'epochs'\?\) "
+                                         r"in 'train'"):
+        TrainConfig.from_dict({"epoch": 3}, "train")
+    with pytest.raises(ValueError, match="the config has no data.val.shards"):
+        resolve_config({**load_run_config(QUICKSTART),
+                        "data": {**load_run_config(QUICKSTART)["data"], "val": {"folds": 5}}})
+    with pytest.raises(ValueError, match="'objective' must be a mapping with a 'type' key"):
+        resolve_config({**load_run_config(QUICKSTART), "objective": {"margin": 0.2}})
+
+
+def test_a_plugin_module_beside_the_config_is_found(tmp_path, monkeypatch):
+    from mmgoal.registry import OBJECTIVES
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the config's folder joins it
+    (tmp_path / "beside_plugin.py").write_text(
+        "from mmgoal.objectives.triplet import TripletLoss\n"
+        "from mmgoal.registry import OBJECTIVES\n"
+        "@OBJECTIVES.register()\n"
+        "class BesideTriplet(TripletLoss):\n"
+        "    def __init__(self, gamma: float = 1.0, **kwargs):\n"
+        "        super().__init__(**kwargs)\n"
+        "        self.gamma = gamma\n")
+    (tmp_path / "broken_plugin.py").write_text("import no_such_dependency_xyz\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"_base_: {QUICKSTART}\ncustom_imports: [beside_plugin]\n"
+                      "objective: {_delete_: true, type: BesideTriplet}\n")
+    try:
+        # the plug-in's own option is a known key for --cfg-options
+        cfg = load_run_config(config, ["objective.gamma=2.0", "objective.margin=0.1"])
+        assert cfg["objective"] == {"type": "BesideTriplet", "gamma": 2.0, "margin": 0.1}
+        broken = tmp_path / "broken.yaml"
+        broken.write_text(f"_base_: {QUICKSTART}\ncustom_imports: [broken_plugin]\n")
+        with pytest.raises(ImportError, match="custom_imports lists 'broken_plugin', which "
+                                              "cannot be imported: No module named "
+                                              "'no_such_dependency_xyz'"):
+            load_run_config(broken)
+    finally:
+        OBJECTIVES._entries.pop("BesideTriplet", None)
+        for name in ("beside_plugin", "broken_plugin"):
+            sys.modules.pop(name, None)

@@ -1,0 +1,240 @@
+"""The commands, config paths and links of README.md and docs/ match the repository.
+
+Nothing is trained or converted. Every command line of a fenced code block that
+runs ``tools/<name>.py`` is checked against the tool's own ``--help``: the tool
+exists and takes every ``--flag`` the line passes. The ``--cfg-options`` of
+``finetune.py``/``evaluate.py``/``sweep.py`` commands must load with their config
+(``load_run_config``). Every ``configs/...yaml`` the pages name exists, and so
+does every ``docs/...md`` they name and every relative link. Placeholders
+(``CONFIG``, ``CKPT``, ``<name>``, ``$c``, ``...``) are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mmgoal.engine.schema import load_run_config
+from mmgoal.registry import OBJECTIVES
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^\s*```")
+TOOL = re.compile(r"(?:^|(?<=\s))(?:\S*/)?(tools/\w+\.py)(?=\s|$)")
+COMMAND_END = {"&&", "||", ";", "|", ">", ">>", "2>&1"}
+CONFIG_PATH = re.compile(r"(?<![\w./-])(?:\.\./)*(configs/[\w{},./-]+?\.yaml)")
+DOC_PATH = re.compile(r"(?<![\w./-])(docs/[\w./-]+?\.md)")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+CONFIG_TOOLS = {"tools/finetune.py", "tools/evaluate.py", "tools/sweep.py"}
+# Files the tools write, named in the docs as where output goes.
+WRITTEN_BY_TOOLS = {"docs/results/gpu.md"}  # bench/gpu_check.py
+
+
+@dataclass(frozen=True)
+class Command:
+    """One tool invocation of a fenced code block: where it is, the tool, its arguments."""
+
+    where: str
+    tool: str
+    args: tuple[str, ...]
+
+    def flags(self) -> list[str]:
+        return [token.strip("[]").split("=")[0] for token in self.args
+                if token.strip("[").startswith("--") and token.strip("[]") != "--"]
+
+    def positionals(self) -> list[str]:
+        """Arguments before the first flag (the config of finetune/evaluate/sweep first)."""
+        return list(itertools.takewhile(lambda token: not token.startswith(("-", "[")),
+                                        self.args))
+
+    def cfg_options(self) -> list[str]:
+        if "--cfg-options" not in self.args:
+            return []
+        after = self.args[self.args.index("--cfg-options") + 1:]
+        return list(itertools.takewhile(lambda token: not token.startswith(("-", "[")), after))
+
+
+def relative(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def is_placeholder(text: str) -> bool:
+    return (any(mark in text for mark in ("<", "$", "*", "...")) or
+            text.split("=")[0].isupper())
+
+
+def fenced_lines(page: Path) -> list[tuple[int, str]]:
+    """(line number, logical line) of the page's fenced code blocks, ``\\`` continuations
+    joined onto the line where the command starts."""
+    lines, inside, pending, start = [], False, "", 0
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            inside = not inside
+            continue
+        if not inside:
+            continue
+        if not pending:
+            start = number
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        lines.append((start, pending + line))
+        pending = ""
+    return lines
+
+
+def tokens(text: str) -> list[str]:
+    """Shell words up to a comment or the end of the command (``&&``, ``|``, ...)."""
+    text = re.split(r"(?:^|\s)#", text, maxsplit=1)[0]
+    try:
+        words = shlex.split(text)
+    except ValueError:  # an unbalanced quote in a sketch of a command
+        words = text.split()
+    return list(itertools.takewhile(lambda word: word not in COMMAND_END, words))
+
+
+def doc_commands() -> list[Command]:
+    commands = []
+    for page in PAGES:
+        for number, line in fenced_lines(page):
+            for match in TOOL.finditer(line):
+                commands.append(Command(f"{relative(page)}:{number}", match.group(1),
+                                        tuple(tokens(line[match.end():]))))
+    return commands
+
+
+HELP_SCRIPT = """
+import contextlib, io, json, runpy, sys
+helps = {}
+for tool in sys.argv[1:]:
+    text = io.StringIO()
+    sys.argv = [tool, "--help"]
+    try:
+        with contextlib.redirect_stdout(text):
+            runpy.run_path(tool, run_name="__main__")
+    except SystemExit:
+        pass
+    except Exception as error:  # reported as the tool's help, so the test names it
+        text.write(f"--help failed: {error!r}")
+    helps[tool] = text.getvalue()
+sys.__stdout__.write("\\n" + json.dumps(helps) + "\\n")
+"""
+
+
+@functools.cache
+def tool_options() -> dict[str, set[str]]:
+    """The option strings of every tool the docs run, read from ``--help`` in one process."""
+    tools = sorted({c.tool for c in doc_commands() if (ROOT / c.tool).is_file()})
+    result = subprocess.run([sys.executable, "-c", HELP_SCRIPT, *tools], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=True)
+    helps = json.loads(result.stdout.strip().splitlines()[-1])
+    return {tool: set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", text))
+            for tool, text in helps.items()}
+
+
+def test_the_docs_run_tools():
+    names = {c.tool for c in doc_commands()}
+    assert {"tools/finetune.py", "tools/evaluate.py", "tools/make_shards.py"} <= names
+
+
+def test_every_tool_a_command_runs_exists():
+    missing = [f"{c.where}: {c.tool} does not exist" for c in doc_commands()
+               if not (ROOT / c.tool).is_file()]
+    assert not missing, "\n".join(missing)
+
+
+def test_every_flag_a_command_passes_is_one_the_tool_takes():
+    options = tool_options()
+    wrong = [f"{c.where}: {c.tool} takes no {flag} (it takes: "
+             f"{', '.join(sorted(options[c.tool]))})"
+             for c in doc_commands() if c.tool in options
+             for flag in c.flags() if not is_placeholder(flag) and flag not in options[c.tool]]
+    assert not wrong, "\n".join(wrong)
+
+
+def config_commands() -> list[Command]:
+    """Commands of finetune/evaluate/sweep that name a config of the repository and
+    override it."""
+    return [c for c in doc_commands() if c.tool in CONFIG_TOOLS and c.positionals()
+            and c.cfg_options() and not is_placeholder(c.positionals()[0])
+            and (ROOT / c.positionals()[0]).is_file()]
+
+
+def test_the_docs_override_configs():
+    assert any(c.tool == "tools/finetune.py" for c in config_commands())
+
+
+@pytest.mark.parametrize("command", config_commands(), ids=lambda c: c.where)
+def test_cfg_options_of_a_command_load(command):
+    config = command.positionals()[0]
+    overrides = [o for o in command.cfg_options() if not is_placeholder(o)]
+    try:
+        load_run_config(ROOT / config, overrides)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        pytest.fail(f"{command.where}: {config} --cfg-options {' '.join(overrides)}: {error}")
+
+
+def expand_braces(text: str) -> list[str]:
+    """``a_{x,y}.yaml`` -> ``a_x.yaml``, ``a_y.yaml`` (shell brace expansion)."""
+    match = re.search(r"\{([^{}]*)\}", text)
+    if not match:
+        return [text]
+    return [expanded for choice in match.group(1).split(",")
+            for expanded in expand_braces(text[:match.start()] + choice + text[match.end():])]
+
+
+def named_paths(pattern: re.Pattern) -> list[tuple[str, str]]:
+    """(page:line, path) for every path the pages name, braces expanded."""
+    named = []
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            named += [(f"{relative(page)}:{number}", path)
+                      for found in pattern.findall(line) if not is_placeholder(found)
+                      for path in expand_braces(found)]
+    return named
+
+
+def test_every_config_the_docs_name_exists():
+    named = named_paths(CONFIG_PATH)
+    assert len(named) > 20
+    missing = [f"{where}: {path} does not exist" for where, path in named
+               if not (ROOT / path).is_file()]
+    assert not missing, "\n".join(missing)
+
+
+def test_every_docs_page_the_docs_name_exists():
+    missing = [f"{where}: {path} does not exist" for where, path in named_paths(DOC_PATH)
+               if path not in WRITTEN_BY_TOOLS and not (ROOT / path).is_file()]
+    assert not missing, "\n".join(missing)
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        inside = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            inside ^= bool(FENCE.match(line))
+            broken += [f"{relative(page)}:{number}: link to {target}: no such file"
+                       for target in ([] if inside else LINK.findall(line))
+                       if not re.match(r"[a-z]+:|#", target)
+                       and not (page.parent / target.partition("#")[0]).exists()]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_lookup_error_in_plugins_md_is_the_real_one():
+    page = (ROOT / "docs" / "plugins.md").read_text()
+    section = page.split("## Where the lookups fail", 1)[1]
+    shown = section.split("```\n", 2)[1].strip()
+    with pytest.raises(KeyError) as raised:
+        OBJECTIVES.get("TripletLos")
+    real = f"{type(raised.value).__module__}.{type(raised.value).__name__}: {raised.value}"
+    assert shown == real, "docs/plugins.md 'Where the lookups fail' shows another message"
