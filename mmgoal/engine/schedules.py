@@ -69,9 +69,8 @@ class ConstantSchedule(LRSchedule):
         return 1.0
 
 
-@SCHEDULES.register("cosine")
-class CosineSchedule(LRSchedule):
-    """Half a cosine from the base rate to ``min_ratio`` of it at the last step.
+class AnnealingSchedule(LRSchedule):
+    """From the base rate down to ``min_ratio`` of it at the last step, along ``curve``.
 
     Args:
         min_ratio: final factor.
@@ -81,25 +80,28 @@ class CosineSchedule(LRSchedule):
         super().__init__(**common)
         self.min_ratio = min_ratio
 
+    def curve(self, progress: float) -> float:
+        """1 at ``progress`` 0, 0 at ``progress`` 1."""
+        raise NotImplementedError
+
     def decay(self, step: int) -> float:
-        cosine = 0.5 * (1 + math.cos(math.pi * self.progress(step)))
-        return self.min_ratio + (1 - self.min_ratio) * cosine
+        return self.min_ratio + (1 - self.min_ratio) * self.curve(self.progress(step))
+
+
+@SCHEDULES.register("cosine")
+class CosineSchedule(AnnealingSchedule):
+    """Half a cosine from the base rate to ``min_ratio`` of it."""
+
+    def curve(self, progress: float) -> float:
+        return 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @SCHEDULES.register("linear")
-class LinearSchedule(LRSchedule):
-    """A straight line from the base rate to ``min_ratio`` of it at the last step (X-VLM).
+class LinearSchedule(AnnealingSchedule):
+    """A straight line from the base rate to ``min_ratio`` of it (X-VLM)."""
 
-    Args:
-        min_ratio: final factor.
-    """
-
-    def __init__(self, min_ratio: float = 0.0, **common) -> None:
-        super().__init__(**common)
-        self.min_ratio = min_ratio
-
-    def decay(self, step: int) -> float:
-        return self.min_ratio + (1 - self.min_ratio) * (1 - self.progress(step))
+    def curve(self, progress: float) -> float:
+        return 1 - progress
 
 
 @SCHEDULES.register("step")
