@@ -97,12 +97,21 @@ class ObjectiveInputs:
     tokenizer: Any = None
     generator: torch.Generator | None = None
 
-    def require(self, needed_by: str, *names: str) -> None:
-        """A ``ValueError`` naming what ``needed_by`` lacks (what the trainer passes)."""
-        missing = [name for name in names if getattr(self, name) is None]
-        if missing:
-            raise ValueError(f"{needed_by} needs {', '.join(missing)} in its ObjectiveInputs "
-                             f"(the trainer passes them)")
+
+
+def check_inputs(inputs: ObjectiveInputs, needed_by: str, *fields: str) -> ObjectiveInputs:
+    """``inputs`` when it is an ``ObjectiveInputs`` holding ``fields``; else an error for
+    people: a ``TypeError`` for anything else (an objective called the old way, with a
+    tensor), a ``ValueError`` naming the missing fields."""
+    if not isinstance(inputs, ObjectiveInputs):
+        raise TypeError(f"{needed_by} takes one ObjectiveInputs (mmgoal.structures), got "
+                        f"{type(inputs).__name__}: call objective(ObjectiveInputs(sims, "
+                        f"positives))")
+    missing = [name for name in fields if getattr(inputs, name) is None]
+    if missing:
+        raise ValueError(f"{needed_by} needs {', '.join(missing)} in its ObjectiveInputs "
+                         f"(the trainer passes them)")
+    return inputs
 
 
 def _pad_tokens(parts: list[torch.Tensor | None], masks: list[torch.Tensor | None]):

@@ -15,7 +15,7 @@ from torch import nn
 from mmgoal.contract import MatchingModel, require
 from mmgoal.objectives.mining import draw_one_per_row, scores_and_positives
 from mmgoal.registry import OBJECTIVES
-from mmgoal.structures import ObjectiveInputs, cat_features, index_features
+from mmgoal.structures import ObjectiveInputs, cat_features, check_inputs, index_features
 
 
 @torch.no_grad()
@@ -55,8 +55,8 @@ class ITMLoss(nn.Module):
         self.temperature = temperature
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
+        check_inputs(inputs, "ITMLoss", "model", "image_features", "text_features")
         sims, positives = scores_and_positives(inputs)
-        inputs.require("ITMLoss", "model", "image_features", "text_features")
         require(inputs.model, MatchingModel, "ITMLoss")
         model, generator = inputs.model, inputs.generator
         image_features, text_features = inputs.image_features, inputs.text_features

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmgoal.structures import ObjectiveInputs
+from mmgoal.structures import ObjectiveInputs, check_inputs
 
 
 def diagonal_positives(sims: torch.Tensor) -> torch.Tensor:
@@ -45,10 +45,7 @@ def check_positives(sims: torch.Tensor, positives: torch.Tensor | None) -> torch
 
 def scores_and_positives(inputs: ObjectiveInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """An objective's ``(scores, positives mask)``, the mask checked as ``check_positives``."""
-    if not isinstance(inputs, ObjectiveInputs):
-        raise TypeError(f"an objective takes one ObjectiveInputs (mmgoal.structures), got "
-                        f"{type(inputs).__name__}: call objective(ObjectiveInputs(sims, "
-                        f"positives))")
+    check_inputs(inputs, "an objective")
     return inputs.scores, check_positives(inputs.scores, inputs.positives)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from mmgoal.contract import BoxPredictingModel, MaskedLanguageModel, require
 from mmgoal.data.tokenizers import corrupt_tokens
 from mmgoal.registry import OBJECTIVES
-from mmgoal.structures import ObjectiveInputs, index_features
+from mmgoal.structures import ObjectiveInputs, check_inputs, index_features
 
 IGNORE = -100  # cross-entropy's ignore_index: positions that are not predicted
 
@@ -92,7 +92,7 @@ class MLMLoss(nn.Module):
         self.weight, self.mask_prob, self.tokenizer = weight, mask_prob, tokenizer
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        inputs.require("MLMLoss", "model", "batch", "local_image_features")
+        check_inputs(inputs, "MLMLoss", "model", "batch", "local_image_features")
         require(inputs.model, MaskedLanguageModel, "MLMLoss")
         batch = inputs.batch
         tokens, labels = mlm_inputs(batch["tokens"], batch["lengths"], self.tokenizer,
@@ -130,7 +130,7 @@ class BoxGroundingLoss(nn.Module):
         self.tokenizer = tokenizer
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        inputs.require("BoxGroundingLoss", "model", "batch", "local_image_features")
+        check_inputs(inputs, "BoxGroundingLoss", "model", "batch", "local_image_features")
         require(inputs.model, BoxPredictingModel, "BoxGroundingLoss")
         model, batch, local_image_features = (inputs.model, inputs.batch,
                                               inputs.local_image_features)

@@ -111,6 +111,8 @@ def test_itm_loss_classifies_positives_and_sampled_negatives(tokenizer):
     torch.testing.assert_close(out["itm_loss"], expected)
     with pytest.raises(ValueError, match="ITMLoss needs model, image_features, text_features"):
         itm(ObjectiveInputs(sims))
+    with pytest.raises(TypeError, match="ITMLoss takes one ObjectiveInputs"):
+        itm(sims)
 
 
 def test_rerank_with_the_whole_gallery_is_full_itm_and_with_k1_keeps_itc_r1(tokenizer):
