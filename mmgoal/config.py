@@ -19,10 +19,13 @@ A config is plain data: it is read with ``yaml.safe_load`` and never runs code.
 from __future__ import annotations
 
 import ast
+import collections.abc
 import copy
 import dataclasses
 import difflib
 import os
+import re
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -31,6 +34,29 @@ from typing import Any
 import yaml
 
 BASE_KEY = "_base_"
+# YAML 1.1 reads 1e-3 as a string (it wants 1.0e-3); configs mean a number.
+_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (plain data, no tags that run code) that reads ``1e-3`` as a
+    number and refuses a key given twice in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping, on lines "
+                    f"{seen[key]} and {line}: YAML would silently keep the second; merge them",
+                    key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 DELETE_KEY = "_delete_"
 _YAML_WORDS = {"true": True, "false": False, "null": None, "none": None, "~": None}
 
@@ -65,7 +91,7 @@ def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict:
         where = f" (a _base_ of {chain[-1]})" if chain else ""
         raise FileNotFoundError(f"config file {path} does not exist{where}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=ConfigLoader) or {}
     except yaml.YAMLError as error:
         raise ValueError(f"config {path} is not valid YAML: {error}") from error
     if not isinstance(data, dict):
@@ -175,13 +201,68 @@ def unknown_key_error(where: str, unknown: Iterable[str], known: Iterable[str]) 
                       f"{', '.join(known)}")
 
 
+_KINDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+
+
+def check_value(where: str, value: Any, hint: Any) -> None:
+    """A ``ValueError`` when a config value (plain data) cannot be of the type ``hint``.
+
+    Simple types are checked exactly (an int is a number, a bool is neither a
+    number nor an integer); a list suits sequence types, a mapping suits mapping
+    types, and a class (``torch.Tensor``) only its instances, which config data
+    never is; a hint this cannot read (``Any``, callables, forward references)
+    allows anything.
+    """
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) \
+        else (hint,)
+    if any(_suits(value, option) for option in options):
+        return
+    named = [_KINDS[t] for t in options if t in _KINDS] or [
+        getattr(t, "__name__", str(t)) for t in options if t is not type(None)]
+    wanted = " or ".join(named) + (" or null" if type(None) in options else "")
+    raise ValueError(f"{where} must be {wanted}, got {value!r}")
+
+
+def _suits(value: Any, hint: Any) -> bool:
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    origin = typing.get_origin(hint) or hint
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if origin in (list, tuple, collections.abc.Sequence, collections.abc.Iterable):
+        return isinstance(value, (list, tuple)) or (origin is collections.abc.Iterable
+                                                    and isinstance(value, str))
+    if origin in (dict, collections.abc.Mapping):
+        return isinstance(value, dict)
+    if isinstance(origin, type) and origin.__module__ not in ("builtins", "typing",
+                                                             "collections.abc"):
+        return isinstance(value, origin)  # a tensor, a module: never plain config data
+    return True
+
+
+def check_minimum(where: str, value: Any, minimum: float) -> None:
+    """A ``ValueError`` when a number is below ``minimum`` (``None`` passes)."""
+    if value is not None and value < minimum:
+        raise ValueError(f"{where} must be at least {minimum}, got {value!r}")
+
+
 @dataclasses.dataclass
 class ConfigSection:
     """A config section's schema: subclasses are dataclasses whose fields are its keys.
 
     A field whose type is another ``ConfigSection`` (or ``None`` or one) is read
-    as a nested section. ``__post_init__`` of a subclass checks its values.
+    as a nested section; a field of a simple type (``int``, ``float | None``, ...)
+    must hold a value of that type, and ``MINIMUM`` (field -> least value) bounds
+    numbers. ``__post_init__`` of a subclass checks the rest.
     """
+
+    MINIMUM: typing.ClassVar[dict[str, float]] = {}
 
     @classmethod
     def from_dict(cls, given: Mapping[str, Any] | None, where: str):
@@ -204,8 +285,13 @@ class ConfigSection:
         values = {}
         for name, value in given.items():
             section = _section_type(hints[name])
-            values[name] = (section.from_dict(value, prefix + name)
-                            if section is not None and value is not None else value)
+            if section is not None and value is not None:
+                value = section.from_dict(value, prefix + name)
+            else:
+                check_value(prefix + name, value, hints[name])
+                if name in cls.MINIMUM:
+                    check_minimum(prefix + name, value, cls.MINIMUM[name])
+            values[name] = value
         missing = sorted(name for name, f in fields.items() if name not in values
                          and f.default is dataclasses.MISSING
                          and f.default_factory is dataclasses.MISSING)

@@ -22,6 +22,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from mmgoal.config import check_value
+
 logger = logging.getLogger(__name__)
 
 PLUGIN_GROUP = "mmgoal.plugins"
@@ -118,41 +120,87 @@ class Registry:
         """The parameters of ``name`` that have no default."""
         return [p.name for p in _keyword_parameters(self.get(name))[0] if p.default is p.empty]
 
+    def check(self, cfg: Mapping[str, Any], where: str | None = None,
+              provided: Iterable[str] = ()) -> None:
+        """Check a component config without building it: a registered ``type``, known keys
+        of the right simple types, every required key given.
+
+        Args:
+            cfg: ``type`` plus keyword arguments.
+            where: the config path for messages (default: the registry's name).
+            provided: parameters the caller passes itself (the tokenizer), not required
+                of the config.
+
+        Raises:
+            UnknownNameError: an unknown ``type``; ConfigError: anything else.
+        """
+        prefix = f"{where}: " if where else ""
+        if not isinstance(cfg, Mapping) or "type" not in cfg:
+            raise ConfigError(f"{prefix}a {self.name} config must be a mapping with a 'type' "
+                              f"key, got {cfg!r}")
+        type_name = cfg["type"]
+        target = self.get(type_name)
+        accepted, takes_any = self.parameters(type_name)
+        keys = [k for k in cfg if k != "type"]
+        unknown = [] if takes_any else [k for k in keys if k not in accepted]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"{prefix}{self.name} {type_name!r} got unknown config key(s) "
+                              f"{', '.join(hints)}; it accepts: {', '.join(accepted)}")
+        hints = _parameter_hints(target)
+        for key in keys:
+            if key in hints:
+                try:
+                    check_value(f"{where}.{key}" if where else key, cfg[key], hints[key])
+                except ValueError as error:
+                    raise ConfigError(str(error) if where else
+                                      f"{self.name} {type_name!r}: {error}") from None
+        missing = [] if takes_any else [n for n in self.required(type_name)
+                                        if n not in keys and n not in provided]
+        if missing:
+            raise ConfigError(f"{prefix}{self.name} {type_name!r} needs config key(s) "
+                              f"{', '.join(missing)}")
+
     def build(self, cfg: Mapping[str, Any], **context: Any) -> Any:
-        """Build the component described by ``cfg`` (``type`` plus keyword arguments).
+        """Build the component described by ``cfg`` (``type`` plus keyword arguments),
+        checked first (:meth:`check`).
 
         ``context`` holds values the caller knows (e.g. the tokenizer); each is
         passed only when the component accepts a parameter of that name and the
         config does not set it.
         """
-        if not isinstance(cfg, Mapping) or "type" not in cfg:
-            raise ConfigError(
-                f"a {self.name} config must be a mapping with a 'type' key, got {cfg!r}"
-            )
-        kwargs = copy.deepcopy(dict(cfg))
-        type_name = kwargs.pop("type")
-        target = self.get(type_name)
-        accepted, takes_any = self.parameters(type_name)
+        accepted = self.parameters(cfg["type"])[0] if isinstance(cfg, Mapping) and \
+            "type" in cfg else []
         # Context goes to named parameters only: a class without its own __init__
         # (nn.Module's *args, **kwargs) must not receive the tokenizer.
-        kwargs.update({k: v for k, v in context.items() if k in accepted and k not in kwargs})
-        if not takes_any:
-            unknown = [k for k in kwargs if k not in accepted]
-            if unknown:
-                hints = []
-                for key in unknown:
-                    close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
-                    hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-                raise ConfigError(
-                    f"{self.name} {type_name!r} got unknown config key(s) {', '.join(hints)}; "
-                    f"it accepts: {', '.join(accepted)}"
-                )
-            missing = [n for n in self.required(type_name) if n not in kwargs]
-            if missing:
-                raise ConfigError(
-                    f"{self.name} {type_name!r} needs config key(s) {', '.join(missing)}"
-                )
-        return target(**kwargs)
+        context = {k: v for k, v in context.items() if k in accepted and k not in cfg}
+        self.check(cfg, provided=context)
+        kwargs = copy.deepcopy({k: v for k, v in cfg.items() if k != "type"})
+        return self.get(cfg["type"])(**kwargs, **context)
+
+
+def _parameter_hints(target: Callable[..., Any]) -> dict[str, Any]:
+    """The resolvable type hints of the keyword parameters (up the MRO for a class);
+    a hint that names something not importable here is left out."""
+    inits = [cls.__dict__["__init__"] for cls in target.__mro__
+             if cls is not object and "__init__" in cls.__dict__] \
+        if isinstance(target, type) else [target]
+    hints: dict[str, Any] = {}
+    for init in inits:
+        namespace = getattr(init, "__globals__", {})
+        for name, hint in getattr(init, "__annotations__", {}).items():
+            if name in hints or name == "return":
+                continue
+            if isinstance(hint, str):
+                try:
+                    hint = eval(hint, namespace)  # noqa: S307  (a type hint of our own code)
+                except Exception:  # a name only imported for type checking
+                    continue
+            hints[name] = hint
+    return hints
 
 
 def _keyword_parameters(target: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool]:

@@ -132,3 +132,24 @@ def test_shipped_configs_resolve():
     for path in files:
         cfg = load_config(path)
         assert {"model", "objective", "data", "optimizer"} <= set(cfg), path
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
+    path = write(tmp_path / "twice.yaml", """
+        train:
+          epochs: 2
+        optimizer: {lr: 1.0e-3}
+        train:
+          seed: 1
+        """)
+    with pytest.raises(ValueError, match="the key 'train' appears twice in one mapping, on "
+                                         "lines 2 and 5"):
+        load_config(path)
+
+
+def test_exponent_numbers_are_numbers(tmp_path):
+    path = write(tmp_path / "numbers.yaml", """
+        optimizer: {lr: 1e-3, weight_decay: 5E-4, eps: 1.5e-8, momentum: -2e+1, name: "1e-3"}
+        """)
+    assert load_config(path)["optimizer"] == {"lr": 1e-3, "weight_decay": 5e-4, "eps": 1.5e-8,
+                                              "momentum": -20.0, "name": "1e-3"}

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmgoal.config import load_config
 from mmgoal.data.tokenizers import WordTokenizer
 from mmgoal.engine.optimizers import build_optimizer
+from mmgoal.engine.schema import load_run_config
 from mmgoal.paths import resolve_path
 from mmgoal.registry import HOOKS, MODELS, OBJECTIVES, TOKENIZERS
 
@@ -53,7 +53,7 @@ def without_missing_weights(node):
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_config_loads_and_its_model_encodes_a_batch(config, monkeypatch):
     monkeypatch.chdir(ROOT)
-    cfg = load_config(str(config))
+    cfg = load_run_config(config)  # the schema: every key known, of its type, every name registered
     assert {"model", "objective", "data", "optimizer"} <= set(cfg)
     cfg = without_missing_weights(cfg)
     if cfg["model"]["type"] == "XVLM" and "config" in cfg["model"]["text"]:

@@ -8,6 +8,10 @@ Whatever strategy wrote the run (one process, ``torchrun``, DeepSpeed ZeRO 0-3,
 bf16), the file holds the float32 model weights, the tokenizer and the config:
 ``{"model", "tokenizer", "config"}`` in the mmgoal checkpoint format, loadable
 with ``torch.load(..., weights_only=True)``. No optimizer state, no DeepSpeed.
+
+``--out`` is a new file or an earlier export: a run's own checkpoints (best.pt,
+last.pt) and other files are never overwritten, and weights holding NaN/inf
+(written by an older mmgoal as its run diverged) are refused.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.engine.checkpoint import check_finite_weights, load_checkpoint, save_checkpoint
 from mmgoal.engine.strategies.base import LATEST, read_pointer
 
 
@@ -39,10 +43,37 @@ def run_weights(run: Path, best: bool = False) -> Path:
     return path
 
 
+def check_out(out: Path) -> None:
+    """Refuse an ``--out`` that is a folder, or a file other than an earlier export.
+
+    Raises:
+        ValueError: saying what ``out`` is and what to give instead.
+    """
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file name, e.g. {out / 'model.pt'}")
+    if not out.exists():
+        return
+    try:
+        exported = "exported_from" in load_checkpoint(out)
+    except ValueError:  # not an mmgoal checkpoint at all
+        exported = False
+    if not exported:
+        raise ValueError(f"--out {out} exists and is not an earlier export (a run's own "
+                         f"checkpoint or another file), so it is not overwritten; give a new "
+                         f"file name")
+
+
 def export(source: Path, out: Path, best: bool = False) -> dict:
-    """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``."""
+    """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``source``.
+        ValueError: a bad ``out`` (:func:`check_out`), or weights holding NaN/inf.
+    """
+    check_out(out)
     path = source if source.is_file() else run_weights(source, best)
     state = load_checkpoint(path)
+    check_finite_weights(state["model"], f"checkpoint {path}")
     weights = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
     save_checkpoint({"model": weights, "tokenizer": state["tokenizer"], "config": state["config"],
                      "exported_from": str(path)}, out)
@@ -53,7 +84,8 @@ def export(source: Path, out: Path, best: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("source", type=Path, help="run directory or checkpoint file")
-    parser.add_argument("--out", type=Path, required=True, help="file to write")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="file to write (new, or an earlier export)")
     parser.add_argument("--best", action="store_true", help="the best epoch, not the latest")
     args = parser.parse_args(argv)
     try:

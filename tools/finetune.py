@@ -23,7 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from mmgoal.engine.schema import load_run_config  # noqa: E402
+from mmgoal.data.pipeline import UnreadableShardsError  # noqa: E402
+from mmgoal.engine.run_dir import prepare_work_dir, record_changes, resume_changes  # noqa: E402
+from mmgoal.engine.schema import load_run_config, resolve_config  # noqa: E402
 from mmgoal.engine.strategies import has_checkpoint  # noqa: E402
 from mmgoal.engine.trainer import Trainer, check_data_paths, metrics_table  # noqa: E402
 
@@ -38,8 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="print the resolved config (bases merged, every default filled in, "
                              "overrides applied) and exit")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in <work-dir>/checkpoints, "
-                             "with the run's own config.yaml (plus --cfg-options)")
+                        help="continue from the latest checkpoint in <work-dir>/checkpoints; "
+                             "the config may differ from the run's own config.yaml only in "
+                             "what may change on resume (epochs, logging, evaluation, batch "
+                             "split), recorded in config_changes.jsonl")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a --work-dir that holds a run, deleting its "
+                             "checkpoints, config, metrics and report")
     parser.add_argument("--auto-resume", action="store_true",
                         help="--resume when <work-dir> has a checkpoint, else start afresh "
                              "(for jobs that a scheduler requeues)")
@@ -61,16 +68,12 @@ def with_deepspeed(cfg: dict, deepspeed: bool | str) -> dict:
     return {**cfg, "strategy": strategy}
 
 
-def run_config_file(config: str, work_dir: Path, resume: bool) -> Path:
-    """The config a run trains with: a resumed run keeps its own ``config.yaml`` (what
-    trained its weights), whatever the config file says now."""
-    stored = work_dir / "config.yaml"
-    if not (resume and stored.is_file()):
-        return Path(config)
-    logging.getLogger(__name__).info(
-        "resuming with the run's own config %s (%s is not read again; change settings of a "
-        "resumed run with --cfg-options)", stored, config)
-    return stored
+def last_line(error: Exception) -> str:
+    """The error's own message: a DataLoader worker's error, re-raised in the main process,
+    carries the worker's traceback before it."""
+    line = str(error).strip().splitlines()[-1]
+    name = type(error).__name__
+    return line.split(": ", 1)[1] if line.split(": ", 1)[0].endswith(name) else line
 
 
 def setup_logging() -> None:
@@ -90,22 +93,30 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
     resume = args.resume or (args.auto_resume and has_checkpoint(work_dir / "checkpoints"))
     try:
-        cfg = load_run_config(run_config_file(args.config, work_dir, resume), args.cfg_options)
+        cfg = load_run_config(args.config, args.cfg_options)
         if args.deepspeed:
             cfg = with_deepspeed(cfg, args.deepspeed)
         if args.print_config:
             print(yaml.safe_dump(cfg, sort_keys=False), end="")
             return 0
+        prepare_work_dir(work_dir, resume, args.overwrite)
+        # a resumed run keeps its own config; only what may change on resume may differ
+        changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
         check_data_paths(cfg)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
         trainer = Trainer(cfg, work_dir, resume=resume)
     except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a missing extra
         print(f"error: {error}", file=sys.stderr)
         return 2
-    report = trainer.fit()
+    if trainer.is_main:
+        record_changes(work_dir, changes, trainer.epoch, trainer.step)
+    try:
+        report = trainer.fit()
+    except (FloatingPointError, UnreadableShardsError) as error:
+        trainer.strategy.close()
+        # a divergence stops every rank with one message; unreadable shards are a rank's own
+        if trainer.is_main or isinstance(error, UnreadableShardsError):
+            print(f"error: {last_line(error)}", file=sys.stderr)
+        return 1
     trainer.strategy.close()
     if not trainer.is_main:
         return 130 if report.get("interrupted") else 0

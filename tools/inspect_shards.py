@@ -5,8 +5,9 @@
 
 Every sample of every shard is read: images decoded whole, JSON parsed,
 ``regions.npy``/``boxes.npy`` loaded. Reported per shard: unreadable images or
-members, samples without captions or without an image/regions, duplicate image
-ids, a damaged tar. Exits 1 when anything is wrong, 0 otherwise.
+members, samples without captions or without an image/regions, image ids that
+appear twice (in the shard or in an earlier one), a damaged tar, a shard without
+samples. Exits 1 when anything is wrong, 2 when the arguments are, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def inspect(urls: list[str], caption_key: str | None = None, progress: bool = Tr
     stats = {"samples": 0, "captions": 0, "caption_words": [], "widths": [], "heights": [],
              "keys": Counter()}
     shards = []
+    first_shard: dict[str, str] = {}  # image id -> the shard it first appeared in
     for url in tqdm(urls, unit="shard", disable=not progress):
         damage: list[str] = []
         problems: list[str] = []
@@ -112,6 +114,12 @@ def inspect(urls: list[str], caption_key: str | None = None, progress: bool = Tr
         count = sum(ids.values())
         problems.extend(f"damaged tar after {count} samples ({d})" for d in damage)
         problems.extend(f"image id {i!r} appears {n} times" for i, n in ids.items() if n > 1)
+        problems.extend(f"image id {i!r} is also in {first_shard[i]}" for i in ids
+                        if i in first_shard)
+        for image_id in ids:
+            first_shard.setdefault(image_id, url)
+        if not count and not damage:
+            problems.append("no samples")
         stats["samples"] += count
         shards.append({"shard": url, "samples": count, "problems": problems})
     return {"shards": shards, "samples": stats["samples"], "captions": stats["captions"],
@@ -147,6 +155,15 @@ def format_report(report: dict, max_problems: int) -> str:
     return "\n".join(lines)
 
 
+def shard_urls(patterns: list[str]) -> list[str]:
+    """The shards of ``patterns``; a folder is refused with the pattern that was meant."""
+    for pattern in patterns:
+        if Path(pattern).is_dir():
+            raise ValueError(f"{pattern} is a folder; give its shards, e.g. "
+                             f"'{Path(pattern) / '*.tar'}'")
+    return expand_shards(patterns)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("shards", nargs="+", help="shard files, globs or brace patterns")
@@ -156,14 +173,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
-        urls = expand_shards(args.shards)
-    except FileNotFoundError as error:
+        urls = shard_urls(args.shards)
+        if args.json is not None and args.json.is_dir():
+            raise ValueError(f"--json {args.json} is a folder; give a file, e.g. "
+                             f"{args.json / 'report.json'}")
+        if args.json is not None and not args.json.parent.is_dir():
+            raise ValueError(f"--json {args.json}: the folder {args.json.parent} does not "
+                             f"exist")
+    except (FileNotFoundError, ValueError) as error:  # braceexpand: ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
     report = inspect(urls, args.caption_key, progress=not args.no_progress)
     print(format_report(report, args.max_problems))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        try:
+            args.json.write_text(json.dumps(report, indent=2))
+        except OSError as error:
+            print(f"error: cannot write --json {args.json} ({error.strerror})", file=sys.stderr)
+            return 2
     return 1 if report["problems"] else 0
 
 

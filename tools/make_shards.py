@@ -8,6 +8,9 @@
         --entities-root /data/flickr30k_entities --out data/f30k_entities
     python tools/make_shards.py karpathy ... --out data/coco --resume   # after an interruption
 
+``--resume`` requires the options of the first run (recorded in the --out folder's
+summary.json).
+
 Every source option after SOURCE is ``--name value`` for the source's constructor
 argument ``name`` (dashes for underscores); ``--custom-imports my.module`` makes a
 source of your own (registered in ``SHARD_SOURCES``) available.
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         args, options = parse_args(argv)
         source = SHARD_SOURCES.build({"type": args.source, **options})
         summary = convert(source, args.out, shard_size=args.shard_size, workers=args.workers,
-                          resume=args.resume, progress=not args.no_progress)
+                          resume=args.resume, progress=not args.no_progress,
+                          options={"source": args.source, **options})
     except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

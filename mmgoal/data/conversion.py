@@ -8,18 +8,24 @@ to it ``.{split}-{index:06d}.stats.json`` with what the shard holds and what was
 skipped and why. A shard is written to a temporary name and renamed when
 complete, and its stats after it; so a conversion killed at any moment and run
 again with ``resume`` redoes only the shards without stats, and the result is
-byte for byte that of an uninterrupted run. An item that cannot be converted (a
-missing or unreadable image, a caption file short of lines) is skipped and
-counted under its reason, never fatal.
+byte for byte that of an uninterrupted run. ``summary.json`` records the options
+of a conversion when it starts, and ``resume`` refuses other options (shards of
+two shard sizes would hold some items twice and miss others). Sample keys are
+made safe for WebDataset, which reads a member name up to its first dot as the
+key: see :func:`safe_key`. An item that cannot be converted (a missing or
+unreadable image, a caption file short of lines) is skipped and counted under
+its reason, never fatal.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import multiprocessing
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -97,6 +103,21 @@ def image_member(path: Path, max_size: int | None = None,
     return "jpg", buffer.getvalue(), image.size[0], image.size[1]
 
 
+def safe_key(key: str) -> str:
+    """``key`` as a WebDataset sample key: without dots or slashes.
+
+    WebDataset splits a member name at its first dot (``img.with.dots.png`` is key
+    ``img``, extension ``with.dots.png``) and a slash makes folders, so a sample
+    under such a key cannot be read back. They become ``_``, and a changed key
+    gets 8 hex digits of the original's SHA-1, so that ``a.b`` and ``a_b`` stay
+    two keys.
+    """
+    safe = re.sub(r"[./]", "_", key)
+    if safe == key and key:
+        return key
+    return f"{safe}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
 def stats_path(out_dir: Path, split: str, index: int) -> Path:
     return out_dir / f".{split}-{index:06d}.stats.json"
 
@@ -116,7 +137,7 @@ def convert_shard(task: tuple[ShardSource, Path, str, int, Sequence[Any]]) -> di
                 if len(examples) < MAX_EXAMPLES:
                     examples.append(str(error))
                 continue
-            writer.write(sample)
+            writer.write({**sample, "__key__": safe_key(str(sample["__key__"]))})
             samples += 1
             captions += len(json.loads(sample["json"]).get("captions", [])) \
                 if "json" in sample else 0
@@ -130,24 +151,37 @@ def convert_shard(task: tuple[ShardSource, Path, str, int, Sequence[Any]]) -> di
 
 
 def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1000,
-            workers: int = 1, resume: bool = False, progress: bool = True) -> dict:
+            workers: int = 1, resume: bool = False, progress: bool = True,
+            options: dict | None = None) -> dict:
     """Convert every split of ``source`` into shards under ``out_dir``.
 
+    Args:
+        options: what made ``source`` (``tools/make_shards.py``: the source's name
+            and arguments); with ``shard_size`` they are recorded in
+            ``summary.json`` and ``resume`` requires the same.
+
     Returns:
-        The summary (also written to ``out_dir/summary.json``): per split the
-        shards, samples, captions and skipped items by reason, with examples.
+        The summary (also written to ``out_dir/summary.json``): ``options``, and
+        under ``splits`` per split the shards, samples, captions and skipped items
+        by reason, with examples.
 
     Raises:
         FileExistsError: ``out_dir`` already holds shards and ``resume`` is off.
+        ValueError: ``resume`` with options other than those ``out_dir`` was started with.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    options = json.loads(json.dumps({**(options or {}), "shard_size": shard_size}))
+    if resume:
+        check_same_options(out_dir, options)
+    elif any(out_dir.glob("*.tar")):
+        raise FileExistsError(f"{out_dir} already holds shards; pass --resume to finish an "
+                              f"interrupted conversion, or choose an empty --out folder")
+    (out_dir / "summary.json").write_text(json.dumps({"options": options, "splits": {}},
+                                                     indent=2))
     tasks = [(source, out_dir, split, index, items)
              for split in source.splits()
              for index, items in enumerate(source.plan(split, shard_size))]
-    if not resume and any(out_dir.glob("*.tar")):
-        raise FileExistsError(f"{out_dir} already holds shards; pass --resume to finish an "
-                              f"interrupted conversion, or choose an empty --out folder")
     done = {}
     for _, _, split, index, _ in tasks:
         path = stats_path(out_dir, split, index)
@@ -163,9 +197,33 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
         results.append(stats)
         bar.update(1)
     bar.close()
-    summary = summarise(results)
+    summary = {"options": options, "splits": summarise(results)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def check_same_options(out_dir: Path, options: dict) -> None:
+    """Raise a ``ValueError`` naming every option that differs from those ``out_dir``'s
+    ``summary.json`` records (a folder without them is not checked)."""
+    path = out_dir / "summary.json"
+    try:
+        recorded = json.loads(path.read_text()).get("options") if path.is_file() else None
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); it records the options "
+                         f"--resume must match: delete it to resume unchecked") from error
+    if recorded is None:
+        if any(out_dir.glob("*.tar")):
+            logger.warning("%s records no conversion options; --resume cannot check that "
+                           "they are those of the shards already there", out_dir)
+        return
+    differing = [f"{key}: {recorded.get(key, 'absent')} then, {options.get(key, 'absent')} now"
+                 for key in sorted(set(recorded) | set(options))
+                 if recorded.get(key) != options.get(key)]
+    if differing:
+        raise ValueError(f"{out_dir} was started with other conversion options "
+                         f"({'; '.join(differing)}); --resume only finishes a conversion "
+                         f"with the options it started with: run it with those, or convert "
+                         f"into an empty --out folder")
 
 
 def _run(tasks: list, workers: int) -> Iterator[dict]:
@@ -194,7 +252,7 @@ def summarise(results: list[dict]) -> dict:
 def format_summary(summary: dict) -> str:
     """A few lines for people: samples and captions per split, what was skipped and why."""
     lines = []
-    for split, row in summary.items():
+    for split, row in summary["splits"].items():
         skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(row["skipped"].items()))
         lines.append(f"{split:>8}: {row['samples']} samples, {row['captions']} captions in "
                      f"{row['shards']} shards" + (f"; skipped {skipped}" if skipped else ""))

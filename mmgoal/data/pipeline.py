@@ -10,7 +10,9 @@ rank yields as many batches as the trainer takes in an epoch
 (``train.samples_per_epoch`` / global batch), whatever the shards hold and
 whatever a corrupt shard costs one rank. Evaluation reads the shards in order, one sample per image with all its
 captions. Every stage that can meet bad data has a handler that logs the
-problem, counts it and skips the sample; a corrupt sample never stops a run.
+problem, counts it and skips the sample; a corrupt sample never stops a run,
+but a reader that goes through a whole pass of its shards without one readable
+sample does (:class:`UnreadablePassCheck`): its stream would otherwise spin for ever.
 """
 
 from __future__ import annotations
@@ -40,8 +42,17 @@ logger = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
 
+# Draws that make a resampled reader's pass at least: one unreadable shard among
+# few must not stop a run by being drawn a few times in a row.
+MIN_RESAMPLED_PASS = 16
+
+
 class CorruptSampleError(ValueError):
     """A sample that cannot be used (bad image, bad JSON, missing keys)."""
+
+
+class UnreadableShardsError(RuntimeError):
+    """A training reader went through a whole pass of its shards without a readable sample."""
 
 
 class SkipCounter:
@@ -53,12 +64,14 @@ class SkipCounter:
 
     def __init__(self, max_logged: int = 20) -> None:
         self.counts: Counter[str] = Counter()
+        self.last: dict[str, str] = {}  # the latest message of each kind, for summary()
         self.max_logged = max_logged
         self._pending = 0
 
     def __call__(self, error: Exception) -> bool:
         kind = type(error).__name__
         self.counts[kind] += 1
+        self.last[kind] = str(error)
         self._pending += 1
         if sum(self.counts.values()) <= self.max_logged:
             logger.warning("skipped a bad sample (%s): %s", kind, error)
@@ -71,6 +84,71 @@ class SkipCounter:
     def take(self) -> int:
         pending, self._pending = self._pending, 0
         return pending
+
+    def summary(self) -> str:
+        """The skips by kind, each with its latest message (for error messages)."""
+        kinds = "; ".join(f"{count} {kind}, the last: {self.last[kind]}"
+                          for kind, count in self.counts.most_common())
+        return f"{self.total} samples skipped" + (f": {kinds}" if kinds else "")
+
+
+class UnreadablePassCheck:
+    """Stops a training reader after a whole pass of its shards without a readable sample.
+
+    A readable sample is one that comes out of the sample stages decoded and
+    transformed, not a tar member: shards whose tars are sound but whose images
+    all fail would otherwise be read pass after pass for ever. The shuffle buffer
+    may hold many passes of small shards, so samples carry the number of the
+    pass they were read in, and a pass is judged once its reading has ended and
+    each of its samples has been decoded or skipped. Its stages: ``tag`` after
+    the tar reader, ``settle`` after the shuffle buffer, ``count_readable``
+    after the last sample stage; the shard stream calls ``start_pass``.
+
+    Args:
+        message: builds the error's text (called when a pass fails).
+    """
+
+    def __init__(self, message: Callable[[], str]) -> None:
+        self.message = message
+        self.reading: int | None = None  # the pass whose shards are being read
+        self.unsettled: Counter[int] = Counter()  # pass -> samples read, not yet decoded
+        self.readable: set[int] = set()  # passes that gave a readable sample
+        self.decoding: int | None = None  # the pass of the sample in the stages after settle
+
+    def start_pass(self, number: int) -> None:
+        ended, self.reading = self.reading, number
+        if ended is not None:
+            self._judge(ended)
+
+    def tag(self, samples: Iterator[dict]) -> Iterator[dict]:
+        for sample in samples:
+            self.unsettled[self.reading] += 1
+            sample["__pass__"] = self.reading
+            yield sample
+
+    def settle(self, samples: Iterator[dict]) -> Iterator[dict]:
+        # Asked for a sample: the one before it went through every later stage.
+        for sample in samples:
+            if self.decoding is not None:
+                done, self.decoding = self.decoding, None
+                self.unsettled[done] -= 1
+                self._judge(done)
+            self.decoding = sample.pop("__pass__")
+            yield sample
+
+    def count_readable(self, samples: Iterator[dict]) -> Iterator[dict]:
+        for sample in samples:
+            self.readable.add(self.decoding)
+            yield sample
+
+    def _judge(self, number: int) -> None:
+        """Forget pass ``number`` once it is over; raise if it gave no readable sample."""
+        if number == self.reading or self.unsettled[number] > 0:
+            return
+        del self.unsettled[number]
+        if number not in self.readable:
+            raise UnreadableShardsError(self.message())
+        self.readable.discard(number)
 
 
 def expand_shards(shards: str | Sequence[str]) -> list[str]:
@@ -283,6 +361,10 @@ class ShardDataset(torch.utils.data.IterableDataset):
             from its own seeded, epoch-dependent stream) instead of splitting them;
             any number of shards then feeds any number of readers, and an epoch
             is ``train.samples_per_epoch`` samples, not a pass over the data.
+            A reader's pass is then as many draws as its share of the shards,
+            at least ``MIN_RESAMPLED_PASS`` (16), and such a pass without a
+            readable sample stops it, as a whole pass does without ``resampled``
+            (were half the shards unreadable, one pass in 65,000 would be all bad).
     """
 
     def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
@@ -291,6 +373,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
                  text_augment: dict | None = None, resampled: bool = False,
                  caption_key: str | None = None) -> None:
         super().__init__()
+        self.shards = shards
+        if batch_size < 1:
+            raise ValueError(f"data.train.batch_size must be at least 1, got {batch_size}")
         self.urls = expand_shards(shards)
         self.batch_size = batch_size
         self.tokenizer = tokenizer
@@ -336,28 +421,35 @@ class ShardDataset(torch.utils.data.IterableDataset):
                 f"{workers} data worker(s): every reader needs a shard of its own. Write more, "
                 f"smaller shards, lower data.num_workers, or set data.train.resampled: true")
 
-    def shard_stream(self, samples_seen: Callable[[], int]) -> Iterator[dict]:
-        """Training shards for ever: seeded passes (or draws with replacement).
-
-        Args:
-            samples_seen: how many samples this reader has read so far; a whole
-                pass without one means every shard it gets is unreadable.
-        """
+    def shard_stream(self, check: UnreadablePassCheck) -> Iterator[dict]:
+        """Training shards for ever: seeded passes (or draws with replacement), each
+        announced to ``check``."""
         rank, _, worker, _ = wds.utils.pytorch_worker_info()
         draws = random.Random(f"{self.seed}-{self.epoch}-{rank}-{worker}-resample")
-        seen_before = -1
         for number in itertools.count():
-            if samples_seen() == seen_before:
-                raise RuntimeError(f"rank {rank} worker {worker} read a whole pass of its "
-                                   f"training shards without a readable sample; check them "
-                                   f"with tools/inspect_shards.py")
-            seen_before = samples_seen()
-            if self.resampled:
-                urls = [draws.choice(self.urls) for _ in self.urls]
+            check.start_pass(number)
+            if self.resampled:  # the draws are one seeded sequence, however cut into passes
+                urls = [draws.choice(self.urls) for _ in range(self._resampled_pass())]
             else:  # the same order on every rank and worker, which then split it
                 urls = list(self.urls)
                 random.Random(f"{self.seed}-{self.epoch}-{number}-shards").shuffle(urls)
             yield from ({"url": url} for url in urls)
+
+    def _resampled_pass(self) -> int:
+        """Draws in a resampled reader's pass: its share of the shards, at least
+        ``MIN_RESAMPLED_PASS``."""
+        _, world_size, _, workers = wds.utils.pytorch_worker_info()
+        return max(-(-len(self.urls) // (world_size * workers)), MIN_RESAMPLED_PASS)
+
+    def _unreadable_pass_message(self) -> str:
+        rank, _, worker, _ = wds.utils.pytorch_worker_info()
+        shards = self.shards if isinstance(self.shards, str) else ", ".join(self.urls[:2]) + (
+            f", ... ({len(self.urls)} shards)" if len(self.urls) > 2 else "")
+        passed = (f"drew {self._resampled_pass()} of its" if self.resampled
+                  else "read a whole pass of its")
+        return (f"rank {rank} worker {worker} {passed} training shards without a readable "
+                f"sample: no sample of {shards} could be decoded ({self.counter.summary()}); "
+                f"check the shards with tools/inspect_shards.py")
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose (reproducible) order the next iteration yields."""
@@ -379,29 +471,25 @@ class ShardDataset(torch.utils.data.IterableDataset):
         """The stages up to one transformed sample per caption choice (no batching)."""
         handler = self.counter
         if self.training:
-            seen = [0]
-
-            def count(samples: Iterator[dict]) -> Iterator[dict]:
-                for sample in samples:
-                    seen[0] += 1
-                    yield sample
-
-            stages: list = [lambda: self.shard_stream(lambda: seen[0])]
+            check = UnreadablePassCheck(self._unreadable_pass_message)
+            stages: list = [lambda: self.shard_stream(check)]
             if not self.resampled:
                 stages += [wds.split_by_node, wds.split_by_worker]
-            stages += [wds.tarfile_to_samples(handler=handler), count]
+            stages += [wds.tarfile_to_samples(handler=handler), check.tag,
+                       wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
+                                   rng=self._rng(1)),
+                       check.settle]
         else:
             stages = [wds.SimpleShardList(self.urls), wds.split_by_node, wds.split_by_worker,
                       wds.tarfile_to_samples(handler=handler)]
-        if self.training:
-            stages.append(wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
-                                      rng=self._rng(1)))
         stages += [
             wds.map(functools.partial(decode_sample, caption_key=self.caption_key),
                     handler=handler),
             lambda src: choose_captions(src, self.expand_captions, self._rng(2), self._rng(4)),
             wds.map(lambda s: transform_image(s, self.transform), handler=handler),
         ]
+        if self.training:
+            stages.append(check.count_readable)
         return stages
 
     def __iter__(self) -> Iterator[dict]:

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import tarfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mmgoal.data.conversion import ShardSource, SkippedItem, image_member
+from mmgoal.data.conversion import MAX_EXAMPLES, ShardSource, SkippedItem, image_member
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
 from mmgoal.data.pipeline import expand_shards
 from mmgoal.registry import SHARD_SOURCES
+
+logger = logging.getLogger(__name__)
 
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
 
@@ -41,7 +44,9 @@ class KarpathySource(ShardSource):
     ``train2014``/``val2014``), ``split`` and ``sentences[].raw``. A sample's
     ``image_id`` is ``cocoid`` when given (COCO), else the file name without
     extension (Flickr30K's Flickr id, which Flickr30K Entities uses); captions
-    are the ``raw`` sentences as they are.
+    are the ``raw`` sentences as they are. An image listed twice (the same image
+    id) is converted once, from its first entry, with a warning: evaluation would
+    count its copy as a negative.
 
     Args:
         json: the split file.
@@ -65,8 +70,19 @@ class KarpathySource(ShardSource):
             raise FileNotFoundError(f"image root {self.image_root} is not a folder")
         self.max_size, self.jpeg_quality = max_size, jpeg_quality
         self.by_split: dict[str, list[dict]] = {}
+        first_split: dict = {}
+        repeated = []
         for image in images:
+            image_id = karpathy_image_id(image)
+            if image_id in first_split:
+                repeated.append(f"{image_id!r} ({first_split[image_id]}, {image['split']})")
+                continue
+            first_split[image_id] = image["split"]
             self.by_split.setdefault(image["split"], []).append(image)
+        if repeated:
+            logger.warning("%s lists %d images more than once, e.g. %s; each is converted "
+                           "once, from its first entry", path, len(repeated),
+                           ", ".join(repeated[:MAX_EXAMPLES]))
 
     def splits(self) -> list[str]:
         return [s for s in KARPATHY_SPLITS if s in self.by_split] + sorted(
@@ -76,7 +92,7 @@ class KarpathySource(ShardSource):
         return self.by_split[split]
 
     def sample(self, split: str, item: dict) -> dict:
-        image_id = item.get("cocoid", Path(item["filename"]).stem)
+        image_id = karpathy_image_id(item)
         captions = [s["raw"] for s in item.get("sentences", [])]
         if not captions:
             raise SkippedItem("no captions", item["filename"])
@@ -87,6 +103,11 @@ class KarpathySource(ShardSource):
         if "imgid" in item:
             meta["imgid"] = item["imgid"]
         return {"__key__": str(image_id), extension: data, "json": json.dumps(meta).encode()}
+
+
+def karpathy_image_id(item: dict) -> int | str:
+    """The ``cocoid`` of a Karpathy entry (COCO), else its file name without extension."""
+    return item.get("cocoid", Path(item["filename"]).stem)
 
 
 def _read_json(path: Path) -> Any:

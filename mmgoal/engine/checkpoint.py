@@ -4,6 +4,11 @@ A checkpoint is a plain dict of tensors and Python primitives. It is written to
 a temporary file in the same folder, flushed to disk and renamed over the
 target, so a run killed while saving leaves the previous checkpoint intact and
 never a truncated file under the real name.
+
+Weights holding NaN or inf are never checkpointed: the strategies and the
+trainer check the model first and stop the run with :class:`NonFiniteStateError`
+(the last good checkpoint stays), and the tools refuse such a checkpoint written
+by an older mmgoal (:func:`check_finite_weights`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,61 @@ from typing import Any
 import torch
 
 FORMAT = "mmgoal-checkpoint/1"
+SHOWN_NAMES = 3  # tensor names an error message lists before "and N more"
+
+
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating tensors in ``tensors`` holding NaN or inf (one device sync)."""
+    floating = [(name, value) for name, value in tensors.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point()]
+    if not floating:
+        return []
+    device = floating[0][1].device
+    finite = torch.stack([torch.isfinite(value).all().to(device) for _, value in floating])
+    return [name for (name, _), ok in zip(floating, finite.tolist()) if not ok]
+
+
+def describe_tensors(names: list[str]) -> str:
+    """``8 tensors (a.running_var, b.running_var, c.running_var and 5 more)``."""
+    shown = ", ".join(names[:SHOWN_NAMES])
+    more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''} ({shown}{more})"
+
+
+class NonFiniteStateError(FloatingPointError):
+    """The model holds NaN or inf: the run stops before evaluating or checkpointing it.
+
+    Args:
+        names: the tensors holding NaN/inf.
+        checkpoint_dir: the run's checkpoint folder.
+        step: the step at which the state was found.
+        resumable: the folder holds an earlier (finite) resumable checkpoint.
+    """
+
+    def __init__(self, names: list[str], checkpoint_dir: Path, step: int,
+                 resumable: bool) -> None:
+        self.names = names
+        advice = ("lower the learning rate (optimizer.lr), clip gradients (train.clip_grad) "
+                  "or check the data")
+        then = (f"the last good checkpoint in {checkpoint_dir} is intact: {advice}, then "
+                f"continue from it with --resume --cfg-options optimizer.lr=<lower>"
+                if resumable else f"no checkpoint was written before: {advice} and start again")
+        super().__init__(f"the model holds NaN or inf in {describe_tensors(names)} at step "
+                         f"{step} (the run diverged); it is neither evaluated nor checkpointed, "
+                         f"and {then}")
+
+
+def check_finite_weights(weights: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights holding NaN or inf (a checkpoint an older mmgoal wrote as its run diverged).
+
+    Raises:
+        ValueError: naming how many tensors and the first few.
+    """
+    names = nonfinite_tensors(weights)
+    if names:
+        raise ValueError(f"{source} holds NaN or inf in {describe_tensors(names)}: its run had "
+                         f"diverged when it was written; use an earlier checkpoint of the run "
+                         f"(best.pt) or train again with a lower learning rate")
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
@@ -57,6 +117,20 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
+def shape_mismatches(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> list[str]:
+    """``name (checkpoint shape) vs (model shape)`` for each shared name whose shapes differ."""
+    return [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in weights
+            if k in own and weights[k].shape != own[k].shape]
+
+
+def config_differences(saved: Any, wanted: Any, name: str) -> list[str]:
+    """Where two config sections differ: ``model.embed_dim: 1024 in the checkpoint, 16 here``."""
+    if isinstance(saved, dict) and isinstance(wanted, dict):
+        return [line for key in [*saved, *(k for k in wanted if k not in saved)]
+                for line in config_differences(saved.get(key), wanted.get(key), f"{name}.{key}")]
+    return [] if saved == wanted else [f"{name}: {saved!r} in the checkpoint, {wanted!r} here"]
+
+
 def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
                           source: str = "the checkpoint") -> dict[str, list[str]]:
     """Load the weights ``model`` shares with ``weights``; list what is left on either side.
@@ -70,18 +144,20 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
         model keys the checkpoint does not fill}``.
 
     Raises:
-        ValueError: a shared key with another shape, or no key in common (another
-            architecture).
+        ValueError: a shared key with another shape, no key in common (another
+            architecture), or weights holding NaN/inf.
     """
     own = model.state_dict()
     shared = [k for k in weights if k in own]
-    mismatched = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in shared
-                  if weights[k].shape != own[k].shape]
+    mismatched = shape_mismatches(own, weights)
     if mismatched or not shared:
-        detail = (f"shapes differ: {'; '.join(mismatched[:3])}" if mismatched
+        detail = (f"shapes differ: {'; '.join(mismatched[:SHOWN_NAMES])}" if mismatched
                   else "no weight name in common")
         raise ValueError(f"{source}: the checkpoint's model does not match this config's model "
-                         f"({detail}); it was trained with another architecture or size")
+                         f"({detail}); it was trained with another architecture or size: start "
+                         f"from a checkpoint of this model, or give the model section that "
+                         f"run's settings")
+    check_finite_weights(weights, source)
     model.load_state_dict({k: weights[k] for k in shared}, strict=False)
     return {"dropped": sorted(k for k in weights if k not in own),
             "missing": sorted(k for k in own if k not in weights)}
@@ -96,17 +172,58 @@ def summarise_keys(keys: list[str]) -> str:
     return ", ".join(f"{prefix} ({n})" for prefix, n in counts.items())
 
 
-def model_from_checkpoint(cfg: dict, state: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+def check_same_model(model: torch.nn.Module, state: dict[str, Any], model_cfg: dict,
+                     source: str) -> None:
+    """Refuse checkpoint weights that do not fit ``model`` (built from ``model_cfg``) exactly.
+
+    Raises:
+        ValueError: saying where the checkpoint's model config differs from
+            ``model_cfg`` (when the checkpoint holds one), then the first tensors
+            whose shapes differ or that one side lacks.
+    """
+    own, weights = model.state_dict(), state["model"]
+    mismatched = shape_mismatches(own, weights)
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    if not (mismatched or missing or unexpected):
+        return
+    saved_cfg = (state.get("config") or {}).get("model")
+    details = []
+    if saved_cfg and saved_cfg.get("type") != model_cfg.get("type"):
+        details.append(f"it holds a {saved_cfg.get('type')} model, this config builds a "
+                       f"{model_cfg.get('type')}")
+    elif saved_cfg:
+        details += config_differences(saved_cfg, model_cfg, "model")[:SHOWN_NAMES]
+    if mismatched:
+        details.append(f"shapes differ: {'; '.join(mismatched[:SHOWN_NAMES])}")
+    if missing:
+        details.append(f"{len(missing)} tensors of this model are not in it: "
+                       f"{summarise_keys(missing)}")
+    if unexpected:
+        details.append(f"{len(unexpected)} of its tensors have no place in this model: "
+                       f"{summarise_keys(unexpected)}")
+    raise ValueError(f"{source} does not fit the model this config builds ({'; '.join(details)});"
+                     f" give the config it was trained with (its run's config.yaml)")
+
+
+def model_from_checkpoint(cfg: dict, state: dict[str, Any],
+                          source: str = "the checkpoint") -> tuple[torch.nn.Module, Any]:
     """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``.
 
     Returns:
         (model in eval mode, tokenizer).
+
+    Raises:
+        ValueError: the weights hold NaN/inf or belong to another model (see
+            :func:`check_same_model`).
     """
     from mmgoal.registry import MODELS, TOKENIZERS, import_custom_modules
 
+    check_finite_weights(state["model"], source)
     import_custom_modules(cfg.get("custom_imports", []))
     tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
     tokenizer.load_state_dict(state["tokenizer"])
     model = MODELS.build(cfg["model"], tokenizer=tokenizer)
+    check_same_model(model, state, cfg["model"], source)
     model.load_state_dict(state["model"])
     return model.eval(), tokenizer

@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from mmgoal.config import ConfigSection, apply_override, load_config
 from mmgoal.devices import PRECISIONS
@@ -49,6 +50,10 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 class TrainConfig(ConfigSection):
     """``train``: the loop, where it runs and how (docs/configs.md lists every key)."""
 
+    MINIMUM: ClassVar[dict[str, float]] = {
+        "epochs": 0, "clip_grad": 0, "log_every": 1, "eval_every": 0,
+        "checkpoint_every_steps": 0, "max_nonfinite_steps": 1, "samples_per_epoch": 1,
+        "accumulate_steps": 1, "reference_batch": 1}
     epochs: int = 10
     seed: int = 0
     clip_grad: float = 2.0
@@ -74,8 +79,6 @@ class TrainConfig(ConfigSection):
         if self.scale_lr not in LR_SCALINGS:
             raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
                              f"{self.scale_lr!r}")
-        if int(self.accumulate_steps) < 1:
-            raise ValueError("train.accumulate_steps must be 1 or more")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")
@@ -85,6 +88,7 @@ class TrainConfig(ConfigSection):
 class SplitConfig(ConfigSection):
     """``data.val`` / ``data.test``: an evaluation gallery."""
 
+    MINIMUM: ClassVar[dict[str, float]] = {"folds": 1}
     shards: str | list[str]
     folds: int = 1  # COCO 1K: 5 folds of the 5K test images, metrics averaged
 
@@ -93,6 +97,8 @@ class SplitConfig(ConfigSection):
 class DataConfig(ConfigSection):
     """``data``: the tokenizer, the splits and the image pipeline."""
 
+    MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "num_workers": 0,
+                                           "eval_batch_size": 1}
     tokenizer: dict
     train: dict  # a DATASETS entry (ShardDataset, MixtureDataset)
     val: SplitConfig | None = None
@@ -147,6 +153,8 @@ REGISTRY_OF_SECTION: dict[str, Registry] = {
     "strategy": STRATEGIES, "hooks": HOOKS, "constraints": CONSTRAINTS,
     "data.tokenizer": TOKENIZERS, "data.train": DATASETS,
 }
+# Keys of a component section that the engine reads itself instead of passing them on.
+READ_BY_THE_ENGINE = {"optimizer": ("paramwise",)}
 # Where a nested ``type`` (an encoder inside a model, a term of an objective) is looked up.
 NESTED_REGISTRIES = (MODELS, ENCODERS, POOLERS, OBJECTIVES, DATASETS, TOKENIZERS, TRANSFORMS,
                      TEXT_AUGMENTS, TRIPLET_WEIGHTS, PAIR_WEIGHTS, HOOKS, CONSTRAINTS)
@@ -196,17 +204,22 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
     for override in overrides:
         apply_override(cfg, override, known_keys)
     cfg = resolve_config(cfg)
-    check_component_types(cfg)
+    check_components(cfg)
     return cfg
 
 
-def check_component_types(cfg: dict) -> None:
-    """Every component section's ``type`` is a registered name (an ``UnknownNameError``
-    with the closest match otherwise), before anything is built."""
+def check_components(cfg: dict) -> None:
+    """Every component section before anything is built: a registered ``type`` (an
+    ``UnknownNameError`` with the closest match), known keys of the right types."""
     for dotted, registry in REGISTRY_OF_SECTION.items():
         section = cfg
         for key in dotted.split("."):
             section = section.get(key) if isinstance(section, dict) else None
-        for item in section if isinstance(section, list) else [section]:
-            if isinstance(item, dict) and "type" in item:
-                registry.get(item["type"])
+        items = section if isinstance(section, list) else [section]
+        for index, item in enumerate(items):
+            if isinstance(item, dict):
+                engine_keys = READ_BY_THE_ENGINE.get(dotted, ())
+                item = {k: v for k, v in item.items() if k not in engine_keys}
+                where = f"{dotted}.{index}" if isinstance(section, list) else dotted
+                registry.check(item, where, provided=registry.parameters(item["type"])[0]
+                               if "type" in item and item["type"] in registry else ())

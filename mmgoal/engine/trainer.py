@@ -17,15 +17,19 @@ An optimisation step takes ``train.accumulate_steps`` micro-batches of
 ``train_step``): the global batch is their product with the number of
 processes, and an epoch is ``train.samples_per_epoch`` (default: the training
 split's size) divided by it. SIGINT/SIGTERM on any rank stop every
-rank after the same step, with a checkpoint; a second SIGINT stops at once.
+rank after the same step, with a checkpoint; a second SIGINT stops at once. In
+one process, a signal that comes while the trainer waits for data (a reader may
+be stuck) stops it there, with a checkpoint of the steps done.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 import json
 import logging
 import math
+import multiprocessing
+import os
 import random
 import signal
 import threading
@@ -44,8 +48,10 @@ from mmgoal.data.pipeline import expand_shards, read_captions
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
 from mmgoal.engine.checkpoint import (
+    describe_tensors,
     load_checkpoint,
     load_matching_weights,
+    nonfinite_tensors,
     save_checkpoint,
     summarise_keys,
 )
@@ -70,14 +76,31 @@ from mmgoal.registry import (
 logger = logging.getLogger(__name__)
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    """Data workers leave SIGINT/SIGTERM to the main process, which stops cleanly."""
+def _start_data_worker(release: Any, worker_id: int) -> None:
+    """Data workers leave SIGINT/SIGTERM to the main process, which stops cleanly, and end
+    when it sets ``release`` (a ``multiprocessing.Event``): one stuck in a read would sit
+    out the loader's shutdown, which it cannot notice, and keep the process from exiting."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_set, args=(release,), daemon=True).start()
+
+
+def _exit_when_set(release: Any) -> None:
+    release.wait()
+    os._exit(0)
+
+
+class StopWhileWaitingForData(BaseException):
+    """A stop signal that came while the only process waited for its next batch.
+
+    A BaseException, like KeyboardInterrupt: the data pipeline, which skips any
+    Exception of a sample as a bad sample, must let it through.
+    """
 
 
 class MetricLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` (rank 0 only: ``enabled``)."""
+    """Appends one JSON object per line to ``metrics.jsonl`` (rank 0 only: ``enabled``);
+    a NaN or inf value (a diverged loss) is written as ``null``."""
 
     def __init__(self, path: Path, enabled: bool = True) -> None:
         self.path = path
@@ -87,7 +110,19 @@ class MetricLog:
         if not self.enabled:
             return
         with open(self.path, "a") as stream:
-            stream.write(json.dumps(record) + "\n")
+            # JSON has no NaN: bare NaN/Infinity tokens would break strict parsers.
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                      for k, v in record.items()}
+            stream.write(json.dumps(finite, allow_nan=False) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop the records of steps after ``step``: a run resumed from a checkpoint at
+        ``step`` logs those steps again (a run killed after its last checkpoint)."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                if json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(kept))
 
 
 class Trainer:
@@ -137,10 +172,15 @@ class Trainer:
         self._samples_since_log = 0  # samples (all ranks) since the last logged step
         self.source_counts: dict[str, int] = {}  # samples per source of a mixture, this rank
         self._stop_signal: int | None = None
+        self._waiting_for_data = False  # a stop signal ends the wait (one process only)
+        self.seconds_before = 0.0  # training time of earlier segments of a resumed run
+        self._segment_start = time.perf_counter()
         if resume:
             self._restore(self.strategy.load(self.checkpoint_dir, resumed))
-        if self.is_main:
-            dump_config(self.cfg, self.work_dir / "config.yaml")
+            self._check_resumed_state()
+        config_file = self.work_dir / "config.yaml"
+        if self.is_main and not (resume and config_file.is_file()):  # a resumed run keeps its own
+            dump_config(self.cfg, config_file)
         self._log_setup()
 
     # ---------------------------------------------------------- construction
@@ -261,16 +301,45 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "best": dict(self.best),
             "skipped_samples": self.skipped_samples,
+            "global_batch": self.global_batch,
+            "train_seconds": self.train_seconds,
             "config": self.cfg,
             "mmgoal_version": mmgoal.__version__,
         }
 
+    @property
+    def train_seconds(self) -> float:
+        """Seconds of training so far, over every segment of a resumed run."""
+        return self.seconds_before + time.perf_counter() - self._segment_start
+
     def _restore(self, state: dict) -> None:
+        saved_batch = state.get("global_batch", self.global_batch)
+        if saved_batch != self.global_batch:
+            raise ValueError(
+                f"--resume: the checkpoint was trained with a global batch of {saved_batch}; "
+                f"this run gives {self.global_batch} (data.train.batch_size "
+                f"{self.train_set.batch_size} x {self.accumulate_steps} accumulation step(s) x "
+                f"{self.strategy.world_size} rank(s)): set data.train.batch_size or "
+                f"train.accumulate_steps so that the product is {saved_batch}")
         self.epoch, self.step = state["epoch"], state["step"]
         self.batch_in_epoch = state["batch_in_epoch"]
         self.best = dict(state["best"])
         self.skipped_samples = state["skipped_samples"]
+        self.seconds_before = state.get("train_seconds", 0.0)
+        if self.is_main:
+            self.log.truncate_after(self.step)
         logger.info("resumed at epoch %d, step %d", self.epoch, self.step)
+
+    def _check_resumed_state(self) -> None:
+        """Refuse to continue from weights holding NaN/inf (collective): a checkpoint an
+        older mmgoal wrote as its run diverged."""
+        names = [name for found in self.strategy.gather_objects(
+            nonfinite_tensors(self.strategy.local_state())) for name in found]
+        if names:
+            raise ValueError(f"--resume: the checkpoint in {self.checkpoint_dir} holds NaN or "
+                             f"inf in {describe_tensors(names)} (its run had diverged when it "
+                             f"was written); it cannot be continued: start again with a lower "
+                             f"learning rate, or from best.pt with load_from")
 
     def _load_weights(self, state: dict, path: str) -> None:
         """``load_from``: start from another run's model weights (a pretraining checkpoint,
@@ -300,7 +369,9 @@ class Trainer:
         self._write_weights(name, self.strategy.full_state_dict(), **extra)
 
     def _write_weights(self, name: str, weights: dict | None, **extra: Any) -> None:
-        """Rank 0 writes ``weights`` (its ``full_state_dict()``); every rank waits."""
+        """Rank 0 writes ``weights`` (its ``full_state_dict()``); every rank waits. Weights
+        holding NaN/inf stop the run instead (:class:`NonFiniteStateError`)."""
+        self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
         if self.is_main:
             save_checkpoint({"model": weights, "tokenizer": self.tokenizer.state_dict(),
                              "config": self.cfg, **extra}, self.checkpoint_dir / name)
@@ -318,17 +389,49 @@ class Trainer:
     def _loader(self) -> torch.utils.data.DataLoader:
         self.train_set.set_epoch(self.epoch)
         workers = self.config.data.num_workers
-        return torch.utils.data.DataLoader(self.train_set, batch_size=None, num_workers=workers,
-                                           persistent_workers=False,
-                                           pin_memory=self.strategy.device.type == "cuda",
-                                           worker_init_fn=_ignore_stop_signals)
+        return torch.utils.data.DataLoader(
+            self.train_set, batch_size=None, num_workers=workers, persistent_workers=False,
+            pin_memory=self.strategy.device.type == "cuda",
+            worker_init_fn=functools.partial(_start_data_worker, self._release_workers))
 
     def _handle_signal(self, signum: int, frame: Any) -> None:
         if self._stop_signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self._stop_signal = signum
+        if self._waiting_for_data:
+            raise StopWhileWaitingForData(signal.Signals(signum).name)
         logger.warning("received %s: stopping after this step with a checkpoint",
                        signal.Signals(signum).name)
+
+    def _next_batch(self, batches: Iterator[dict]) -> dict | None:
+        """The next batch (None when the data ran out). In one process a stop signal ends
+        the wait, which may never end otherwise (a stuck reader); several ranks stop after
+        a step they agree on, since the others may be inside a collective."""
+        alone = self.strategy.world_size == 1
+        if alone and self._stop_signal is not None:  # it came inside a window's micro-step
+            raise StopWhileWaitingForData(signal.Signals(self._stop_signal).name)
+        self._waiting_for_data = alone
+        try:
+            return next(batches, None)
+        finally:
+            self._waiting_for_data = False
+
+    def _stop_while_waiting(self, signal_name: str, trained: bool) -> None:
+        """After a stop signal ended a wait for data: a checkpoint when ``trained`` (this
+        run has done steps), else a word on why there is none."""
+        self._release_workers.set()  # stuck workers end now, not after the loader's 5 s wait
+        if trained:
+            self.save()
+            logger.warning("received %s while waiting for data: stopped at epoch %d, step %d "
+                           "with a checkpoint; continue with --resume", signal_name, self.epoch,
+                           self.step)
+        elif self.step:
+            logger.warning("received %s while waiting for data, before this run's first step: "
+                           "stopped; the checkpoint of step %d is the latest", signal_name,
+                           self.step)
+        else:
+            logger.warning("received %s while waiting for data, before the first step: no "
+                           "checkpoint written (nothing was trained)", signal_name)
 
     def fit(self) -> dict:
         """Train for the configured epochs, then evaluate the best checkpoint on the test split.
@@ -340,23 +443,36 @@ class Trainer:
         in_main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, self._handle_signal)
                     for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-        start = time.perf_counter()
+        self._segment_start = time.perf_counter()
+        # Set when training ends, however: data workers ignore the SIGTERM that would end
+        # them, and one left alive (by an exception's traceback) blocks the exit.
+        self._release_workers = multiprocessing.Event()
         try:
             for hook in self.hooks:
                 hook.before_train(self)
+            first_step = self.step
             while self.epoch < self.config.train.epochs:
-                if not self._train_epoch():
+                try:
+                    finished = self._train_epoch()
+                except StopWhileWaitingForData as stop:
+                    self._stop_while_waiting(str(stop), trained=self.step > first_step)
+                    finished = False
+                if not finished:
                     return {"interrupted": True, "epoch": self.epoch, "step": self.step}
             for hook in self.hooks:
                 hook.after_train(self)
         finally:
+            self._release_workers.set()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        return self._final_report(time.perf_counter() - start)
+        return self._final_report(self.train_seconds)
 
     def _window(self, batches: Iterator[dict]) -> Iterator[dict]:
         """The next ``accumulate_steps`` micro-batches, counted as the strategy takes them."""
-        for batch in itertools.islice(batches, self.accumulate_steps):
+        for _ in range(self.accumulate_steps):
+            batch = self._next_batch(batches)
+            if batch is None:
+                return
             self.skipped_samples += batch["skipped"]
             for name, count in batch.get("source_counts", {}).items():
                 self.source_counts[name] = self.source_counts.get(name, 0) + count
@@ -376,19 +492,27 @@ class Trainer:
                    disable=not (cfg.progress and self.is_main))
         batches = iter(self._loader())
         # Resuming inside an epoch: replay the data order, skip the work.
-        for _ in itertools.islice(batches, self.batch_in_epoch):
-            pass
+        for _ in range(self.batch_in_epoch):
+            if self._next_batch(batches) is None:
+                break
         nonfinite_run = 0
         tick, self._samples_since_log = time.perf_counter(), 0
         while self.batch_in_epoch < micro_batches:
             lr = self._set_lr()
-            result = self.strategy.train_step(self._window(batches), self.objective)
+            window_start = self.batch_in_epoch, self.skipped_samples
+            try:
+                result = self.strategy.train_step(self._window(batches), self.objective)
+            except StopWhileWaitingForData:  # the checkpoint holds the steps done, no more
+                self.batch_in_epoch, self.skipped_samples = window_start
+                raise
             if not result.micro_batches:  # the data ran out before the epoch's steps
                 break
             outputs = {**result.outputs, "nonfinite": result.nonfinite}
             if result.nonfinite:
                 nonfinite_run += 1
                 logger.warning("non-finite loss or gradient at step %d: step skipped", self.step)
+                # The skipped forward still moved BatchNorm statistics, maybe to inf.
+                self.strategy.check_finite(self.checkpoint_dir, self.step)
                 if nonfinite_run >= cfg.max_nonfinite_steps:
                     raise FloatingPointError(
                         f"{nonfinite_run} non-finite losses in a row (step {self.step}; a NaN/inf "
@@ -447,6 +571,7 @@ class Trainer:
         if self.config.data.val and every and ((epoch + 1) % every == 0 or last_epoch):
             # One gather (collective) serves the evaluation copy and best.pt.
             weights = self.strategy.full_state_dict()
+            self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
             if self.is_main:
                 model = self.evaluation_model(None if self.strategy.plain_module else weights)
                 metrics = self.evaluate("val", model)

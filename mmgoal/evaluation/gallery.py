@@ -12,9 +12,11 @@ several models when given an ensemble (SCAN's t2i AVG + i2t LSE).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from tqdm import tqdm
@@ -32,6 +34,8 @@ from mmgoal.structures import (
     detach_features,
     slice_features,
 )
+
+logger = logging.getLogger(__name__)
 
 CPU_BLOCK_MB = 1024.0  # the default bound of a block's working set on the CPU
 GPU_FREE_SHARE = 0.5  # ... and on a GPU, this share of its free memory
@@ -54,6 +58,9 @@ class ScoringConfig(ConfigSection):
         rerank_batch_size: pairs the ITM head scores at a time.
     """
 
+    MINIMUM: ClassVar[dict[str, float]] = {"block_images": 1, "rerank_k": 0,
+                                           "rerank_batch_size": 1}
+
     block_images: int = 128
     max_block_mb: float | None = None
     matmul_precision: str = "highest"
@@ -61,6 +68,8 @@ class ScoringConfig(ConfigSection):
     rerank_batch_size: int = 128
 
     def __post_init__(self) -> None:
+        if self.max_block_mb is not None and self.max_block_mb <= 0:
+            raise ValueError(f"evaluation.max_block_mb must be above 0, got {self.max_block_mb}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"evaluation.matmul_precision must be one of "
                              f"{', '.join(MATMUL_PRECISIONS)}, got {self.matmul_precision!r}")
@@ -79,7 +88,9 @@ class Gallery:
         images, texts: features of every image and caption, in shard order.
         text_to_image: (n_texts,) the image index of each caption.
         skipped: samples that could not be read.
-        captions: every caption; image_ids: every image id.
+        duplicates: samples whose image id an earlier sample had (each image is
+            evaluated once; see :func:`encode_gallery`).
+        captions: every caption; image_ids: every image id, each once.
         entities: per image, the entity annotations of its JSON (``with_annotations``).
         region_boxes: per image, its regions' boxes as xyxy fractions
             (``with_annotations`` and an image encoder with ``region_boxes``).
@@ -89,6 +100,7 @@ class Gallery:
     texts: TextFeatures
     text_to_image: torch.Tensor
     skipped: int
+    duplicates: int = 0
     captions: list[str] = field(default_factory=list)
     image_ids: list = field(default_factory=list)
     entities: list[list[dict]] = field(default_factory=list)
@@ -108,6 +120,12 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
                    with_annotations: bool = False, keep_tokens: bool = False) -> Gallery:
     """Encode every image and caption of the shards, in shard order, on the model's device.
 
+    Each image id is one image of the gallery, as in training's positives and the
+    benchmarks' protocol (COCO 5K, Flickr30K 1K count every image once): a sample
+    repeating an earlier sample's image id (shards written twice, a split file
+    listing an image twice) is not encoded again, its captions that the image does
+    not have yet become the image's, and a warning says how many there were.
+
     ``with_annotations`` also keeps entities and region boxes (attention metrics);
     ``keep_tokens`` keeps every token (ITM re-ranking).
     """
@@ -118,23 +136,26 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     images: list[ImageFeatures] = []
     gallery = Gallery(None, None, None, 0)
     text_to_image: list[int] = []
+    known: dict = {}  # image id -> (its index in the gallery, the set of its captions)
     encoder = getattr(model, "image_encoder", None)
     boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
     for batch in tqdm(iter_eval_batches(shards, transform, batch_size, counter),
                       desc="encode images", unit="batch", disable=not progress, leave=False):
+        rows = _add_samples(gallery, batch, known, text_to_image)
+        if not rows:
+            continue
+        batch = _batch_rows(batch, rows)
         on_device = move_to_device(batch, device)
         images.append(_keep_tokens(model, model.encode_image(on_device),
                                    with_annotations or keep_tokens))
         if boxes_of is not None:  # a few boxes per image: the attention metrics count on the CPU
             gallery.region_boxes += [b.float() for b in boxes_of(batch)]
-        for image_id, caption_list, entities in zip(batch["image_ids"], batch["captions"],
-                                                    batch["entities"]):
-            gallery.captions += caption_list
-            text_to_image += [len(gallery.image_ids)] * len(caption_list)
-            gallery.image_ids.append(image_id)
-            gallery.entities.append(entities)
     if not images:
         raise ValueError(f"no readable sample in {shards!r} ({counter.total} skipped)")
+    if gallery.duplicates:
+        logger.warning("%d samples repeat an image id of an earlier sample in %s; each image "
+                       "is evaluated once, with the captions of its copies (check the shards "
+                       "with tools/inspect_shards.py)", gallery.duplicates, shards)
     texts = []
     for start in tqdm(range(0, len(gallery.captions), batch_size), desc="encode texts",
                       unit="batch", disable=not progress, leave=False):
@@ -146,6 +167,41 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     gallery.text_to_image = torch.tensor(text_to_image, device=device)
     gallery.skipped = counter.total
     return gallery
+
+
+def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list[int]
+                 ) -> list[int]:
+    """Add a batch's images and captions to the gallery; return the rows of its new images.
+
+    A sample whose image id is in ``known`` (image id -> its index, its set of captions)
+    adds only the captions its image lacks, and counts in ``gallery.duplicates``.
+    """
+    rows = []
+    for row, (image_id, captions, entities) in enumerate(
+            zip(batch["image_ids"], batch["captions"], batch["entities"])):
+        if image_id in known:
+            gallery.duplicates += 1
+            image, own = known[image_id]
+            new = [c for c in dict.fromkeys(captions) if c not in own]
+            own.update(new)
+        else:
+            rows.append(row)
+            image, new = len(gallery.image_ids), captions
+            known[image_id] = (image, set(captions))
+            gallery.image_ids.append(image_id)
+            gallery.entities.append(entities)
+        gallery.captions += new
+        text_to_image += [image] * len(new)
+    return rows
+
+
+def _batch_rows(batch: dict, rows: list[int]) -> dict:
+    """The samples ``rows`` of an evaluation batch (tensors and lists are per sample)."""
+    if len(rows) == len(batch["image_ids"]):
+        return batch
+    index = torch.tensor(rows, dtype=torch.long)
+    return {key: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
+            for key, value in batch.items()}
 
 
 def block_budget_mb(device: torch.device, max_block_mb: float | None = None) -> float:

@@ -51,7 +51,8 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
     Raises:
         FileNotFoundError: a missing checkpoint or config.
         ValueError: an unreadable checkpoint, a checkpoint without a config when
-            none is given, a bad config or override, a device this machine lacks.
+            none is given, a bad config or override, a device this machine lacks,
+            weights holding NaN/inf or of another model than the config builds.
     """
     target = resolve_device(device, name="device")
     state = load_checkpoint(checkpoint)
@@ -62,7 +63,7 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
     else:
         raise ValueError(f"{checkpoint} holds no config to build its model from; give the "
                          f"config it was trained with")
-    model, tokenizer = model_from_checkpoint(cfg, state)
+    model, tokenizer = model_from_checkpoint(cfg, state, f"checkpoint {checkpoint}")
     data = cfg["data"]
     transform = build_transforms(data["eval_transforms"], data["image_size"])
     return LoadedModel(model.to(target), transform, tokenizer, config=cfg,

@@ -8,6 +8,7 @@ from PIL import Image
 
 from mmgoal.data.pipeline import (
     ShardDataset,
+    UnreadableShardsError,
     expand_shards,
     image_id_groups,
     iter_eval_batches,
@@ -133,6 +134,35 @@ def test_training_stream_needs_a_shard_per_reader_and_a_readable_sample(tmp_path
     broken = dataset(str(tmp_path / "bad.tar"), tokenizer, training=True, batch_size=4)
     with pytest.raises(RuntimeError, match="whole pass of its training shards without a readable"):
         next(iter(broken))
+
+
+def test_a_pass_without_a_decodable_image_stops_the_training_stream(tmp_path, tokenizer):
+    def shards(name, readable_key):
+        with ShardWriter(tmp_path, name, max_count=4) as writer:
+            for key in range(8):
+                writer.write(sample(key, key, ["a red square"],
+                                    image=None if key == readable_key else b"garbage"))
+        return str(tmp_path / f"{name}-{{000000..000001}}.tar")
+
+    # One readable image a pass keeps the stream going, although the default
+    # shuffle buffer (2000) holds back some 250 passes of these shards.
+    one_good = dataset(shards("one", readable_key=5), tokenizer, training=True, batch_size=4)
+    assert [b["image_ids"] for b in itertools.islice(one_good, 3)] == [[5] * 4] * 3
+    # Sound tars and captions, no decodable image: the stream stops after a pass
+    # (a resampled one after 16 draws), naming the shards and why samples were skipped.
+    none_good = shards("none", readable_key=None)
+    for resampled, pass_read in ((False, "read a whole pass of its"), (True, "drew 16 of its")):
+        ds = dataset(none_good, tokenizer, training=True, batch_size=4, resampled=resampled,
+                     shuffle_buffer=16)
+        with pytest.raises(UnreadableShardsError) as error:
+            next(iter(ds))
+        assert str(error.value).startswith(
+            f"rank 0 worker 0 {pass_read} training shards without a readable sample: no sample "
+            f"of {none_good} could be decoded ({ds.counter.total} samples skipped: "
+            f"{ds.counter.total} CorruptSampleError, the last: sample ")
+        assert "unreadable image" in str(error.value)
+        assert str(error.value).endswith("check the shards with tools/inspect_shards.py")
+        assert ds.counter.total >= 16 * 4 if resampled else 8
 
 
 def test_eval_batches_keep_shard_order_and_all_captions(tiny_benchmark):

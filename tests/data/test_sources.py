@@ -81,11 +81,11 @@ def test_karpathy_images_and_captions_arrive_unchanged(karpathy, tmp_path):
         assert meta["captions"] == [s["raw"] for s in image["sentences"]]
         assert meta["image_id"] == image["cocoid"] and meta["split"] == image["split"]
         assert (meta["width"], meta["height"]) == Image.open(io.BytesIO(sample["jpg"])).size
-    assert summary["restval"]["skipped"] == {"unreadable image": 1}
-    assert summary["test"]["skipped"] == {"missing image": 1}
-    assert summary["train"] == {"shards": 2, "samples": 3, "captions": 15, "skipped": {},
-                                "examples": []}
-    assert "COCO_val2014_000000000007.jpg" in summary["test"]["examples"][0]
+    assert summary["splits"]["restval"]["skipped"] == {"unreadable image": 1}
+    assert summary["splits"]["test"]["skipped"] == {"missing image": 1}
+    assert summary["splits"]["train"] == {"shards": 2, "samples": 3, "captions": 15,
+                                          "skipped": {}, "examples": []}
+    assert "COCO_val2014_000000000007.jpg" in summary["splits"]["test"]["examples"][0]
     # the shards read back through the evaluation pipeline, captions and all
     batches = list(iter_eval_batches(str(tmp_path / "out" / "train-*.tar"),
                                      build_transforms(None, 16), batch_size=8))
@@ -148,6 +148,68 @@ def test_an_interrupted_conversion_resumed_equals_an_uninterrupted_one(karpathy,
     assert summary == json.loads((tmp_path / "whole" / "summary.json").read_text())
 
 
+def test_resume_refuses_options_other_than_the_first_runs(karpathy, tmp_path):
+    json_path, root, _, _ = karpathy
+    options = {"source": "karpathy", "json": str(json_path), "image_root": str(root)}
+    source = karpathy_source(json_path, root)
+    with pytest.raises(KeyboardInterrupt):
+        convert(Interrupting(source, 4), tmp_path / "cut", shard_size=2, progress=False,
+                options=options)
+    recorded = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert recorded == {"options": {**options, "shard_size": 2}, "splits": {}}
+    # Old shards of 2 and new ones of 3 would hold some images twice and miss others.
+    with pytest.raises(ValueError, match=r"shard_size: 2 then, 3 now") as error:
+        convert(source, tmp_path / "cut", shard_size=3, resume=True, progress=False,
+                options=options)
+    assert "max_size" not in str(error.value)
+    with pytest.raises(ValueError, match=r"max_size: absent then, 32 now"):
+        convert(source, tmp_path / "cut", shard_size=2, resume=True, progress=False,
+                options={**options, "max_size": 32})
+    summary = convert(source, tmp_path / "cut", shard_size=2, resume=True, progress=False,
+                      options=options)
+    assert summary["options"]["shard_size"] == 2
+    assert sum(split["samples"] for split in summary["splits"].values()) == 7
+
+
+def test_karpathy_entries_listed_twice_are_converted_once(karpathy, tmp_path, caplog):
+    json_path, root, images, _ = karpathy
+    data = json.loads(json_path.read_text())
+    data["images"] += [images[0], {**images[4], "split": "test"}]  # a train image in test too
+    json_path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="mmgoal.data.sources"):
+        summary = convert(karpathy_source(json_path, root), tmp_path / "out", progress=False)
+    assert "lists 2 images more than once" in caplog.text and "104" in caplog.text
+    batches = iter_eval_batches(str(tmp_path / "out" / "*.tar"), build_transforms(None, 16),
+                                batch_size=8)
+    ids = [image_id for batch in batches for image_id in batch["image_ids"]]
+    assert sorted(ids) == [100, 101, 102, 103, 104, 106, 108]
+    assert summary["splits"]["train"]["samples"] == 3 and summary["splits"]["test"][
+        "samples"] == 1
+
+
+def test_a_file_name_with_dots_reads_back_through_the_pipeline(tmp_path):
+    (tmp_path / "images").mkdir()
+    images = []
+    for index, name in enumerate(["img.with.dots.png", "img_with_dots.png"]):
+        buffer = io.BytesIO()
+        Image.new("RGB", (12 + index, 10), (0, 90 * index, 200)).save(buffer, format="PNG")
+        (tmp_path / "images" / name).write_bytes(buffer.getvalue())
+        images.append({"filename": name, "split": "test", "sentences": [
+            {"raw": f"picture {index} caption {k}"} for k in range(2)]})
+    (tmp_path / "f30k.json").write_text(json.dumps({"images": images}))
+    summary = convert(karpathy_source(tmp_path / "f30k.json", tmp_path / "images"),
+                      tmp_path / "out", progress=False)
+    assert summary["splits"]["test"]["samples"] == 2
+    keys = sorted(shard_samples(tmp_path / "out"))
+    assert len(keys) == 2 and "img_with_dots" in keys and not any("." in k for k in keys)
+    batches = list(iter_eval_batches(str(tmp_path / "out" / "test-*.tar"),
+                                     build_transforms(None, 16), batch_size=8))
+    assert batches[0]["image_ids"] == ["img.with.dots", "img_with_dots"]
+    assert batches[0]["captions"] == [[f"picture {i} caption {k}" for k in range(2)]
+                                      for i in range(2)]
+    assert batches[0]["images"].shape == (2, 3, 16, 16)
+
+
 @pytest.fixture
 def precomputed(tmp_path):
     """SCAN-style features: train with one row per image, test with one per caption."""
@@ -184,7 +246,7 @@ def test_precomputed_feature_rows_and_boxes_arrive_unchanged(precomputed, tmp_pa
             meta = json.loads(sample["json"])
             assert meta["captions"] == captions[5 * index:5 * index + 5]
             assert meta["image_id"] == str(500 + index)
-        assert summary[split]["skipped"] == {"missing captions": 1}
+        assert summary["splits"][split]["skipped"] == {"missing captions": 1}
     batch = next(iter_eval_batches(str(tmp_path / "out" / "train-*.tar"), None, batch_size=8))
     np.testing.assert_array_equal(batch["regions"][1].numpy(), arrays["train"][0][1])
     # boxes become fractions of the image size the _ims_size file gave

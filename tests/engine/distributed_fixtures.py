@@ -66,13 +66,16 @@ class SignalLauncherAt(Hook):
 
 @HOOKS.register(force=True)
 class KillAllAt(Hook):
-    """Rank 0 SIGKILLs the launcher and every rank after ``step`` (a lost node)."""
+    """Rank 0 SIGKILLs the launcher and every rank after ``step`` (a lost node), once per
+    run directory: the resumed run (with the same config) passes that step."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def after_step(self, trainer, outputs) -> None:
-        if trainer.step == self.step and trainer.strategy.rank == 0:
+        marker = trainer.work_dir / "killed_once"
+        if trainer.step == self.step and trainer.strategy.rank == 0 and not marker.exists():
+            marker.touch()
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
@@ -102,3 +105,17 @@ class SaveRankWeights(Hook):
     def after_train(self, trainer) -> None:
         torch.save(trainer.model.state_dict(),
                    trainer.work_dir / f"rank{trainer.strategy.rank}.pt")
+
+
+@HOOKS.register(force=True)
+class InfOnRankAt(Hook):
+    """Rank ``rank`` fills its copy of the first weight with inf after ``step``: non-finite
+    state that only one rank holds."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def after_step(self, trainer, outputs) -> None:
+        if trainer.step == self.step and trainer.strategy.rank == self.rank:
+            with torch.no_grad():
+                next(trainer.model.parameters()).fill_(float("inf"))

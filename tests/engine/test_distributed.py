@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from mmgoal.engine.checkpoint import load_checkpoint
+from mmgoal.engine.run_dir import CHANGES_FILE
 from mmgoal.engine.strategies.base import LATEST, read_pointer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,14 +197,23 @@ def test_sigterm_stops_every_rank_and_the_run_resumes_exactly(setup, tmp_path):
     assert result.returncode != 0 and "stopping after this step" in result.stderr
     stopped = load_checkpoint(next(run.glob("checkpoints/deepspeed/*/trainer_state.pt")))
     assert 7 <= stopped["step"] < STEPS and not (run / "report.json").exists()
-    # the same checkpoint resumed by one process with the same global batch: --resume trains
-    # with the run's own config.yaml, so the per-rank batch is doubled on the command line
+    # a resume keeps the run's config: another model is refused, the run untouched
+    result = launch("torchrun", configs["ranks"], run, "--deepspeed", "--resume",
+                    "--cfg-options", "model.embed_dim=8")
+    assert result.returncode != 0 and "model.embed_dim: 16 -> 8" in result.stderr
+    assert "hooks" in result.stderr  # the stopping hook is part of the run's config too
     shutil.copytree(run, tmp_path / "one")
-    ok(launch("torchrun", configs["ranks"], run, "--deepspeed", "--resume"))
+    ok(launch("torchrun", stopping, run, "--deepspeed", "--resume"))
     assert max_difference(final_weights(root / "zero2"), final_weights(run)) < 1e-6
-    result = ok(launch("single", configs["single"], tmp_path / "one", "--deepspeed", "--resume",
+    # the same checkpoint resumed by one process with the same global batch (the per-rank
+    # batch may change on resume; the product is checked)
+    result = launch("single", stopping, tmp_path / "one", "--deepspeed", "--resume")
+    assert result.returncode == 2 and "global batch of 16; this run gives 8" in result.stderr
+    result = ok(launch("single", stopping, tmp_path / "one", "--deepspeed", "--resume",
                        "--cfg-options", f"data.train.batch_size={2 * PER_RANK}"))
-    assert "resuming with the run's own config" in result.stderr
+    changes = [json.loads(line) for line in (tmp_path / "one" / CHANGES_FILE).open()]
+    assert [c["changes"] for c in changes] == [
+        {"data.train.batch_size": [PER_RANK, 2 * PER_RANK]}]
     assert "universal checkpoint" in result.stderr
     assert max_difference(final_weights(root / "zero2"), final_weights(tmp_path / "one")) < 1e-5
 
@@ -218,11 +228,14 @@ def test_a_sigkilled_run_resumes_from_its_last_checkpoint(setup, tmp_path):
     result = launch("torchrun", killed, run, "--deepspeed")
     assert result.returncode != 0
     tag = read_pointer(run / "checkpoints" / "deepspeed" / LATEST)
-    assert load_checkpoint(run / "checkpoints" / "deepspeed" / tag / "trainer_state.pt")[
-        "step"] == 10
-    # the run's own config.yaml holds the killing hook: resumed without it
-    ok(launch("torchrun", configs["ranks"], run, "--deepspeed", "--resume", "--cfg-options",
-              "hooks=[]"))
+    killed_state = load_checkpoint(run / "checkpoints" / "deepspeed" / tag / "trainer_state.pt")
+    assert killed_state["step"] == 10
+    ok(launch("torchrun", killed, run, "--deepspeed", "--resume"))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    steps = [r["step"] for r in records if r["type"] == "train"]
+    assert steps == sorted(set(steps)), "steps 11-13 logged twice after the resume"
+    report = json.loads((run / "report.json").read_text())
+    assert report["train_seconds"] > killed_state["train_seconds"] > 0  # carried over
     assert max_difference(final_weights(root / "zero2"), final_weights(run)) < 1e-6
 
 

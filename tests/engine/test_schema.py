@@ -46,6 +46,16 @@ def test_overrides_of_defaulted_keys_and_of_a_components_options():
     ("modle.embed_dim=8", "no key 'modle' under the top level. Did you mean 'model'?"),
     ("objective.type=TripletLos", "'TripletLos' is not in the objective registry. Did you mean "
                                   "'TripletLoss'?"),
+    # types and ranges, of the trainer's sections and of the components' own options
+    ("train.epochs=two", "train.epochs must be an integer, got 'two'"),
+    ("train.accumulate_steps=0", "train.accumulate_steps must be at least 1, got 0"),
+    ("train.progress=1", "train.progress must be true or false, got 1"),
+    ("data.train.batch_size=3.5", "data.train.batch_size must be an integer, got 3.5"),
+    ("optimizer.lr=abc", "optimizer.lr must be a number, got 'abc'"),
+    ("objective.margin=[1]", "objective.margin must be a number, got [1]"),
+    ("evaluation.block_images=0", "evaluation.block_images must be at least 1, got 0"),
+    ("evaluation.max_block_mb=-1", "evaluation.max_block_mb must be above 0, got -1"),
+    ("data.val.folds=0", "data.val.folds must be at least 1, got 0"),
 ])
 def test_keys_nothing_knows_and_bad_values_are_errors(override, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("[", r"\[")
@@ -94,3 +104,12 @@ def test_a_plugin_module_beside_the_config_is_found(tmp_path, monkeypatch):
         OBJECTIVES._entries.pop("BesideTriplet", None)
         for name in ("beside_plugin", "broken_plugin"):
             sys.modules.pop(name, None)
+
+
+def test_a_negative_batch_size_stops_before_any_data_is_read():
+    from mmgoal.data.tokenizers import WordTokenizer
+    from mmgoal.registry import DATASETS
+
+    with pytest.raises(ValueError, match="data.train.batch_size must be at least 1, got -4"):
+        DATASETS.build({"type": "ShardDataset", "shards": "nowhere-{0..3}.tar",
+                        "batch_size": -4}, tokenizer=WordTokenizer(vocab=["a"]), transform=None)

@@ -96,7 +96,7 @@ def test_accumulation_counts_steps_over_micro_batches(tiny_benchmark, tmp_path):
     assert trainer.global_batch == 32 and trainer.steps_per_epoch == 96 // 32
     trainer.fit()
     assert trainer.step == 3 and trainer.batch_in_epoch == 0
-    with pytest.raises(ValueError, match="accumulate_steps must be 1 or more"):
+    with pytest.raises(ValueError, match="accumulate_steps must be at least 1, got 0"):
         Trainer(tiny_config(out, accumulate_steps=0), tmp_path / "zero")
 
 

@@ -5,8 +5,14 @@ import signal
 import pytest
 import torch
 import yaml
+from fault_hooks import InfRunningVariances
 
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.engine.checkpoint import (
+    NonFiniteStateError,
+    load_checkpoint,
+    nonfinite_tensors,
+    save_checkpoint,
+)
 from mmgoal.engine.hooks import Hook
 from mmgoal.engine.schema import resolve_config
 from mmgoal.engine.trainer import Trainer
@@ -57,6 +63,21 @@ def stop_hook():
     HOOKS._entries.pop("StopAfterSteps")
 
 
+@pytest.fixture
+def inf_hook():
+    HOOKS.register("InfRunningVariances", force=True)(InfRunningVariances)
+    yield
+    HOOKS._entries.pop("InfRunningVariances")
+
+
+def strict_json(line: str) -> dict:
+    """``json.loads`` that rejects the NaN/Infinity tokens JSON does not have."""
+    def reject(token):
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(line, parse_constant=reject)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop_at", [3, 8])
 def test_interrupted_run_resumes_to_the_same_weights(tiny_benchmark, tmp_path, stop_hook, stop_at):
@@ -69,6 +90,9 @@ def test_interrupted_run_resumes_to_the_same_weights(tiny_benchmark, tmp_path, s
     report = Trainer(interrupted_cfg, tmp_path / "cut").fit()
     assert report == {"interrupted": True, "epoch": stop_at // 6, "step": stop_at}
     assert not (tmp_path / "cut" / "report.json").exists()
+    cut_seconds = load_checkpoint(tmp_path / "cut" / "checkpoints" / "last.pt")["train_seconds"]
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as log:  # a step logged after the
+        log.write(json.dumps({"type": "train", "step": 99}) + "\n")  # checkpoint, then killed
     resumed = Trainer(cfg, tmp_path / "cut", resume=True)
     assert resumed.step == stop_at and resumed.batch_in_epoch == stop_at % 6
     resumed_report = resumed.fit()
@@ -79,6 +103,13 @@ def test_interrupted_run_resumes_to_the_same_weights(tiny_benchmark, tmp_path, s
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     assert resumed_report["test"] == full["test"]
+    # the log holds every step once, the run's own config is kept, the time adds up
+    steps = [strict_json(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")
+             if strict_json(line)["type"] == "train"]
+    assert steps == [2, 4, 6, 8, 10, 12]
+    kept = yaml.safe_load((tmp_path / "cut" / "config.yaml").read_text())
+    assert {"type": "StopAfterSteps", "steps": stop_at} in kept["hooks"]
+    assert resumed_report["train_seconds"] > cut_seconds > 0  # the first segment counts
 
 
 @pytest.mark.slow
@@ -127,6 +158,52 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_benchmark, tmp_path
     # skipped steps do not touch the weights (BN running stats aside)
     assert all(torch.equal(before[k], after[k]) for k in before if "running" not in k
                and "num_batches" not in k)
+    # the NaN loss of the logged step 2 is null: every line is strict JSON
+    records = [strict_json(line) for line in (tmp_path / "nan" / "metrics.jsonl").open()]
+    assert [(r["step"], r["loss"], r["nan_loss"]) for r in records] == [(2, None, None)]
+
+
+def test_nonfinite_state_is_never_checkpointed_nor_evaluated(tiny_benchmark, tmp_path,
+                                                             inf_hook):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=1, checkpoint_every_steps=2)
+    cfg["hooks"] = [{"type": "InfRunningVariances", "steps": 3}]
+    trainer = Trainer(cfg, tmp_path / "steps")
+    with pytest.raises(NonFiniteStateError, match=r"NaN or inf in 4 tensors \(image_encoder\.\S+"
+                       r"running_var, .* and 1 more\) at step 4 .*the last good checkpoint in "
+                       r"\S+checkpoints is intact: lower the learning rate"):
+        trainer.fit()
+    last = load_checkpoint(tmp_path / "steps" / "checkpoints" / "last.pt")
+    assert last["step"] == 2 and nonfinite_tensors(last["model"]) == []
+    with pytest.raises(NonFiniteStateError):
+        trainer.save_weights("best.pt")
+    assert sorted(p.name for p in (tmp_path / "steps" / "checkpoints").iterdir()) == ["last.pt"]
+    # at the end of the epoch (6 steps): stopped before validation scores NaN
+    cfg = tiny_config(out, epochs=1)
+    cfg["hooks"] = [{"type": "InfRunningVariances", "steps": 6}]
+    with pytest.raises(NonFiniteStateError, match="at step 6 .*no checkpoint was written before"):
+        Trainer(cfg, tmp_path / "epoch").fit()
+    assert not any((tmp_path / "epoch" / "checkpoints").iterdir())
+    assert [r["type"] for r in map(strict_json, (tmp_path / "epoch" / "metrics.jsonl").open())
+            ] == ["train"] * 3
+
+
+def test_a_skipped_step_that_left_inf_behind_stops_the_run_at_once(tiny_benchmark, tmp_path,
+                                                                   inf_hook):
+    @OBJECTIVES.register("NaNObjective", force=True)
+    class NaNObjective(torch.nn.Module):
+        def forward(self, inputs):
+            return {"nan_loss": inputs.scores.sum() * float("nan")}
+
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, max_nonfinite_steps=5)
+    cfg["objective"] = {"type": "NaNObjective"}
+    cfg["hooks"] = [{"type": "InfRunningVariances", "steps": 1}]
+    try:
+        with pytest.raises(NonFiniteStateError, match="in 4 tensors .* at step 1 "):
+            Trainer(cfg, tmp_path / "nan").fit()
+    finally:
+        OBJECTIVES._entries.pop("NaNObjective")
 
 
 def test_nonfinite_gradients_under_a_finite_loss_are_skipped_too(tiny_benchmark, tmp_path):

@@ -1,8 +1,12 @@
+import io
 import json
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
+from mmgoal.data.shards import ShardWriter
 from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.trainer import Trainer
 from mmgoal.evaluation.attention import evaluate_attention
@@ -10,6 +14,7 @@ from mmgoal.evaluation.gallery import (
     Member,
     block_sizes,
     encode_gallery,
+    evaluate_retrieval,
     gallery_similarity,
     score_gallery,
 )
@@ -107,3 +112,80 @@ def test_scan_trains_with_constraints_and_ensemble_is_the_mean(tiny_benchmark, t
     assert 0 < attention.best["f1"] <= 1
     # T_att = 0 attends every region: recall 1 and precision = relevant share.
     assert abs(attention.recall[0] - 1.0) < 1e-9
+
+
+COLOURS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 0, 255),
+           (0, 255, 255), (255, 128, 0), (128, 0, 255), (0, 128, 255), (255, 255, 255)]
+
+
+def colour_embedding(colour) -> torch.Tensor:
+    return F.normalize(torch.tensor(colour, dtype=torch.float32) / 255, dim=-1)
+
+
+class ColourModel(torch.nn.Module):
+    """Embeds an image by its mean colour and a caption by the colour it names: every
+    image's own captions score 1, every other caption less (exact retrieval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("anchor", torch.zeros(1))
+
+    def encode_image(self, batch):
+        return ImageFeatures(F.normalize(batch["images"].mean((2, 3)), dim=-1))
+
+    def encode_text(self, tokens):
+        return TextFeatures(tokens["embedding"])
+
+    def similarity(self, images, texts):
+        return images.embedding @ texts.embedding.T
+
+
+def colour_tokenizer(captions):
+    return {"embedding": torch.stack([colour_embedding(COLOURS[int(c.split()[1])])
+                                      for c in captions])}
+
+
+def to_tensor(image):
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+def png(colour) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def colour_sample(index, captions=None):
+    captions = captions or [f"colour {index} view {k}" for k in range(2)]
+    return {"__key__": f"image{index}", "png": png(COLOURS[index]),
+            "json": json.dumps({"image_id": index, "captions": captions}).encode()}
+
+
+def test_a_repeated_image_is_evaluated_once_with_the_captions_of_its_copies(tmp_path, caplog):
+    # 10 images; the second shard repeats 9 (same batch), 2 (an earlier batch) and 7 with
+    # one new caption (a batch of copies only), as a resumed conversion with another
+    # --shard-size leaves them.
+    with ShardWriter(tmp_path, "test", max_count=6) as writer:
+        for index in range(10):
+            writer.write(colour_sample(index))
+        writer.write({**colour_sample(9), "__key__": "copy9"})
+        writer.write({**colour_sample(2), "__key__": "copy2"})
+        writer.write({**colour_sample(7, ["colour 7 view 0", "colour 7 view 9"]),
+                      "__key__": "copy7"})
+    shards = str(tmp_path / "test-*.tar")
+    model = ColourModel()
+    with caplog.at_level("WARNING", logger="mmgoal.evaluation.gallery"):
+        gallery = encode_gallery(model, shards, to_tensor, colour_tokenizer, batch_size=4,
+                                 progress=False)
+    assert gallery.image_ids == list(range(10)) and gallery.duplicates == 3
+    assert "3 samples repeat an image id" in caplog.text
+    assert len(gallery.images.embedding) == 10 and len(gallery.captions) == 21
+    assert gallery.captions[-1] == "colour 7 view 9" and gallery.text_to_image[-1] == 7
+    assert gallery.text_to_image.tolist() == [i for i in range(10) for _ in range(2)] + [7]
+    sims = score_gallery(model, gallery.images, gallery.texts, progress=False)
+    metrics = retrieval_metrics(sims, gallery.text_to_image)
+    assert metrics["i2t_r1"] == metrics["t2i_r1"] == 100
+    # COCO 1K style: 5 folds of 2 consecutive images, the copies' captions in their fold
+    five = evaluate_retrieval(model, shards, to_tensor, colour_tokenizer, batch_size=4,
+                              folds=5, progress=False)
+    assert five["rsum"] == 600 and five["skipped"] == 0

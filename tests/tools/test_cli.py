@@ -1,4 +1,7 @@
+import importlib.util
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -6,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from fault_hooks import InfRunningVariances
+
+from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.registry import HOOKS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,6 +99,55 @@ def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
                       "--cfg-options", "data.train.shards=/nowhere/train-{0..3}.tar")
     assert result.returncode == 2
     assert "make_synthetic.py" in result.stderr
+    # a folder holding a run is never trained over, and a resume keeps the run's model
+    finished = tmp_path / "finished"
+    (finished / "checkpoints").mkdir(parents=True)
+    (finished / "config.yaml").write_text(tiny_config_file.read_text())
+    (finished / "checkpoints" / "last.pt").write_bytes(b"a finished run's")
+    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", finished)
+    assert result.returncode == 2 and "already holds a run (config.yaml, checkpoints)" \
+        in result.stderr
+    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", finished, "--resume",
+                      "--cfg-options", "model.embed_dim=8")
+    assert result.returncode == 2 and "model.embed_dim: 16 -> 8" in result.stderr
+    assert (finished / "checkpoints" / "last.pt").read_bytes() == b"a finished run's"
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_diverged_run_and_its_checkpoints_end_in_errors_not_tracebacks(tiny_config_file,
+                                                                        tmp_path, capsys):
+    finetune, evaluate = load_tool("finetune").main, load_tool("evaluate").main
+    (tmp_path / "taken").write_text("")
+    assert finetune([str(tiny_config_file), "--work-dir", str(tmp_path / "taken")]) == 2
+    assert f"error: --work-dir {tmp_path / 'taken'} is a file" in capsys.readouterr().err
+
+    cfg = yaml.safe_load(tiny_config_file.read_text())
+    cfg["train"] = {"epochs": 1, "progress": False, "checkpoint_every_steps": 2}
+    cfg["hooks"] = [{"type": "InfRunningVariances", "steps": 3}]
+    (tmp_path / "diverging.yaml").write_text(yaml.safe_dump(cfg))
+    HOOKS.register("InfRunningVariances", force=True)(InfRunningVariances)
+    try:
+        code = finetune([str(tmp_path / "diverging.yaml"), "--work-dir", str(tmp_path / "run")])
+    finally:
+        HOOKS._entries.pop("InfRunningVariances")
+    assert code == 1
+    assert re.search(r"error: the model holds NaN or inf in \d+ tensors .* at step 4 .*the last "
+                     r"good checkpoint in \S+ is intact", capsys.readouterr().err)
+
+    # a checkpoint an older mmgoal wrote as its run diverged
+    last = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    name = next(k for k in last["model"] if k.endswith("running_var"))
+    last["model"][name].fill_(math.nan)
+    save_checkpoint(last, tmp_path / "old.pt")
+    assert evaluate([str(tiny_config_file), str(tmp_path / "old.pt")]) == 2
+    assert f"error: checkpoint {tmp_path / 'old.pt'} holds NaN or inf in 1 tensor ({name})" \
+        in capsys.readouterr().err
 
 
 def test_print_config_shows_defaults_and_overrides(tiny_config_file, tmp_path):

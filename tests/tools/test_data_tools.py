@@ -5,7 +5,7 @@ import json
 import tarfile
 
 from PIL import Image
-from test_cli import run_tool
+from test_cli import load_tool, run_tool
 
 from mmgoal.data.shards import ShardWriter
 
@@ -33,6 +33,13 @@ def test_make_shards_then_inspect_them(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "test: 2 samples, 10 captions in 1 shards; skipped 1 missing image" in result.stdout
     assert "train: 1 samples, 5 captions in 1 shards" in result.stdout
+    assert json.loads((out / "summary.json").read_text())["options"]["shard_size"] == 2
+    # shards of 2 and of 3 images in one folder would hold some images twice
+    result = run_tool("tools/make_shards.py", "karpathy", "--json", tmp_path / "f30k.json",
+                      "--image-root", tmp_path / "images", "--out", out, "--shard-size", "3",
+                      "--resume", "--no-progress")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "shard_size: 2 then, 3 now" in result.stderr
     result = run_tool("tools/make_shards.py", "karpathy", "--jsn", "x", "--out", out)
     assert result.returncode == 2 and "takes no option '--jsn'" in result.stderr
     assert "--json, --image-root, --max-size, --jpeg-quality" in result.stderr
@@ -65,12 +72,32 @@ def test_inspect_reports_every_kind_of_problem(tmp_path):
         writer.write({"__key__": "c", "jpg": jpeg((8, 8)), "json": meta(3, [])})
         writer.write({"__key__": "d", "json": meta(4, ["no image here"])})
         writer.write({"__key__": "e", "jpg": jpeg((8, 8)), "json": meta(1, ["same id as a"])})
+    with ShardWriter(tmp_path, "more", max_count=10) as writer:
+        writer.write({"__key__": "f", "jpg": jpeg((8, 8)), "json": meta(3, ["id of c"])})
     good = (tmp_path / "bad-000000.tar").read_bytes()
     (tmp_path / "cut-000000.tar").write_bytes(good[:len(good) // 2])
     result = run_tool("tools/inspect_shards.py", str(tmp_path / "*.tar"), "--no-progress")
     assert result.returncode == 1
     for problem in ("b: unreadable image", "c: no captions", "d: no image",
-                    "image id '1' appears 2 times", "cut-000000.tar: damaged tar after"):
+                    "image id '1' appears 2 times", "cut-000000.tar: damaged tar after",
+                    "more-000000.tar: image id '3' is also in"):
         assert problem in result.stdout, problem
     with tarfile.open(tmp_path / "bad-000000.tar") as archive:
         assert len(archive.getnames()) == 9
+
+
+def test_inspect_fails_an_empty_set_and_explains_bad_arguments(tmp_path, capsys):
+    inspect_shards = load_tool("inspect_shards")
+    with tarfile.open(tmp_path / "empty-000000.tar", "w"):
+        pass
+    assert inspect_shards.main([str(tmp_path / "*.tar"), "--no-progress"]) == 1
+    assert "empty-000000.tar: no samples" in capsys.readouterr().out
+    for argv, message in (
+            ([str(tmp_path)], f"{tmp_path} is a folder; give its shards, e.g. "
+                              f"'{tmp_path / '*.tar'}'"),
+            ([str(tmp_path / "*.tar"), "--json", str(tmp_path)], "--json"),
+            ([str(tmp_path / "*.tar"), "--json", str(tmp_path / "no" / "r.json")],
+             "does not exist"),
+            ([str(tmp_path / "empty-{000000..000001.tar")], "Unbalanced braces")):
+        assert inspect_shards.main([*argv, "--no-progress"]) == 2, argv
+        assert message in capsys.readouterr().err, argv

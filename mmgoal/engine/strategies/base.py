@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmgoal.devices import check_precision, move_to_device, resolve_device
+from mmgoal.engine.checkpoint import NonFiniteStateError, nonfinite_tensors
 from mmgoal.engine.gather import world_info
 
 logger = logging.getLogger(__name__)
@@ -270,7 +271,8 @@ class Strategy:
 
     # ------------------------------------------------------------ checkpoints
     def save(self, directory: Path, state: dict) -> None:
-        """Write a resumable checkpoint of everything plus the trainer's ``state``."""
+        """Write a resumable checkpoint of everything plus the trainer's ``state``; first
+        :meth:`check_finite` (a checkpoint holding NaN/inf is never written)."""
         raise NotImplementedError
 
     def read_state(self, directory: Path) -> dict:
@@ -290,6 +292,28 @@ class Strategy:
             FileNotFoundError: there is no complete checkpoint.
         """
         raise NotImplementedError
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's copy of the model's and the objective's tensors (what checkpoints hold)."""
+        return {**self.model.state_dict(),
+                **{f"objective.{k}": v for k, v in self.module.objective.state_dict().items()}}
+
+    def check_finite(self, directory: Path, step: int,
+                     weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Stop every rank before anything holding NaN/inf is evaluated or checkpointed
+        (collective).
+
+        Each rank checks its :meth:`local_state`; rank 0 checks ``weights`` instead
+        where given (the ``full_state_dict()`` about to be written).
+
+        Raises:
+            NonFiniteStateError: on every rank, naming the tensors of every rank.
+        """
+        own = weights if weights is not None and self.is_main else self.local_state()
+        names = list(dict.fromkeys(name for found in self.gather_objects(nonfinite_tensors(own))
+                                   for name in found))  # every rank's, in state order
+        if names:
+            raise NonFiniteStateError(names, directory, step, has_checkpoint(directory))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's float32 weights on rank 0 (collective; None on other ranks)."""

@@ -15,19 +15,24 @@ another number of processes or ZeRO stage resumes through DeepSpeed's universal
 checkpoint (converted once, next to the tag), optimizer state included.
 ``checkpoints/deepspeed/latest`` names the newest complete tag; it is rewritten
 atomically only after every rank has finished writing, so a run killed while
-saving resumes from the previous checkpoint.
+saving resumes from the previous checkpoint. Every file is read weights-only
+(:func:`weights_only_loading`), so a pickle planted in a shared run folder runs
+no code on resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import os
+import pickle
 import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -59,12 +64,99 @@ UNIVERSAL_SUFFIX = "-universal"
 # What DeepSpeed's ds_to_universal converter requires of a checkpoint (beyond Megatron's
 # tensor-parallel patterns, which mmgoal models do not have).
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
+# Run in a subprocess by load_universal: DeepSpeed's converter, reading weights-only; its
+# arguments are the command line's, exit status 2 when a file is refused.
+CONVERT_TO_UNIVERSAL = ("import sys; from mmgoal.engine.strategies.deepspeed import "
+                        "convert_to_universal; sys.exit(convert_to_universal())")
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def pickled_deepspeed_classes() -> list[type]:
+    """The classes DeepSpeed pickles into its optimizer states, allowed when they are read.
+
+    Each is rebuilt from numbers alone and runs no code of its own on load:
+    ``ZeroStageEnum`` (an int enum: the ZeRO stage), ``fragment_address`` (a dataclass
+    of two ints: where a parameter lies in a flat ZeRO-1/2 partition), ``LossScaler``
+    and ``DynamicLossScaler`` (the loss scale, and for fp16 its schedule: plain
+    numbers and a dtype). Found by reading fp32 and bf16 checkpoints of ZeRO 0-3 and
+    their universal conversions with ``torch.serialization.get_unsafe_globals_in_checkpoint``;
+    ``DynamicLossScaler`` is what fp16's dynamic loss scaling writes in ``LossScaler``'s place.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+
+
+class RefusedCheckpointFile(ValueError):
+    """A DeepSpeed file holds something other than tensors and plain data."""
+
+
+def refused_file_error(file: str | os.PathLike) -> RefusedCheckpointFile:
+    """The error for a DeepSpeed file the weights-only unpickler refused."""
+    found = ""
+    with contextlib.suppress(Exception):  # only a torch.save zip file can be listed
+        found = f" ({', '.join(torch.serialization.get_unsafe_globals_in_checkpoint(file))})"
+    return RefusedCheckpointFile(
+        f"DeepSpeed checkpoint file {file} holds something other than tensors and plain "
+        f"data{found}; mmgoal reads DeepSpeed files weights-only and will not run what a "
+        f"pickle asks for. DeepSpeed did not write it, or wrote a class mmgoal does not "
+        f"know: resume only from checkpoints you trust, or start afresh with load_from: "
+        f"a weights.pt you trust")
+
+
+@contextlib.contextmanager
+def weights_only_loading() -> Iterator[None]:
+    """Inside, every ``torch.load`` reads weights-only, allowing :func:`pickled_deepspeed_classes`.
+
+    DeepSpeed reads its files with ``torch.load(weights_only=False)``: in its
+    checkpoint engine, but also directly in the universal-checkpoint loader and the
+    ``ds_to_universal`` converter, which a checkpoint engine of our own would not
+    cover. ``torch.load`` is routed for as long as DeepSpeed loads.
+
+    Raises:
+        RefusedCheckpointFile: a file holds something other than tensors and plain data.
+    """
+    torch_load = torch.load
+
+    # pickle_module, weights_only and unpickler arguments are DeepSpeed's choices for its
+    # full unpickler; the weights-only one takes none of them.
+    def weights_only_load(file, map_location=None, *_, mmap=None, **__):
+        with torch.serialization.safe_globals(pickled_deepspeed_classes()):
+            try:
+                return torch_load(file, map_location=map_location, weights_only=True, mmap=mmap)
+            except pickle.UnpicklingError:
+                raise refused_file_error(file) from None
+
+    torch.load = weights_only_load
+    try:
+        yield
+    finally:
+        torch.load = torch_load
+
+
+def convert_to_universal() -> int:
+    """``python -m deepspeed.checkpoint.ds_to_universal`` (arguments from the command line),
+    every file read weights-only; its worker processes fork and inherit that.
+
+    Returns:
+        The exit status: 0, or 2 with the error on stderr when a file is refused.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    try:
+        with weights_only_loading():
+            ds_to_universal.main(ds_to_universal.parse_arguments())
+    except RefusedCheckpointFile as error:
+        print(error, file=sys.stderr)
+        return 2
+    return 0
 
 
 def read_deepspeed_json(config: str | dict | None) -> dict:
@@ -257,15 +349,25 @@ class DeepSpeedStrategy(Strategy):
             return None
         return cpu_float_state({k: full.get(k, v) for k, v in model.state_dict().items()})
 
+    def local_state(self) -> dict[str, torch.Tensor]:
+        state = super().local_state()
+        if self.zero_stage == 3:
+            # ZeRO-3 parameters are empty placeholders: each rank checks its own partition.
+            for prefix, part in (("", self.model), ("objective.", self.module.objective)):
+                state.update({prefix + name: p.ds_tensor for name, p in part.named_parameters()
+                              if hasattr(p, "ds_tensor")})
+        return state
+
     def save(self, directory: Path, state: dict) -> None:
         root = directory / "deepspeed"
         tag = f"epoch{state['epoch']:04d}-step{state['step']:09d}"
         if tag == read_pointer(root / LATEST):  # never overwrite the checkpoint in use
             tag += "-again"
+        weights = self.full_state_dict()
+        self.check_finite(directory, state["step"], weights)
         rngs = self.gather_objects(rng_state())
         self.engine.save_checkpoint(str(root), tag=tag, client_state=UNIVERSAL_INFO,
                                     save_latest=False)
-        weights = self.full_state_dict()
         if self.is_main:
             save_checkpoint({"model": weights, "tokenizer": state["tokenizer"],
                              "config": state["config"], "epoch": state["epoch"],
@@ -294,14 +396,15 @@ class DeepSpeedStrategy(Strategy):
     def load(self, directory: Path, state: dict | None = None) -> dict:
         root, tag = self.latest_tag(directory)
         state = state if state is not None else load_checkpoint(root / tag / TRAINER_STATE)
-        if state["world_size"] == self.world_size and state["zero_stage"] == self.zero_stage:
-            self.engine.load_checkpoint(str(root), tag=tag)
-        else:
-            logger.warning("checkpoint %s was written by %d process(es) with ZeRO-%d; this run "
-                           "has %d with ZeRO-%d: resuming through DeepSpeed's universal "
-                           "checkpoint", tag, state["world_size"], state["zero_stage"],
-                           self.world_size, self.zero_stage)
-            self.load_universal(root, tag)
+        with weights_only_loading():
+            if state["world_size"] == self.world_size and state["zero_stage"] == self.zero_stage:
+                self.engine.load_checkpoint(str(root), tag=tag)
+            else:
+                logger.warning("checkpoint %s was written by %d process(es) with ZeRO-%d; this "
+                               "run has %d with ZeRO-%d: resuming through DeepSpeed's universal "
+                               "checkpoint", tag, state["world_size"], state["zero_stage"],
+                               self.world_size, self.zero_stage)
+                self.load_universal(root, tag)
         self.restore_rng(state["rng"])
         return state
 
@@ -310,12 +413,17 @@ class DeepSpeedStrategy(Strategy):
         format (every parameter's weights and optimizer state whole), every rank loads."""
         universal = root / f"{tag}{UNIVERSAL_SUFFIX}"
         if self.is_main and not universal.is_dir():
+            # The converter's forked workers inherit its routed torch.load; the variable keeps
+            # any worker started otherwise weights-only too (refusing, never unpickling).
             result = subprocess.run(
-                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                 str(root / tag), "--output_folder", str(universal)],
-                capture_output=True, text=True)
+                [sys.executable, "-c", CONVERT_TO_UNIVERSAL, "--input_folder", str(root / tag),
+                 "--output_folder", str(universal)],
+                capture_output=True, text=True,
+                env={**os.environ, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"})
             if result.returncode:
                 shutil.rmtree(universal, ignore_errors=True)
+                if result.returncode == 2:
+                    raise ValueError(result.stderr.strip().splitlines()[-1])
                 tail = "\n".join(result.stderr.strip().splitlines()[-5:])
                 raise RuntimeError(f"converting {root / tag} to a universal checkpoint failed:\n"
                                    f"{tail}\nresume with the original number of processes "

@@ -181,6 +181,7 @@ class TorchStrategy(Strategy):
 
     # ------------------------------------------------------------ checkpoints
     def save(self, directory: Path, state: dict) -> None:
+        self.check_finite(directory, state["step"])
         rngs = self.gather_objects(rng_state())
         if self.is_main:
             save_checkpoint({**state, "rng": rngs, "model": self.module.model.state_dict(),

@@ -1,0 +1,160 @@
+"""A run directory's life: start (never over another run), resume (with its own config).
+
+A run directory holds one run. Starting a new run where one already is would
+overwrite its checkpoints, config and report, so it is refused unless the run
+is resumed or the caller asks for ``overwrite`` (which deletes the old run's
+files, and only those). A resumed run keeps its ``config.yaml``: the config
+given for the resume is compared with it, and only keys that may change on
+resume (:data:`RESUMABLE`: the length of the run, logging, evaluation, how
+the global batch is split, the learning rate and clipping after a divergence)
+may differ. Accepted changes are recorded, one JSON
+object per resume, in ``config_changes.jsonl`` and applied again by later resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from mmgoal.config import load_config
+
+CONFIG_FILE = "config.yaml"
+CHANGES_FILE = "config_changes.jsonl"
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "report.json", "checkpoints", CHANGES_FILE)
+# Dotted keys (and every key below them) a resumed run may change.
+RESUMABLE = (
+    "train.epochs", "train.log_every", "train.eval_every", "train.progress",
+    "train.checkpoint_every_steps", "train.max_nonfinite_steps", "train.device",
+    "train.cudnn_benchmark", "train.accumulate_steps", "train.clip_grad", "optimizer.lr",
+    "data.train.batch_size",
+    "data.num_workers", "data.eval_batch_size", "data.val", "data.test", "evaluation",
+    "strategy.timeout_minutes",
+)
+
+
+def existing_run_files(work_dir: str | os.PathLike) -> list[str]:
+    """The files of a run that ``work_dir`` already holds (empty: none)."""
+    work_dir = Path(work_dir)
+    return [name for name in RUN_FILES if (work_dir / name).exists()
+            and not ((work_dir / name).is_dir() and not any((work_dir / name).iterdir()))]
+
+
+def prepare_work_dir(work_dir: str | os.PathLike, resume: bool, overwrite: bool = False) -> None:
+    """Check ``work_dir`` before a run starts in it.
+
+    Raises:
+        ValueError: ``work_dir`` is a file; or it holds a run and neither ``resume``
+            nor ``overwrite`` is given.
+    """
+    work_dir = Path(work_dir)
+    if work_dir.exists() and not work_dir.is_dir():
+        raise ValueError(f"--work-dir {work_dir} is a file; give a run directory (new or an "
+                         f"earlier run's)")
+    if resume:
+        return
+    found = existing_run_files(work_dir)
+    if not found:
+        return
+    if not overwrite:
+        raise ValueError(f"--work-dir {work_dir} already holds a run ({', '.join(found)}); "
+                         f"continue it with --resume, start afresh with --overwrite (its "
+                         f"run files are deleted), or choose another --work-dir")
+    for name in found:
+        path = work_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and scalars are leaves."""
+    if not isinstance(cfg, dict) or not cfg:
+        return {prefix: cfg} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in cfg.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def config_changes(old: dict, new: dict) -> dict[str, list]:
+    """Dotted key -> ``[old value, new value]`` for every leaf that differs."""
+    before, after = flatten(old), flatten(new)
+    return {key: [before.get(key), after.get(key)] for key in sorted(set(before) | set(after))
+            if before.get(key) != after.get(key)}
+
+
+def resumable(key: str) -> bool:
+    return any(key == allowed or key.startswith(allowed + ".") for allowed in RESUMABLE)
+
+
+def stored_config(work_dir: str | os.PathLike) -> dict | None:
+    """The config a run trains with: its ``config.yaml`` with every recorded change applied
+    (``None`` when the directory has no config.yaml)."""
+    work_dir = Path(work_dir)
+    if not (work_dir / CONFIG_FILE).is_file():
+        return None
+    cfg = load_config(work_dir / CONFIG_FILE)
+    for record in read_changes(work_dir):
+        for key, (_, value) in record["changes"].items():
+            _set(cfg, key.split("."), value)
+    return cfg
+
+
+def resume_changes(work_dir: str | os.PathLike, requested: dict,
+                   resolve=lambda cfg: cfg) -> dict[str, list]:
+    """What a resume with the ``requested`` config changes in the run's own config.
+
+    Args:
+        work_dir: the run directory.
+        requested: the resolved config given for the resume (file + overrides).
+        resolve: resolves the stored config the same way (defaults written out).
+
+    Returns:
+        The accepted changes (dotted key -> [old, new]); empty for a run without
+        a stored config.
+
+    Raises:
+        ValueError: a change of a key that must not change on resume, each named.
+    """
+    stored = stored_config(work_dir)
+    if stored is None:
+        return {}
+    changes = config_changes(resolve(stored), requested)
+    refused = {key: change for key, change in changes.items() if not resumable(key)}
+    if refused:
+        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in
+                           list(refused.items())[:8])
+        more = f" (and {len(refused) - 8} more)" if len(refused) > 8 else ""
+        raise ValueError(
+            f"--resume: the config differs from the one {work_dir} was trained with in keys "
+            f"a resumed run must keep: {listed}{more}. Resume with the run's own "
+            f"{Path(work_dir) / CONFIG_FILE} (changing only {', '.join(RESUMABLE)}), or "
+            f"start a new run in another --work-dir")
+    return changes
+
+
+def record_changes(work_dir: str | os.PathLike, changes: dict[str, list], epoch: int,
+                   step: int) -> None:
+    """Append one resume's accepted changes to ``config_changes.jsonl``."""
+    if not changes:
+        return
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "epoch": epoch, "step": step,
+              "changes": changes}
+    with open(Path(work_dir) / CHANGES_FILE, "a") as stream:
+        stream.write(json.dumps(record) + "\n")
+
+
+def read_changes(work_dir: str | os.PathLike) -> Iterable[dict]:
+    path = Path(work_dir) / CHANGES_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _set(cfg: dict, keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        cfg = cfg.setdefault(key, {})
+    cfg[keys[-1]] = value

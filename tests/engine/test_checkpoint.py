@@ -1,0 +1,57 @@
+"""Checkpoints of another model or holding NaN/inf are refused with what to do, not a trace."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
+
+from mmgoal.data.tokenizers import WordTokenizer
+from mmgoal.engine.checkpoint import load_matching_weights, model_from_checkpoint
+from mmgoal.registry import MODELS
+
+MODEL = tiny_config(Path("unused"))["model"]  # DualEncoder, embed_dim 16
+CONFIG = {"data": {"tokenizer": {"type": "WordTokenizer"}}, "model": MODEL}
+
+
+def checkpoint_of(model_cfg: dict) -> dict:
+    torch.manual_seed(0)
+    tokenizer = WordTokenizer(vocab=["a", "red", "circle"])
+    model = MODELS.build(model_cfg, tokenizer=tokenizer)
+    return {"model": model.state_dict(), "tokenizer": tokenizer.state_dict(),
+            "config": {"model": model_cfg}}
+
+
+def test_a_checkpoint_of_the_config_s_model_loads():
+    state = checkpoint_of(MODEL)
+    model, tokenizer = model_from_checkpoint(CONFIG, state)
+    assert not model.training and tokenizer.state_dict() == state["tokenizer"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state["model"][name]), name
+
+
+def test_a_checkpoint_of_another_size_says_where_the_models_differ():
+    state = checkpoint_of({**MODEL, "embed_dim": 32})
+    with pytest.raises(ValueError, match=r"^checkpoint big.pt does not fit the model this config "
+                                         r"builds \(model.embed_dim: 32 in the checkpoint, 16 "
+                                         r"here; shapes differ: \S+ \(32, \d+\) vs \(16, \d+\);.*"
+                                         r"give the config it was trained with"):
+        model_from_checkpoint(CONFIG, state, "checkpoint big.pt")
+    state["config"] = {}  # an exported file without the config: the shapes alone
+    with pytest.raises(ValueError, match=r"\(shapes differ: \S+ \(32, \d+\) vs \(16, \d+\); "):
+        model_from_checkpoint(CONFIG, state, "checkpoint big.pt")
+
+
+def test_weights_holding_inf_are_refused():
+    state = checkpoint_of(MODEL)
+    variances = [k for k in state["model"] if k.endswith("running_var")]
+    for name in variances:
+        state["model"][name].fill_(math.inf)
+    message = (rf"holds NaN or inf in {len(variances)} tensors \({variances[0]}, .*\): its run "
+               rf"had diverged .* use an earlier checkpoint")
+    with pytest.raises(ValueError, match=rf"^checkpoint old.pt {message}"):
+        model_from_checkpoint(CONFIG, state, "checkpoint old.pt")
+    model = MODELS.build(MODEL, tokenizer=WordTokenizer(vocab=["a", "red", "circle"]))
+    with pytest.raises(ValueError, match=rf"^load_from old.pt {message}"):
+        load_matching_weights(model, state["model"], "load_from old.pt")
