@@ -172,6 +172,9 @@ class Trainer:
         self._samples_since_log = 0  # samples (all ranks) since the last logged step
         self.source_counts: dict[str, int] = {}  # samples per source of a mixture, this rank
         self._stop_signal: int | None = None
+        # Set when training ends, however: data workers ignore the SIGTERM that would end
+        # them, and one left alive (by an exception's traceback) blocks the exit.
+        self._release_workers = multiprocessing.Event()
         self._waiting_for_data = False  # a stop signal ends the wait (one process only)
         self.seconds_before = 0.0  # training time of earlier segments of a resumed run
         self._segment_start = time.perf_counter()
@@ -444,9 +447,7 @@ class Trainer:
         previous = {sig: signal.signal(sig, self._handle_signal)
                     for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
         self._segment_start = time.perf_counter()
-        # Set when training ends, however: data workers ignore the SIGTERM that would end
-        # them, and one left alive (by an exception's traceback) blocks the exit.
-        self._release_workers = multiprocessing.Event()
+        self._release_workers.clear()
         try:
             for hook in self.hooks:
                 hook.before_train(self)

@@ -199,7 +199,7 @@ def _batch_rows(batch: dict, rows: list[int]) -> dict:
     """The samples ``rows`` of an evaluation batch (tensors and lists are per sample)."""
     if len(rows) == len(batch["image_ids"]):
         return batch
-    index = torch.tensor(rows, dtype=torch.long)
+    index = torch.tensor(rows, dtype=torch.long, device="cpu")  # the batch is still on the CPU
     return {key: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
             for key, value in batch.items()}
 
