@@ -6,3 +6,6 @@ Importing the package registers every built-in component.
 __version__ = "0.1.0"
 
 from mmgoal import data, engine, evaluation, models, objectives  # noqa: E402,F401  (registration)
+from mmgoal.api import Retriever, from_config, load  # noqa: E402  (the Python API: mmgoal/api.py)
+
+__all__ = ["Retriever", "from_config", "load"]

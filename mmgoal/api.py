@@ -1,0 +1,154 @@
+"""A trained model from Python: encode images and texts, score them, search a gallery.
+
+    import mmgoal
+    model = mmgoal.load("work_dirs/quickstart", device="cpu")   # its best checkpoint
+    model.encode_images(["cat.png", pil_image])    # (n, d), L2-normalised (dual encoders)
+    model.encode_texts(["a red circle"])           # (m, d)
+    model.score(images, texts)                     # (n_images, n_texts), every model family
+    hits = model.search(["a red circle"], model.index(images), top_k=5)
+
+Everything runs batched, under ``no_grad``, on the model's device, with the
+model's own eval transform and tokenizer (:func:`mmgoal.evaluation.loading.load_for_evaluation`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from mmgoal.devices import move_to_device
+from mmgoal.evaluation.gallery import ScoringConfig, score_gallery
+from mmgoal.evaluation.loading import LoadedModel, load_for_evaluation
+from mmgoal.structures import ImageFeatures, TextFeatures, cat_features, detach_features
+
+ImageLike = str | os.PathLike | Image.Image
+
+
+@dataclass
+class Index:
+    """An encoded gallery, searched many times: ``kind`` is ``images`` or ``texts``."""
+
+    kind: str
+    features: ImageFeatures | TextFeatures
+
+    def __len__(self) -> int:
+        return len(self.features.embedding)
+
+
+class Retriever:
+    """A loaded model with its preprocessing (see the module docstring).
+
+    Args:
+        loaded: what :func:`load_for_evaluation` returns.
+        batch_size: images or texts encoded at a time.
+    """
+
+    def __init__(self, loaded: LoadedModel, batch_size: int = 64) -> None:
+        self.model, self.transform, self.tokenizer = loaded.model, loaded.transform, \
+            loaded.tokenizer
+        self.config, self.batch_size = loaded.config, batch_size
+        self.device = next(self.model.parameters()).device
+        self.scoring = ScoringConfig.of(loaded.config["evaluation"])
+
+    @torch.no_grad()
+    def image_features(self, images: Sequence[ImageLike]) -> ImageFeatures:
+        """Every feature the model computes for ``images`` (tokens too, for cross attention)."""
+        parts = []
+        for start in range(0, len(images), self.batch_size):
+            pixels = torch.stack([self.transform(_rgb(image))
+                                  for image in images[start:start + self.batch_size]])
+            try:
+                features = self.model.encode_image(move_to_device({"images": pixels},
+                                                                  self.device))
+            except KeyError as error:
+                raise ValueError(f"{type(self.model).__name__} does not encode images here: it "
+                                 f"reads {error} (precomputed features) from its shards") from None
+            parts.append(detach_features(features))
+        return cat_features(parts)
+
+    @torch.no_grad()
+    def text_features(self, texts: Sequence[str]) -> TextFeatures:
+        """Every feature the model computes for ``texts``."""
+        parts = [detach_features(self.model.encode_text(move_to_device(
+            self.tokenizer(list(texts[start:start + self.batch_size])), self.device)))
+            for start in range(0, len(texts), self.batch_size)]
+        return cat_features(parts)
+
+    def encode_images(self, images: Sequence[ImageLike]) -> torch.Tensor:
+        """(n, d) L2-normalised image embeddings (the dual encoders' retrieval space)."""
+        return self.image_features(images).embedding
+
+    def encode_texts(self, texts: Sequence[str]) -> torch.Tensor:
+        """(m, d) L2-normalised text embeddings."""
+        return self.text_features(texts).embedding
+
+    def index(self, items: Sequence[ImageLike] | Sequence[str], kind: str | None = None) -> Index:
+        """Encode a gallery once: images (PIL images or paths), or ``kind="texts"``."""
+        kind = kind or "images"
+        if kind not in ("images", "texts"):
+            raise ValueError(f"kind must be 'images' or 'texts', got {kind!r}")
+        features = self.image_features(items) if kind == "images" else self.text_features(items)
+        return Index(kind, features)
+
+    @torch.no_grad()
+    def score(self, images: Sequence[ImageLike] | Index, texts: Sequence[str] | Index
+              ) -> torch.Tensor:
+        """(n_images, n_texts) similarities, scored by the model itself (cross attention
+        included), on memory-bounded blocks as in evaluation."""
+        image_features = images.features if isinstance(images, Index) else \
+            self.image_features(images)
+        text_features = texts.features if isinstance(texts, Index) else self.text_features(texts)
+        return score_gallery(self.model, image_features, text_features,
+                             self.scoring.block_images, self.scoring.max_block_mb,
+                             progress=False, matmul_precision=self.scoring.matmul_precision)
+
+    def search(self, queries: Sequence[str] | Sequence[ImageLike], gallery: Index,
+               top_k: int = 5) -> list[list[tuple[int, float]]]:
+        """The ``top_k`` gallery items of every query, best first, as ``(index, score)``:
+        text queries against an image index, image queries against a text index."""
+        if gallery.kind == "images":
+            sims = self.score(gallery, list(queries)).T
+        else:
+            sims = self.score(list(queries), gallery)
+        values, indices = sims.topk(min(top_k, len(gallery)), dim=1)
+        return [list(zip(row_indices.tolist(), row_values.tolist()))
+                for row_indices, row_values in zip(indices, values)]
+
+
+def load(path: str | os.PathLike, device: str | torch.device = "auto",
+         batch_size: int = 64) -> Retriever:
+    """A trained model: a run directory (its ``checkpoints/best.pt``) or a checkpoint file,
+    built with the config saved inside it."""
+    path = Path(path)
+    if path.is_dir():
+        best = path / "checkpoints" / "best.pt"
+        if not best.is_file():
+            raise FileNotFoundError(f"{path} has no checkpoints/best.pt; give a finished run "
+                                    f"directory or a checkpoint file")
+        path = best
+    return Retriever(load_for_evaluation(path, device=device), batch_size)
+
+
+def from_config(config: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
+                device: str | torch.device = "auto", batch_size: int = 64) -> Retriever:
+    """The model of a YAML config, with a checkpoint's weights (needed: the config's model
+    alone has no trained weights or vocabulary to retrieve with)."""
+    if checkpoint is None:
+        raise ValueError("from_config needs a checkpoint: the weights and vocabulary of a "
+                         "trained run (mmgoal.load(run_dir) reads both from the run)")
+    return Retriever(load_for_evaluation(checkpoint, config=config, device=device), batch_size)
+
+
+def _rgb(image: ImageLike) -> Image.Image:
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    path = Path(image)
+    if not path.is_file():
+        raise FileNotFoundError(f"image {path} does not exist")
+    with Image.open(path) as opened:
+        return opened.convert("RGB")
