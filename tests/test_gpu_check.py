@@ -1,20 +1,14 @@
 """bench/gpu_check.py --dry-run: the GPU check builds and runs everything it can on a CPU, so a
 GPU session spends its minutes measuring, not debugging the script."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_modules import load_script
 
 
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/gpu_check.py")
 
 
 @pytest.mark.slow

@@ -1,27 +1,21 @@
 """Strategy choices and their mistakes, in one process."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from script_modules import load_script
 from test_trainer import tiny_config
 
 from mmgoal.engine.strategies.deepspeed import merge_deepspeed_config
 from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import OBJECTIVES, STRATEGIES
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def finetune_tool():
-    spec = importlib.util.spec_from_file_location("finetune", ROOT / "tools" / "finetune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/finetune.py")
 
 
 def test_deepspeed_config_takes_the_json_first_and_mmgoal_values_for_the_rest():

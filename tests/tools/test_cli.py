@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import math
 import re
@@ -10,6 +9,7 @@ import pytest
 import torch
 import yaml
 from fault_hooks import InfRunningVariances
+from script_modules import load_script
 
 from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.registry import HOOKS
@@ -114,10 +114,7 @@ def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
 
 
 def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"tools/{name}.py")
 
 
 def test_a_diverged_run_and_its_checkpoints_end_in_errors_not_tracebacks(tiny_config_file,

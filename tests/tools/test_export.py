@@ -1,21 +1,15 @@
 """tools/export.py writes a new file or over an earlier export, never over a run's checkpoints."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
+from script_modules import load_script
 
 from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def export_tool():
-    spec = importlib.util.spec_from_file_location("export_tool", ROOT / "tools" / "export.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/export.py")
 
 
 def test_export_refuses_folders_run_checkpoints_and_nonfinite_weights(tmp_path, capsys):

@@ -1,13 +1,10 @@
-import importlib.util
 import json
 from pathlib import Path
 
 from PIL import Image
+from script_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("plot_curves", ROOT / "tools" / "plot_curves.py")
-plot_curves = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(plot_curves)
+plot_curves = load_script("tools/plot_curves.py")
 
 
 def write_run(folder: Path, scale: float) -> Path:
