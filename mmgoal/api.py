@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from mmgoal.devices import move_to_device
+from mmgoal.devices import module_device, move_to_device
 from mmgoal.evaluation.gallery import ScoringConfig, score_gallery
 from mmgoal.evaluation.loading import LoadedModel, load_for_evaluation
 from mmgoal.structures import ImageFeatures, TextFeatures, cat_features, detach_features
@@ -52,7 +52,7 @@ class Retriever:
         self.model, self.transform, self.tokenizer = loaded.model, loaded.transform, \
             loaded.tokenizer
         self.config, self.batch_size = loaded.config, batch_size
-        self.device = next(self.model.parameters()).device
+        self.device = module_device(self.model)
         self.scoring = ScoringConfig.of(loaded.config["evaluation"])
 
     @torch.no_grad()

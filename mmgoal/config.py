@@ -168,7 +168,9 @@ def apply_override(cfg: dict, override: str, known_keys: KnownKeys | None = None
                 )
             key = int(key)
         elif isinstance(node, dict):
-            allowed = set(known_keys(keys[:depth], node)) if known_keys else set()
+            # what a schema knows is asked only for a key the mapping does not hold
+            allowed = set(known_keys(keys[:depth], node)) if known_keys and key not in node \
+                else set()
             if key not in node and not (last and key in allowed):
                 choices = sorted({str(k) for k in node} | allowed)
                 close = difflib.get_close_matches(key, choices, n=1)
@@ -190,15 +192,21 @@ def dump_config(cfg: Mapping, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(dict(cfg), sort_keys=False))
 
 
+def close_match_hints(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """``'epoch' (did you mean 'epochs'?), 'sed'``: each unknown key with its closest known one."""
+    known = list(known)
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(hints)
+
+
 def unknown_key_error(where: str, unknown: Iterable[str], known: Iterable[str]) -> ValueError:
     """The error for keys a section does not have, with the closest known key for each."""
     known = sorted(known)
-    hints = []
-    for key in sorted(unknown):
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return ValueError(f"unknown key(s) {', '.join(hints)} in '{where}'; known keys: "
-                      f"{', '.join(known)}")
+    return ValueError(f"unknown key(s) {close_match_hints(sorted(unknown), known)} in "
+                      f"'{where}'; known keys: {', '.join(known)}")
 
 
 _KINDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}

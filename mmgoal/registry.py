@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from mmgoal.config import check_value
+from mmgoal.config import check_value, close_match_hints
 
 logger = logging.getLogger(__name__)
 
@@ -144,12 +144,9 @@ class Registry:
         keys = [k for k in cfg if k != "type"]
         unknown = [] if takes_any else [k for k in keys if k not in accepted]
         if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise ConfigError(f"{prefix}{self.name} {type_name!r} got unknown config key(s) "
-                              f"{', '.join(hints)}; it accepts: {', '.join(accepted)}")
+                              f"{close_match_hints(unknown, accepted)}; it accepts: "
+                              f"{', '.join(accepted)}")
         hints = _parameter_hints(target)
         for key in keys:
             if key in hints:
@@ -182,14 +179,19 @@ class Registry:
         return self.get(cfg["type"])(**kwargs, **context)
 
 
+def _initialisers(target: Callable[..., Any]) -> list[Callable[..., Any]]:
+    """A function itself; a class's own ``__init__`` and those up its MRO (not object's)."""
+    if not isinstance(target, type):
+        return [target]
+    return [cls.__dict__["__init__"] for cls in target.__mro__
+            if cls is not object and "__init__" in cls.__dict__]
+
+
 def _parameter_hints(target: Callable[..., Any]) -> dict[str, Any]:
     """The resolvable type hints of the keyword parameters (up the MRO for a class);
     a hint that names something not importable here is left out."""
-    inits = [cls.__dict__["__init__"] for cls in target.__mro__
-             if cls is not object and "__init__" in cls.__dict__] \
-        if isinstance(target, type) else [target]
     hints: dict[str, Any] = {}
-    for init in inits:
+    for init in _initialisers(target):
         namespace = getattr(init, "__globals__", {})
         for name, hint in getattr(init, "__annotations__", {}).items():
             if name in hints or name == "return":
@@ -206,9 +208,7 @@ def _parameter_hints(target: Callable[..., Any]) -> dict[str, Any]:
 def _keyword_parameters(target: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool]:
     """The keyword parameters of a function, or of a class's ``__init__`` and, while it
     passes ``**kwargs`` on, of the ``__init__`` up its MRO; and whether any keyword goes."""
-    inits = [cls.__dict__["__init__"] for cls in target.__mro__
-             if cls is not object and "__init__" in cls.__dict__] \
-        if isinstance(target, type) else [target]
+    inits = _initialisers(target)
     params: dict[str, inspect.Parameter] = {}
     for init in inits:
         signature = inspect.signature(init).parameters.values()

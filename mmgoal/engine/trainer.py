@@ -51,7 +51,6 @@ from mmgoal.engine.checkpoint import (
     describe_tensors,
     load_checkpoint,
     load_matching_weights,
-    nonfinite_tensors,
     save_checkpoint,
     summarise_keys,
 )
@@ -336,8 +335,7 @@ class Trainer:
     def _check_resumed_state(self) -> None:
         """Refuse to continue from weights holding NaN/inf (collective): a checkpoint an
         older mmgoal wrote as its run diverged."""
-        names = [name for found in self.strategy.gather_objects(
-            nonfinite_tensors(self.strategy.local_state())) for name in found]
+        names = self.strategy.nonfinite_names()
         if names:
             raise ValueError(f"--resume: the checkpoint in {self.checkpoint_dir} holds NaN or "
                              f"inf in {describe_tensors(names)} (its run had diverged when it "

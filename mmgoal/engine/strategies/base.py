@@ -298,20 +298,25 @@ class Strategy:
         return {**self.model.state_dict(),
                 **{f"objective.{k}": v for k, v in self.module.objective.state_dict().items()}}
 
-    def check_finite(self, directory: Path, step: int,
-                     weights: dict[str, torch.Tensor] | None = None) -> None:
-        """Stop every rank before anything holding NaN/inf is evaluated or checkpointed
-        (collective).
+    def nonfinite_names(self, weights: dict[str, torch.Tensor] | None = None) -> list[str]:
+        """The tensors holding NaN/inf on any rank, in state order (collective).
 
         Each rank checks its :meth:`local_state`; rank 0 checks ``weights`` instead
         where given (the ``full_state_dict()`` about to be written).
+        """
+        own = weights if weights is not None and self.is_main else self.local_state()
+        return list(dict.fromkeys(name for found in self.gather_objects(nonfinite_tensors(own))
+                                  for name in found))
+
+    def check_finite(self, directory: Path, step: int,
+                     weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Stop every rank before anything holding NaN/inf is evaluated or checkpointed
+        (collective; ``weights``: as :meth:`nonfinite_names`).
 
         Raises:
             NonFiniteStateError: on every rank, naming the tensors of every rank.
         """
-        own = weights if weights is not None and self.is_main else self.local_state()
-        names = list(dict.fromkeys(name for found in self.gather_objects(nonfinite_tensors(own))
-                                   for name in found))  # every rank's, in state order
+        names = self.nonfinite_names(weights)
         if names:
             raise NonFiniteStateError(names, directory, step, has_checkpoint(directory))
 
