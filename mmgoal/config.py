@@ -192,6 +192,22 @@ def dump_config(cfg: Mapping, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(dict(cfg), sort_keys=False))
 
 
+def config_changes(old: Any, new: Any, prefix: str = "") -> dict[str, list]:
+    """Dotted key -> ``[old value, new value]`` for every place two configs differ.
+
+    Mappings are compared key by key (``old``'s keys first, then those only
+    ``new`` has; a missing key reads as ``None``); anything else, lists included,
+    as a whole.
+    """
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        changes: dict[str, list] = {}
+        for key in [*old, *(k for k in new if k not in old)]:
+            changes.update(config_changes(old.get(key), new.get(key),
+                                          f"{prefix}.{key}" if prefix else str(key)))
+        return changes
+    return {} if old == new else {prefix: [old, new]}
+
+
 def close_match_hints(unknown: Iterable[str], known: Iterable[str]) -> str:
     """``'epoch' (did you mean 'epochs'?), 'sed'``: each unknown key with its closest known one."""
     known = list(known)

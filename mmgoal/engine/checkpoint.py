@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mmgoal.config import config_changes
+
 FORMAT = "mmgoal-checkpoint/1"
 SHOWN_NAMES = 3  # tensor names an error message lists before "and N more"
 
@@ -125,10 +127,8 @@ def shape_mismatches(own: dict[str, torch.Tensor], weights: dict[str, torch.Tens
 
 def config_differences(saved: Any, wanted: Any, name: str) -> list[str]:
     """Where two config sections differ: ``model.embed_dim: 1024 in the checkpoint, 16 here``."""
-    if isinstance(saved, dict) and isinstance(wanted, dict):
-        return [line for key in [*saved, *(k for k in wanted if k not in saved)]
-                for line in config_differences(saved.get(key), wanted.get(key), f"{name}.{key}")]
-    return [] if saved == wanted else [f"{name}: {saved!r} in the checkpoint, {wanted!r} here"]
+    return [f"{key}: {old!r} in the checkpoint, {new!r} here"
+            for key, (old, new) in config_changes(saved, wanted, name).items()]
 
 
 def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],

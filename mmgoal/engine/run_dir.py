@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from mmgoal.config import load_config
+from mmgoal.config import config_changes, load_config
 
 CONFIG_FILE = "config.yaml"
 CHANGES_FILE = "config_changes.jsonl"
@@ -69,23 +69,6 @@ def prepare_work_dir(work_dir: str | os.PathLike, resume: bool, overwrite: bool 
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and scalars are leaves."""
-    if not isinstance(cfg, dict) or not cfg:
-        return {prefix: cfg} if prefix else {}
-    flat: dict[str, Any] = {}
-    for key, value in cfg.items():
-        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
-
-
-def config_changes(old: dict, new: dict) -> dict[str, list]:
-    """Dotted key -> ``[old value, new value]`` for every leaf that differs."""
-    before, after = flatten(old), flatten(new)
-    return {key: [before.get(key), after.get(key)] for key in sorted(set(before) | set(after))
-            if before.get(key) != after.get(key)}
-
-
 def resumable(key: str) -> bool:
     return any(key == allowed or key.startswith(allowed + ".") for allowed in RESUMABLE)
 
@@ -122,7 +105,7 @@ def resume_changes(work_dir: str | os.PathLike, requested: dict,
     stored = stored_config(work_dir)
     if stored is None:
         return {}
-    changes = config_changes(resolve(stored), requested)
+    changes = dict(sorted(config_changes(resolve(stored), requested).items()))
     refused = {key: change for key, change in changes.items() if not resumable(key)}
     if refused:
         listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in
