@@ -10,7 +10,9 @@ and epoch), ``checkpoints/`` (the strategy's resumable checkpoint: model,
 optimizer, step, position in the epoch, every rank's RNG state; and
 ``best.pt``, the float32 weights of the best epoch by validation rsum) and
 ``report.json`` (test metrics of the best checkpoint under ``"test"``). Rank 0
-alone writes them and shows progress bars.
+alone writes them and shows progress bars; the loggers of ``loggers:``
+(TensorBoard, W&B: :mod:`mmgoal.engine.loggers`) get the records of
+``metrics.jsonl`` there too.
 
 An optimisation step takes ``train.accumulate_steps`` micro-batches of
 ``data.train.batch_size`` on every rank (one window, handed to the strategy's
@@ -34,7 +36,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ from mmgoal.engine.checkpoint import (
     save_checkpoint,
     summarise_keys,
 )
+from mmgoal.engine.loggers import Logger
 from mmgoal.engine.schema import RunConfig, training_sources
 from mmgoal.engine.step import TrainingStep
 from mmgoal.engine.strategies.base import Strategy
@@ -63,6 +66,7 @@ from mmgoal.registry import (
     CONSTRAINTS,
     DATASETS,
     HOOKS,
+    LOGGERS,
     MODELS,
     OBJECTIVES,
     SCHEDULES,
@@ -75,17 +79,41 @@ from mmgoal.registry import (
 logger = logging.getLogger(__name__)
 
 
-def _start_data_worker(release: Any, worker_id: int) -> None:
+class WorkerRelease:
+    """A flag in shared memory that ends the data workers when set (:func:`_start_data_worker`).
+
+    Not a ``multiprocessing.Event``: its ``set`` waits for every process blocked in
+    ``wait`` to acknowledge, and a worker that ended with its epoch never does, so
+    ``set`` would block for ever. Workers poll this flag instead.
+    """
+
+    POLL_SECONDS = 0.2
+
+    def __init__(self) -> None:
+        self.flag = multiprocessing.RawValue("b", 0)
+
+    def set(self) -> None:
+        self.flag.value = 1
+
+    def clear(self) -> None:
+        self.flag.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self.flag.value)
+
+
+def _start_data_worker(release: WorkerRelease, worker_id: int) -> None:
     """Data workers leave SIGINT/SIGTERM to the main process, which stops cleanly, and end
-    when it sets ``release`` (a ``multiprocessing.Event``): one stuck in a read would sit
-    out the loader's shutdown, which it cannot notice, and keep the process from exiting."""
+    when it sets ``release``: one stuck in a read would sit out the loader's shutdown,
+    which it cannot notice, and keep the process from exiting."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_when_set, args=(release,), daemon=True).start()
 
 
-def _exit_when_set(release: Any) -> None:
-    release.wait()
+def _exit_when_set(release: WorkerRelease) -> None:
+    while not release.is_set():
+        time.sleep(release.POLL_SECONDS)
     os._exit(0)
 
 
@@ -99,11 +127,20 @@ class StopWhileWaitingForData(BaseException):
 
 class MetricLog:
     """Appends one JSON object per line to ``metrics.jsonl`` (rank 0 only: ``enabled``);
-    a NaN or inf value (a diverged loss) is written as ``null``."""
+    a NaN or inf value (a diverged loss) is written as ``null``. Every record also goes
+    to ``loggers`` (TensorBoard, W&B), between :meth:`open` and :meth:`close`.
+    """
 
-    def __init__(self, path: Path, enabled: bool = True) -> None:
+    def __init__(self, path: Path, enabled: bool = True, loggers: Sequence[Logger] = ()) -> None:
         self.path = path
         self.enabled = enabled
+        self.loggers = list(loggers) if enabled else []
+
+    def open(self, config: dict, step: int) -> None:
+        """Start the loggers beside ``metrics.jsonl`` with the resolved ``config``, from
+        ``step`` (a resumed run's)."""
+        for sink in self.loggers:
+            sink.open(self.path.parent, config, step)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -113,6 +150,17 @@ class MetricLog:
             finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                       for k, v in record.items()}
             stream.write(json.dumps(finite, allow_nan=False) + "\n")
+        for sink in self.loggers:
+            sink.log(record)
+
+    def close(self) -> None:
+        """Close every logger, also after an error: one that fails to close is reported and
+        the others still close, so the error that ended the run is the one raised."""
+        for sink in self.loggers:
+            try:
+                sink.close()
+            except Exception as error:  # a logger's own failure must not hide the run's
+                logger.warning("%s failed to close: %s", type(sink).__name__, error)
 
     def truncate_after(self, step: int) -> None:
         """Drop the records of steps after ``step``: a run resumed from a checkpoint at
@@ -145,8 +193,13 @@ class Trainer:
         self.checkpoint_dir = self.work_dir / "checkpoints"
         import_custom_modules(self.config.custom_imports)
         load_plugins()
+        # Built on every rank, which only checks their options and packages: a bad option
+        # stops every rank alike, before anything else is built. Rank 0 alone uses them.
+        loggers = [LOGGERS.build(c) for c in self.config.loggers]
         self.strategy = self._build_strategy()
         self.is_main = self.strategy.is_main
+        self.log = MetricLog(self.work_dir / "metrics.jsonl", enabled=self.is_main,
+                             loggers=loggers)
         if self.is_main:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.strategy.read_state(self.checkpoint_dir) if resume else None
@@ -161,7 +214,6 @@ class Trainer:
         self._build_data()
         self._build_optimisation(constraints)
         self.hooks = [HOOKS.build(h) for h in self.config.hooks]
-        self.log = MetricLog(self.work_dir / "metrics.jsonl", enabled=self.is_main)
 
         self.epoch = 0
         self.step = 0
@@ -173,7 +225,7 @@ class Trainer:
         self._stop_signal: int | None = None
         # Set when training ends, however: data workers ignore the SIGTERM that would end
         # them, and one left alive (by an exception's traceback) blocks the exit.
-        self._release_workers = multiprocessing.Event()
+        self._release_workers = WorkerRelease()
         self._waiting_for_data = False  # a stop signal ends the wait (one process only)
         self.seconds_before = 0.0  # training time of earlier segments of a resumed run
         self._segment_start = time.perf_counter()
@@ -437,9 +489,21 @@ class Trainer:
     def fit(self) -> dict:
         """Train for the configured epochs, then evaluate the best checkpoint on the test split.
 
+        The loggers (``loggers:``) are open while it runs and closed however it ends.
+
         Returns:
             The report (also written to ``report.json``).
         """
+        try:
+            self.log.open(self.cfg, self.step)
+            if not self._train():
+                return {"interrupted": True, "epoch": self.epoch, "step": self.step}
+            return self._final_report(self.train_seconds)
+        finally:
+            self.log.close()
+
+    def _train(self) -> bool:
+        """The epochs left, under the stop-signal handlers; False when a signal stopped them."""
         # Signal handlers can only be installed from the main thread.
         in_main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, self._handle_signal)
@@ -457,14 +521,14 @@ class Trainer:
                     self._stop_while_waiting(str(stop), trained=self.step > first_step)
                     finished = False
                 if not finished:
-                    return {"interrupted": True, "epoch": self.epoch, "step": self.step}
+                    return False
             for hook in self.hooks:
                 hook.after_train(self)
         finally:
             self._release_workers.set()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        return self._final_report(self.train_seconds)
+        return True
 
     def _window(self, batches: Iterator[dict]) -> Iterator[dict]:
         """The next ``accumulate_steps`` micro-batches, counted as the strategy takes them."""

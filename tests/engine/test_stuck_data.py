@@ -2,6 +2,7 @@
 and a prompt, checkpointed stop for a signal while the reader is stuck (issue 17)."""
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -20,7 +21,7 @@ from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 from mmgoal.data.pipeline import ShardDataset, UnreadableShardsError
 from mmgoal.data.shards import ShardWriter
 from mmgoal.engine.checkpoint import load_checkpoint
-from mmgoal.engine.trainer import Trainer
+from mmgoal.engine.trainer import Trainer, WorkerRelease, _start_data_worker
 from mmgoal.registry import DATASETS
 
 
@@ -149,3 +150,32 @@ def test_finetune_exits_with_the_error_when_no_image_decodes(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr.split("error: ")[-1]
     assert f"no sample of {shards} could be decoded" in result.stderr.strip().splitlines()[-1]
+
+
+def test_the_workers_are_released_after_epochs_whose_workers_ended():
+    # A multiprocessing.Event here hung the end of every run with data workers: its set()
+    # waits for each process that ever waited on it, and an epoch's workers end with it.
+    release = WorkerRelease()
+    loader = torch.utils.data.DataLoader(
+        range(4), batch_size=2, num_workers=1,
+        worker_init_fn=functools.partial(_start_data_worker, release))
+    for _ in range(2):
+        assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]
+    released = threading.Event()
+    threading.Thread(target=lambda: (release.set(), released.set()), daemon=True).start()
+    assert released.wait(10), "setting the release flag blocked"
+    # a worker alive when it is set ends at once (its loader would wait 5 s, then kill it)
+    release.clear()
+    worker = torch.multiprocessing.get_context("spawn").Process(
+        target=_start_data_worker_and_sleep, args=(release,))
+    worker.start()
+    time.sleep(1.0)
+    assert worker.is_alive()
+    release.set()
+    worker.join(5)
+    assert worker.exitcode == 0
+
+
+def _start_data_worker_and_sleep(release) -> None:
+    _start_data_worker(release, 0)
+    time.sleep(60)  # a read that never returns
