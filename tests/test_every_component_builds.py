@@ -65,6 +65,8 @@ EXAMPLES = {
     "HOOKS": {"ObjectiveWarmup": {"epochs": 1, "attributes": {"margin": 0.0}},
               "FreezeSchedule": {"frozen": ["image_encoder"], "unfreeze": {1: ["image_encoder"]}}},
     "POOLERS": {"MeanPool": {}, "MaxPool": {}, "GPO": {"d_pe": 8, "d_hidden": 4}},
+    # building a logger writes nothing; tests/engine/test_loggers.py opens them in a run
+    "LOGGERS": {"TensorBoardLogger": {"flush_secs": 5}, "WandbLogger": {"mode": "offline"}},
     "TEXT_AUGMENTS": {"TokenAugment": {"p": 0.1}},
     # remaps are functions, exercised in tests/models/test_pretrained.py
     "CHECKPOINT_REMAPS": {"timm": None, "efficientnet_pytorch": None},

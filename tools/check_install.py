@@ -32,7 +32,7 @@ from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.synthetic import write_benchmark  # noqa: E402
 from mmgoal.engine.trainer import Trainer, metrics_table  # noqa: E402
 from mmgoal.extras import EXTRAS, pyplot  # noqa: E402
-from mmgoal.registry import STRATEGIES  # noqa: E402
+from mmgoal.registry import LOGGERS, STRATEGIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,9 @@ def missing_extra_messages() -> list[str]:
     """For each optional package that is not installed, the error of what needs it."""
     needs = {"deepspeed": lambda: STRATEGIES.build({"type": "deepspeed"}),
              "accelerate": lambda: STRATEGIES.build({"type": "accelerate"}),
-             "matplotlib": lambda: pyplot("tools/plot_weights.py")}
+             "matplotlib": lambda: pyplot("tools/plot_weights.py"),
+             "tensorboard": lambda: LOGGERS.build({"type": "TensorBoardLogger"}),
+             "wandb": lambda: LOGGERS.build({"type": "WandbLogger"})}
     failures = []
     for module, extra in EXTRAS.items():
         if importlib.util.find_spec(module) is not None:

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from mmgoal.data.pipeline import UnreadableShardsError  # noqa: E402
+from mmgoal.engine.loggers import LoggerError  # noqa: E402
 from mmgoal.engine.run_dir import prepare_work_dir, record_changes, resume_changes  # noqa: E402
 from mmgoal.engine.schema import load_run_config, resolve_config  # noqa: E402
 from mmgoal.engine.strategies import has_checkpoint  # noqa: E402
@@ -111,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         record_changes(work_dir, changes, trainer.epoch, trainer.step)
     try:
         report = trainer.fit()
-    except (FloatingPointError, UnreadableShardsError) as error:
+    except (FloatingPointError, UnreadableShardsError, LoggerError) as error:
         trainer.strategy.close()
-        # a divergence stops every rank with one message; unreadable shards are a rank's own
+        # a divergence stops every rank with one message; unreadable shards are a rank's own;
+        # a logger (W&B without a login) stops rank 0, before training
         if trainer.is_main or isinstance(error, UnreadableShardsError):
             print(f"error: {last_line(error)}", file=sys.stderr)
         return 1

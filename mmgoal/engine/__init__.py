@@ -1,3 +1,3 @@
-"""Trainer, optimizers, schedules, hooks and checkpoints."""
+"""Trainer, optimizers, schedules, hooks, loggers and checkpoints."""
 
-from mmgoal.engine import hooks, optimizers, schedules, strategies  # noqa: F401
+from mmgoal.engine import hooks, loggers, optimizers, schedules, strategies  # noqa: F401

@@ -5,7 +5,7 @@ overwrite its checkpoints, config and report, so it is refused unless the run
 is resumed or the caller asks for ``overwrite`` (which deletes the old run's
 files, and only those). A resumed run keeps its ``config.yaml``: the config
 given for the resume is compared with it, and only keys that may change on
-resume (:data:`RESUMABLE`: the length of the run, logging, evaluation, how
+resume (:data:`RESUMABLE`: the length of the run, logging and loggers, evaluation, how
 the global batch is split, the learning rate and clipping after a divergence)
 may differ. Accepted changes are recorded, one JSON
 object per resume, in ``config_changes.jsonl`` and applied again by later resumes.
@@ -22,10 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from mmgoal.config import config_changes, load_config
+from mmgoal.engine.strategies.base import LATEST, read_pointer
 
 CONFIG_FILE = "config.yaml"
 CHANGES_FILE = "config_changes.jsonl"
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "report.json", "checkpoints", CHANGES_FILE)
+# The default places of the loggers' files (mmgoal/engine/loggers.py) count too: a run
+# started over them would continue their curves, or the W&B run of wandb_id.
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "report.json", "checkpoints", CHANGES_FILE,
+             "tensorboard", "wandb_id")
 # Dotted keys (and every key below them) a resumed run may change.
 RESUMABLE = (
     "train.epochs", "train.log_every", "train.eval_every", "train.progress",
@@ -33,8 +37,40 @@ RESUMABLE = (
     "train.cudnn_benchmark", "train.accumulate_steps", "train.clip_grad", "optimizer.lr",
     "data.train.batch_size",
     "data.num_workers", "data.eval_batch_size", "data.val", "data.test", "evaluation",
-    "strategy.timeout_minutes",
+    "strategy.timeout_minutes", "loggers",
 )
+
+
+def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path:
+    """The file with the float32 weights of a run directory, or ``path`` itself if a file.
+
+    Args:
+        which: ``best`` (``best.pt``), ``latest`` (a DeepSpeed tag's ``weights.pt``,
+            else ``last.pt``) or ``best_or_latest`` (best.pt where the run validated,
+            else the latest).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a folder without such a checkpoint.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist; give a run directory or a checkpoint "
+                                f"file")
+    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    candidates = []
+    if which in ("best", "best_or_latest"):
+        candidates.append(checkpoints / "best.pt")
+    if which in ("latest", "best_or_latest"):
+        tag = read_pointer(checkpoints / "deepspeed" / LATEST)
+        candidates.append(checkpoints / "deepspeed" / tag / "weights.pt" if tag is not None
+                          else checkpoints / "last.pt")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{path} holds no {'best' if which == 'best' else 'complete'} "
+                            f"checkpoint (looked for {' and '.join(map(str, candidates))})")
 
 
 def existing_run_files(work_dir: str | os.PathLike) -> list[str]:

@@ -4,7 +4,7 @@ Sections the trainer reads itself are :class:`~mmgoal.config.ConfigSection`
 dataclasses (``train``, ``data`` with ``data.val``/``data.test``,
 ``evaluation``); sections that build a registered component (``model``,
 ``objective``, ``optimizer``, ``schedule``, ``strategy``, ``data.tokenizer``,
-``data.train``, each of ``hooks`` and ``constraints``) hold a ``type`` and the
+``data.train``, each of ``hooks``, ``loggers`` and ``constraints``) hold a ``type`` and the
 keyword arguments of the class registered under that name, which the registry
 checks. :func:`load_run_config` resolves a file with every default written out,
 then applies ``--cfg-options``: any key a section or its component knows can be
@@ -28,6 +28,7 @@ from mmgoal.registry import (
     DATASETS,
     ENCODERS,
     HOOKS,
+    LOGGERS,
     MODELS,
     OBJECTIVES,
     OPTIMIZERS,
@@ -127,6 +128,7 @@ class RunConfig(ConfigSection):
     strategy: dict = field(default_factory=lambda: {"type": "torch"})
     evaluation: ScoringConfig = field(default_factory=ScoringConfig)
     hooks: list[dict] = field(default_factory=list)
+    loggers: list[dict] = field(default_factory=list)  # metrics.jsonl is always written
     constraints: list[dict] = field(default_factory=list)
     custom_imports: list[str] = field(default_factory=list)
     load_from: str | None = None
@@ -142,6 +144,34 @@ class RunConfig(ConfigSection):
                                  f"{REGISTRY_OF_SECTION[name].name} name), got {section!r}")
 
 
+@dataclass
+class ModelDataConfig(ConfigSection):
+    """``data`` of a model used, not trained: its tokenizer and eval preprocessing."""
+
+    MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "eval_batch_size": 1}
+    tokenizer: dict | None = None
+    image_size: int = 64
+    eval_transforms: list | None = None
+    eval_batch_size: int = 256
+
+
+@dataclass
+class ModelConfig(ConfigSection):
+    """A model to encode and score with (``mmgoal.from_config``): a config with only
+    ``model`` (and ``data.tokenizer``, eval preprocessing, ``evaluation``) is enough.
+    A training config holds one too (:func:`load_model_config`)."""
+
+    model: dict
+    data: ModelDataConfig = field(default_factory=ModelDataConfig)
+    evaluation: ScoringConfig = field(default_factory=ScoringConfig)
+    custom_imports: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, dict) or "type" not in self.model:
+            raise ValueError(f"'model' must be a mapping with a 'type' key (a model name), "
+                             f"got {self.model!r}")
+
+
 def training_sources(train_cfg: dict) -> list[dict]:
     """The shard sections of a training split: itself, or a mixture's sources."""
     return list(train_cfg.get("sources") or [train_cfg])
@@ -150,7 +180,7 @@ def training_sources(train_cfg: dict) -> list[dict]:
 # The registry that builds each component section (lists: each of their items).
 REGISTRY_OF_SECTION: dict[str, Registry] = {
     "model": MODELS, "objective": OBJECTIVES, "optimizer": OPTIMIZERS, "schedule": SCHEDULES,
-    "strategy": STRATEGIES, "hooks": HOOKS, "constraints": CONSTRAINTS,
+    "strategy": STRATEGIES, "hooks": HOOKS, "loggers": LOGGERS, "constraints": CONSTRAINTS,
     "data.tokenizer": TOKENIZERS, "data.train": DATASETS,
 }
 # Keys of a component section that the engine reads itself instead of passing them on.
@@ -160,15 +190,17 @@ NESTED_REGISTRIES = (MODELS, ENCODERS, POOLERS, OBJECTIVES, DATASETS, TOKENIZERS
                      TEXT_AUGMENTS, TRIPLET_WEIGHTS, PAIR_WEIGHTS, HOOKS, CONSTRAINTS)
 
 
-def resolve_config(cfg: dict) -> dict:
-    """``cfg`` checked against the schema, with every default of the trainer's sections."""
-    return RunConfig.from_dict(cfg, "").to_dict()
+def resolve_config(cfg: dict, schema: type[ConfigSection] = RunConfig) -> dict:
+    """``cfg`` checked against the schema, with every default of the trainer's sections
+    (or of another ``schema``: :class:`ModelConfig`)."""
+    return schema.from_dict(cfg, "").to_dict()
 
 
 def known_keys(path: list[str], mapping: dict) -> Iterable[str]:
     """The keys ``mapping`` (at ``path`` in a resolved config) may hold beyond its own:
     a schema section's fields, or the parameters of the component its ``type`` names."""
     dotted = ".".join(path)
+    # ModelConfig's sections know a subset of these keys (its from_dict refuses the rest)
     sections = {"": RunConfig, "train": TrainConfig, "data": DataConfig,
                 "data.val": SplitConfig, "data.test": SplitConfig, "evaluation": ScoringConfig}
     if dotted in sections:
@@ -192,18 +224,37 @@ def load_run_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> d
     return with_overrides(load_config(path), overrides, beside=Path(path).parent)
 
 
+def load_model_config(config: str | os.PathLike | dict, overrides: Iterable[str] = ()) -> dict:
+    """The config of a model to use: a training config resolved as a run's, or one
+    holding only what :class:`ModelConfig` knows (``model``, ``data.tokenizer``...)
+    resolved with that schema's defaults. ``config`` is a file or a loaded mapping.
+
+    Raises:
+        FileNotFoundError: the file or a base is missing.
+        ValueError: an unknown key, a bad value or override.
+    """
+    beside = None
+    if not isinstance(config, dict):
+        beside, config = Path(config).parent, load_config(config)
+    data = config.get("data")
+    model_only = set(config) <= set(ModelConfig.keys()) and \
+        (not isinstance(data, dict) or set(data) <= set(ModelDataConfig.keys()))
+    return with_overrides(config, overrides, beside, ModelConfig if model_only else RunConfig)
+
+
 def with_overrides(cfg: dict, overrides: Iterable[str] = (),
-                   beside: str | os.PathLike | None = None) -> dict:
+                   beside: str | os.PathLike | None = None,
+                   schema: type[ConfigSection] = RunConfig) -> dict:
     """``cfg`` resolved, with ``--cfg-options`` applied to any key the schema knows.
 
     ``custom_imports`` are imported first (also from ``beside``, the config's
     folder), so overrides may name the options of components registered there.
     """
-    cfg = resolve_config(cfg)
+    cfg = resolve_config(cfg, schema)
     import_custom_modules(cfg["custom_imports"], beside=beside)
     for override in overrides:
         apply_override(cfg, override, known_keys)
-    cfg = resolve_config(cfg)
+    cfg = resolve_config(cfg, schema)
     check_components(cfg)
     return cfg
 

@@ -1,0 +1,190 @@
+"""Loggers: the records of ``metrics.jsonl`` sent on to TensorBoard or Weights & Biases.
+
+``metrics.jsonl`` is always written; each entry of the config's ``loggers:``
+list (``[{type: TensorBoardLogger}]``) receives the same records, on rank 0
+only. A record's finite numbers become scalars named ``<type>/<key>`` by the
+global step: ``train/loss``, ``train/lr``, ``train/<term>_loss``,
+``train/samples_per_s`` every ``train.log_every`` steps; ``val/rsum``,
+``val/i2t_r1``, ... every evaluated epoch; ``test/rsum``, ... at the end.
+A NaN or inf value (the loss of a skipped step), which ``metrics.jsonl`` holds
+as ``null``, is left out, as in ``tools/plot_curves.py``.
+
+The packages come with ``pip install 'mmgoal[tracking]'``; each is imported
+when its logger opens, never by ``import mmgoal``. docs/logging.md shows the
+workflow.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mmgoal.extras import require_extra
+from mmgoal.registry import LOGGERS
+
+# Keys of a record that place it (the x axis, its kind) rather than measure anything.
+PLACEMENT_KEYS = ("type", "step", "epoch")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+class LoggerError(RuntimeError):
+    """A logger could not start (W&B without a login): the run stops before training."""
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a ``metrics.jsonl`` record, named ``<type>/<key>``.
+
+    ``{"type": "val", "step": 12, "epoch": 1, "rsum": 151.2}`` gives
+    ``{"val/rsum": 151.2}``: the step is the x axis and the epoch follows from
+    it; booleans, strings, ``None`` and NaN/inf are left out.
+    """
+    return {f"{record['type']}/{key}": float(value) for key, value in record.items()
+            if key not in PLACEMENT_KEYS and isinstance(value, (int, float))
+            and not isinstance(value, bool) and math.isfinite(value)}
+
+
+class Logger:
+    """Base class of the ``loggers:`` entries; register your own in ``LOGGERS``.
+
+    The trainer builds every entry on every rank (the constructor only checks
+    its options and that its package is installed, so a bad option stops every
+    rank alike before anything is trained). On rank 0 alone it then calls
+    ``open`` when ``fit()`` starts, ``log`` with every record it appends to
+    ``metrics.jsonl``, and ``close`` when ``fit()`` ends, however it ends (also
+    after an exception or a stop signal). A resumed run opens the logger again
+    in the same run directory, at the step of its checkpoint.
+
+    A subclass implements ``log_scalars`` (and ``open``/``close`` when it holds a
+    writer), or overrides ``log`` to see whole records.
+    """
+
+    def open(self, work_dir: Path, config: dict[str, Any], step: int) -> None:
+        """Start logging a run in ``work_dir`` (it exists) with the resolved ``config``, from
+        ``step`` (0, or the checkpoint's step of a resumed run: later records follow it)."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        """One record of ``metrics.jsonl`` (it has ``type`` and ``step``): its scalars."""
+        values = scalars(record)
+        if values:
+            self.log_scalars(values, record["step"])
+
+    def log_scalars(self, values: dict[str, float], step: int) -> None:
+        """``values`` (``{"train/loss": 0.41, ...}``) at the global ``step``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement log_scalars (or log)")
+
+    def close(self) -> None:
+        """Flush and release what ``open`` started; a logger that never opened does nothing."""
+
+
+def config_as_markdown(config: dict[str, Any]) -> str:
+    """The config as YAML, indented into a markdown code block (TensorBoard's text tab
+    renders markdown, which would join the YAML's lines)."""
+    text = yaml.safe_dump(config, sort_keys=False)
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+@LOGGERS.register()
+class TensorBoardLogger(Logger):
+    """Scalars as TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``), and
+    the resolved config as text (tag ``config``, at the step each segment of a run starts).
+
+    ``tensorboard --logdir work_dirs/RUN/tensorboard`` shows them. A resumed run
+    appends to the same folder, and TensorBoard drops the events of the steps after
+    its checkpoint that the first run logged (a ``purge_step``), as ``metrics.jsonl``
+    loses their records: those steps are trained and logged again.
+
+    Args:
+        log_dir: where the event files go; relative to the run directory
+            (default ``tensorboard``, i.e. ``<work_dir>/tensorboard``).
+        flush_secs: how often pending events are written to disk, in seconds.
+    """
+
+    def __init__(self, log_dir: str = "tensorboard", flush_secs: float = 30.0) -> None:
+        if flush_secs <= 0:
+            raise ValueError(f"TensorBoardLogger flush_secs must be above 0, got {flush_secs!r}")
+        require_extra("tensorboard", "loggers: [{type: TensorBoardLogger}]")
+        self.log_dir = log_dir
+        self.flush_secs = flush_secs
+        self.writer = None
+
+    def open(self, work_dir: Path, config: dict[str, Any], step: int) -> None:
+        summary = importlib.import_module("torch.utils.tensorboard")
+        self.writer = summary.SummaryWriter(log_dir=str(Path(work_dir) / self.log_dir),
+                                            flush_secs=self.flush_secs,
+                                            purge_step=step + 1 if step else None)
+        self.writer.add_text("config", config_as_markdown(config), global_step=step)
+
+    def log_scalars(self, values: dict[str, float], step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, global_step=step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+@LOGGERS.register()
+class WandbLogger(Logger):
+    """Scalars to a Weights & Biases run, with the resolved config as the run's config.
+
+    The run's id is kept in ``<work_dir>/wandb_id``, so a resumed mmgoal run
+    continues the same W&B run. ``mode: offline`` needs no network and no
+    account: the run is written under ``<dir>/wandb/offline-run-*`` and
+    uploaded later with ``wandb sync``.
+
+    Args:
+        project: the W&B project (W&B's default: ``uncategorized``, or ``WANDB_PROJECT``).
+        entity: the user or team that owns the project (default: your own).
+        name: the run's display name (default: one W&B makes up).
+        group: groups runs in the W&B interface (e.g. a sweep).
+        tags: labels of the run.
+        notes: a description of the run.
+        mode: ``online``, ``offline`` or ``disabled``; default W&B's own choice
+            (``WANDB_MODE``, or what ``wandb offline``/``wandb online`` set; else online).
+        dir: where W&B writes its files (a ``wandb/`` folder in it); relative to
+            the run directory (default: the run directory itself).
+    """
+
+    ID_FILE = "wandb_id"
+
+    def __init__(self, project: str | None = None, entity: str | None = None,
+                 name: str | None = None, group: str | None = None,
+                 tags: list[str] | None = None, notes: str | None = None,
+                 mode: str | None = None, dir: str = ".") -> None:
+        if mode is not None and mode not in WANDB_MODES:
+            raise ValueError(f"WandbLogger mode must be one of {', '.join(WANDB_MODES)} (or "
+                             f"null: W&B's own default), got {mode!r}")
+        require_extra("wandb", "loggers: [{type: WandbLogger}]")
+        self.init_options = {"project": project, "entity": entity, "name": name,
+                             "group": group, "tags": tags, "notes": notes, "mode": mode}
+        self.dir = dir
+        self.run = None
+
+    def open(self, work_dir: Path, config: dict[str, Any], step: int) -> None:
+        wandb = importlib.import_module("wandb")
+        id_file = Path(work_dir) / self.ID_FILE
+        run_dir = Path(work_dir) / self.dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wandb.init(
+                **{k: v for k, v in self.init_options.items() if v is not None},
+                dir=str(run_dir), config=config, resume="allow",
+                id=id_file.read_text().strip() if id_file.is_file() else None)
+        except wandb.errors.Error as error:  # no login, no network in online mode
+            raise LoggerError(f"WandbLogger could not start a W&B run ({error}); log in with "
+                              f"`wandb login`, or set mode: offline in its config and upload "
+                              f"the run later with `wandb sync`") from error
+        id_file.write_text(self.run.id + "\n")
+
+    def log_scalars(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
