@@ -2,6 +2,7 @@
 
     import mmgoal
     model = mmgoal.load("work_dirs/quickstart", device="cpu")   # its best checkpoint
+    model = mmgoal.load("quickstart.safetensors")               # an export (tools/export.py)
     model.encode_images(["cat.png", pil_image])    # (n, d), L2-normalised (dual encoders)
     model.encode_texts(["a red circle"])           # (m, d)
     model.score(images, texts)                     # (n_images, n_texts), every model family
@@ -21,9 +22,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from mmgoal.contract import MatchingModel, require
 from mmgoal.devices import module_device, move_to_device
 from mmgoal.evaluation.gallery import ScoringConfig, score_gallery
-from mmgoal.evaluation.loading import LoadedModel, load_for_evaluation
+from mmgoal.evaluation.loading import LoadedModel, build_from_config, load_for_evaluation
+from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.structures import ImageFeatures, TextFeatures, cat_features, detach_features
 
 ImageLike = str | os.PathLike | Image.Image
@@ -96,25 +99,42 @@ class Retriever:
         return Index(kind, features)
 
     @torch.no_grad()
-    def score(self, images: Sequence[ImageLike] | Index, texts: Sequence[str] | Index
-              ) -> torch.Tensor:
+    def score(self, images: Sequence[ImageLike] | Index, texts: Sequence[str] | Index,
+              rerank_k: int | None = None, direction: str = "t2i") -> torch.Tensor:
         """(n_images, n_texts) similarities, scored by the model itself (cross attention
-        included), on memory-bounded blocks as in evaluation."""
+        included), on memory-bounded blocks as in evaluation.
+
+        Args:
+            rerank_k: a cross encoder's ITM head re-scores the top ``rerank_k`` candidates
+                of every query, placed above the rest (default: the config's
+                ``evaluation.rerank_k``; 0: the ITC scores alone). Re-ranked scores are
+                float64 (the ITC order kept below the ITM scores).
+            direction: with re-ranking, whose candidates: ``t2i`` (each text's top
+                images, the columns) or ``i2t`` (each image's top texts, the rows).
+        """
         image_features = images.features if isinstance(images, Index) else \
             self.image_features(images)
         text_features = texts.features if isinstance(texts, Index) else self.text_features(texts)
-        return score_gallery(self.model, image_features, text_features,
+        sims = score_gallery(self.model, image_features, text_features,
                              self.scoring.block_images, self.scoring.max_block_mb,
                              progress=False, matmul_precision=self.scoring.matmul_precision)
+        rerank_k = self.scoring.rerank_k if rerank_k is None else rerank_k
+        if rerank_k <= 0:
+            return sims
+        require(self.model, MatchingModel, "rerank_k (ITM re-ranking)")
+        return itm_rerank(self.model, image_features, text_features, sims, rerank_k,
+                          self.scoring.rerank_batch_size, progress=False,
+                          directions=(direction,))[0]
 
     def search(self, queries: Sequence[str] | Sequence[ImageLike], gallery: Index,
-               top_k: int = 5) -> list[list[tuple[int, float]]]:
+               top_k: int = 5, rerank_k: int | None = None) -> list[list[tuple[int, float]]]:
         """The ``top_k`` gallery items of every query, best first, as ``(index, score)``:
-        text queries against an image index, image queries against a text index."""
+        text queries against an image index, image queries against a text index
+        (``rerank_k`` as in :meth:`score`)."""
         if gallery.kind == "images":
-            sims = self.score(gallery, list(queries)).T
+            sims = self.score(gallery, list(queries), rerank_k, direction="t2i").T
         else:
-            sims = self.score(list(queries), gallery)
+            sims = self.score(list(queries), gallery, rerank_k, direction="i2t")
         values, indices = sims.topk(min(top_k, len(gallery)), dim=1)
         return [list(zip(row_indices.tolist(), row_values.tolist()))
                 for row_indices, row_values in zip(indices, values)]
@@ -122,26 +142,24 @@ class Retriever:
 
 def load(path: str | os.PathLike, device: str | torch.device = "auto",
          batch_size: int = 64) -> Retriever:
-    """A trained model: a run directory (its ``checkpoints/best.pt``) or a checkpoint file,
-    built with the config saved inside it."""
-    path = Path(path)
-    if path.is_dir():
-        best = path / "checkpoints" / "best.pt"
-        if not best.is_file():
-            raise FileNotFoundError(f"{path} has no checkpoints/best.pt; give a finished run "
-                                    f"directory or a checkpoint file")
-        path = best
+    """A trained model, built with the config saved inside it: a run directory (its
+    ``checkpoints/best.pt``, else its latest checkpoint), a checkpoint file, or an
+    export (``tools/export.py``: ``.pt`` or ``.safetensors``)."""
     return Retriever(load_for_evaluation(path, device=device), batch_size)
 
 
-def from_config(config: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
-                device: str | torch.device = "auto", batch_size: int = 64) -> Retriever:
-    """The model of a YAML config, with a checkpoint's weights (needed: the config's model
-    alone has no trained weights or vocabulary to retrieve with)."""
+def from_config(config: str | os.PathLike | dict, checkpoint: str | os.PathLike | None = None,
+                device: str | torch.device = "auto", batch_size: int = 64,
+                overrides: Sequence[str] = ()) -> Retriever:
+    """The model of a config: a training config, or one with only ``model`` (and
+    ``data.tokenizer``, eval preprocessing). With ``checkpoint`` (a run directory or a
+    checkpoint/export file) it gets those weights and vocabulary; without, the weights
+    its own sections load (pretrained towers, a CLIP file) and a pretrained tokenizer.
+    ``overrides`` are ``--cfg-options`` strings (``"model.embed_dim=256"``)."""
     if checkpoint is None:
-        raise ValueError("from_config needs a checkpoint: the weights and vocabulary of a "
-                         "trained run (mmgoal.load(run_dir) reads both from the run)")
-    return Retriever(load_for_evaluation(checkpoint, config=config, device=device), batch_size)
+        return Retriever(build_from_config(config, overrides, device), batch_size)
+    return Retriever(load_for_evaluation(checkpoint, config=config, overrides=overrides,
+                                         device=device), batch_size)
 
 
 def _rgb(image: ImageLike) -> Image.Image:

@@ -1,7 +1,9 @@
 """Evaluate a checkpoint on a split: R@1/5/10, median/mean rank, rsum; a table and JSON.
 
-    python tools/evaluate.py configs/quickstart.yaml work_dirs/quickstart/checkpoints/best.pt
-    python tools/evaluate.py CONFIG CKPT --split val --folds 5 --out results.json
+    python tools/evaluate.py work_dirs/quickstart        # a run: its best checkpoint
+    python tools/evaluate.py work_dirs/quickstart/checkpoints/best.pt   # or an export
+    # CONFIG before the checkpoint builds with that config instead of the saved one
+    python tools/evaluate.py configs/quickstart.yaml CKPT --split val --folds 5 --out m.json
     # SCAN's ensemble: the mean of the score matrices of several checkpoints (each
     # built from the config saved inside it)
     python tools/evaluate.py configs/scan/scan_t2i_avg_f30k.yaml T2I.pt --ensemble I2T.pt
@@ -77,8 +79,10 @@ def attention_report(args, cfg: dict, evaluator: Member, split_cfg: dict):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("config", help="the YAML config the checkpoint was trained with")
-    parser.add_argument("checkpoint", help="a checkpoint (best.pt, last.pt)")
+    parser.add_argument("paths", nargs="+", metavar="[CONFIG] CHECKPOINT",
+                        help="a checkpoint (best.pt, last.pt, an export) or a run directory "
+                             "(its best checkpoint, else its latest), built with the config "
+                             "saved inside it or with CONFIG given before it")
     parser.add_argument("--split", default="test", choices=("val", "test"))
     parser.add_argument("--folds", type=int, default=None,
                         help="average over N consecutive image folds (5 for COCO 1K)")
@@ -106,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto",
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
+    if len(args.paths) > 2:
+        parser.error(f"give [CONFIG] CHECKPOINT, got {len(args.paths)} paths; more checkpoints "
+                     f"go after --ensemble")
+    args.config, args.checkpoint = ([None] + args.paths)[-2:]
     try:
         return evaluate(args)
     except (FileNotFoundError, ValueError) as error:
@@ -121,9 +129,10 @@ def evaluate(args: argparse.Namespace) -> int:
     # every ensemble member is built from the config saved inside its checkpoint
     members = [first] + [load_for_evaluation(path, device=device) for path in args.ensemble]
     cfg = first.config
-    split_cfg = cfg["data"][args.split]
+    split_cfg = cfg["data"].get(args.split)
     if not split_cfg:
         raise ValueError(f"the config has no data.{args.split} section")
+    args.checkpoint = str(first.checkpoint)  # a run directory's checkpoint file
     folds = args.folds or split_cfg["folds"]
     scoring = dict(cfg["evaluation"])
     if args.rerank_k is not None:

@@ -2,12 +2,18 @@
 
     python tools/export.py work_dirs/run1 --out run1.pt            # latest checkpoint
     python tools/export.py work_dirs/run1 --best --out run1_best.pt
-    python tools/evaluate.py configs/quickstart.yaml run1.pt
+    python tools/export.py work_dirs/run1 --best --out run1.safetensors
+    python tools/evaluate.py run1.pt           # the config travels inside the file
+
+and from Python ``mmgoal.load("run1.safetensors")``.
 
 Whatever strategy wrote the run (one process, ``torchrun``, DeepSpeed ZeRO 0-3,
 bf16), the file holds the float32 model weights, the tokenizer and the config:
 ``{"model", "tokenizer", "config"}`` in the mmgoal checkpoint format, loadable
 with ``torch.load(..., weights_only=True)``. No optimizer state, no DeepSpeed.
+An ``--out`` ending in ``.safetensors`` writes the weights as safetensors with
+the config, tokenizer, source and format version (``mmgoal-safetensors/1``) as
+JSON in the file's metadata.
 
 ``--out`` is a new file or an earlier export: a run's own checkpoints (best.pt,
 last.pt) and other files are never overwritten, and weights holding NaN/inf
@@ -20,27 +26,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmgoal.engine.checkpoint import check_finite_weights, load_checkpoint, save_checkpoint
-from mmgoal.engine.strategies.base import LATEST, read_pointer
-
-
-def run_weights(run: Path, best: bool = False) -> Path:
-    """The file with a run's float32 weights: best.pt, a DeepSpeed tag's weights.pt or last.pt.
-
-    Raises:
-        FileNotFoundError: the folder holds no complete checkpoint.
-    """
-    checkpoints = run / "checkpoints" if (run / "checkpoints").is_dir() else run
-    if best:
-        path = checkpoints / "best.pt"
-    elif (tag := read_pointer(checkpoints / "deepspeed" / LATEST)) is not None:
-        path = checkpoints / "deepspeed" / tag / "weights.pt"
-    else:
-        path = checkpoints / "last.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run} holds no {'best' if best else 'complete'} checkpoint "
-                                f"(looked for {path})")
-    return path
+from mmgoal.engine.checkpoint import (
+    check_finite_weights,
+    load_checkpoint,
+    save_checkpoint,
+    save_safetensors,
+)
+from mmgoal.engine.run_dir import weights_file
 
 
 def check_out(out: Path) -> None:
@@ -64,19 +56,21 @@ def check_out(out: Path) -> None:
 
 
 def export(source: Path, out: Path, best: bool = False) -> dict:
-    """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``.
+    """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``
+    (safetensors when its name ends in ``.safetensors``).
 
     Raises:
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out`` (:func:`check_out`), or weights holding NaN/inf.
     """
     check_out(out)
-    path = source if source.is_file() else run_weights(source, best)
+    path = weights_file(source, "best" if best else "latest")
     state = load_checkpoint(path)
     check_finite_weights(state["model"], f"checkpoint {path}")
     weights = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
-    save_checkpoint({"model": weights, "tokenizer": state["tokenizer"], "config": state["config"],
-                     "exported_from": str(path)}, out)
+    exported = {"model": weights, "tokenizer": state["tokenizer"], "config": state["config"],
+                "epoch": state.get("epoch"), "exported_from": str(path)}
+    (save_safetensors if out.suffix == ".safetensors" else save_checkpoint)(exported, out)
     return {"source": str(path), "tensors": len(weights),
             "parameters": sum(v.numel() for v in weights.values())}
 

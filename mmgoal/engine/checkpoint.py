@@ -3,7 +3,9 @@
 A checkpoint is a plain dict of tensors and Python primitives. It is written to
 a temporary file in the same folder, flushed to disk and renamed over the
 target, so a run killed while saving leaves the previous checkpoint intact and
-never a truncated file under the real name.
+never a truncated file under the real name. An exported model may also be a
+``.safetensors`` file (:func:`save_safetensors`): the tensors, with the config,
+tokenizer and format version in its metadata; :func:`load_checkpoint` reads both.
 
 Weights holding NaN or inf are never checkpointed: the strategies and the
 trainer check the model first and stop the run with :class:`NonFiniteStateError`
@@ -13,6 +15,7 @@ by an older mmgoal (:func:`check_finite_weights`).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ import torch
 from mmgoal.config import config_changes
 
 FORMAT = "mmgoal-checkpoint/1"
+SAFETENSORS_FORMAT = "mmgoal-safetensors/1"  # an export (tools/export.py --out FILE.safetensors)
 SHOWN_NAMES = 3  # tensor names an error message lists before "and N more"
 
 
@@ -79,15 +83,14 @@ def check_finite_weights(weights: dict[str, torch.Tensor], source: str) -> None:
                          f"(best.pt) or train again with a lower learning rate")
 
 
-def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """Atomically write ``state`` (plus a format tag) to ``path``."""
+def _write_atomically(path: str | os.PathLike, write: Any) -> None:
+    """``write(temporary_path)``, then rename it over ``path`` and make both durable."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as stream:
-            torch.save({"format": FORMAT, **state}, stream)
-            stream.flush()
+        write(tmp)
+        with open(tmp, "rb+") as stream:
             os.fsync(stream.fileno())
         os.replace(tmp, path)
     finally:
@@ -99,8 +102,60 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
         os.close(directory)
 
 
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """Atomically write ``state`` (plus a format tag) to ``path``."""
+    _write_atomically(path, lambda tmp: torch.save({"format": FORMAT, **state}, tmp))
+
+
+def save_safetensors(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """Atomically write an exported model as safetensors: ``state["model"]`` as the
+    tensors, every other entry (config, tokenizer, epoch...) JSON in the metadata,
+    with the format version under ``format``.
+
+    Tensors sharing memory (tied weights) are written once; the metadata's
+    ``aliases`` maps the other names to it, and :func:`load_checkpoint` restores them.
+    """
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state["model"].items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+               tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().cpu().contiguous()
+    metadata = {"format": SAFETENSORS_FORMAT, "aliases": json.dumps(aliases)}
+    metadata.update({key: json.dumps(value) for key, value in state.items() if key != "model"})
+    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def _load_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as opened:
+            metadata = opened.metadata() or {}
+            model = {name: opened.get_tensor(name) for name in opened.keys()}
+        extra = {key: json.loads(value) for key, value in metadata.items() if key != "format"}
+    except Exception as error:
+        raise ValueError(f"checkpoint {path} cannot be read ({error}); it may be corrupt or "
+                         f"not an mmgoal export") from error
+    if metadata.get("format") != SAFETENSORS_FORMAT:
+        raise ValueError(f"{path} is a safetensors file but not an mmgoal export (its metadata "
+                         f"has no format {SAFETENSORS_FORMAT!r}); write one with "
+                         f"tools/export.py RUN --out FILE.safetensors")
+    for name, target in extra.pop("aliases", {}).items():
+        model[name] = model[target]
+    return {"format": FORMAT, "model": model, **extra}
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint` (tensors and primitives only).
+    """Read a checkpoint written by :func:`save_checkpoint` (tensors and primitives only),
+    or an export written by :func:`save_safetensors` (a ``.safetensors`` file).
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -109,6 +164,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if path.suffix == ".safetensors":
+        return _load_safetensors(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:

@@ -17,8 +17,10 @@ import torch
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import resolve_device
 from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint
-from mmgoal.engine.schema import load_run_config, with_overrides
+from mmgoal.engine.run_dir import weights_file
+from mmgoal.engine.schema import load_model_config, with_overrides
 from mmgoal.evaluation.gallery import Member
+from mmgoal.registry import MODELS, TOKENIZERS
 
 
 @dataclass
@@ -27,12 +29,12 @@ class LoadedModel(Member):
 
     Attributes:
         config: the resolved run config it was built from.
-        checkpoint: the file its weights came from.
+        checkpoint: the file its weights came from (``None``: built from a config alone).
         epoch: the epoch the checkpoint was written after (``None`` when it does not say).
     """
 
     config: dict
-    checkpoint: Path
+    checkpoint: Path | None
     epoch: int | None = None
 
 
@@ -42,9 +44,12 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
     """Build the model of a checkpoint for evaluation.
 
     Args:
-        checkpoint: ``best.pt``, ``last.pt`` or another mmgoal checkpoint.
+        checkpoint: ``best.pt``, ``last.pt``, another mmgoal checkpoint, an export
+            (``.pt`` or ``.safetensors``), or a run directory (its best checkpoint,
+            else its latest).
         config: the YAML config to build with (default: the config saved in the
-            checkpoint).
+            checkpoint): a training config, or one with only the model's sections
+            (:class:`~mmgoal.engine.schema.ModelConfig`).
         overrides: ``--cfg-options`` on top of that config.
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
 
@@ -55,17 +60,49 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
             weights holding NaN/inf or of another model than the config builds.
     """
     target = resolve_device(device, name="device")
+    checkpoint = weights_file(checkpoint)
     state = load_checkpoint(checkpoint)
     if config is not None:
-        cfg = load_run_config(config, overrides)
+        cfg = load_model_config(config, overrides)
+        if cfg["data"]["tokenizer"] is None and state.get("config"):
+            # a model-only config: the vocabulary, and so its tokenizer, is the checkpoint's
+            cfg["data"]["tokenizer"] = state["config"]["data"]["tokenizer"]
     elif state.get("config"):
         cfg = with_overrides(state["config"], overrides)
     else:
         raise ValueError(f"{checkpoint} holds no config to build its model from; give the "
                          f"config it was trained with")
     model, tokenizer = model_from_checkpoint(cfg, state, f"checkpoint {checkpoint}")
+    return _loaded(cfg, model, tokenizer, target, checkpoint, state.get("epoch"))
+
+
+def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str] = (),
+                      device: str | torch.device = "auto") -> LoadedModel:
+    """The model of a config with the weights its own sections name (pretrained towers,
+    a CLIP checkpoint), no mmgoal checkpoint: to use a pretrained model as it is.
+
+    Raises:
+        ValueError: besides a bad config, a tokenizer whose vocabulary is fitted on
+            training captions (it exists only in a trained run's checkpoint).
+    """
+    target = resolve_device(device, name="device")
+    cfg = load_model_config(config, overrides)
+    if cfg["data"]["tokenizer"] is None:
+        raise ValueError("the config has no data.tokenizer: name the tokenizer the model reads "
+                         "(e.g. {type: HFTokenizer, path: FOLDER})")
+    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
+    if not tokenizer.fitted:
+        raise ValueError(f"data.tokenizer {cfg['data']['tokenizer']['type']!r} learns its "
+                         f"vocabulary from the training captions, so a model built from the "
+                         f"config alone has none; load a trained run's checkpoint with it "
+                         f"(checkpoint=..., or mmgoal.load(RUN_DIR))")
+    model = MODELS.build(cfg["model"], tokenizer=tokenizer).eval()
+    return _loaded(cfg, model, tokenizer, target, None, None)
+
+
+def _loaded(cfg: dict, model: torch.nn.Module, tokenizer, device: torch.device,
+            checkpoint: Path | None, epoch: int | None) -> LoadedModel:
     data = cfg["data"]
     transform = build_transforms(data["eval_transforms"], data["image_size"])
-    return LoadedModel(model.to(target), transform, tokenizer, config=cfg,
-                       checkpoint=Path(checkpoint), epoch=state.get("epoch"))
-
+    return LoadedModel(model.to(device), transform, tokenizer, config=cfg,
+                       checkpoint=checkpoint, epoch=epoch)

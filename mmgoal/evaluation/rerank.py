@@ -41,30 +41,35 @@ def _place_above(itc: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
 
 @torch.no_grad()
 def itm_rerank(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
-               itc: torch.Tensor, k: int, batch_size: int = 128, progress: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-rank the top ``k`` candidates of every query in both directions.
+               itc: torch.Tensor, k: int, batch_size: int = 128, progress: bool = True,
+               directions: tuple[str, ...] = ("i2t", "t2i")) -> tuple[torch.Tensor, ...]:
+    """Re-rank the top ``k`` candidates of every query in each direction.
 
     Args:
         images, texts: gallery features with tokens (the fusion layers need them).
         itc: (n_images, n_texts) ITC scores.
         k: candidates per query (clipped to the gallery).
+        directions: ``i2t`` (each image's top k texts re-scored) and/or ``t2i``
+            (each text's top k images).
 
     Returns:
-        (sims_i2t, sims_t2i): (n_images, n_texts) float64 matrices.
+        one (n_images, n_texts) float64 matrix per direction, in order.
     """
     if k < 1:
         raise ValueError(f"re-ranking needs k >= 1, got {k}")
     n_images, n_texts = itc.shape
-    k_texts, k_images = min(k, n_texts), min(k, n_images)
-    text_cand = itc.topk(k_texts, dim=1).indices  # (n_images, k)
-    rows = torch.arange(n_images, device=itc.device)[:, None].expand(-1, k_texts).reshape(-1)
-    cols = text_cand.reshape(-1)
-    i2t = _place_above(itc, rows, cols, itm_scores(model, images, texts, rows, cols, batch_size,
-                                                   progress, "ITM i2t"))
-    image_cand = itc.T.topk(k_images, dim=1).indices  # (n_texts, k)
-    cols = torch.arange(n_texts, device=itc.device)[:, None].expand(-1, k_images).reshape(-1)
-    rows = image_cand.reshape(-1)
-    t2i = _place_above(itc, rows, cols, itm_scores(model, images, texts, rows, cols, batch_size,
-                                                   progress, "ITM t2i"))
-    return i2t, t2i
+    out = []
+    for direction in directions:
+        if direction == "i2t":
+            k_texts = min(k, n_texts)
+            cols = itc.topk(k_texts, dim=1).indices.reshape(-1)  # (n_images * k)
+            rows = torch.arange(n_images, device=itc.device).repeat_interleave(k_texts)
+        elif direction == "t2i":
+            k_images = min(k, n_images)
+            rows = itc.T.topk(k_images, dim=1).indices.reshape(-1)  # (n_texts * k)
+            cols = torch.arange(n_texts, device=itc.device).repeat_interleave(k_images)
+        else:
+            raise ValueError(f"a re-ranking direction is 'i2t' or 't2i', got {direction!r}")
+        out.append(_place_above(itc, rows, cols, itm_scores(
+            model, images, texts, rows, cols, batch_size, progress, f"ITM {direction}")))
+    return tuple(out)

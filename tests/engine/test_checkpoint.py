@@ -5,10 +5,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 
 from mmgoal.data.tokenizers import WordTokenizer
-from mmgoal.engine.checkpoint import load_matching_weights, model_from_checkpoint
+from mmgoal.engine.checkpoint import (
+    load_checkpoint,
+    load_matching_weights,
+    model_from_checkpoint,
+    save_safetensors,
+)
 from mmgoal.registry import MODELS
 
 MODEL = tiny_config(Path("unused"))["model"]  # DualEncoder, embed_dim 16
@@ -55,3 +61,28 @@ def test_weights_holding_inf_are_refused():
     model = MODELS.build(MODEL, tokenizer=WordTokenizer(vocab=["a", "red", "circle"]))
     with pytest.raises(ValueError, match=rf"^load_from old.pt {message}"):
         load_matching_weights(model, state["model"], "load_from old.pt")
+
+
+def test_a_safetensors_export_keeps_tied_weights_once_and_refuses_foreign_files(tmp_path):
+    from safetensors.torch import save_file
+
+    embedding = torch.randn(5, 3)
+    state = {"model": {"embed.weight": embedding, "head.weight": embedding,
+                       "head.bias": torch.zeros(5), "steps": torch.tensor(7)},
+             "tokenizer": {"words": ["a", "b"]}, "config": {"lr": 1e-3, "tags": [1, "x"]},
+             "epoch": 2}
+    path = tmp_path / "model.safetensors"
+    save_safetensors(state, path)
+    with safe_open(str(path), framework="pt") as opened:
+        assert sorted(opened.keys()) == ["embed.weight", "head.bias", "steps"]  # tied: once
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded["model"]["head.weight"], embedding)
+    assert loaded["model"]["steps"].dtype == torch.int64
+    assert {k: loaded[k] for k in ("tokenizer", "config", "epoch")} == \
+        {k: state[k] for k in ("tokenizer", "config", "epoch")}
+    save_file({"w": torch.ones(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="safetensors file but not an mmgoal export"):
+        load_checkpoint(tmp_path / "other.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match="cut.safetensors cannot be read"):
+        load_checkpoint(tmp_path / "cut.safetensors")

@@ -1,6 +1,7 @@
 import json
 import math
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,8 +265,8 @@ def test_checkpoints_are_atomic(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
     save_checkpoint({"step": 1, "w": torch.ones(2)}, path)
 
-    def dies_midway(obj, stream):
-        stream.write(b"partial")
+    def dies_midway(obj, target):
+        Path(target).write_bytes(b"partial")
         raise KeyboardInterrupt  # killed while saving
 
     monkeypatch.setattr(torch, "save", dies_midway)
