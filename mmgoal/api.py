@@ -152,7 +152,8 @@ def from_config(config: str | os.PathLike | dict, checkpoint: str | os.PathLike 
                 device: str | torch.device = "auto", batch_size: int = 64,
                 overrides: Sequence[str] = ()) -> Retriever:
     """The model of a config: a training config, or one with only ``model`` (and
-    ``data.tokenizer``, eval preprocessing). With ``checkpoint`` (a run directory or a
+    ``data.tokenizer``, eval preprocessing; left out, the model's own: an ``OpenCLIP`` or
+    ``HFCLIP`` section alone is enough). With ``checkpoint`` (a run directory or a
     checkpoint/export file) it gets those weights and vocabulary; without, the weights
     its own sections load (pretrained towers, a CLIP file) and a pretrained tokenizer.
     ``overrides`` are ``--cfg-options`` strings (``"model.embed_dim=256"``)."""

@@ -2,8 +2,11 @@
 
 Every registered model satisfies :class:`RetrievalModel`; the other protocols
 are capabilities a model may add, checked by name with :func:`require` where a
-component needs one (tests/models/test_contract.py checks every registered
+component needs one (tests/test_every_component_builds.py checks every registered
 model against the protocols it claims). docs/plugins.md shows a model of your own.
+
+A model class may also bring its own preprocessing (transforms and tokenizer) with a
+classmethod ``preprocessing(cfg, image_size)``: :mod:`mmgoal.data.preprocessing`.
 """
 
 from __future__ import annotations
@@ -67,8 +70,18 @@ class BoxPredictingModel(RetrievalModel, Protocol):
     def predict_boxes(self, image_features: ImageFeatures, text_batch: dict) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class TemperatureModel(RetrievalModel, Protocol):
+    """A model that learns the temperature of its contrastive softmax, as CLIP learns
+    ``logit_scale`` (temperature ``1 / exp(logit_scale)``): InfoNCELoss divides the scores
+    by the model's ``temperature()`` instead of its own, so a pretrained CLIP is
+    fine-tuned at the temperature it was trained with and keeps learning it."""
+
+    def temperature(self) -> torch.Tensor: ...
+
+
 CAPABILITIES: tuple[type, ...] = (CrossAttentionModel, MatchingModel, MaskedLanguageModel,
-                                  BoxPredictingModel)
+                                  BoxPredictingModel, TemperatureModel)
 
 
 def require(model: object, protocol: type, needed_by: str) -> None:

@@ -9,8 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from PIL import Image
 
+from mmgoal.data.preprocessing import resolve_preprocessing
 from mmgoal.data.tokenizers import WordTokenizer
+from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.schema import load_run_config
 from mmgoal.paths import resolve_path
@@ -62,7 +65,8 @@ def test_config_loads_and_its_model_encodes_a_batch(config, monkeypatch):
             **cfg["model"]["text"]["config"],
             "num_hidden_layers": max(cfg["model"]["text"]["config"]["num_hidden_layers"],
                                      cfg["model"]["fusion_layers"] + 1)}
-    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
+    preprocessing = resolve_preprocessing(cfg)  # the config's, else the model's own
+    tokenizer = TOKENIZERS.build(preprocessing.tokenizer)
     if not tokenizer.fitted:
         tokenizer = WordTokenizer().fit(["a red circle left of a blue square"])
     torch.manual_seed(0)
@@ -72,9 +76,14 @@ def test_config_loads_and_its_model_encodes_a_batch(config, monkeypatch):
     build_optimizer(cfg["optimizer"], model, objective)
     for hook in (HOOKS.build(h) for h in cfg.get("hooks") or []):
         hook.before_train(SimpleNamespace(model=model, epoch=0))
-    # Vision transformers are built for their image size; CNNs take a smaller one.
-    size = cfg["data"]["image_size"] if cfg["model"]["type"] == "XVLM" \
-        else min(cfg["data"]["image_size"], 128)
+    # Vision transformers are built for their image size; CNNs take a smaller one. Without
+    # data.image_size, the model's own: what its eval transform makes of an image (CLIP).
+    size = cfg["data"]["image_size"]
+    if size is None:
+        size = build_transforms(preprocessing.eval_transforms, None)(
+            Image.new("RGB", (40, 30))).shape[-1]
+    elif cfg["model"]["type"] != "XVLM":
+        size = min(size, 128)
     batch = {"images": torch.randn(2, 3, size, size),
              "boxes": torch.tensor([[[0.1, 0.1, 0.5, 0.5]], [[0.0, 0.0, 0.0, 0.0]]]),
              "box_lengths": torch.tensor([1, 0]),

@@ -30,6 +30,20 @@ EXAMPLES = {
                                      "num_hidden_layers": 2, "num_attention_heads": 1,
                                      "intermediate_size": 8}},
                  "fusion_layers": 1, "embed_dim": 4},
+        # random weights, shrunk (tests/models/test_clip.py loads files and compares)
+        "OpenCLIP": {"model_name": "ViT-B-32", "model_kwargs": {
+            "embed_dim": 4, "vision_cfg": {"image_size": 16, "layers": 1, "width": 8,
+                                           "patch_size": 8, "head_width": 8},
+            "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 8, "heads": 1,
+                         "layers": 1}}},
+        "HFCLIP": {"config": {"model_type": "clip", "projection_dim": 4,
+                              "text_config": {"vocab_size": 8, "hidden_size": 8,
+                                              "intermediate_size": 8, "num_hidden_layers": 1,
+                                              "num_attention_heads": 1},
+                              "vision_config": {"image_size": 16, "patch_size": 8,
+                                                "hidden_size": 8, "intermediate_size": 8,
+                                                "num_hidden_layers": 1,
+                                                "num_attention_heads": 1}}},
     },
     "CONSTRAINTS": {"CCRConstraint": {"weight": 0.1, "margin": 0.2,
                                       "reverse": "negated_softmax"},
@@ -55,13 +69,18 @@ EXAMPLES = {
     # weights are functions, exercised combination by combination in tests/objectives/test_goal.py
     "TRIPLET_WEIGHTS": {"con": None, "nca": None, "cir": None},
     "PAIR_WEIGHTS": {"con": None, "lin": None, "sig": None, "lin_ms": None, "sig_ms": None},
-    "TOKENIZERS": {"WordTokenizer": {}, "HFTokenizer": None},  # None: needs local files
+    # None: needs local files; OpenCLIPTokenizer's BPE vocabulary ships with open_clip
+    "TOKENIZERS": {"WordTokenizer": {}, "HFTokenizer": None,
+                   "OpenCLIPTokenizer": {"model_name": "ViT-B-32"}},
     "DATASETS": {"ShardDataset": None, "MixtureDataset": None},  # need shards: tests/data/
     "TRANSFORMS": {"Resize": {"size": 8}, "CenterCrop": {"size": 8},
                    "RandomResizedCrop": {"size": 8}, "RandomHorizontalFlip": {},
                    "ColorJitter": {"brightness": 0.1}, "ToTensor": {},
                    "Normalize": {"mean": [0.5] * 3, "std": [0.5] * 3},
-                   "RandomErasing": {}},
+                   "RandomErasing": {},
+                   "TimmTransform": {"model_name": "efficientnet_lite0", "image_size": 8},
+                   "OpenCLIPTransform": {"model_name": "ViT-B-32", "image_size": 8},
+                   "HFImageProcessor": None},  # None: needs a processor's folder
     "HOOKS": {"ObjectiveWarmup": {"epochs": 1, "attributes": {"margin": 0.0}},
               "FreezeSchedule": {"frozen": ["image_encoder"], "unfreeze": {1: ["image_encoder"]}}},
     "POOLERS": {"MeanPool": {}, "MaxPool": {}, "GPO": {"d_pe": 8, "d_hidden": 4}},
@@ -119,7 +138,8 @@ def test_every_registered_name_has_an_example_that_builds(registry_name):
 
 # What each built-in model offers beyond the required contract.
 CAPABILITIES_OF = {"DualEncoder": set(), "SCAN": {"CrossAttentionModel"},
-                   "XVLM": {"MatchingModel", "MaskedLanguageModel", "BoxPredictingModel"}}
+                   "XVLM": {"MatchingModel", "MaskedLanguageModel", "BoxPredictingModel"},
+                   "OpenCLIP": {"TemperatureModel"}, "HFCLIP": {"TemperatureModel"}}
 
 
 @pytest.mark.parametrize("name", registry.MODELS.names())
@@ -140,7 +160,7 @@ def test_every_model_follows_the_model_contract(name):
         if not isinstance(model, protocol):
             continue
         for method in ("encode_image", "encode_text", "similarity", "attention", "match_logits",
-                       "mlm_logits", "predict_boxes"):
+                       "mlm_logits", "predict_boxes", "temperature"):
             if method not in vars(protocol):
                 continue
             wanted = [p for p in inspect.signature(getattr(protocol, method)).parameters

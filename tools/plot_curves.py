@@ -5,8 +5,10 @@
 
 Four panels: the training losses (every ``*_loss`` term and their sum) and
 the learning rate against the step, the validation rsum and R@1 (both
-directions) against the epoch. Runs are overlaid, one colour each. Steps whose
-loss was NaN/inf (written as null) are left out.
+directions) against the epoch; epoch -1, where a run has it
+(``train.eval_before_training``), is the loaded model before any step. Runs are
+overlaid, one colour each. Steps whose loss was NaN/inf (written as null) are
+left out.
 """
 
 from __future__ import annotations

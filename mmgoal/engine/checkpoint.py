@@ -274,11 +274,12 @@ def model_from_checkpoint(cfg: dict, state: dict[str, Any],
         ValueError: the weights hold NaN/inf or belong to another model (see
             :func:`check_same_model`).
     """
+    from mmgoal.data.preprocessing import resolve_preprocessing
     from mmgoal.registry import MODELS, TOKENIZERS, import_custom_modules
 
     check_finite_weights(state["model"], source)
     import_custom_modules(cfg.get("custom_imports", []))
-    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
+    tokenizer = TOKENIZERS.build(resolve_preprocessing(cfg).tokenizer)
     tokenizer.load_state_dict(state["tokenizer"])
     model = MODELS.build(cfg["model"], tokenizer=tokenizer)
     check_same_model(model, state, cfg["model"], source)

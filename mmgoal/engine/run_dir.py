@@ -32,7 +32,8 @@ RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "report.json", "checkpoints", CHANGES
              "tensorboard", "wandb_id")
 # Dotted keys (and every key below them) a resumed run may change.
 RESUMABLE = (
-    "train.epochs", "train.log_every", "train.eval_every", "train.progress",
+    "train.epochs", "train.log_every", "train.eval_every", "train.eval_before_training",
+    "train.progress",
     "train.checkpoint_every_steps", "train.max_nonfinite_steps", "train.device",
     "train.cudnn_benchmark", "train.accumulate_steps", "train.clip_grad", "optimizer.lr",
     "data.train.batch_size",

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 from mmgoal.config import ConfigSection, apply_override, load_config
 from mmgoal.devices import PRECISIONS
+from mmgoal.engine.optimizers import ParameterGroupOptions
 from mmgoal.evaluation.gallery import ScoringConfig
 from mmgoal.registry import (
     CONSTRAINTS,
@@ -60,6 +61,7 @@ class TrainConfig(ConfigSection):
     clip_grad: float = 2.0
     log_every: int = 10
     eval_every: int = 1
+    eval_before_training: bool = False
     checkpoint_every_steps: int = 0
     max_nonfinite_steps: int = 5
     progress: bool = True
@@ -96,15 +98,17 @@ class SplitConfig(ConfigSection):
 
 @dataclass
 class DataConfig(ConfigSection):
-    """``data``: the tokenizer, the splits and the image pipeline."""
+    """``data``: the tokenizer, the splits and the image pipeline. ``tokenizer``,
+    ``train_transforms`` and ``eval_transforms`` left null are the model's own, and
+    ``image_size`` null its own size (:mod:`mmgoal.data.preprocessing`)."""
 
     MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "num_workers": 0,
                                            "eval_batch_size": 1}
-    tokenizer: dict
     train: dict  # a DATASETS entry (ShardDataset, MixtureDataset)
+    tokenizer: dict | None = None
     val: SplitConfig | None = None
     test: SplitConfig | None = None
-    image_size: int = 64
+    image_size: int | None = None
     num_workers: int = 1
     train_transforms: list | None = None
     eval_transforms: list | None = None
@@ -142,15 +146,19 @@ class RunConfig(ConfigSection):
             if not isinstance(section, dict) or "type" not in section:
                 raise ValueError(f"'{name}' must be a mapping with a 'type' key (a "
                                  f"{REGISTRY_OF_SECTION[name].name} name), got {section!r}")
+        if self.train.eval_before_training and self.data.val is None:
+            raise ValueError("train.eval_before_training evaluates on data.val, which the "
+                             "config lacks: add data.val (shards) or set it to false")
 
 
 @dataclass
 class ModelDataConfig(ConfigSection):
-    """``data`` of a model used, not trained: its tokenizer and eval preprocessing."""
+    """``data`` of a model used, not trained: its tokenizer and eval preprocessing (null:
+    the model's own, as in :class:`DataConfig`)."""
 
     MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "eval_batch_size": 1}
     tokenizer: dict | None = None
-    image_size: int = 64
+    image_size: int | None = None
     eval_transforms: list | None = None
     eval_batch_size: int = 256
 
@@ -183,8 +191,9 @@ REGISTRY_OF_SECTION: dict[str, Registry] = {
     "strategy": STRATEGIES, "hooks": HOOKS, "loggers": LOGGERS, "constraints": CONSTRAINTS,
     "data.tokenizer": TOKENIZERS, "data.train": DATASETS,
 }
-# Keys of a component section that the engine reads itself instead of passing them on.
-READ_BY_THE_ENGINE = {"optimizer": ("paramwise",)}
+# Keys of a component section that the engine reads itself instead of passing them on:
+# the schema of those keys (checked with the section).
+READ_BY_THE_ENGINE: dict[str, type[ConfigSection]] = {"optimizer": ParameterGroupOptions}
 # Where a nested ``type`` (an encoder inside a model, a term of an objective) is looked up.
 NESTED_REGISTRIES = (MODELS, ENCODERS, POOLERS, OBJECTIVES, DATASETS, TOKENIZERS, TRANSFORMS,
                      TEXT_AUGMENTS, TRIPLET_WEIGHTS, PAIR_WEIGHTS, HOOKS, CONSTRAINTS)
@@ -210,8 +219,10 @@ def known_keys(path: list[str], mapping: dict) -> Iterable[str]:
         return ()
     owner = REGISTRY_OF_SECTION.get(dotted) or REGISTRY_OF_SECTION.get(path[0])
     registries = [owner] if owner is not None and type_name in owner else NESTED_REGISTRIES
-    return [key for registry in registries if type_name in registry
-            for key in registry.parameters(type_name)[0]]
+    engine = READ_BY_THE_ENGINE.get(dotted)
+    return [*(key for registry in registries if type_name in registry
+              for key in registry.parameters(type_name)[0]),
+            *(engine.keys() if engine else ())]
 
 
 def load_run_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:
@@ -269,7 +280,10 @@ def check_components(cfg: dict) -> None:
         items = section if isinstance(section, list) else [section]
         for index, item in enumerate(items):
             if isinstance(item, dict):
-                engine_keys = READ_BY_THE_ENGINE.get(dotted, ())
+                engine = READ_BY_THE_ENGINE.get(dotted)
+                engine_keys = engine.keys() if engine else ()
+                if engine:
+                    engine.from_dict({k: v for k, v in item.items() if k in engine_keys}, dotted)
                 item = {k: v for k, v in item.items() if k not in engine_keys}
                 where = f"{dotted}.{index}" if isinstance(section, list) else dotted
                 registry.check(item, where, provided=registry.parameters(item["type"])[0]

@@ -47,6 +47,7 @@ import mmgoal
 from mmgoal.config import dump_config
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.pipeline import expand_shards, read_captions
+from mmgoal.data.preprocessing import resolve_preprocessing
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
 from mmgoal.engine.checkpoint import (
@@ -207,6 +208,8 @@ class Trainer:
                       if self.config.load_from and not resume else None)
         self._seed(rank=0)  # the same initial weights on every rank
 
+        # the config's tokenizer and transforms, else the model's own
+        self.preprocessing = resolve_preprocessing(self.cfg)
         self.tokenizer = self._build_tokenizer(resumed or start_from)
         self.model, self.objective, constraints = self._build_model_and_objective()
         if start_from is not None:
@@ -257,7 +260,7 @@ class Trainer:
     def _build_tokenizer(self, state: dict | None) -> Any:
         """The tokenizer: a resumed run or a later stage keeps the vocabulary its weights were
         trained with; a fresh one is fitted on the training captions (the same on every rank)."""
-        tokenizer = TOKENIZERS.build(self.config.data.tokenizer)
+        tokenizer = TOKENIZERS.build(self.preprocessing.tokenizer)
         if state is not None:
             tokenizer.load_state_dict(state["tokenizer"])
         elif not tokenizer.fitted:
@@ -284,8 +287,10 @@ class Trainer:
         """Transforms, the training set, and the batch arithmetic: one step takes
         ``accumulate_steps`` micro-batches on every rank."""
         data = self.config.data
-        self.train_transform = build_transforms(data.train_transforms, data.image_size)
-        self.eval_transform = build_transforms(data.eval_transforms, data.image_size)
+        self.train_transform = build_transforms(self.preprocessing.train_transforms,
+                                                data.image_size)
+        self.eval_transform = build_transforms(self.preprocessing.eval_transforms,
+                                               data.image_size)
         self.train_set = DATASETS.build(
             data.train, tokenizer=self.tokenizer, transform=self.train_transform,
             training=True, seed=self.config.train.seed)
@@ -313,13 +318,16 @@ class Trainer:
         if self.strategy.rank:
             self._seed(self.strategy.rank)
         self.base_lrs = [group["lr"] for group in self.strategy.param_groups()]
+        # The lr logged: the fastest group's, not group 0's (a tower's embeddings under
+        # optimizer.layer_decay, or a backbone slowed by paramwise).
+        self.lr_group = max(range(len(self.base_lrs)), key=self.base_lrs.__getitem__)
         self.schedule = SCHEDULES.build(self.config.schedule,
                                         total_steps=self.steps_per_epoch * train.epochs,
                                         steps_per_epoch=self.steps_per_epoch)
 
     def _log_setup(self) -> None:
         lr = ("from the DeepSpeed scheduler" if self.strategy.owns_schedule else
-              f"{self.base_lrs[0]:.3g} (scale_lr {self.config.train.scale_lr})")
+              f"{self.base_lrs[self.lr_group]:.3g} (scale_lr {self.config.train.scale_lr})")
         logger.info("%s; global batch %d = %d per rank x %d rank(s) x %d accumulation step(s); "
                     "%d steps per epoch (%d samples); base lr %s", self.strategy.describe(),
                     self.global_batch, self.train_set.batch_size, self.strategy.world_size,
@@ -437,7 +445,7 @@ class Trainer:
             factor = self.schedule.factor(self.step)
             for group, base in zip(groups, self.base_lrs):
                 group["lr"] = base * factor
-        return groups[0]["lr"]
+        return groups[self.lr_group]["lr"]
 
     def _loader(self) -> torch.utils.data.DataLoader:
         self.train_set.set_epoch(self.epoch)
@@ -513,6 +521,9 @@ class Trainer:
         try:
             for hook in self.hooks:
                 hook.before_train(self)
+            if self.config.train.eval_before_training and self.epoch == self.step == 0:
+                self._validate(-1, None if self.strategy.plain_module
+                               else self.strategy.full_state_dict())  # collective
             first_step = self.step
             while self.epoch < self.config.train.epochs:
                 try:
@@ -634,13 +645,7 @@ class Trainer:
         if self.config.data.val and every and ((epoch + 1) % every == 0 or last_epoch):
             # One gather (collective) serves the evaluation copy and best.pt.
             weights = self.strategy.full_state_dict()
-            self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
-            if self.is_main:
-                model = self.evaluation_model(None if self.strategy.plain_module else weights)
-                metrics = self.evaluate("val", model)
-                self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
-                logger.info("epoch %d val: %s", epoch, format_metrics(metrics))
-            metrics = self.strategy.broadcast(metrics)
+            metrics = self._validate(epoch, weights)
             if metrics["rsum"] > self.best["rsum"]:
                 self.best = {"rsum": metrics["rsum"], "epoch": epoch}
                 self._write_weights("best.pt", weights, epoch=epoch, metrics=metrics)
@@ -649,6 +654,20 @@ class Trainer:
         self.epoch += 1
         self.batch_in_epoch = 0
         self.save()
+
+    def _validate(self, epoch: int, weights: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """Rank 0 evaluates on ``data.val`` and logs the metrics as ``epoch``'s (-1: before
+        training); every rank returns them (collective). ``weights``: every rank's
+        ``full_state_dict()``, or None for the trained model of a plain module."""
+        self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
+        metrics: dict[str, float] = {}
+        if self.is_main:
+            model = self.evaluation_model(None if self.strategy.plain_module else weights)
+            metrics = self.evaluate("val", model)
+            self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
+            logger.info("epoch %d val%s: %s", epoch, " (before training)" if epoch < 0 else "",
+                        format_metrics(metrics))
+        return self.strategy.broadcast(metrics)
 
     def evaluate(self, split: str, model: torch.nn.Module | None = None) -> dict[str, float]:
         """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``."""

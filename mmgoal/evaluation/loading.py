@@ -2,7 +2,8 @@
 
 Every tool that evaluates a checkpoint (tools/evaluate.py, plot_attention.py,
 score_stats.py) builds it here, so the model, its preprocessing and the
-defaults they fall back on are the trainer's own (:mod:`mmgoal.engine.schema`).
+defaults they fall back on are the trainer's own (:mod:`mmgoal.engine.schema`,
+:func:`mmgoal.data.preprocessing.resolve_preprocessing`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from mmgoal.data.preprocessing import resolve_preprocessing
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import resolve_device
 from mmgoal.engine.checkpoint import load_checkpoint, model_from_checkpoint
@@ -87,12 +89,10 @@ def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str]
     """
     target = resolve_device(device, name="device")
     cfg = load_model_config(config, overrides)
-    if cfg["data"]["tokenizer"] is None:
-        raise ValueError("the config has no data.tokenizer: name the tokenizer the model reads "
-                         "(e.g. {type: HFTokenizer, path: FOLDER})")
-    tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
+    tokenizer_cfg = resolve_preprocessing(cfg).tokenizer
+    tokenizer = TOKENIZERS.build(tokenizer_cfg)
     if not tokenizer.fitted:
-        raise ValueError(f"data.tokenizer {cfg['data']['tokenizer']['type']!r} learns its "
+        raise ValueError(f"data.tokenizer {tokenizer_cfg['type']!r} learns its "
                          f"vocabulary from the training captions, so a model built from the "
                          f"config alone has none; load a trained run's checkpoint with it "
                          f"(checkpoint=..., or mmgoal.load(RUN_DIR))")
@@ -102,7 +102,7 @@ def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str]
 
 def _loaded(cfg: dict, model: torch.nn.Module, tokenizer, device: torch.device,
             checkpoint: Path | None, epoch: int | None) -> LoadedModel:
-    data = cfg["data"]
-    transform = build_transforms(data["eval_transforms"], data["image_size"])
+    transform = build_transforms(resolve_preprocessing(cfg).eval_transforms,
+                                 cfg["data"]["image_size"])
     return LoadedModel(model.to(device), transform, tokenizer, config=cfg,
                        checkpoint=checkpoint, epoch=epoch)

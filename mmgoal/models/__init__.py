@@ -1,3 +1,3 @@
 """Models (one file per family), encoders, layers and pretrained-weight loading."""
 
-from mmgoal.models import dual_encoder, encoders, layers, pretrained, scan, xvlm  # noqa: F401
+from mmgoal.models import clip, dual_encoder, encoders, layers, pretrained, scan, xvlm  # noqa: F401

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.data.preprocessing import Preprocessing
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
 from mmgoal.sequences import length_mask
@@ -95,6 +96,14 @@ class DualEncoder(nn.Module):
         self.embed_dim = embed_dim
         if grad_checkpointing:
             enable_grad_checkpointing(self)
+
+    @classmethod
+    def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:
+        """The image encoder's own transforms (a pretrained timm tower's statistics, see
+        ``TimmImageEncoder.preprocessing``); no tokenizer of its own."""
+        image_encoder = cfg["image_encoder"]
+        own = getattr(ENCODERS.get(image_encoder["type"]), "preprocessing", None)
+        return Preprocessing() if own is None else own(image_encoder, image_size)
 
     @staticmethod
     def _project_tokens(projection: nn.Module, tokens: torch.Tensor,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.contract import TemperatureModel
 from mmgoal.objectives.hard_negative import HardNegativeLoss, check_reduction
 from mmgoal.objectives.mining import scores_and_positives
 from mmgoal.registry import OBJECTIVES
@@ -146,6 +147,11 @@ class InfoNCELoss(nn.Module):
     caption of the same image counts as a positive (X-VLM's ITC). The
     temperature is clamped to ``[min_temperature, max_temperature]``.
 
+    A model that learns its own temperature (a
+    :class:`~mmgoal.contract.TemperatureModel`: CLIP's ``1 / exp(logit_scale)``)
+    sets it: the scores are divided by ``model.temperature()``, which the gradient
+    trains, and this loss's own ``temperature`` is not used.
+
     Args:
         temperature: initial temperature (0.07 in CLIP and X-VLM).
         learnable: optimise the temperature with the model.
@@ -170,7 +176,9 @@ class InfoNCELoss(nn.Module):
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         sims, positives = scores_and_positives(inputs)
-        temperature = self.temperature.clamp(self.min_temperature, self.max_temperature)
+        own = inputs.model.temperature() if isinstance(inputs.model, TemperatureModel) \
+            else self.temperature
+        temperature = own.clamp(self.min_temperature, self.max_temperature)
         logits = sims / temperature
         targets = positives.to(logits.dtype)
         i2t = -(targets / targets.sum(1, keepdim=True).clamp(min=1)

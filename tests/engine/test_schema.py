@@ -56,11 +56,28 @@ def test_overrides_of_defaulted_keys_and_of_a_components_options():
     ("evaluation.block_images=0", "evaluation.block_images must be at least 1, got 0"),
     ("evaluation.max_block_mb=-1", "evaluation.max_block_mb must be above 0, got -1"),
     ("data.val.folds=0", "data.val.folds must be at least 1, got 0"),
+    # the optimizer's keys that mmgoal reads itself (tests/engine/test_optimizers.py has more)
+    ("optimizer.no_decay=['bias', 'nrom']", "optimizer.no_decay: unknown kind 'nrom'"),
+    ("train.eval_before_training=1", "train.eval_before_training must be true or false, got 1"),
 ])
 def test_keys_nothing_knows_and_bad_values_are_errors(override, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("[", r"\[")
                        .replace("?", r"\?")):
         load_run_config(QUICKSTART, [override])
+
+
+def test_parameter_group_options_and_eval_before_training_are_keys_overrides_may_set():
+    cfg = load_run_config(QUICKSTART, [
+        "optimizer.no_decay=['bias', 'norm']",
+        "optimizer.layer_decay={'rate': 0.75, 'modules': ['image_encoder']}",
+        "train.eval_before_training=true"])
+    assert cfg["optimizer"]["no_decay"] == ["bias", "norm"]
+    assert cfg["optimizer"]["layer_decay"] == {"rate": 0.75, "modules": ["image_encoder"]}
+    assert cfg["train"]["eval_before_training"] is True
+    assert "no_decay" not in load_run_config(QUICKSTART)["optimizer"]  # today's groups
+    with pytest.raises(ValueError, match="train.eval_before_training evaluates on data.val, "
+                                         "which the config lacks"):
+        load_run_config(QUICKSTART, ["train.eval_before_training=true", "data.val=None"])
 
 
 def test_section_schema_reports_unknown_and_missing_keys():

@@ -314,3 +314,30 @@ def test_goal_quickstart_trains_any_combination(tiny_benchmark, tmp_path, triple
     assert all(torch.isfinite(v).all() for v in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert report["test"]["rsum"] > 0
+
+
+@pytest.mark.slow
+def test_eval_before_training_logs_the_loaded_model_once_as_epoch_minus_one(
+        tiny_benchmark, tmp_path, stop_hook, caplog):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=1, eval_before_training=True)
+    cfg["hooks"].append({"type": "StopAfterSteps", "steps": 2})
+    # group 0 (the image encoder's) is slowed: the logged lr is still the base group's
+    cfg["optimizer"].update(paramwise={"image_encoder": {"lr_mult": 0.5}},
+                            no_decay=["bias", "norm"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    initial = trainer.evaluate("val")
+    with caplog.at_level("INFO", logger="mmgoal.engine.trainer"):
+        assert trainer.fit()["interrupted"]
+    assert "epoch -1 val (before training): " in caplog.text
+    resumed = Trainer(cfg, tmp_path / "run", resume=True)
+    report = resumed.fit()  # from step 2: not evaluated again
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert records[0] == {"type": "val", "epoch": -1, "step": 0, **initial}
+    assert [(r["epoch"], r["step"]) for r in records if r["type"] == "val"] == [(-1, 0), (0, 6)]
+    # best.pt is about trained epochs: the only one, whatever the loaded model scored
+    epoch_0 = records[-2]
+    assert report["best"] == {"rsum": epoch_0["rsum"], "epoch": 0}
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")["epoch"] == 0
+    assert [r["lr"] for r in records if r["type"] == "train"] == pytest.approx(
+        [3e-3 * resumed.schedule.factor(r["step"] - 1) for r in records if r["type"] == "train"])

@@ -40,3 +40,15 @@ def test_curves_are_read_per_step_and_epoch_and_drawn_overlaid(tmp_path, capsys)
     assert "--labels names 2 runs, 1 are given" in capsys.readouterr().err
     assert plot_curves.main([str(tmp_path / "nowhere")]) == 2
     assert "does not exist; give a run directory" in capsys.readouterr().err
+
+
+def test_the_evaluation_before_training_is_the_first_point_at_epoch_minus_one(tmp_path):
+    run = write_run(tmp_path / "run", 1.0)
+    before = {"type": "val", "epoch": -1, "step": 0, "rsum": 60.0, "i2t_r1": 5.0, "t2i_r1": 4.0}
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(json.dumps(before) + "\n" + metrics.read_text())
+    curves = plot_curves.read_curves(run)
+    assert curves["val"] == {"epoch": [-1, 0, 1], "rsum": [60.0, 100.0, 150.0],
+                             "i2t_r1": [5.0, 10.0, 20.0], "t2i_r1": [4.0, 8.0, 18.0]}
+    assert curves["train"]["step"] == [2, 4, 6]
+    assert plot_curves.main([str(run), "--out", str(tmp_path / "curves.png")]) == 0

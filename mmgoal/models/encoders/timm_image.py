@@ -13,6 +13,7 @@ from einops import rearrange
 from torch import nn
 
 import mmgoal.models.encoders.small_cnn  # noqa: F401  (registers mmgoal_small_cnn in timm)
+from mmgoal.data.preprocessing import Preprocessing
 from mmgoal.models.pretrained import load_pretrained
 from mmgoal.registry import ENCODERS
 from mmgoal.sequences import length_mask, pack_kept
@@ -100,6 +101,20 @@ class TimmImageEncoder(nn.Module):
         self.token_dropout = token_dropout
         feat_mult = getattr(getattr(self.model, "global_pool", None), "feat_mult", lambda: 1)()
         self.out_dim = self.model.num_features * (feat_mult if output == "pooled" else 1)
+
+    @classmethod
+    def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:
+        """timm's preprocessing of the model's pretrained config (``TimmTransform``: its
+        mean/std, resize and centre crop; ``data.image_size`` sets the crop) for training
+        and evaluation alike (augmentation is the config's choice), when the tower loads
+        pretrained weights: random weights have no statistics of their own, nor does a
+        model timm has no pretrained config for."""
+        if not cfg.get("pretrained") or timm.models.get_pretrained_cfg(cfg["model_name"]) is None:
+            return Preprocessing()
+        transform = {"type": "TimmTransform", "model_name": cfg["model_name"]}
+        if image_size is not None:
+            transform["image_size"] = image_size
+        return Preprocessing(train_transforms=[transform], eval_transforms=[transform])
 
     def forward(self, batch: dict) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``batch["images"]`` (B, 3, H, W) -> (B, out_dim), or tokens (B, L, out_dim) + lengths."""

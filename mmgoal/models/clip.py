@@ -1,0 +1,430 @@
+"""CLIP-family dual encoders: open_clip models and Hugging Face CLIP/SigLIP, with their own
+preprocessing.
+
+CLIP (Radford et al., ICML 2021) and SigLIP (Zhai et al., ICCV 2023) embed images and
+texts in one space; the score of a pair is the cosine of its two embeddings. These
+models are the checkpoints most users fine-tune from, so each is used exactly as its
+library builds it: ``OpenCLIP`` gives open_clip's normalised ``encode_image`` /
+``encode_text``, ``HFCLIP`` transformers' ``get_image_features`` /
+``get_text_features``, and each brings its library's transforms and tokenizer
+(registered here) as its own preprocessing (:mod:`mmgoal.data.preprocessing`). Their
+learnt temperature (``logit_scale``) is InfoNCE's (:class:`mmgoal.contract.TemperatureModel`).
+
+Nothing is downloaded: weights, tokenizers and processors come from local files or
+from a cache filled beforehand. open_clip and transformers are imported when a model,
+tokenizer or transform of theirs is built, so ``import mmgoal`` does not load them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from mmgoal.data.preprocessing import Preprocessing
+from mmgoal.models.efficiency import enable_grad_checkpointing
+from mmgoal.paths import resolve_path
+from mmgoal.registry import MODELS, TOKENIZERS, TRANSFORMS
+from mmgoal.structures import ImageFeatures, TextFeatures
+
+logger = logging.getLogger(__name__)
+
+# open_clip's default weights file of a Hugging Face hub entry, and its safetensors twin
+# (open_clip.pretrained.download_pretrained_from_hf looks for the twin first)
+OPEN_CLIP_HUB_FILE = "open_clip_pytorch_model.bin"
+OPEN_CLIP_HUB_SAFE_FILE = "open_clip_model.safetensors"
+
+
+# ------------------------------------------------------------------------------ open_clip
+def open_clip_architecture(model_name: str, model_kwargs: dict | None = None) -> dict:
+    """open_clip's architecture config of ``model_name`` (``embed_dim``, ``vision_cfg``,
+    ``text_cfg``...) with ``model_kwargs`` on top, as ``open_clip.create_model`` merges
+    them (each key replaced whole).
+
+    Raises:
+        ValueError: open_clip has no architecture of that name.
+    """
+    import open_clip
+
+    if model_name.startswith(("hf-hub:", "local-dir:")):
+        raise ValueError(f"OpenCLIP model_name {model_name!r}: give an architecture name "
+                         f"(open_clip.list_models()) and the weights file as pretrained")
+    architecture = open_clip.get_model_config(model_name)
+    if architecture is None:
+        import difflib
+
+        close = difflib.get_close_matches(model_name, open_clip.list_models(), n=5, cutoff=0.5)
+        raise ValueError(f"open_clip has no architecture {model_name!r}; close names: "
+                         f"{', '.join(close) or 'none'} (all: open_clip.list_models(); one of "
+                         f"your own: open_clip.add_model_config(JSON) in a custom_imports module)")
+    return {**architecture, **(model_kwargs or {})}
+
+
+def open_clip_tag(model_name: str, pretrained: str | None) -> dict:
+    """open_clip's config of the pretrained tag ``pretrained`` of ``model_name``; ``{}`` when
+    it is not a tag (a file, or ``None``)."""
+    from open_clip.pretrained import get_pretrained_cfg
+
+    return get_pretrained_cfg(model_name, pretrained) if pretrained else {}
+
+
+def cached_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
+    """The local file of a pretrained tag, found where open_clip would have downloaded it
+    (the Hugging Face cache, or ``~/.cache/clip`` for a URL); never downloads.
+
+    Raises:
+        FileNotFoundError: the file is in neither cache, with the command that fetches it.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    if tag_cfg.get("file"):
+        return tag_cfg["file"]
+    looked, fetch = [], f"download {tag_cfg.get('url')}"
+    if tag_cfg.get("hf_hub"):
+        repo_id, filename = os.path.split(tag_cfg["hf_hub"])
+        filename = filename or OPEN_CLIP_HUB_FILE
+        fetch = f"hf download {repo_id} {filename}"
+        names = [OPEN_CLIP_HUB_SAFE_FILE] if filename == OPEN_CLIP_HUB_FILE else \
+            [filename[:-4] + ".safetensors"] if filename.endswith((".bin", ".pth")) else []
+        for name in [*names, filename]:
+            found = try_to_load_from_cache(repo_id, name)
+            if isinstance(found, str):
+                return found
+            looked.append(f"{repo_id}/{name} in the Hugging Face cache")
+    if tag_cfg.get("url"):
+        path = Path("~/.cache/clip").expanduser() / os.path.basename(tag_cfg["url"])
+        if path.is_file():
+            return str(path)
+        looked.append(str(path))
+    raise FileNotFoundError(
+        f"OpenCLIP {model_name} pretrained tag {tag!r}: its weights are not on this machine "
+        f"(looked for {'; '.join(looked)}) and mmgoal never downloads; fetch the file on a "
+        f"machine with network ({fetch}) and set model.pretrained to its path")
+
+
+def open_clip_weights(model_name: str, pretrained: str) -> str:
+    """The weights file ``pretrained`` names: a path (``pkg://`` too) or a cached tag.
+
+    Raises:
+        FileNotFoundError: neither an existing file nor a tag of the model, or a tag whose
+            file is not cached.
+    """
+    tag_cfg = open_clip_tag(model_name, pretrained)
+    if tag_cfg:
+        return cached_tag_file(model_name, pretrained, tag_cfg)
+    path = resolve_path(pretrained)
+    if Path(path).is_file():
+        return path
+    from open_clip import list_pretrained_tags_by_model
+
+    tags = list_pretrained_tags_by_model(model_name)
+    raise FileNotFoundError(f"OpenCLIP {model_name} pretrained {pretrained!r} is neither a file "
+                            f"nor one of its tags ({', '.join(tags) or 'none'})")
+
+
+@TRANSFORMS.register(name="OpenCLIPTransform")
+def open_clip_transform(model_name: str, tag: str | None = None, image_size: int | None = None,
+                        training: bool = False) -> Callable:
+    """open_clip's own image preprocessing of a model, as ``create_model_and_transforms``
+    builds it (``open_clip.image_transform_v2``).
+
+    Args:
+        model_name: an open_clip architecture (its image size).
+        tag: a pretrained tag, whose mean/std, interpolation and resize mode it brings
+            (a SigLIP tag: 0.5 statistics, squash); ``None``: open_clip's defaults (the
+            OpenAI statistics, shortest-side resize and centre crop), as for a weights file.
+        image_size: the side the model reads (default: the architecture's).
+        training: open_clip's training transform (random resized crop of 90-100% of the
+            image) instead of the eval one.
+    """
+    from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
+
+    size = image_size or open_clip_architecture(model_name)["vision_cfg"]["image_size"]
+    cfg = merge_preprocess_dict(PreprocessCfg(), open_clip_tag(model_name, tag))
+    return image_transform_v2(PreprocessCfg(**{**cfg, "size": size}), is_train=training)
+
+
+@TOKENIZERS.register()
+class OpenCLIPTokenizer:
+    """open_clip's tokenizer of a model (``open_clip.get_tokenizer``): every caption as
+    ``context_length`` ids (start, BPE tokens, end, then padding), as the model reads them.
+
+    CLIP's byte-pair vocabulary ships with open_clip; the models whose tokenizer open_clip
+    reads from the Hugging Face hub (SigLIP, RoBERTa text towers) need it in the local
+    cache (run with ``HF_HUB_OFFLINE=1`` to be sure nothing is fetched).
+
+    Args:
+        model_name: an open_clip architecture.
+        context_length: ids per caption (default: the architecture's, 77 for CLIP).
+    """
+
+    fitted = True  # a fixed vocabulary
+
+    def __init__(self, model_name: str, context_length: int | None = None) -> None:
+        import open_clip
+
+        self.model_name = model_name
+        try:
+            self.tokenizer = open_clip.get_tokenizer(model_name, context_length=context_length)
+        except OSError as error:  # a Hugging Face tokenizer (SigLIP, RoBERTa...) not cached
+            raise FileNotFoundError(
+                f"OpenCLIPTokenizer {model_name}: open_clip reads this model's tokenizer from "
+                f"the Hugging Face hub and its files are not in the local cache ({error}); "
+                f"fetch them on a machine with network, or set data.tokenizer to an "
+                f"HFTokenizer of a local folder") from error
+        self.context_length = self.tokenizer.context_length
+        # open_clip's own BPE pads with 0; its Hugging Face-backed tokenizers wrap one
+        # (``.tokenizer``) and pad with its pad id
+        self.hf_tokenizer = getattr(self.tokenizer, "tokenizer", None)
+        self.pad_id = int(getattr(self.hf_tokenizer, "pad_token_id", None) or 0)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size if self.hf_tokenizer is None else len(self.hf_tokenizer)
+
+    @property
+    def special_ids(self) -> list[int]:
+        """Start and end of text (and the padding)."""
+        owner = self.tokenizer if self.hf_tokenizer is None else self.hf_tokenizer
+        return sorted({*owner.all_special_ids, self.pad_id})
+
+    @property
+    def mask_id(self) -> int:
+        raise ValueError(f"OpenCLIPTokenizer ({self.model_name}) has no mask token: caption "
+                         f"masking (TokenAugment, MLM) needs a tokenizer with one")
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def fit(self, captions: Iterable[str]) -> OpenCLIPTokenizer:
+        return self
+
+    def __call__(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Captions -> ``tokens`` (B, context_length); ``lengths``: ids up to the last
+        non-padding one (the end of text)."""
+        tokens = self.tokenizer(list(captions)).long()
+        real = tokens != self.pad_id
+        positions = torch.arange(1, tokens.shape[1] + 1)
+        lengths = (real * positions).amax(dim=1)
+        return {"tokens": tokens, "lengths": lengths,
+                "attention_mask": positions[None, :] <= lengths[:, None]}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def check_image_size(image_size: int | None, own: int, model: str) -> None:
+    """A ``ValueError`` when ``data.image_size`` asks for another size than the model reads."""
+    if image_size is not None and image_size != own:
+        raise ValueError(f"data.image_size {image_size} differs from the {own} pixels {model} "
+                         f"is built for; set data.image_size to null (the model's own size), "
+                         f"or change the model")
+
+
+@MODELS.register()
+class OpenCLIP(nn.Module):
+    """An open_clip model (CLIP, OpenCLIP, MobileCLIP, SigLIP...) as a dual encoder.
+
+    Built with ``open_clip.create_model``; its embeddings are exactly open_clip's
+    normalised ``encode_image`` / ``encode_text``. Its own preprocessing: open_clip's
+    train and eval transforms (``OpenCLIPTransform``) and tokenizer
+    (``OpenCLIPTokenizer``), used where ``data`` leaves them null; its
+    ``logit_scale`` is InfoNCE's temperature.
+
+    Args:
+        model_name: an open_clip architecture (``ViT-B-32``, ``ViT-B-16``, ``RN50``...:
+            ``open_clip.list_models()``).
+        pretrained: a local weights file (open_clip's ``.bin``/``.pt``/``.pth``/
+            ``.safetensors``, or a ``pkg://`` path), a pretrained tag
+            (``open_clip.list_pretrained()``) whose file is already in the local cache,
+            or ``None``: random weights.
+        model_kwargs: overrides of the architecture, as ``create_model``'s keyword
+            arguments (``embed_dim``, ``vision_cfg``, ``text_cfg``... each replaced whole).
+        grad_checkpointing: recompute the towers' activations in the backward.
+    """
+
+    def __init__(self, model_name: str, pretrained: str | None = None,
+                 model_kwargs: dict | None = None, grad_checkpointing: bool = False) -> None:
+        super().__init__()
+        import open_clip
+
+        architecture = open_clip_architecture(model_name, model_kwargs)
+        weights = None if pretrained is None else open_clip_weights(model_name, pretrained)
+        tag_cfg = open_clip_tag(model_name, pretrained)
+        if tag_cfg and tag_cfg.get("quick_gelu", False) != architecture.get("quick_gelu", False):
+            logger.warning("OpenCLIP %s: the %s weights were trained with quick_gelu=%s, the "
+                           "architecture has %s; use the %s-quickgelu model_name (or the "
+                           "plain one) to match", model_name, pretrained,
+                           tag_cfg.get("quick_gelu", False), architecture.get("quick_gelu", False),
+                           model_name.removesuffix("-quickgelu"))
+        self.model = open_clip.create_model(model_name, pretrained=weights,
+                                            **(model_kwargs or {}))
+        self.model_name = model_name
+        if grad_checkpointing:
+            enable_grad_checkpointing(self)
+
+    @classmethod
+    def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:
+        """open_clip's train and eval transforms (with the preprocessing of a pretrained tag)
+        and tokenizer of the model; ``data.image_size``, if set, must be its size."""
+        architecture = open_clip_architecture(cfg["model_name"], cfg.get("model_kwargs"))
+        own_size = architecture["vision_cfg"]["image_size"]
+        check_image_size(image_size, own_size, f"OpenCLIP {cfg['model_name']}")
+        transform = {"type": "OpenCLIPTransform", "model_name": cfg["model_name"],
+                     "image_size": own_size}
+        if open_clip_tag(cfg["model_name"], cfg.get("pretrained")):
+            transform["tag"] = cfg["pretrained"]
+        tokenizer = {"type": "OpenCLIPTokenizer", "model_name": cfg["model_name"]}
+        context_length = architecture["text_cfg"].get("context_length")
+        if context_length is not None:
+            tokenizer["context_length"] = context_length
+        return Preprocessing(train_transforms=[{**transform, "training": True}],
+                             eval_transforms=[transform], tokenizer=tokenizer)
+
+    def encode_image(self, batch: dict) -> ImageFeatures:
+        """``batch["images"]`` (B, 3, H, W) -> (B, embed_dim) unit vectors."""
+        return ImageFeatures(self.model.encode_image(batch["images"], normalize=True))
+
+    def encode_text(self, batch: dict) -> TextFeatures:
+        """``batch["tokens"]`` (B, context_length) -> (B, embed_dim) unit vectors."""
+        return TextFeatures(self.model.encode_text(batch["tokens"], normalize=True))
+
+    def similarity(self, image_features: ImageFeatures,
+                   text_features: TextFeatures) -> torch.Tensor:
+        """(n_images, n_texts) cosine similarities."""
+        return image_features.embedding @ text_features.embedding.T
+
+    def temperature(self) -> torch.Tensor:
+        """``1 / exp(logit_scale)``, a scalar that carries the gradient to ``logit_scale``."""
+        return torch.exp(-self.model.logit_scale).reshape(())
+
+
+# ------------------------------------------------------------------------- Hugging Face
+# The text padding each supported family was trained with: CLIP pools its end-of-text
+# token wherever it is; SigLIP pools the last position, so its captions are padded to
+# the full length (transformers' SigLIP docs: padding="max_length").
+HF_TEXT_PADDING = {"clip": "longest", "siglip": "max_length"}
+
+
+def hf_model_type(config) -> str:
+    """The model type of a transformers config, refused unless ``HFCLIP`` supports it."""
+    if config.model_type not in HF_TEXT_PADDING:
+        raise ValueError(f"HFCLIP supports {', '.join(sorted(HF_TEXT_PADDING))} models, got a "
+                         f"{config.model_type!r} model")
+    return config.model_type
+
+
+@TRANSFORMS.register()
+class HFImageProcessor:
+    """A Hugging Face image processor (``AutoImageProcessor``) from a local folder, as a
+    transform: a PIL image -> the ``pixel_values`` the model reads (3, H, W).
+
+    Args:
+        path: folder with ``preprocessor_config.json`` (``pkg://`` too).
+    """
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoImageProcessor
+
+        self.path = path
+        self.processor = AutoImageProcessor.from_pretrained(resolve_path(path),
+                                                            local_files_only=True)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
+
+    def __repr__(self) -> str:
+        return f"HFImageProcessor(path={self.path!r}, {type(self.processor).__name__})"
+
+
+def pooled_features(output) -> torch.Tensor:
+    """The projected features of ``get_image_features`` / ``get_text_features``: a tensor
+    before transformers 5, a model output holding them as ``pooler_output`` since."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output
+
+
+@MODELS.register()
+class HFCLIP(nn.Module):
+    """A transformers ``CLIPModel`` or ``SiglipModel`` as a dual encoder.
+
+    Its embeddings are the normalised ``get_image_features`` / ``get_text_features``.
+    Its own preprocessing, from the same folder: the image processor
+    (``HFImageProcessor``, for training and evaluation) and the tokenizer
+    (``HFTokenizer`` at the model's text length; SigLIP's padded to it);
+    its ``logit_scale`` is InfoNCE's temperature.
+
+    Args:
+        path: a local folder with the model's ``config.json``, weights, image processor
+            and tokenizer (``save_pretrained`` of the model and its processor; ``pkg://``
+            too); loaded with ``local_files_only``.
+        config: instead of ``path``, a config of random weights, e.g. ``{model_type: clip,
+            text_config: {...}, vision_config: {...}}`` (no preprocessing of its own).
+        grad_checkpointing: recompute the towers' activations in the backward.
+    """
+
+    def __init__(self, path: str | None = None, config: dict | None = None,
+                 grad_checkpointing: bool = False) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModel
+
+        if (path is None) == (config is None):
+            raise ValueError("HFCLIP needs exactly one of path or config")
+        if path is not None:
+            self.model = AutoModel.from_pretrained(resolve_path(path), local_files_only=True)
+        else:
+            config = dict(config)
+            model_type = config.pop("model_type", None)
+            if model_type is None:
+                raise ValueError("HFCLIP config needs a model_type (clip or siglip)")
+            self.model = AutoModel.from_config(AutoConfig.for_model(model_type, **config))
+        hf_model_type(self.model.config)
+        if grad_checkpointing:
+            enable_grad_checkpointing(self)
+
+    @classmethod
+    def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:
+        """The folder's image processor and tokenizer (none for a ``config`` model);
+        ``data.image_size``, if set, must be the model's size."""
+        if cfg.get("path") is None:
+            return Preprocessing()
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(resolve_path(cfg["path"]), local_files_only=True)
+        model_type = hf_model_type(config)
+        check_image_size(image_size, config.vision_config.image_size,
+                         f"HFCLIP {cfg['path']}")
+        transforms = [{"type": "HFImageProcessor", "path": cfg["path"]}]
+        return Preprocessing(
+            train_transforms=transforms, eval_transforms=transforms,
+            tokenizer={"type": "HFTokenizer", "path": cfg["path"],
+                       "max_length": config.text_config.max_position_embeddings,
+                       "padding": HF_TEXT_PADDING[model_type]})
+
+    def encode_image(self, batch: dict) -> ImageFeatures:
+        """``batch["images"]`` (B, 3, H, W) -> (B, projection_dim) unit vectors."""
+        features = pooled_features(self.model.get_image_features(pixel_values=batch["images"]))
+        return ImageFeatures(F.normalize(features, dim=-1))
+
+    def encode_text(self, batch: dict) -> TextFeatures:
+        """``batch["tokens"]``, ``batch["attention_mask"]`` (B, L) -> (B, projection_dim)."""
+        features = pooled_features(self.model.get_text_features(
+            input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()))
+        return TextFeatures(F.normalize(features, dim=-1))
+
+    def similarity(self, image_features: ImageFeatures,
+                   text_features: TextFeatures) -> torch.Tensor:
+        """(n_images, n_texts) cosine similarities."""
+        return image_features.embedding @ text_features.embedding.T
+
+    def temperature(self) -> torch.Tensor:
+        """``1 / exp(logit_scale)``, a scalar that carries the gradient to ``logit_scale``."""
+        return torch.exp(-self.model.logit_scale).reshape(())

