@@ -1,9 +1,12 @@
 """How spread out a trained model's scores are: a check for hardest-negative collapse.
 
     python tools/score_stats.py work_dirs/sweep/conxcon/default/seed0 [--split test] [--pairs 512]
+    python tools/score_stats.py configs/clip/clip_vit_b_32_coco.yaml   # a checkpoint as it is
 
 Scores the first ``--pairs`` images of the split against their first captions
-with the run's ``checkpoints/best.pt`` and prints the median positive score and
+with a run's best checkpoint (else its latest), a checkpoint file, or the model
+a config builds with the weights it names (a CLIP checkpoint before
+fine-tuning: where to set GOAL's ``lam``), and prints the median positive score and
 the median and quartiles of each image's hardest-negative score. A collapsed
 model has positives and hardest negatives in the same narrow band.
 """
@@ -20,17 +23,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from mmgoal.data.pipeline import iter_eval_batches  # noqa: E402
-from mmgoal.evaluation.loading import load_for_evaluation  # noqa: E402
+from mmgoal.evaluation.loading import (  # noqa: E402
+    LoadedModel,
+    build_from_config,
+    load_for_evaluation,
+)
 from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
 
 
-def score_stats(run_dir: Path, split: str, pairs: int) -> dict[str, float]:
-    loaded = load_for_evaluation(run_dir / "checkpoints" / "best.pt", device="cpu")
+def load_model(source: Path) -> LoadedModel:
+    """A run directory or checkpoint with its weights, or a config with the weights it names."""
+    if source.suffix in (".yaml", ".yml"):
+        return build_from_config(source, device="cpu")
+    return load_for_evaluation(source, device="cpu")
+
+
+def score_stats(source: Path, split: str, pairs: int) -> dict[str, float]:
+    loaded = load_model(source)
     model, tokenizer, transform, cfg = (loaded.model, loaded.tokenizer, loaded.transform,
                                         loaded.config)
     positive, negative = [], []
     with torch.no_grad():
-        for batch in iter_eval_batches(cfg["data"][split]["shards"], transform, 128):
+        split_cfg = cfg["data"].get(split)
+        if not split_cfg:
+            raise ValueError(f"{source}: its config has no data.{split} to score")
+        for batch in iter_eval_batches(split_cfg["shards"], transform, 128):
             captions = [c[0] for c in batch["captions"]]
             texts = model.encode_text(tokenizer(captions))
             sims = model.similarity(model.encode_image(batch), texts)
@@ -48,7 +65,8 @@ def score_stats(run_dir: Path, split: str, pairs: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="+", help="run directories (with checkpoints/best.pt)")
+    parser.add_argument("runs", nargs="+", help="run directories, checkpoints, or configs whose "
+                                                "model loads pretrained weights")
     parser.add_argument("--split", default="test", choices=("val", "test"))
     parser.add_argument("--pairs", type=int, default=512)
     args = parser.parse_args(argv)
@@ -58,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError, KeyError) as error:
             print(f"error: {run}: {error}", file=sys.stderr)
             return 2
-        print(f"{run} (epoch {s['epoch']}, {s['pairs']} pairs): positive median "
+        where = "as loaded" if s["epoch"] is None else f"epoch {s['epoch']}"
+        print(f"{run} ({where}, {s['pairs']} pairs): positive median "
               f"{s['positive_median']:.2f}, hardest negative median {s['negative_median']:.2f} "
               f"(quartiles {s['negative_q25']:.2f}-{s['negative_q75']:.2f})")
     return 0

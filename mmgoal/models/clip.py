@@ -210,7 +210,7 @@ class OpenCLIPTokenizer:
         non-padding one (the end of text)."""
         tokens = self.tokenizer(list(captions)).long()
         real = tokens != self.pad_id
-        positions = torch.arange(1, tokens.shape[1] + 1)
+        positions = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
         lengths = (real * positions).amax(dim=1)
         return {"tokens": tokens, "lengths": lengths,
                 "attention_mask": positions[None, :] <= lengths[:, None]}

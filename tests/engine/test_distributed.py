@@ -369,18 +369,18 @@ def test_deepspeed_rank_0_evaluates_the_gathered_weights_before_training(setup, 
     """``train.eval_before_training`` under ZeRO-2 (rank 0 evaluates a copy built from the
     gathered weights) logs what one process gives for the same initial weights, once; the
     ``no_decay`` groups train there too."""
-    from mmgoal.engine.schema import load_run_config
-    from mmgoal.engine.trainer import Trainer
-
     _, data, _ = setup
     top = {"train": {"epochs": 1, "log_every": 5, "progress": False,
                      "eval_before_training": True},
            "optimizer": {"lr": 3e-3, "no_decay": ["bias", "norm", "vector"]}}
     ok(launch("deepspeed", write_config(tmp_path / "ranks.yaml", data, PER_RANK, **top),
               tmp_path / "zero2", "--deepspeed"))
-    one = Trainer(load_run_config(write_config(tmp_path / "one.yaml", data, 2 * PER_RANK,
-                                               **top)), tmp_path / "one")
-    records = [json.loads(line) for line in
-               (tmp_path / "zero2" / "metrics.jsonl").read_text().splitlines()]
-    assert records[0] == {"type": "val", "epoch": -1, "step": 0, **one.evaluate("val")}
+    # one process, no epoch to train: the evaluation of the same initial weights alone (in
+    # a process of its own: the config imports the test components)
+    ok(launch("single", write_config(tmp_path / "one.yaml", data, 2 * PER_RANK, **top),
+              tmp_path / "one", "--cfg-options", "train.epochs=0"))
+    records, (one, *_) = ([json.loads(line) for line in
+                           (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                          for run in ("zero2", "one"))
+    assert records[0] == one and one["epoch"] == -1 and one["type"] == "val"
     assert [r["epoch"] for r in records if r["type"] == "val"] == [-1, 0]

@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import yaml
 from PIL import Image
 
 import mmgoal
+from mmgoal.api import Index
 from mmgoal.data.preprocessing import resolve_preprocessing
 from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.schema import load_model_config
@@ -227,31 +229,45 @@ def test_hf_clip_from_a_model_only_config_gives_transformers_features(tmp_path, 
         math.exp(-reference.logit_scale.item()))
 
 
-def test_a_run_trains_with_the_model_preprocessing_and_loads_back(tiny_benchmark, tmp_path):
+def test_the_tiny_clip_config_trains_and_its_run_scores_like_its_validation(tiny_benchmark,
+                                                                           tmp_path):
     from mmgoal.data.preprocessing import Preprocessing
+    from mmgoal.engine.schema import load_run_config
     from mmgoal.engine.trainer import Trainer
+    from mmgoal.evaluation.gallery import encode_gallery
+    from mmgoal.evaluation.retrieval import retrieval_metrics
     from mmgoal.models.clip import OpenCLIPTokenizer
 
     out, _ = tiny_benchmark
-    model = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": TINY_CLIP}
-    cfg = {"model": model, "objective": {"type": "InfoNCELoss"},
-           "optimizer": {"type": "AdamW", "lr": 1e-3},
-           "data": {"num_workers": 0,  # no tokenizer, transforms nor image size: the model's
-                    "train": {"type": "ShardDataset", "batch_size": 16,
-                              "shards": str(out / "train-{000000..000002}.tar")},
-                    "val": {"shards": str(out / "val-000000.tar")},
-                    "test": {"shards": str(out / "test-{000000..000001}.tar")}},
-           "train": {"epochs": 1, "samples_per_epoch": 32, "progress": False, "log_every": 1}}
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_run_config(root / "configs" / "clip" / "clip_tiny_synthetic.yaml", [
+        "data.num_workers=0", "data.train.batch_size=16", "train.samples_per_epoch=48",
+        "train.epochs=1", "train.progress=false", "train.log_every=1",
+        f"data.train.shards={out}/train-{{000000..000002}}.tar",
+        f"data.val.shards={out}/val-000000.tar", f"data.test.shards={out}/test-000000.tar"])
+    # no tokenizer, transforms nor image size in the config: the model's own
+    assert cfg["data"]["tokenizer"] is None and cfg["data"]["image_size"] is None
     torch.manual_seed(0)
     trainer = Trainer(cfg, tmp_path / "run")
     assert isinstance(trainer.tokenizer, OpenCLIPTokenizer)
-    assert trainer.preprocessing == MODELS.get("OpenCLIP").preprocessing(model, None) != \
-        Preprocessing()
+    assert trainer.preprocessing == MODELS.get("OpenCLIP").preprocessing(cfg["model"], None) \
+        != Preprocessing()
     before = trainer.model.model.logit_scale.item()
     trainer.fit()
-    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["tokenizer"] \
-        is None  # null stays "the model's own"
-    loaded = mmgoal.load(tmp_path / "run", device="cpu")
-    assert isinstance(loaded.tokenizer, OpenCLIPTokenizer)
-    assert loaded.model.model.logit_scale.item() != before
-    assert loaded.encode_images(images()).shape == (3, 16)
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["tokenizer"] is None
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    assert len(train) == 3 and all(math.isfinite(r["infonce_loss"]) for r in train)
+    loaded = mmgoal.load(run, device="cpu")
+    assert loaded.model.model.logit_scale.item() != before  # InfoNCE's temperature trains it
+    # the loaded run, with the model's preprocessing, scores the validation split as the
+    # trainer's validation did
+    gallery = encode_gallery(loaded.model, str(out / "val-000000.tar"), loaded.transform,
+                             loaded.tokenizer, progress=False)
+    sims = loaded.score(Index("images", gallery.images), Index("texts", gallery.texts))
+    got = retrieval_metrics(sims, gallery.text_to_image)
+    (val,) = [r for r in records if r["type"] == "val"]
+    for key in ("i2t_r1", "i2t_r5", "t2i_r1", "t2i_r5", "rsum"):
+        assert got[key] == pytest.approx(val[key]), key
+    assert loaded.encode_images(images()).shape == (3, 128)
