@@ -1,4 +1,6 @@
-"""The model contract: what the trainer, objectives and evaluation call on a model.
+"""The model contract: what the trainer, objectives and evaluation call on a model
+(and the one optional method the strategies call on an objective:
+:class:`StepAwareObjective`).
 
 Every registered model satisfies :class:`RetrievalModel`; the other protocols
 are capabilities a model may add, checked by name with :func:`require` where a
@@ -78,6 +80,16 @@ class TemperatureModel(RetrievalModel, Protocol):
     fine-tuned at the temperature it was trained with and keeps learning it."""
 
     def temperature(self) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class StepAwareObjective(Protocol):
+    """An objective whose state follows the optimisation steps (``GoalObjective``'s ``lam:
+    auto``): the strategy calls ``finish_step(applied)`` on every rank after every step,
+    once the window's micro-batches have run; ``applied`` is False for a skipped step. It
+    may be collective (all-gather what the step's calls recorded)."""
+
+    def finish_step(self, applied: bool) -> None: ...
 
 
 CAPABILITIES: tuple[type, ...] = (CrossAttentionModel, MatchingModel, MaskedLanguageModel,

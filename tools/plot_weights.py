@@ -11,7 +11,7 @@ drawn with its default options, except the two a config's ``GoalObjective``
 names (with the options it gives them); ``--set NAME=VALUE`` then sets an
 option on every weight that takes it. The multi-similarity pair weights depend
 on the rest of the batch; they are drawn with empty comparison sets, where they
-equal ``sig`` and ``lin``.
+equal ``sig`` and ``lin``. A ``lam: auto`` weight is drawn at its ``lam_init``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ class EmptyComparison:
 
 def call_weight(weight: BoundWeight, s_p: torch.Tensor, s_n: torch.Tensor):
     extra = {"relative": EmptyComparison()} if weight.takes_relative else {}
-    return weight.fn(s_p, s_n, **weight.options, **extra)
+    if weight.adaptive_lam:  # drawn where lam: auto starts
+        extra["lam"] = weight.options["lam_init"]
+    return weight.fn(s_p, s_n, **{**weight.options, **extra})
 
 
 def draw(weights: dict[str, list[BoundWeight]], out: Path, resolution: int = 201) -> None:

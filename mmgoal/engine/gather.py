@@ -85,6 +85,26 @@ def gather_with_grad(local: torch.Tensor, pad_dim: int | None = None) -> torch.T
     return _AllGather.apply(local)
 
 
+@torch.no_grad()
+def gather_varying_length(local: torch.Tensor) -> torch.Tensor:
+    """(n_r,) per rank -> (n_0 + n_1 + ...,): every rank's values in rank order, on every rank.
+
+    The lengths may differ across ranks (statistics of a batch, such as one score per
+    positive pair); each rank's values are padded to the longest for the collective
+    and cut back after. No gradient.
+    """
+    if world_info()[1] == 1:
+        return local
+    lengths = [shape[0] for shape in _same_shapes(local)]
+    if not max(lengths):
+        return local
+    padded = local.new_zeros(max(lengths))
+    padded[:len(local)] = local
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:length] for part, length in zip(parts, lengths)])
+
+
 def gather_features(features: Any) -> Any:
     """A feature object (tensor or ``ImageFeatures``-like dataclass) gathered over ranks.
 

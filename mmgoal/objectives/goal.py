@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from mmgoal.objectives.adaptive_lam import AdaptiveLam
 from mmgoal.objectives.hard_negative import check_reduction
 from mmgoal.objectives.mining import mine_triplets, scores_and_positives
 from mmgoal.objectives.weights import RelativeScores
@@ -29,6 +30,10 @@ from mmgoal.registry import OBJECTIVES, PAIR_WEIGHTS, TRIPLET_WEIGHTS
 from mmgoal.structures import ObjectiveInputs
 
 WEIGHT_REGISTRIES = {"triplet": TRIPLET_WEIGHTS, "pair": PAIR_WEIGHTS}
+# lam: auto, mmgoal's adaptive lambda (mmgoal/objectives/adaptive_lam.py), and the options
+# that configure it; a weight that takes lam declares them to allow it.
+AUTO = "auto"
+ADAPTIVE_LAM_OPTIONS = ("lam_momentum", "lam_init")
 
 
 def weight_options(weight: Callable) -> dict[str, Any]:
@@ -52,13 +57,59 @@ class BoundWeight(NamedTuple):
     options: dict[str, Any]
     takes_relative: bool
 
+    @property
+    def adaptive_lam(self) -> bool:
+        """``lam: auto``: the objective passes its running ``lam`` at every call."""
+        return self.options.get("lam") == AUTO
+
     def __str__(self) -> str:
-        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.options.items())})"
+        shown = [f"{k}={v}" for k, v in self.options.items()
+                 if self.adaptive_lam or k not in ADAPTIVE_LAM_OPTIONS]
+        return f"{self.name}({', '.join(shown)})"
 
 
 def _spelling_hint(key: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
     return f"{key} (did you mean {close[0]}?)" if close else key
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
+               given: Mapping[str, Any]) -> None:
+    """``lam`` is a number or ``auto``, and ``lam: auto``'s options come with it only."""
+    lam = options["lam"]
+    if lam != AUTO and not _is_number(lam):
+        close = isinstance(lam, str) and difflib.get_close_matches(lam.lower(), [AUTO], n=1,
+                                                                    cutoff=0.6)
+        raise ValueError(f"{where}: {name!r} option lam must be a number or auto (mmgoal's "
+                         f"adaptive lambda, docs/objectives.md); got {lam!r}"
+                         f"{' (did you mean auto?)' if close else ''}")
+    adaptive_given = [key for key in ADAPTIVE_LAM_OPTIONS if key in given]
+    if lam != AUTO:
+        if adaptive_given:
+            raise ValueError(f"{where}: {', '.join(adaptive_given)} (option(s) of lam: auto, "
+                             f"mmgoal's adaptive lambda) would apply to nothing with lam: "
+                             f"{lam}; remove them or set lam: auto")
+        return
+    if slot != "pair":
+        raise ValueError(f"{where}: lam: auto follows the scores of positives and hardest "
+                         f"negatives, for pair weights only; give {name!r} a number")
+    missing = [key for key in ADAPTIVE_LAM_OPTIONS if key not in options]
+    if missing:
+        raise ValueError(f"{where}: {name!r} takes lam but not {', '.join(missing)}, which "
+                         f"lam: auto reads: give it keyword parameters {', '.join(missing)} "
+                         f"with defaults (docs/objectives.md)")
+    momentum, initial = options["lam_momentum"], options["lam_init"]
+    if not _is_number(momentum) or not 0 <= momentum < 1:
+        raise ValueError(f"{where}: lam_momentum must be a number in [0, 1) (the weight of "
+                         f"the running lam at each update; 0 takes each step's midpoint); "
+                         f"got {momentum!r}")
+    if not _is_number(initial):
+        raise ValueError(f"{where}: lam_init must be a number (lam until the first update); "
+                         f"got {initial!r}")
 
 
 def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
@@ -77,7 +128,9 @@ def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
         KeyError: the name is not registered (the message lists the names).
         ValueError: ``spec`` is neither a name nor a mapping with a ``type``, it
             sets an option the weight does not take or leaves out one without a
-            default, or a pair weight takes ``relative`` but no ``eps``.
+            default, a pair weight takes ``relative`` but no ``eps``, or ``lam``
+            is neither a number nor ``auto`` (whose options ``lam_momentum`` and
+            ``lam_init`` it then checks, and refuses without it).
     """
     registry = WEIGHT_REGISTRIES[slot]
     where = f"objective.{slot}"
@@ -107,7 +160,10 @@ def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
         raise ValueError(f"{where}: {name!r} takes relative, the multi-similarity comparison "
                          f"sets, which only pair weights get and which are built with the "
                          f"weight's own eps option: give it an eps parameter")
-    return BoundWeight(name, fn, {**defaults, **given}, takes_relative)
+    options = {**defaults, **given}
+    if "lam" in options:
+        _check_lam(where, slot, name, options, given)
+    return BoundWeight(name, fn, options, takes_relative)
 
 
 def _misplaced_options_error(specs: Mapping[str, Any], misplaced: Mapping[str, Any]
@@ -156,6 +212,11 @@ class GoalObjective(nn.Module):
             (``alpha``, ``beta``, ``lam``), ``lin_ms`` (``lin_shift``, ``eps``),
             ``sig_ms`` (``alpha``, ``beta``, ``lam``, ``eps``). ``eps``, the
             multi-similarity comparison margin, builds the ``relative`` sets.
+            ``lam: auto`` (``sig``, ``sig_ms``; with ``lam_momentum``,
+            ``lam_init``) is mmgoal's adaptive lambda, not the paper's: a moving
+            average of the midpoint between the median positive and the median
+            hardest-negative score, updated at every optimisation step
+            (:mod:`mmgoal.objectives.adaptive_lam`, docs/objectives.md).
         reduction: ``sum`` over triplets (VSE++) or ``mean`` over positives.
         **misplaced: accepted only to reject weight options given at the
             objective level (the old flat form ``tau: 5``) with the nested form
@@ -164,7 +225,11 @@ class GoalObjective(nn.Module):
     Returns (from ``forward``): ``goal_loss``, whose value is the weighted
     violation ``sum T * (s_n - s_p)`` (for logging; it is not a loss whose
     gradient is ``G``) and whose gradient is ``G``; ``active_fraction``, the
-    mean triplet weight.
+    mean triplet weight; with ``lam: auto``, ``lam``, the value this call used.
+
+    Attributes:
+        adaptive_lam: the running ``lam`` of ``lam: auto`` (its state is
+            checkpointed with the objective); ``None`` for a fixed ``lam``.
     """
 
     def __init__(self, triplet: str | Mapping[str, Any] = "con",
@@ -177,6 +242,9 @@ class GoalObjective(nn.Module):
         self.triplet_weight = bind_weight("triplet", triplet)
         self.pair_weight = bind_weight("pair", pair)
         self.reduction = check_reduction(reduction)
+        options = self.pair_weight.options
+        self.adaptive_lam = (AdaptiveLam(options["lam_momentum"], options["lam_init"])
+                             if self.pair_weight.adaptive_lam else None)
 
     def extra_repr(self) -> str:
         return f"triplet={self.triplet_weight}, pair={self.pair_weight}, reduction={self.reduction}"
@@ -198,6 +266,12 @@ class GoalObjective(nn.Module):
         s_p, *negatives = triplets.scores(scores)
         triplet, pair = self.triplet_weight, self.pair_weight
         pair_kwargs = dict(pair.options)
+        if self.adaptive_lam is not None:
+            pair_kwargs["lam"] = self.adaptive_lam.value
+            if self.training:
+                # the scores the pair weight sees: every positive, every valid triplet's negative
+                self.adaptive_lam.observe(s_p, torch.cat([negatives[0][triplets.i2t_valid],
+                                                          negatives[1][triplets.t2i_valid]]))
         grad = torch.zeros_like(scores)
         violation = scores.new_zeros(())
         weight_sum = scores.new_zeros(())
@@ -229,4 +303,13 @@ class GoalObjective(nn.Module):
         surrogate = (grad.to(sims.dtype) * sims).sum()
         # value: the logged violation; gradient: exactly G (times the incoming gradient)
         loss = surrogate - surrogate.detach() + violation.to(sims.dtype)
-        return {"goal_loss": loss, "active_fraction": mean_weight}
+        outputs = {"goal_loss": loss, "active_fraction": mean_weight}
+        if self.adaptive_lam is not None:
+            outputs["lam"] = torch.tensor(self.adaptive_lam.value, device=sims.device)
+        return outputs
+
+    def finish_step(self, applied: bool) -> None:
+        """After every optimisation step (the strategies call it on every rank): ``lam:
+        auto`` takes the step's statistics when ``applied``; nothing for a fixed ``lam``."""
+        if self.adaptive_lam is not None:
+            self.adaptive_lam.finish_step(applied)

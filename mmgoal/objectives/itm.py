@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmgoal.contract import MatchingModel, require
+from mmgoal.contract import MatchingModel, StepAwareObjective, require
 from mmgoal.objectives.mining import draw_one_per_row, scores_and_positives
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs, cat_features, check_inputs, index_features
@@ -107,3 +107,10 @@ class ObjectiveSum(nn.Module):
                     raise ValueError(f"two ObjectiveSum terms both return {key!r}")
                 outputs[key] = value
         return outputs
+
+    def finish_step(self, applied: bool) -> None:
+        """Pass the end of a step on to the terms that keep state across it (GOAL's
+        ``lam: auto``), so they behave inside a sum as they do alone."""
+        for term in self.terms:
+            if isinstance(term, StepAwareObjective):
+                term.finish_step(applied)

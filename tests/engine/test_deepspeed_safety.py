@@ -3,8 +3,11 @@
 DeepSpeed reads its own files with ``torch.load(weights_only=False)``; the
 strategy routes every load weights-only, on both resume paths: the same layout
 (DeepSpeed's checkpoint engine) and another ZeRO stage (the universal converter).
+Both paths also restore the module's state outside its parameters (here the
+running ``lam`` of ``lam: auto``), which DeepSpeed's universal loader leaves out.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -59,17 +62,50 @@ def trained(tmp_path_factory):
                     shard_size=8, progress=False)
     config = write_config(root / "run.yaml", root / "data", 8,
                           strategy={"type": "deepspeed", "zero_stage": 2},
-                          train={"epochs": 1, "log_every": 2, "progress": False})
+                          objective={"_delete_": True, "type": "GoalObjective", "triplet": "cir",
+                                     "pair": {"type": "sig_ms", "lam": "auto"}},
+                          train={"epochs": 1, "log_every": 1, "progress": False})
     ok(launch("single", config, root / "run"))
     return root, config
+
+
+def checkpointed_lam(run: Path) -> tuple[int, int, float]:
+    """(epoch, step, the running lam) of the run's latest DeepSpeed checkpoint."""
+    checkpoints = run / "checkpoints" / "deepspeed"
+    folder = checkpoints / read_pointer(checkpoints / LATEST)
+    state = load_checkpoint(folder / "trainer_state.pt")
+    module = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    return state["epoch"], state["step"], float(module["objective.adaptive_lam.lam"])
+
+
+def resumes_with_its_lam(run: Path, config: Path) -> str:
+    """Resume ``run`` for one more epoch; the first step after the checkpoint logs the lam it
+    used: the checkpoint's (float32 in the log). Returns the resumed run's stderr."""
+    epoch, step, lam = checkpointed_lam(run)
+    result = ok(launch("single", config, run, "--resume", "--cfg-options",
+                       f"train.epochs={epoch + 1}"))
+    logged = {r["step"]: r.get("lam") for r in map(json.loads, open(run / "metrics.jsonl"))
+              if r["type"] == "train"}
+    assert logged[step + 1] == float(torch.tensor(lam, dtype=torch.float32)) != 0.5
+    return result.stderr
 
 
 def test_a_legitimate_checkpoint_resumes_weights_only(trained):
     root, config = trained
     run = root / "run"
     assert read_pointer(run / "checkpoints" / "deepspeed" / LATEST) == "epoch0001-step000000004"
-    ok(launch("single", config, run, "--resume", "--cfg-options", "train.epochs=2"))
+    resumes_with_its_lam(run, config)
     assert read_pointer(run / "checkpoints" / "deepspeed" / LATEST) == "epoch0002-step000000008"
+
+
+def test_another_zero_stage_resumes_with_the_state_outside_the_parameters(trained, tmp_path):
+    root, config = trained
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run, ignore=shutil.ignore_patterns("*-universal"))
+    checkpoints = run / "checkpoints" / "deepspeed"
+    trainer_state = checkpoints / read_pointer(checkpoints / LATEST) / "trainer_state.pt"
+    save_checkpoint({**load_checkpoint(trainer_state), "zero_stage": 1}, trainer_state)
+    assert "universal checkpoint" in resumes_with_its_lam(run, config)
 
 
 @pytest.mark.parametrize("written_by_zero_stage", [2, 1], ids=["same-layout", "universal"])

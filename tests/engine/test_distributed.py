@@ -297,15 +297,23 @@ def test_a_corrupt_shard_on_one_rank_does_not_hang_the_other(setup, tmp_path):
 
 
 def test_gradient_accumulation_matches_between_deepspeed_and_one_process(setup, tmp_path):
+    """With lam: auto too: each micro-batch's gathered scores are the one process's, and
+    lam, updated once a step from every micro-batch of every rank, is the same."""
     root, data, _ = setup
-    train = {"epochs": 1, "log_every": 5, "progress": False, "accumulate_steps": 2}
-    single = write_config(tmp_path / "single.yaml", data, 8, train=train)
-    ranks = write_config(tmp_path / "ranks.yaml", data, 4, train=train)
+    train = {"epochs": 1, "log_every": 1, "progress": False, "accumulate_steps": 2}
+    objective = {"_delete_": True, "type": "GoalObjective", "triplet": "cir",
+                 "pair": {"type": "sig_ms", "lam": "auto", "lam_momentum": 0.5}}
+    single = write_config(tmp_path / "single.yaml", data, 8, train=train, objective=objective)
+    ranks = write_config(tmp_path / "ranks.yaml", data, 4, train=train, objective=objective)
     ok(launch("single", single, tmp_path / "single"))
     result = ok(launch("torchrun", ranks, tmp_path / "ranks", "--deepspeed"))
     assert "global batch 16 = 4 per rank x 2 rank(s) x 2 accumulation step(s)" in result.stderr
     assert max_difference(final_weights(tmp_path / "single"),
                           final_weights(tmp_path / "ranks")) < 1e-5
+    lams = [[r["lam"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["type"] == "train"]
+            for run in (tmp_path / "single", tmp_path / "ranks")]
+    assert len(lams[0]) == 10 and len(set(lams[0])) == 10
+    assert lams[0] == pytest.approx(lams[1], abs=1e-6)
 
 
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(setup, tmp_path):

@@ -21,6 +21,8 @@ OBJECTIVES_TRIED = {
     # a parameter used after the gather: its gradient must not be counted twice
     "infonce": {"type": "InfoNCELoss", "temperature": 0.1, "learnable": True},
 }
+LAM_AUTO = {"type": "GoalObjective", "triplet": "cir",
+            "pair": {"type": "sig_ms", "lam": "auto", "lam_momentum": 0.5}}
 
 
 def make_problem(name):
@@ -48,6 +50,30 @@ def step(image_encoder, text_encoder, objective, images, texts, ids):
     return [p.detach().clone() for p in params]
 
 
+def lam_trajectories(slices):
+    """``lam: auto`` after each of 3 steps, scoring the features of ``slices`` of each
+    step's batch: gathered over the ranks (one global score matrix), and alone (features
+    not gathered: one score matrix per slice, as the micro-batches of one step)."""
+    torch.manual_seed(1)
+    objectives = {"gathered": OBJECTIVES.build(LAM_AUTO), "alone": OBJECTIVES.build(LAM_AUTO)}
+    trajectories = {name: [] for name in objectives}
+    for _ in range(3):
+        images = F.normalize(torch.randn(BATCH, DIM, dtype=torch.float64), dim=-1)
+        texts = F.normalize(torch.randn(BATCH, DIM, dtype=torch.float64), dim=-1)
+        gathered = [gather_features(torch.cat([part[s] for s in slices]))
+                    for part in (images, texts)]
+        groups = gather_groups([i for s in slices for i in IDS[s]])
+        objectives["gathered"](ObjectiveInputs(gathered[0] @ gathered[1].T,
+                                               positives_from_groups(groups)))
+        for s in slices:
+            objectives["alone"](ObjectiveInputs(images[s] @ texts[s].T,
+                                                positives_from_groups(torch.tensor(IDS[s]))))
+        for name, objective in objectives.items():
+            objective.finish_step(True)  # all-gathers the ranks' statistics
+            trajectories[name].append(objective.adaptive_lam.value)
+    return trajectories
+
+
 def worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -65,6 +91,7 @@ def worker(rank, world, port, out_dir):
         gathered = gather_features(TextFeatures(tokens[:, 0], tokens=tokens, mask=mask))
         (gathered.tokens * torch.arange(4.0)[:, None, None]).sum().backward()
         results["tokens"] = [gathered.tokens.detach(), gathered.mask, tokens.grad]
+        results["lam"] = lam_trajectories([local])
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -94,6 +121,12 @@ def test_two_process_gathered_update_matches_one_process(tmp_path):
         # every rank's loss weighs its rows 0..3: the summed gradient of a slice is 2x
         expected = 2 * torch.arange(4.0)[2 * rank:2 * rank + 2, None, None].expand_as(grad)
         assert torch.equal(grad, expected)
+    # lam: auto is the same on every rank and equal to one process's: over the gathered
+    # global batch, and over the ranks' own batches as the micro-batches of one step
+    single = lam_trajectories([slice(0, BATCH // 2), slice(BATCH // 2, BATCH)])
+    assert single["gathered"] != single["alone"]  # hardest negatives of 12 vs of 6
+    for result in ranks:
+        assert result["lam"] == single
 
 
 def test_gather_is_the_identity_in_one_process():

@@ -114,6 +114,35 @@ def test_interrupted_run_resumes_to_the_same_weights(tiny_benchmark, tmp_path, s
 
 
 @pytest.mark.slow
+def test_lam_auto_is_logged_every_step_and_resumes_exactly(tiny_benchmark, tmp_path, stop_hook):
+    out, _ = tiny_benchmark
+
+    def config(*hooks):
+        cfg = tiny_config(out, epochs=1, log_every=1)
+        cfg["objective"] = {"type": "GoalObjective", "triplet": "cir",
+                            "pair": {"type": "sig_ms", "lam": "auto", "lam_momentum": 0.5}}
+        cfg["hooks"] = list(hooks)
+        return cfg
+
+    def lams(run):
+        return [r["lam"] for r in map(strict_json, open(run / "metrics.jsonl"))
+                if r["type"] == "train"]
+
+    Trainer(config(), tmp_path / "full").fit()
+    Trainer(config({"type": "StopAfterSteps", "steps": 3}), tmp_path / "cut").fit()
+    Trainer(config(), tmp_path / "cut", resume=True).fit()
+    full, cut = lams(tmp_path / "full"), lams(tmp_path / "cut")
+    assert len(full) == 6 and full[0] == 0.5 and len(set(full)) == 6  # lam_init, then moving
+    assert cut == full
+    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "last.pt")
+    b = load_checkpoint(tmp_path / "cut" / "checkpoints" / "last.pt")
+    assert a["objective"]["adaptive_lam.updates"] == 6
+    assert a["objective"]["adaptive_lam.lam"] == b["objective"]["adaptive_lam.lam"]
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+
+
+@pytest.mark.slow
 def test_run_directory_contents(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark
     report = Trainer(tiny_config(out), tmp_path / "run").fit()

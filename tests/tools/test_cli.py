@@ -183,6 +183,10 @@ def test_plot_weights(tmp_path):
                       "--cfg-options", "objective.triplet={'type': 'con', 'tau': 5}", "--out", out)
     assert result.returncode == 2
     assert "'con' takes margin; got unknown option(s) tau" in result.stderr
+    # a lam: auto pair weight is drawn at its lam_init
+    result = run_tool("tools/plot_weights.py", ROOT / "configs/goal/quickstart_goal_auto_lam.yaml",
+                      "--out", out)
+    assert result.returncode == 0, result.stderr
 
 
 def test_sweep_rejects_options_before_training(tiny_benchmark, tmp_path):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmgoal.contract import StepAwareObjective
 from mmgoal.devices import check_precision, move_to_device, resolve_device
 from mmgoal.engine.checkpoint import NonFiniteStateError, nonfinite_tensors
 from mmgoal.engine.gather import world_info
@@ -228,7 +229,8 @@ class Strategy:
 
         Every micro-batch is moved to the device, run forward and backward; all
         ranks agree after each forward whether its loss is finite, and a window
-        with a non-finite loss (or gradient) is skipped on every rank.
+        with a non-finite loss (or gradient) is skipped on every rank. Then a
+        :class:`~mmgoal.contract.StepAwareObjective` hears that the step ended.
 
         Args:
             micro_batches: the window, ``train.accumulate_steps`` batches (fewer
@@ -247,6 +249,8 @@ class Strategy:
                     value = value.detach().float().reshape(())
                     sums[key] = sums[key] + value if key in sums else value
         applied = self.apply_step(window_ok) if count else False
+        if isinstance(objective, StepAwareObjective):
+            objective.finish_step(applied)
         return StepResult(applied=applied, nonfinite=count > 0 and not applied,
                           outputs={k: v / count for k, v in sums.items()}, micro_batches=count)
 

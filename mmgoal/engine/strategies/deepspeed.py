@@ -12,7 +12,9 @@ rank's partitions), ``trainer_state.pt`` (epoch, step, data position, every
 rank's RNG) and ``weights.pt``, the consolidated float32 model in the mmgoal
 format (what ``tools/export.py`` and ``tools/evaluate.py`` read). A run with
 another number of processes or ZeRO stage resumes through DeepSpeed's universal
-checkpoint (converted once, next to the tag), optimizer state included.
+checkpoint (converted once, next to the tag), optimizer state included; the
+module's state outside its parameters (buffers, ``lam: auto``), which DeepSpeed's
+universal loader leaves out, comes from the tag's model states file.
 ``checkpoints/deepspeed/latest`` names the newest complete tag; it is rewritten
 atomically only after every rank has finished writing, so a run killed while
 saving resumes from the previous checkpoint. Every file is read weights-only
@@ -435,3 +437,16 @@ class DeepSpeedStrategy(Strategy):
             self.engine.load_checkpoint(str(root), tag=universal.name)
         finally:
             self.engine._config.load_universal_checkpoint = False
+        self.load_non_parameter_state(root / tag)
+
+    def load_non_parameter_state(self, folder: Path) -> None:
+        """The module's state other than parameters (BatchNorm statistics, the running
+        ``lam`` of ``lam: auto``) from ``folder``'s model states file: DeepSpeed's
+        universal loader restores parameters only. Every rank's file holds all of it."""
+        files = [f for f in sorted(folder.glob("*model_states.pt"))
+                 if not f.name.startswith("layer_")]  # not a mixture-of-experts layer's file
+        with weights_only_loading():
+            module_state = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
+        parameters = {name for name, _ in self.module.named_parameters(remove_duplicate=False)}
+        self.module.load_state_dict({key: value for key, value in module_state.items()
+                                     if key not in parameters}, strict=False)

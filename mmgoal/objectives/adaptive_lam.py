@@ -1,0 +1,121 @@
+"""``lam: auto``: mmgoal's adaptive lambda for GOAL's sigmoid pair weights.
+
+Neither the GOAL paper nor its released code has it. ``sig`` and ``sig_ms`` pull
+a positive up while its score is below ``lam`` and push a hard negative down
+while its score is above it, so ``lam`` is the fixed point onto which the scores
+of positives and their hardest negatives gather; a fixed ``lam`` helps only where
+it sits between them (docs/results/goal_sweep_synthetic.md). ``lam: auto`` keeps
+it there: an exponential moving average, over optimisation steps, of the
+midpoint between the median positive score and the median hardest-negative
+score of each step (docs/objectives.md, "An adaptive lambda: lam: auto").
+
+The statistics of a step are those of every score matrix the objective saw in
+it: every micro-batch of the accumulation window, on every rank, all-gathered
+when the step ends. The update therefore depends only on the union of the
+step's statistics, not on their order or on the rank that computed them, and
+every rank computes the same ``lam``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmgoal.engine.gather import gather_varying_length
+
+
+def step_midpoint(positive_scores: torch.Tensor, negative_scores: torch.Tensor) -> float:
+    """``(median(positive_scores) + median(negative_scores)) / 2``, in the scores' dtype.
+
+    The median is ``torch.median``'s: the lower of the two middle values for an
+    even count. So it is an element of the scores, independent of their order,
+    and a multiset repeated ``W`` times has the median of one copy (``W`` ranks
+    that each hold the gathered global batch report it ``W`` times).
+
+    Args:
+        positive_scores: (n_pos,) the score of every positive pair.
+        negative_scores: (n_neg,) the hardest-negative score of every triplet.
+    """
+    return float((positive_scores.median() + negative_scores.median()) / 2)
+
+
+class AdaptiveLam(nn.Module):
+    """The running ``lam`` of ``lam: auto`` and the statistics of the step under way.
+
+    ``value`` is the ``lam`` the pair weight uses. :meth:`observe` records the
+    scores of one score matrix (one call of the objective); :meth:`finish_step`
+    ends the optimisation step. When the step was applied, the statistics of all
+    its calls on every rank give its midpoint ``c_t`` (:func:`step_midpoint`),
+    and ``lam <- c_t`` at the first update, ``lam <- momentum * lam + (1 -
+    momentum) * c_t`` at every later one; a skipped step (non-finite loss or
+    gradient) changes nothing. Before the first update ``lam`` is ``initial``.
+
+    ``lam`` and the number of updates are Python numbers, so casting the module
+    (DeepSpeed's bf16/fp16 engines cast every floating buffer) leaves them exact,
+    and its state dict holds them as tensors, ``lam`` (float64) and ``updates``
+    (int64), which every checkpoint format takes (DeepSpeed's universal converter
+    refuses anything else): a resumed run continues exactly. Checkpoints are
+    written between steps, when no statistics are pending.
+
+    Args:
+        momentum: the weight of the running ``lam`` at each update, in [0, 1).
+        initial: ``lam`` until the first update.
+    """
+
+    def __init__(self, momentum: float, initial: float) -> None:
+        super().__init__()
+        self.momentum = float(momentum)
+        self.initial = float(initial)
+        self.value = float(initial)
+        self.updates = 0
+        self._positives: list[torch.Tensor] = []
+        self._negatives: list[torch.Tensor] = []
+
+    def extra_repr(self) -> str:
+        return (f"momentum={self.momentum}, initial={self.initial}, lam={self.value:.6g}, "
+                f"updates={self.updates}")
+
+    @torch.no_grad()
+    def observe(self, positive_scores: torch.Tensor, negative_scores: torch.Tensor) -> None:
+        """Record one score matrix's statistics for the step under way.
+
+        Args:
+            positive_scores: (n_pos,) the score of every positive pair.
+            negative_scores: (n_neg,) the hardest-negative score of every valid triplet.
+        """
+        self._positives.append(positive_scores.detach().flatten())
+        self._negatives.append(negative_scores.detach().flatten())
+
+    @torch.no_grad()
+    def finish_step(self, applied: bool) -> None:
+        """End the optimisation step; update ``lam`` when it was applied.
+
+        Collective with several processes: every rank calls it after every step
+        (the strategies do), and the ranks' statistics are all-gathered.
+        """
+        positives, negatives = self._positives, self._negatives
+        self._positives, self._negatives = [], []
+        # Every rank called the objective as often, so every rank returns here alike.
+        if not applied or not positives:
+            return
+        positives = gather_varying_length(torch.cat(positives))
+        negatives = gather_varying_length(torch.cat(negatives))
+        if not len(positives) or not len(negatives):
+            return
+        target = step_midpoint(positives, negatives)
+        self.value = (target if not self.updates
+                      else self.momentum * self.value + (1 - self.momentum) * target)
+        self.updates += 1
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "lam"] = torch.tensor(self.value, dtype=torch.float64)
+        destination[prefix + "updates"] = torch.tensor(self.updates, dtype=torch.int64)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
+                              strict: bool, missing_keys: list, unexpected_keys: list,
+                              error_msgs: list) -> None:
+        missing = [prefix + name for name in ("lam", "updates") if prefix + name not in state_dict]
+        missing_keys.extend(missing)
+        if not missing:
+            self.value = float(state_dict[prefix + "lam"])
+            self.updates = int(state_dict[prefix + "updates"])
