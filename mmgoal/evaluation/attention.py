@@ -2,10 +2,15 @@
 
 For a word ``t`` of a matched pair, region ``v`` is *relevant* when its IoU with
 a ground-truth box of ``t``'s phrase exceeds ``T_IoU`` (0.4) and *attended*
-when its attention weight exceeds ``T_att``. ``AP = |A n R| / |A|`` (0 when
-nothing is attended), ``AR = |A n R| / |R|``. A phrase takes the maximum AP and
-the maximum AR over its words; AP and AR are averaged over phrases, and ``AF =
-2 AP AR / (AP + AR)`` of those averages, for every ``T_att`` of the sweep.
+when its attention weight exceeds ``T_att``. Each word has ``AP = |A n R| / |A|``
+(0 when nothing is attended), ``AR = |A n R| / |R|`` and ``AF = 2 AP AR / (AP +
+AR)`` (0 when both are 0). As the paper does, "we first calculate the attention
+metrics at word-level, and use the maximal values within each phrase as the
+phrase-level metrics": a phrase takes the maximum AP, the maximum AR and the
+maximum AF over its words, each on its own, and the reported AP, AR and AF are
+their means over phrases, for every ``T_att`` of the sweep. The reported AF is
+therefore not the F1 of the reported AP and AR, which is never lower (F1 is
+increasing in each argument and concave).
 Phrases without a box, or without any relevant region, are counted and left out.
 """
 
@@ -45,9 +50,28 @@ def word_precision_recall(weights: torch.Tensor, relevant: torch.Tensor,
     return precision, recall
 
 
+def word_f1(precision: torch.Tensor, recall: torch.Tensor) -> torch.Tensor:
+    """AF of words, ``2 AP AR / (AP + AR)``, 0 where both are 0.
+
+    Args:
+        precision, recall: (n_words, n_thresholds), from ``word_precision_recall``.
+
+    Returns:
+        (n_words, n_thresholds).
+    """
+    total = precision + recall
+    return torch.where(total > 0, 2 * precision * recall / total.clamp(min=1e-12),
+                       torch.zeros_like(total))
+
+
 @dataclass
 class AttentionReport:
-    """The sweep: one precision/recall/F1 per ``T_att``, and the best F1."""
+    """The sweep: one precision/recall/F1 per ``T_att``, and the best F1.
+
+    Each of ``precision``, ``recall`` and ``f1`` is the mean over phrases of the
+    phrase's best word for that metric, so ``f1`` is not the F1 of ``precision``
+    and ``recall``.
+    """
 
     thresholds: list[float]
     precision: list[float]
@@ -72,13 +96,14 @@ class AttentionReport:
 
 
 class AttentionScorer:
-    """Accumulates phrase-level AP/AR over a sweep of ``T_att``."""
+    """Accumulates phrase-level AP/AR/AF over a sweep of ``T_att``."""
 
     def __init__(self, thresholds: Sequence[float] = T_ATT_SWEEP, t_iou: float = T_IOU) -> None:
         self.thresholds = list(thresholds)
         self.t_iou = t_iou
         self.precision_sum = torch.zeros(len(self.thresholds), dtype=torch.float64)
         self.recall_sum = torch.zeros(len(self.thresholds), dtype=torch.float64)
+        self.f1_sum = torch.zeros(len(self.thresholds), dtype=torch.float64)
         self.phrases = 0
         self.without_box = 0
         self.without_relevant = 0
@@ -102,15 +127,14 @@ class AttentionScorer:
             weights.double(), relevant[None].expand(len(weights), -1), self.thresholds)
         self.precision_sum += precision.amax(0)
         self.recall_sum += recall.amax(0)
+        self.f1_sum += word_f1(precision, recall).amax(0)
         self.phrases += 1
 
     def report(self) -> AttentionReport:
         n = max(self.phrases, 1)
-        precision = (self.precision_sum / n).tolist()
-        recall = (self.recall_sum / n).tolist()
-        f1 = [2 * p * r / (p + r) if p + r > 0 else 0.0 for p, r in zip(precision, recall)]
-        return AttentionReport(self.thresholds, precision, recall, f1, self.phrases,
-                               self.without_box, self.without_relevant)
+        return AttentionReport(self.thresholds, (self.precision_sum / n).tolist(),
+                               (self.recall_sum / n).tolist(), (self.f1_sum / n).tolist(),
+                               self.phrases, self.without_box, self.without_relevant)
 
 
 def matched_pairs_with_phrases(gallery: Gallery, tokenizer) -> list[tuple[int, int, list]]:

@@ -11,7 +11,7 @@ from mmgoal.data.flickr_entities import (
 )
 from mmgoal.data.synthetic import make_scene, write_flickr_entities
 from mmgoal.data.tokenizers import WordTokenizer
-from mmgoal.evaluation.attention import AttentionScorer, word_precision_recall
+from mmgoal.evaluation.attention import AttentionScorer, word_f1, word_precision_recall
 
 REGIONS = torch.tensor([[0, 0, 10, 10], [0, 0, 5, 10], [20, 20, 30, 30]], dtype=torch.float64)
 TRUTH = torch.tensor([[0, 0, 10, 10]], dtype=torch.float64)  # IoU 1, 0.5, 0: relevant 0, 1
@@ -26,7 +26,12 @@ def test_word_precision_recall_on_a_hand_made_case():
     torch.testing.assert_close(recall, torch.tensor([[1.0, 1 / 2, 0.0]], dtype=torch.float64))
 
 
-def test_phrase_takes_the_best_word_and_f1_combines_the_averages():
+def test_word_f1_is_zero_where_precision_and_recall_are():
+    f1 = word_f1(torch.tensor([[1.0, 0.0, 2 / 3]]), torch.tensor([[0.5, 0.0, 1.0]]))
+    torch.testing.assert_close(f1, torch.tensor([[2 / 3, 0.0, 0.8]]))
+
+
+def test_phrase_takes_the_best_word_of_each_metric_and_phrases_are_averaged():
     scorer = AttentionScorer(thresholds=[0.0, 0.05], t_iou=0.4)
     two_words = torch.tensor([[0.5, 0.05, 0.45], [0.2, 0.7, 0.1]], dtype=torch.float64)
     scorer.add_phrase(two_words, REGIONS, TRUTH)
@@ -37,16 +42,36 @@ def test_phrase_takes_the_best_word_and_f1_combines_the_averages():
     report = scorer.report()
     assert (report.phrases, report.phrases_without_box,
             report.phrases_without_relevant_region) == (2, 1, 1)
-    # T=0: phrase 1 AP max(2/3, 2/3), AR 1; phrase 2 attends {0, 2}: AP 1/2, AR 1/2.
-    # T=0.05: phrase 1 AP max(1/2, 2/3), AR max(1/2, 1); phrase 2 attends {2}: AP 0, AR 0.
+    # T=0: phrase 1's words both attend all three: AP 2/3, AR 1, AF 4/5; phrase 2
+    # attends {0, 2}: AP 1/2, AR 1/2, AF 1/2.
+    # T=0.05: phrase 1's first word attends {0, 2} (AP 1/2, AR 1/2, AF 1/2), its
+    # second all three (AP 2/3, AR 1, AF 4/5); phrase 2 attends {2}: 0, 0, 0.
     assert math.isclose(report.precision[0], (2 / 3 + 1 / 2) / 2)
     assert math.isclose(report.recall[0], (1 + 1 / 2) / 2)
+    assert math.isclose(report.f1[0], (4 / 5 + 1 / 2) / 2)  # 0.65; F1 of the means: 0.65625
     assert math.isclose(report.precision[1], (2 / 3 + 0) / 2)
     assert math.isclose(report.recall[1], (1 + 0) / 2)
-    assert math.isclose(report.f1[0], 2 * (7 / 12) * (3 / 4) / (7 / 12 + 3 / 4))
-    assert math.isclose(report.f1[1], 2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
+    assert math.isclose(report.f1[1], (4 / 5 + 0) / 2)
     assert report.best == {"t_att": 0.0, "precision": report.precision[0],
                            "recall": report.recall[0], "f1": report.f1[0]}
+
+
+def test_f1_is_per_word_not_of_the_phrase_best_precision_and_recall():
+    """The paper's order (AP, AR, AF per word; max per phrase; mean over phrases)."""
+    scorer = AttentionScorer(thresholds=[0.1], t_iou=0.4)
+    # Relevant regions: 0 and 1. At T_att 0.1 the first word attends {0}: AP 1,
+    # AR 1/2, AF 2/3; the second attends all three: AP 2/3, AR 1, AF 4/5. The
+    # phrase: AP max(1, 2/3) = 1, AR max(1/2, 1) = 1, AF max(2/3, 4/5) = 4/5.
+    scorer.add_phrase(torch.tensor([[0.9, 0.05, 0.05], [0.4, 0.3, 0.3]], dtype=torch.float64),
+                      REGIONS, TRUTH)
+    # A second phrase whose one word attends only the irrelevant region 2: 0, 0, 0.
+    scorer.add_phrase(torch.tensor([[0.05, 0.05, 0.9]], dtype=torch.float64), REGIONS, TRUTH)
+    report = scorer.report()
+    # AP (1 + 0) / 2 = 1/2, AR (1 + 0) / 2 = 1/2, AF (4/5 + 0) / 2 = 0.4; the F1 of
+    # the averaged AP and AR would be 2 (1/2)(1/2) / (1/2 + 1/2) = 0.5.
+    assert report.precision == [0.5] and report.recall == [0.5]
+    assert math.isclose(report.f1[0], 0.4)
+    assert report.best["f1"] == report.f1[0]
 
 
 SENTENCES = (
