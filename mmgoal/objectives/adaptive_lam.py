@@ -108,8 +108,11 @@ class AdaptiveLam(nn.Module):
         self.updates += 1
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "lam"] = torch.tensor(self.value, dtype=torch.float64)
-        destination[prefix + "updates"] = torch.tensor(self.updates, dtype=torch.int64)
+        # Python numbers saved as CPU tensors, like every checkpointed state
+        destination[prefix + "lam"] = torch.tensor(self.value, dtype=torch.float64,
+                                                   device="cpu")
+        destination[prefix + "updates"] = torch.tensor(self.updates, dtype=torch.int64,
+                                                       device="cpu")
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list, unexpected_keys: list,
