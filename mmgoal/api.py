@@ -63,7 +63,7 @@ class Retriever:
         """Every feature the model computes for ``images`` (tokens too, for cross attention)."""
         parts = []
         for start in range(0, len(images), self.batch_size):
-            pixels = torch.stack([self.transform(_rgb(image))
+            pixels = torch.stack([self.transform(rgb_image(image))
                                   for image in images[start:start + self.batch_size]])
             try:
                 features = self.model.encode_image(move_to_device({"images": pixels},
@@ -163,7 +163,8 @@ def from_config(config: str | os.PathLike | dict, checkpoint: str | os.PathLike 
                                          device=device), batch_size)
 
 
-def _rgb(image: ImageLike) -> Image.Image:
+def rgb_image(image: ImageLike) -> Image.Image:
+    """An RGB PIL image from a PIL image or a file path (a missing file: FileNotFoundError)."""
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     path = Path(image)

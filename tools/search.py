@@ -36,7 +36,7 @@ from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import mmgoal  # noqa: E402
-from mmgoal.api import Index, Retriever  # noqa: E402
+from mmgoal.api import Index, Retriever, rgb_image  # noqa: E402
 from mmgoal.data.pipeline import (  # noqa: E402
     IMAGE_EXTENSIONS,
     SkipCounter,
@@ -77,7 +77,7 @@ class ImageGallery:
     def pictures(self, positions: list[int]) -> dict[int, Image.Image]:
         """The images at ``positions``, read again (the gallery keeps only their features)."""
         if not self.shards:
-            return {p: open_rgb(self.names[p]) for p in positions}
+            return {p: rgb_image(self.names[p]) for p in positions}
         wanted = {self.names[p]: p for p in positions}
         found: dict[int, Image.Image] = {}
         counter = SkipCounter()  # the samples encode_gallery skipped, skipped again
@@ -101,11 +101,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def open_rgb(path: str | os.PathLike) -> Image.Image:
-    with Image.open(path) as opened:
-        return opened.convert("RGB")
 
 
 def is_image_file(path: Path) -> bool:
@@ -247,7 +242,7 @@ def rank_captions(retriever: Retriever, image: str, top_k: int, rerank_k: int,
     print_hits(f"image: {image}", hits, captions)
     if plt is None:
         return None
-    return draw_caption_hits(plt, open_rgb(image), Path(image).name, hits, captions)
+    return draw_caption_hits(plt, rgb_image(image), Path(image).name, hits, captions)
 
 
 def search(args: argparse.Namespace) -> int:
