@@ -17,6 +17,10 @@ metrics) and ``OUT/table.md``: the layout of the GOAL paper's Table 3 (rows
 pair weights, columns triplet weights) with test R@1 mean +- std over seeds
 for both directions; with a grid, each cell shows the grid point with the best
 mean validation rsum, and its hyperparameters.
+
+``{seed}`` in the config's ``load_from`` becomes the run's seed, so each seed can
+fine-tune its own checkpoint (configs/goal/finetune_synthetic.yaml starts from
+each seed's ``con x con`` run of a first sweep).
 """
 
 from __future__ import annotations
@@ -93,12 +97,20 @@ def check_settings(config: str, cfg_options: list[str], triplets: list[str], pai
             raise ValueError(f"{triplet}x{pair} {slug(point)}: {error}") from error
 
 
-def run_one(config: str, overrides: list[str], work_dir: Path) -> dict:
+def seeded_config(config: str, overrides: list[str], seed: int) -> dict:
+    """The run config of one seed: ``train.seed`` set, ``{seed}`` in ``load_from`` filled in."""
+    cfg = load_run_config(config, [*overrides, f"train.seed={seed}"])
+    if isinstance(cfg.get("load_from"), str):
+        cfg["load_from"] = cfg["load_from"].replace("{seed}", str(seed))
+    return cfg
+
+
+def run_one(config: str, overrides: list[str], seed: int, work_dir: Path) -> dict:
     """Train (or resume, or skip) one run; returns its report."""
     report_path = work_dir / "report.json"
     if report_path.is_file():
         return json.loads(report_path.read_text())
-    cfg = load_run_config(config, overrides)
+    cfg = seeded_config(config, overrides, seed)
     cfg.setdefault("train", {})["progress"] = False
     resume = (work_dir / "checkpoints" / "last.pt").is_file()
     report = Trainer(cfg, work_dir, resume=resume).fit()
@@ -169,11 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     start = time.perf_counter()
     for index, (triplet, pair, point, seed) in enumerate(settings, 1):
-        overrides = [*args.cfg_options, f"train.seed={seed}",
-                     *setting_overrides(triplet, pair, point)]
+        overrides = [*args.cfg_options, *setting_overrides(triplet, pair, point)]
         work_dir = out / f"{triplet}x{pair}" / slug(point) / f"seed{seed}"
         try:
-            report = run_one(args.config, overrides, work_dir)
+            report = run_one(args.config, overrides, seed, work_dir)
         except ValueError as error:  # a bad grid key, reported once
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -225,7 +225,11 @@ class GoalObjective(nn.Module):
     Returns (from ``forward``): ``goal_loss``, whose value is the weighted
     violation ``sum T * (s_n - s_p)`` (for logging; it is not a loss whose
     gradient is ``G``) and whose gradient is ``G``; ``active_fraction``, the
-    mean triplet weight; with ``lam: auto``, ``lam``, the value this call used.
+    mean triplet weight; ``positive_median`` and ``negative_median``, the median
+    positive score and the median hardest-negative score of the valid triplets
+    (both directions; left out when no triplet is valid), which show where a fixed
+    ``lam`` sits against the scores (docs/objectives.md, "Choosing a combination and
+    lam"); with ``lam: auto``, ``lam``, the value this call used.
 
     Attributes:
         adaptive_lam: the running ``lam`` of ``lam: auto`` (its state is
@@ -251,8 +255,9 @@ class GoalObjective(nn.Module):
 
     @torch.no_grad()
     def gradient(self, sims: torch.Tensor, positives: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``G = dl/dS``, the logged violation and the mean triplet weight.
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``G = dl/dS``, the logged violation, the mean triplet weight and the
+        score medians (``positive_median``, ``negative_median``).
 
         Weights are computed in float32 from the detached scores whatever their
         dtype (float64 scores keep float64), so bf16/fp16 training gets exact weights.
@@ -266,12 +271,14 @@ class GoalObjective(nn.Module):
         s_p, *negatives = triplets.scores(scores)
         triplet, pair = self.triplet_weight, self.pair_weight
         pair_kwargs = dict(pair.options)
+        # the scores the pair weight sees: every positive, every valid triplet's negative
+        hardest = torch.cat([negatives[0][triplets.i2t_valid], negatives[1][triplets.t2i_valid]])
+        medians = ({"positive_median": s_p.median(), "negative_median": hardest.median()}
+                   if len(hardest) else {})
         if self.adaptive_lam is not None:
             pair_kwargs["lam"] = self.adaptive_lam.value
             if self.training:
-                # the scores the pair weight sees: every positive, every valid triplet's negative
-                self.adaptive_lam.observe(s_p, torch.cat([negatives[0][triplets.i2t_valid],
-                                                          negatives[1][triplets.t2i_valid]]))
+                self.adaptive_lam.observe(s_p, hardest)
         grad = torch.zeros_like(scores)
         violation = scores.new_zeros(())
         weight_sum = scores.new_zeros(())
@@ -295,15 +302,15 @@ class GoalObjective(nn.Module):
         if self.reduction == "mean":
             grad /= max(len(s_p), 1)
             violation /= max(len(s_p), 1)
-        return grad, violation, weight_sum / n_triplets
+        return grad, violation, weight_sum / n_triplets, medians
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         sims, positives = scores_and_positives(inputs)
-        grad, violation, mean_weight = self.gradient(sims, positives)
+        grad, violation, mean_weight, medians = self.gradient(sims, positives)
         surrogate = (grad.to(sims.dtype) * sims).sum()
         # value: the logged violation; gradient: exactly G (times the incoming gradient)
         loss = surrogate - surrogate.detach() + violation.to(sims.dtype)
-        outputs = {"goal_loss": loss, "active_fraction": mean_weight}
+        outputs = {"goal_loss": loss, "active_fraction": mean_weight, **medians}
         if self.adaptive_lam is not None:
             outputs["lam"] = torch.tensor(self.adaptive_lam.value, device=sims.device)
         return outputs

@@ -155,8 +155,8 @@ def test_bf16_scores_get_float32_weights(triplet, pair):
     sims = cosine_scores(seed=7, dtype=torch.float32).to(torch.bfloat16)
     positives = positives_from_groups(torch.tensor(GROUPS["several_positives"]))
     objective = goal(triplet=triplet, pair=pair)
-    weights_bf16, _, _ = objective.gradient(sims, positives)
-    weights_f32, _, _ = objective.gradient(sims.float(), positives)
+    weights_bf16, *_ = objective.gradient(sims, positives)
+    weights_f32, *_ = objective.gradient(sims.float(), positives)
     assert weights_bf16.dtype == torch.float32
     torch.testing.assert_close(weights_bf16, weights_f32, atol=0, rtol=0)
     grad = grad_of(objective, sims, positives, "goal_loss")
@@ -199,6 +199,19 @@ def test_mean_reduction_and_logged_value():
     # con x con logs sum T (s_n - s_p) = triplet loss - margin * number of active triplets
     active = out["active_fraction"] * 16
     assert out["goal_loss"].item() == pytest.approx(hinge.item() - 0.2 * active.item())
+
+
+def test_logged_score_medians():
+    # 3 images x 3 captions, captions i the positives of image i
+    sims = torch.tensor([[0.9, 0.7, 0.1],
+                         [0.2, 0.5, 0.6],
+                         [0.3, 0.8, 0.4]])
+    out = goal(triplet="con", pair="con")(ObjectiveInputs(sims))
+    # positives 0.9, 0.5, 0.4 -> median 0.5; hardest negatives: image rows 0.7, 0.6, 0.8,
+    # caption columns 0.3, 0.8, 0.6 -> the lower middle of six, 0.6 (torch.median)
+    assert out["positive_median"].item() == pytest.approx(0.5)
+    assert out["negative_median"].item() == pytest.approx(0.6)
+    assert "positive_median" not in goal()(ObjectiveInputs(torch.tensor([[0.5]])))
 
 
 def test_relative_terms_fall_back_when_empty():

@@ -204,6 +204,15 @@ def test_sweep_rejects_options_before_training(tiny_benchmark, tmp_path):
     assert not sweep.exists() or not any(sweep.iterdir())
 
 
+def test_sweep_fills_the_seed_into_load_from():
+    sweep = load_script("tools/sweep.py")
+    cfg = sweep.seeded_config("configs/goal/finetune_synthetic.yaml", ["objective.pair=sig_ms"], 2)
+    assert cfg["load_from"] == (
+        "work_dirs/fidelity/scratch/conxcon/default/seed2/checkpoints/best.pt")
+    assert cfg["train"]["seed"] == 2 and cfg["objective"]["pair"] == "sig_ms"
+    assert sweep.seeded_config("configs/goal/sweep_synthetic.yaml", [], 1).get("load_from") is None
+
+
 @pytest.mark.slow
 def test_sweep_tabulates_and_resumes(tiny_benchmark, tmp_path):
     out, _ = tiny_benchmark

@@ -1,0 +1,47 @@
+import json
+
+import yaml
+from script_modules import load_script
+
+compare_runs = load_script("tools/compare_runs.py")
+
+
+def fake_run(path, seed, rsum, i2t=50.0, t2i=40.0, logged=None):
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({"train": {"seed": seed}}))
+    test = {"i2t_r1": i2t, "t2i_r1": t2i, "rsum": rsum}
+    (path / "report.json").write_text(json.dumps({"test": test}))
+    records = [{"type": "train", "step": 10, "positive_median": 0.0, "lam": 0.0},
+               {"type": "val", "epoch": 0, "rsum": 1.0},
+               {"type": "train", "step": 20, **(logged or {})}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_paired_differences_and_last_scores(tmp_path, capsys):
+    fake_run(tmp_path / "a" / "seed0", 0, 500.0, i2t=50.0)
+    fake_run(tmp_path / "a" / "seed1", 1, 510.0, i2t=52.0)
+    fake_run(tmp_path / "b" / "lam=0.5" / "seed1", 1, 508.0,
+             logged={"positive_median": 0.7, "negative_median": 0.3, "lam": 0.5})
+    fake_run(tmp_path / "b" / "lam=0.5" / "seed0", 0, 505.0,
+             logged={"positive_median": 0.5, "negative_median": 0.2, "lam": 0.4})
+    out = tmp_path / "table.md"
+    assert compare_runs.main([f"ctl={tmp_path}/a/seed*", f"{tmp_path}/b/lam=0.5/seed*",
+                              "--out", str(out)]) == 0
+    rows = out.read_text().splitlines()
+    # the control's last logged values come from step 10 (step 20 logged none of them)
+    assert rows[2] == ("| ctl | 2 | 51.0 ± 1.4 | 40.0 ± 0.0 | 505.0 ± 7.1 |  |  | 0.00 ± 0.00 "
+                       "|  | 0.00 ± 0.00 |")
+    # paired by seed: 505 - 500 = +5, 508 - 510 = -2; ahead on one seed of two
+    # scores of the last logged step: (0.5 + 0.7) / 2, (0.2 + 0.3) / 2, (0.4 + 0.5) / 2
+    assert rows[3] == (f"| {tmp_path}/b/lam=0.5/seed* | 2 | 50.0 ± 0.0 | 40.0 ± 0.0 | "
+                       f"506.5 ± 2.1 | 1.5 ± 4.9 (n=2) | 1/2 | 0.60 ± 0.14 | 0.25 ± 0.07 | "
+                       f"0.45 ± 0.07 |")
+    assert capsys.readouterr().out == out.read_text()
+
+
+def test_unfinished_run_and_empty_glob_are_errors(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    assert compare_runs.main([str(tmp_path / "run")]) == 2
+    assert "has no report.json: the run has not finished" in capsys.readouterr().err
+    assert compare_runs.main([f"x={tmp_path}/missing*"]) == 2
+    assert "no run directory matches" in capsys.readouterr().err

@@ -1,0 +1,112 @@
+"""Compare groups of runs over seeds: test recalls (mean ± std) and paired differences.
+
+    python tools/compare_runs.py \\
+        "con x con=work_dirs/fidelity/scratch/conxcon/default/seed*" \\
+        "cir x sig_ms=work_dirs/fidelity/scratch_sig_ms/cirxsig_ms/lam=0.5/seed*" \\
+        --out table.md
+
+Each argument is ``LABEL=GLOB`` (or a glob alone, labelled by itself): the run
+directories of one setting, one per seed (the seed is read from each run's
+config.yaml). The first group is the control. Printed as a Markdown table, one row
+per group: the number of runs, test R@1 in both directions and rsum as mean ± std
+over seeds; for every other group the rsum minus the control's rsum of the same
+seed (mean ± std over the seeds both have) and on how many of those seeds the group
+is ahead; and where the runs' objective logged them (GOAL does), the median positive
+score, the median hardest-negative score and ``lam`` of the last logged training
+step, averaged over seeds: where the scores ended up against ``lam``.
+A run without report.json (unfinished) is an error that names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+SCORE_KEYS = ("positive_median", "negative_median", "lam")
+
+
+def read_run(run: Path) -> dict:
+    """``{"seed", "test": {...}, "last": {positive_median, negative_median, lam (those
+    logged)}}`` of one run directory."""
+    report = run / "report.json"
+    if not report.is_file():
+        raise FileNotFoundError(f"{run} has no report.json: the run has not finished "
+                                f"(resume it, or leave it out of the glob)")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    last: dict[str, float] = {}
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if record.get("type") == "train":
+                last.update({k: record[k] for k in SCORE_KEYS if record.get(k) is not None})
+    return {"seed": int(config.get("train", {}).get("seed", 0)),
+            "test": json.loads(report.read_text())["test"], "last": last}
+
+
+def parse_group(spec: str) -> tuple[str, list[Path]]:
+    label, sep, pattern = spec.partition("=")
+    # a glob alone may itself contain '=' (grid point directories such as lam=0.5)
+    if not sep or any(c in label for c in "/*"):
+        label, pattern = spec, spec
+    runs = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_dir())
+    if not runs:
+        raise FileNotFoundError(f"{spec}: no run directory matches {pattern!r}")
+    return label, runs
+
+
+def mean_std(values: list[float], digits: int = 1) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def compare(groups: list[tuple[str, list[dict]]]) -> str:
+    """The Markdown table of :func:`main`; ``groups[0]`` is the control."""
+    control = {run["seed"]: run["test"]["rsum"] for run in groups[0][1]}
+    lines = ["| setting | n | R@1 i2t | R@1 t2i | rsum | Δ rsum vs control (paired) | ahead "
+             "| s_p median | s_n median | lam |", "|---|" + "---|" * 9]
+    for index, (label, runs) in enumerate(groups):
+        tests = [r["test"] for r in runs]
+        cells = [label, str(len(runs)), mean_std([t["i2t_r1"] for t in tests]),
+                 mean_std([t["t2i_r1"] for t in tests]), mean_std([t["rsum"] for t in tests])]
+        paired = [r["test"]["rsum"] - control[r["seed"]] for r in runs if r["seed"] in control]
+        if index == 0 or not paired:
+            cells += ["", ""]
+        else:
+            cells += [f"{mean_std(paired)} (n={len(paired)})",
+                      f"{sum(d > 0 for d in paired)}/{len(paired)}"]
+        for key in SCORE_KEYS:
+            values = [r["last"][key] for r in runs if key in r["last"]]
+            cells.append(mean_std(values, 2) if len(values) == len(runs) else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("groups", nargs="+", metavar="LABEL=GLOB",
+                        help="run directories of one setting; the first is the control")
+    parser.add_argument("--out", help="also write the table to this Markdown file")
+    args = parser.parse_args(argv)
+    try:
+        groups = [(label, [read_run(run) for run in runs])
+                  for label, runs in map(parse_group, args.groups)]
+    except (FileNotFoundError, KeyError, json.JSONDecodeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    table = compare(groups)
+    if args.out:
+        Path(args.out).write_text(table)
+    print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
