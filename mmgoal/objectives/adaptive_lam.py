@@ -4,10 +4,14 @@ Neither the GOAL paper nor its released code has it. ``sig`` and ``sig_ms`` pull
 a positive up while its score is below ``lam`` and push a hard negative down
 while its score is above it, so ``lam`` is the fixed point onto which the scores
 of positives and their hardest negatives gather; a fixed ``lam`` helps only where
-it sits between them (docs/results/goal_sweep_synthetic.md). ``lam: auto`` keeps
-it there: an exponential moving average, over optimisation steps, of the
-midpoint between the median positive score and the median hardest-negative
-score of each step (docs/objectives.md, "An adaptive lambda: lam: auto").
+it sits between them (docs/results/goal_sweep_synthetic.md). ``lam: auto`` puts
+it there: an exponential moving average, over the first ``lam_steps``
+optimisation steps, of the midpoint between the median positive score and the
+median hardest-negative score of each step; then it holds (docs/objectives.md,
+"An adaptive lambda: lam: auto"). Held, ``lam`` keeps the fixed point that
+holds the scores in place; followed for the whole run (``lam_steps: null``) it
+moves with them, and positives and hardest negatives drift down together
+without bound (docs/results/goal_fidelity.md).
 
 The statistics of a step are those of every score matrix the objective saw in
 it: every micro-batch of the accumulation window, on every rank, all-gathered
@@ -47,8 +51,9 @@ class AdaptiveLam(nn.Module):
     ends the optimisation step. When the step was applied, the statistics of all
     its calls on every rank give its midpoint ``c_t`` (:func:`step_midpoint`),
     and ``lam <- c_t`` at the first update, ``lam <- momentum * lam + (1 -
-    momentum) * c_t`` at every later one; a skipped step (non-finite loss or
-    gradient) changes nothing. Before the first update ``lam`` is ``initial``.
+    momentum) * c_t`` at every later one, up to ``steps`` updates, after which
+    ``lam`` holds; a skipped step (non-finite loss or gradient) changes nothing.
+    Before the first update ``lam`` is ``initial``.
 
     ``lam`` and the number of updates are Python numbers, so casting the module
     (DeepSpeed's bf16/fp16 engines cast every floating buffer) leaves them exact,
@@ -60,20 +65,27 @@ class AdaptiveLam(nn.Module):
     Args:
         momentum: the weight of the running ``lam`` at each update, in [0, 1).
         initial: ``lam`` until the first update.
+        steps: the number of updates, after which ``lam`` holds; ``None``: no limit.
     """
 
-    def __init__(self, momentum: float, initial: float) -> None:
+    def __init__(self, momentum: float, initial: float, steps: int | None = None) -> None:
         super().__init__()
         self.momentum = float(momentum)
         self.initial = float(initial)
+        self.steps = steps
         self.value = float(initial)
         self.updates = 0
         self._positives: list[torch.Tensor] = []
         self._negatives: list[torch.Tensor] = []
 
     def extra_repr(self) -> str:
-        return (f"momentum={self.momentum}, initial={self.initial}, lam={self.value:.6g}, "
-                f"updates={self.updates}")
+        return (f"momentum={self.momentum}, initial={self.initial}, steps={self.steps}, "
+                f"lam={self.value:.6g}, updates={self.updates}")
+
+    @property
+    def holding(self) -> bool:
+        """``lam`` has had its ``steps`` updates and no longer moves."""
+        return self.steps is not None and self.updates >= self.steps
 
     @torch.no_grad()
     def observe(self, positive_scores: torch.Tensor, negative_scores: torch.Tensor) -> None:
@@ -83,6 +95,8 @@ class AdaptiveLam(nn.Module):
             positive_scores: (n_pos,) the score of every positive pair.
             negative_scores: (n_neg,) the hardest-negative score of every valid triplet.
         """
+        if self.holding:
+            return
         self._positives.append(positive_scores.detach().flatten())
         self._negatives.append(negative_scores.detach().flatten())
 
@@ -95,7 +109,8 @@ class AdaptiveLam(nn.Module):
         """
         positives, negatives = self._positives, self._negatives
         self._positives, self._negatives = [], []
-        # Every rank called the objective as often, so every rank returns here alike.
+        # Every rank called the objective as often and holds alike, so every rank
+        # returns here alike.
         if not applied or not positives:
             return
         positives = gather_varying_length(torch.cat(positives))

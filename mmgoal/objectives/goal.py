@@ -33,7 +33,7 @@ WEIGHT_REGISTRIES = {"triplet": TRIPLET_WEIGHTS, "pair": PAIR_WEIGHTS}
 # lam: auto, mmgoal's adaptive lambda (mmgoal/objectives/adaptive_lam.py), and the options
 # that configure it; a weight that takes lam declares them to allow it.
 AUTO = "auto"
-ADAPTIVE_LAM_OPTIONS = ("lam_momentum", "lam_init")
+ADAPTIVE_LAM_OPTIONS = ("lam_momentum", "lam_init", "lam_steps")
 
 
 def weight_options(weight: Callable) -> dict[str, Any]:
@@ -110,6 +110,12 @@ def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
     if not _is_number(initial):
         raise ValueError(f"{where}: lam_init must be a number (lam until the first update); "
                          f"got {initial!r}")
+    steps = options["lam_steps"]
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
+                              or steps < 1):
+        raise ValueError(f"{where}: lam_steps must be a whole number >= 1 (the updates after "
+                         f"which lam holds) or null (lam follows the scores for the whole run); "
+                         f"got {steps!r}")
 
 
 def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
@@ -129,8 +135,8 @@ def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
         ValueError: ``spec`` is neither a name nor a mapping with a ``type``, it
             sets an option the weight does not take or leaves out one without a
             default, a pair weight takes ``relative`` but no ``eps``, or ``lam``
-            is neither a number nor ``auto`` (whose options ``lam_momentum`` and
-            ``lam_init`` it then checks, and refuses without it).
+            is neither a number nor ``auto`` (whose options ``lam_momentum``,
+            ``lam_init`` and ``lam_steps`` it then checks, and refuses without it).
     """
     registry = WEIGHT_REGISTRIES[slot]
     where = f"objective.{slot}"
@@ -213,9 +219,10 @@ class GoalObjective(nn.Module):
             ``sig_ms`` (``alpha``, ``beta``, ``lam``, ``eps``). ``eps``, the
             multi-similarity comparison margin, builds the ``relative`` sets.
             ``lam: auto`` (``sig``, ``sig_ms``; with ``lam_momentum``,
-            ``lam_init``) is mmgoal's adaptive lambda, not the paper's: a moving
-            average of the midpoint between the median positive and the median
-            hardest-negative score, updated at every optimisation step
+            ``lam_init``, ``lam_steps``) is mmgoal's adaptive lambda, not the
+            paper's: a moving average of the midpoint between the median
+            positive and the median hardest-negative score over the first
+            ``lam_steps`` optimisation steps, then held
             (:mod:`mmgoal.objectives.adaptive_lam`, docs/objectives.md).
         reduction: ``sum`` over triplets (VSE++) or ``mean`` over positives.
         **misplaced: accepted only to reject weight options given at the
@@ -247,7 +254,8 @@ class GoalObjective(nn.Module):
         self.pair_weight = bind_weight("pair", pair)
         self.reduction = check_reduction(reduction)
         options = self.pair_weight.options
-        self.adaptive_lam = (AdaptiveLam(options["lam_momentum"], options["lam_init"])
+        self.adaptive_lam = (AdaptiveLam(options["lam_momentum"], options["lam_init"],
+                                         options["lam_steps"])
                              if self.pair_weight.adaptive_lam else None)
 
     def extra_repr(self) -> str:

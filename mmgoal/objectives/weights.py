@@ -10,7 +10,7 @@ take a ``relative`` parameter, a :class:`RelativeScores`, and an ``eps``
 option: ``GoalObjective`` builds the comparison sets with that ``eps``, so the
 weight's signature declares it even though its body only reads ``relative``.
 Likewise a weight whose ``lam`` may be ``auto`` (mmgoal's adaptive lambda, not
-the paper's) declares ``lam_momentum`` and ``lam_init``, which ``GoalObjective``
+the paper's) declares ``lam_momentum``, ``lam_init`` and ``lam_steps``, which ``GoalObjective``
 reads to keep the running ``lam`` it passes in.
 
 Add a weight of your own in a few lines (docs/objectives.md)::
@@ -157,10 +157,11 @@ def pair_weight_lin(s_p: torch.Tensor, s_n: torch.Tensor, lin_shift: float = 0.0
 @PAIR_WEIGHTS.register("sig")
 def pair_weight_sig(s_p: torch.Tensor, s_n: torch.Tensor, alpha: float = 2.0,
                     beta: float = 10.0, lam: float = 0.5, *, lam_momentum: float = 0.9,
-                    lam_init: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+                    lam_init: float = 0.5, lam_steps: int | None = 10
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid (binomial deviance): ``1/(1+e^{alpha(s_p-lam)})``, ``1/(1+e^{-beta(s_n-lam)})``.
 
-    ``lam_momentum`` and ``lam_init`` configure ``lam: auto``, mmgoal's adaptive
+    ``lam_momentum``, ``lam_init`` and ``lam_steps`` configure ``lam: auto``, mmgoal's adaptive
     lambda (:mod:`mmgoal.objectives.adaptive_lam`): ``GoalObjective`` then passes
     the running value as ``lam``, so the body never reads them.
     """
@@ -170,13 +171,13 @@ def pair_weight_sig(s_p: torch.Tensor, s_n: torch.Tensor, alpha: float = 2.0,
 @PAIR_WEIGHTS.register("sig_ms")
 def pair_weight_sig_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeScores,
                        alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
-                       eps: float = 0.1, *, lam_momentum: float = 0.9, lam_init: float = 0.5
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float = 0.1, *, lam_momentum: float = 0.9, lam_init: float = 0.5,
+                       lam_steps: int | None = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid with multi-similarity terms: ``1/(m+ + e^{alpha(s_p-lam)})``, ``1/(m- + ...)``.
 
     ``m+ = mean_{R+} e^{alpha(s_p - r)}``, ``m- = mean_{R-} e^{-beta(s_n - r)}``; 1 when empty.
-    ``eps`` is the comparison margin ``relative`` was built with; ``lam_momentum`` and
-    ``lam_init`` configure ``lam: auto`` (as for ``sig``).
+    ``eps`` is the comparison margin ``relative`` was built with; ``lam_momentum``,
+    ``lam_init`` and ``lam_steps`` configure ``lam: auto`` (as for ``sig``).
     """
     m_pos = relative.pos_mean_exp(alpha, empty=1.0)
     m_neg = relative.neg_mean_exp(beta, empty=1.0)

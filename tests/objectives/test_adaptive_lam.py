@@ -76,6 +76,27 @@ def test_the_statistics_are_every_positive_and_every_triplets_hardest_negative(g
                                                          abs=1e-12)
 
 
+def test_lam_holds_after_lam_steps_updates_and_resumes_holding():
+    objective = auto(lam_init=0.3, lam_momentum=0.9, lam_steps=2)
+    run_step(objective, HAND)
+    run_step(objective, HAND + 0.1)
+    assert objective.adaptive_lam.value == pytest.approx(0.56, abs=1e-12)  # as above
+    assert objective.adaptive_lam.holding
+    # the scores keep moving, lam holds (and records nothing)
+    assert run_step(objective, HAND + 0.3) == [pytest.approx(0.56)]
+    assert objective.adaptive_lam.value == pytest.approx(0.56, abs=1e-12)
+    assert objective.adaptive_lam.updates == 2 and not objective.adaptive_lam._positives
+    resumed = auto(lam_init=0.3, lam_momentum=0.9, lam_steps=2)
+    resumed.load_state_dict(objective.state_dict())
+    run_step(resumed, HAND - 0.2)
+    assert resumed.adaptive_lam.value == pytest.approx(0.56, abs=1e-12)
+    # the default holds after 10 updates
+    default = auto()
+    for t in range(12):
+        run_step(default, HAND + 0.01 * t)
+    assert default.adaptive_lam.updates == 10 and default.adaptive_lam.steps == 10
+
+
 @pytest.mark.parametrize("positive_drift,negative_drift", [(0.01, 0.01), (0.01, -0.004)])
 def test_lam_follows_a_moving_score_distribution_with_the_lag_of_the_average(positive_drift,
                                                                                negative_drift):
@@ -86,7 +107,7 @@ def test_lam_follows_a_moving_score_distribution_with_the_lag_of_the_average(pos
     base = cosine_scores(seed=1)
     positives = torch.eye(16, dtype=torch.bool)
     momentum, drift = 0.8, (positive_drift + negative_drift) / 2
-    objective = auto(lam_momentum=momentum)
+    objective = auto(lam_momentum=momentum, lam_steps=None)  # follows for the whole run
     start = brute_force_midpoint(base, positives)
     for t in range(40):
         shift = torch.full_like(base, negative_drift).masked_fill(positives, positive_drift)
@@ -192,6 +213,10 @@ def test_lam_auto_and_its_options_are_checked():
         auto(lam_momentum=1.0)
     with pytest.raises(ValueError, match="lam_init must be a number"):
         auto(lam_init="half")
+    for steps in (0, 2.5, True, "10"):
+        with pytest.raises(ValueError, match=r"lam_steps must be a whole number >= 1 .* or "
+                                             r"null"):
+            auto(lam_steps=steps)
     with pytest.raises(ValueError, match="'lin' takes lin_shift; got unknown option"):
         OBJECTIVES.build({"type": "GoalObjective", "pair": {"type": "lin", "lam": "auto"}})
 
@@ -202,12 +227,13 @@ def test_a_weight_of_ones_own_declares_the_options_of_lam_auto():
         return (s_p < lam).double(), (s_n > lam).double()
 
     @TRIPLET_WEIGHTS.register("gate")
-    def triplet_weight_gate(s_p, s_n, lam=0.5, *, lam_momentum=0.9, lam_init=0.5):
+    def triplet_weight_gate(s_p, s_n, lam=0.5, *, lam_momentum=0.9, lam_init=0.5,
+                            lam_steps=10):
         return (s_n > lam).double()
 
     try:
         with pytest.raises(ValueError, match=r"'step' takes lam but not lam_momentum, lam_init, "
-                                             r"which lam: auto reads"):
+                                             r"lam_steps, which lam: auto reads"):
             OBJECTIVES.build({"type": "GoalObjective", "pair": {"type": "step", "lam": "auto"}})
         with pytest.raises(ValueError, match="objective.triplet: lam: auto .* for pair weights "
                                              "only"):

@@ -292,8 +292,8 @@ def test_an_option_the_weight_does_not_take_is_an_error():
     with pytest.raises(ValueError, match=r"objective.pair: 'con' takes no options; got unknown "
                                          r"option\(s\) eps"):
         goal(pair={"type": "con", "eps": 0.1})
-    with pytest.raises(ValueError, match="'sig' takes alpha, beta, lam, lam_momentum, lam_init; "
-                                         "got unknown option"):
+    with pytest.raises(ValueError, match="'sig' takes alpha, beta, lam, lam_momentum, lam_init, "
+                                         "lam_steps; got unknown option"):
         goal(pair={"type": "sig", "eps": 0.1})  # eps belongs to the *_ms weights only
 
 
@@ -314,7 +314,7 @@ def test_options_are_bound_once_with_their_defaults_and_nothing_is_checkpointed(
     objective = goal(triplet={"type": "cir", "tau": 5}, pair="sig_ms")
     assert objective.triplet_weight.options == {"tau": 5, "cir_offset": 0.5}
     assert objective.pair_weight.options == {"alpha": 2.0, "beta": 10.0, "lam": 0.5, "eps": 0.1,
-                                             "lam_momentum": 0.9, "lam_init": 0.5}
+                                             "lam_momentum": 0.9, "lam_init": 0.5, "lam_steps": 10}
     # lam: auto's options are shown only with it
     assert "triplet=cir(tau=5, cir_offset=0.5), pair=sig_ms(alpha=2.0, beta=10.0, lam=0.5, " \
         "eps=0.1)" in repr(objective)
