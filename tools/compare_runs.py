@@ -14,7 +14,9 @@ seed (mean ± std over the seeds both have) and on how many of those seeds the g
 is ahead; and where the runs' objective logged them (GOAL does), the median positive
 score, the median hardest-negative score and ``lam`` of the last logged training
 step, averaged over seeds: where the scores ended up against ``lam``.
-A run without report.json (unfinished) is an error that names it.
+``--prefix itc_`` compares the test metrics of that prefix instead (X-VLM's
+ITC-only recalls beside its re-ranked ones). A run without report.json
+(unfinished) is an error that names it.
 """
 
 from __future__ import annotations
@@ -67,21 +69,24 @@ def mean_std(values: list[float], digits: int = 1) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def compare(groups: list[tuple[str, list[dict]]]) -> str:
-    """The Markdown table of :func:`main`; ``groups[0]`` is the control."""
-    control = {run["seed"]: run["test"]["rsum"] for run in groups[0][1]}
+def compare(groups: list[tuple[str, list[dict]]], prefix: str = "") -> str:
+    """The Markdown table of :func:`main`; ``groups[0]`` is the control; the test
+    metrics ``<prefix>i2t_r1``, ``<prefix>t2i_r1``, ``<prefix>rsum``."""
+    i2t, t2i, rsum = (f"{prefix}{key}" for key in ("i2t_r1", "t2i_r1", "rsum"))
+    control = {run["seed"]: run["test"][rsum] for run in groups[0][1]}
     lines = ["| setting | n | R@1 i2t | R@1 t2i | rsum | Δ rsum vs control (paired) | ahead "
              "| s_p median | s_n median | lam |", "|---|" + "---|" * 9]
     for index, (label, runs) in enumerate(groups):
         tests = [r["test"] for r in runs]
-        cells = [label, str(len(runs)), mean_std([t["i2t_r1"] for t in tests]),
-                 mean_std([t["t2i_r1"] for t in tests]), mean_std([t["rsum"] for t in tests])]
-        paired = [r["test"]["rsum"] - control[r["seed"]] for r in runs if r["seed"] in control]
+        cells = [label, str(len(runs)), mean_std([t[i2t] for t in tests]),
+                 mean_std([t[t2i] for t in tests]), mean_std([t[rsum] for t in tests])]
+        paired = [r["test"][rsum] - control[r["seed"]] for r in runs if r["seed"] in control]
         if index == 0 or not paired:
             cells += ["", ""]
         else:
+            # recalls are multiples of 0.02: a difference under 1e-6 is a tie (float sums)
             cells += [f"{mean_std(paired)} (n={len(paired)})",
-                      f"{sum(d > 0 for d in paired)}/{len(paired)}"]
+                      f"{sum(d > 1e-6 for d in paired)}/{len(paired)}"]
         for key in SCORE_KEYS:
             values = [r["last"][key] for r in runs if key in r["last"]]
             cells.append(mean_std(values, 2) if len(values) == len(runs) else "")
@@ -93,15 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("groups", nargs="+", metavar="LABEL=GLOB",
                         help="run directories of one setting; the first is the control")
+    parser.add_argument("--prefix", default="", help="compare the test metrics of this "
+                        "prefix, e.g. itc_ (X-VLM's ITC-only recalls)")
     parser.add_argument("--out", help="also write the table to this Markdown file")
     args = parser.parse_args(argv)
     try:
         groups = [(label, [read_run(run) for run in runs])
                   for label, runs in map(parse_group, args.groups)]
-    except (FileNotFoundError, KeyError, json.JSONDecodeError) as error:
+    except (FileNotFoundError, json.JSONDecodeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    table = compare(groups)
+    try:
+        table = compare(groups, args.prefix)
+    except KeyError as error:
+        print(f"error: a run's report.json has no test metric {error}; check --prefix",
+              file=sys.stderr)
+        return 2
     if args.out:
         Path(args.out).write_text(table)
     print(table, end="")

@@ -20,12 +20,14 @@ def fake_run(path, seed, rsum, i2t=50.0, t2i=40.0, logged=None):
 def test_paired_differences_and_last_scores(tmp_path, capsys):
     fake_run(tmp_path / "a" / "seed0", 0, 500.0, i2t=50.0)
     fake_run(tmp_path / "a" / "seed1", 1, 510.0, i2t=52.0)
+    fake_run(tmp_path / "a" / "seed2", 2, 432.2199999999999)
     fake_run(tmp_path / "b" / "lam=0.5" / "seed1", 1, 508.0,
              logged={"positive_median": 0.7, "negative_median": 0.3, "lam": 0.5})
     fake_run(tmp_path / "b" / "lam=0.5" / "seed0", 0, 505.0,
              logged={"positive_median": 0.5, "negative_median": 0.2, "lam": 0.4})
+    fake_run(tmp_path / "c" / "seed2", 2, 432.22)  # the same recalls summed in another order
     out = tmp_path / "table.md"
-    assert compare_runs.main([f"ctl={tmp_path}/a/seed*", f"{tmp_path}/b/lam=0.5/seed*",
+    assert compare_runs.main([f"ctl={tmp_path}/a/seed[01]", f"{tmp_path}/b/lam=0.5/seed*",
                               "--out", str(out)]) == 0
     rows = out.read_text().splitlines()
     # the control's last logged values come from step 10 (step 20 logged none of them)
@@ -37,6 +39,10 @@ def test_paired_differences_and_last_scores(tmp_path, capsys):
                        f"506.5 ± 2.1 | 1.5 ± 4.9 (n=2) | 1/2 | 0.60 ± 0.14 | 0.25 ± 0.07 | "
                        f"0.45 ± 0.07 |")
     assert capsys.readouterr().out == out.read_text()
+    assert compare_runs.main([f"{tmp_path}/a/seed*", f"tie={tmp_path}/c/seed*"]) == 0
+    assert "| 0.0 (n=1) | 0/1 |" in capsys.readouterr().out
+    assert compare_runs.main([f"{tmp_path}/a/seed*", "--prefix", "itc_"]) == 2
+    assert "no test metric 'itc_rsum'; check --prefix" in capsys.readouterr().err
 
 
 def test_unfinished_run_and_empty_glob_are_errors(tmp_path, capsys):
