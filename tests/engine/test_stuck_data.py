@@ -169,13 +169,19 @@ def test_the_workers_are_released_after_epochs_whose_workers_ended():
     worker = torch.multiprocessing.get_context("spawn").Process(
         target=_start_data_worker_and_sleep, args=(release,))
     worker.start()
-    time.sleep(1.0)
-    assert worker.is_alive()
-    release.set()
-    worker.join(5)
-    assert worker.exitcode == 0
+    try:
+        time.sleep(1.0)
+        assert worker.is_alive()
+        release.set()
+        # generous: a spawned process imports torch first, which takes long on a busy machine;
+        # without the release it would sleep for 10 minutes
+        worker.join(120)
+        assert worker.exitcode == 0
+    finally:
+        if worker.is_alive():
+            worker.kill()
 
 
 def _start_data_worker_and_sleep(release) -> None:
     _start_data_worker(release, 0)
-    time.sleep(60)  # a read that never returns
+    time.sleep(600)  # a read that never returns
