@@ -105,6 +105,16 @@ def seeded_config(config: str, overrides: list[str], seed: int) -> dict:
     return cfg
 
 
+def check_load_from(config: str, cfg_options: list[str], seeds: int) -> None:
+    """Every seed's ``load_from`` exists, so a missing checkpoint stops the sweep before
+    anything trains instead of ending it at that seed."""
+    for seed in range(seeds):
+        path = seeded_config(config, cfg_options, seed).get("load_from")
+        if path and not Path(path).exists():
+            raise FileNotFoundError(f"load_from {path} (seed {seed}) does not exist; train "
+                                    f"that seed's run first or give another load_from")
+
+
 def run_one(config: str, overrides: list[str], seed: int, work_dir: Path) -> dict:
     """Train (or resume, or skip) one run; returns its report."""
     report_path = work_dir / "report.json"
@@ -172,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         points = grid_points(parse_grid(args.grid))
         check_data_paths(load_run_config(args.config, args.cfg_options))
         check_settings(args.config, args.cfg_options, args.triplet, args.pair, points)
+        check_load_from(args.config, args.cfg_options, args.seeds)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -201,6 +201,14 @@ def test_sweep_rejects_options_before_training(tiny_benchmark, tmp_path):
     assert "ncaxcon margin=0.1: objective.triplet: 'nca' takes tau" in result.stderr
     result = run_tool("tools/sweep.py", config, "--grid", "objective.tau=1,5", "--out", sweep)
     assert result.returncode == 2 and "--grid objective.triplet.tau=..." in result.stderr
+    # a seed's missing load_from checkpoint stops the sweep before the first seed trains
+    missing = tmp_path / "runs" / "seed{seed}.pt"
+    (tmp_path / "runs").mkdir()
+    torch.save({}, tmp_path / "runs" / "seed0.pt")
+    result = run_tool("tools/sweep.py", config, "--triplet", "con", "--pair", "con",
+                      "--seeds", "2", "--cfg-options", f"load_from={missing}", "--out", sweep)
+    assert result.returncode == 2
+    assert f"load_from {tmp_path / 'runs' / 'seed1.pt'} (seed 1) does not exist" in result.stderr
     assert not sweep.exists() or not any(sweep.iterdir())
 
 
