@@ -239,7 +239,7 @@ def check_value(where: str, value: Any, hint: Any) -> None:
     """
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) \
         else (hint,)
-    if any(_suits(value, option) for option in options):
+    if any(suits(value, option) for option in options):
         return
     named = [_KINDS[t] for t in options if t in _KINDS] or [
         getattr(t, "__name__", str(t)) for t in options if t is not type(None)]
@@ -247,7 +247,9 @@ def check_value(where: str, value: Any, hint: Any) -> None:
     raise ValueError(f"{where} must be {wanted}, got {value!r}")
 
 
-def _suits(value: Any, hint: Any) -> bool:
+def suits(value: Any, hint: Any) -> bool:
+    """Whether plain config data ``value`` can be of the type ``hint`` (one member of a
+    union): ``float`` takes any number, ``int`` a whole number, neither a bool."""
     if hint is type(None):
         return value is None
     if hint is float:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from mmgoal.config import suits
 from mmgoal.objectives.adaptive_lam import AdaptiveLam
 from mmgoal.objectives.hard_negative import check_reduction
 from mmgoal.objectives.mining import mine_triplets, scores_and_positives
@@ -73,15 +74,11 @@ def _spelling_hint(key: str, choices: list[str]) -> str:
     return f"{key} (did you mean {close[0]}?)" if close else key
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
                given: Mapping[str, Any]) -> None:
     """``lam`` is a number or ``auto``, and ``lam: auto``'s options come with it only."""
     lam = options["lam"]
-    if lam != AUTO and not _is_number(lam):
+    if lam != AUTO and not suits(lam, float):
         close = isinstance(lam, str) and difflib.get_close_matches(lam.lower(), [AUTO], n=1,
                                                                     cutoff=0.6)
         raise ValueError(f"{where}: {name!r} option lam must be a number or auto (mmgoal's "
@@ -103,16 +100,15 @@ def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
                          f"lam: auto reads: give it keyword parameters {', '.join(missing)} "
                          f"with defaults (docs/objectives.md)")
     momentum, initial = options["lam_momentum"], options["lam_init"]
-    if not _is_number(momentum) or not 0 <= momentum < 1:
+    if not suits(momentum, float) or not 0 <= momentum < 1:
         raise ValueError(f"{where}: lam_momentum must be a number in [0, 1) (the weight of "
                          f"the running lam at each update; 0 takes each step's midpoint); "
                          f"got {momentum!r}")
-    if not _is_number(initial):
+    if not suits(initial, float):
         raise ValueError(f"{where}: lam_init must be a number (lam until the first update); "
                          f"got {initial!r}")
     steps = options["lam_steps"]
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
-                              or steps < 1):
+    if steps is not None and (not suits(steps, int) or steps < 1):
         raise ValueError(f"{where}: lam_steps must be a whole number >= 1 (the updates after "
                          f"which lam holds) or null (lam follows the scores for the whole run); "
                          f"got {steps!r}")
