@@ -10,6 +10,17 @@ dL/dtheta`` through its slice, and the data-parallel average of those is exactly
 one process's gradient of ``L``; a parameter used after the gather (a learnable
 temperature, fusion layers) gets ``dL/dtheta`` on every rank, whose average is
 again exact. No loss rescaling is needed.
+
+A per-rank (local) loss ``L_r``, computed on rank ``r``'s own pairs (ITM's
+``pairs: local``, MLM, box grounding, CCR/CCS), may still reach other ranks'
+rows through the gathered features (ITM's negatives): the gather's backward
+sums ``dL_s/d(slice r)`` over the ranks ``s`` into rank ``r``'s slice, and a
+parameter used after the gather gets ``dL_r/dtheta`` on rank ``r``; the
+data-parallel average of either is ``d(mean_r L_r)/dtheta``. So a run trains on
+the global loss terms plus the mean over ranks of the local ones, again without
+rescaling; a local term is the global one exactly when it is a mean over the
+same number of items on every rank (ITM with every row holding a negative).
+The trainer logs rank 0's outputs: the local terms as rank 0 computed them.
 """
 
 from __future__ import annotations
