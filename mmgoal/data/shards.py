@@ -46,8 +46,10 @@ class ShardWriter:
         self._close_current()
         path = self.out_dir / f"{self.prefix}-{self.first_index + len(self.paths):06d}.tar"
         self._stream = open(path.with_suffix(".tar.tmp"), "wb")
-        # A fixed mtime makes the bytes of a shard a function of its samples only.
-        self._writer = wds.TarWriter(self._stream, mtime=0.0)
+        # A fixed mtime makes the bytes of a shard a function of its samples only; an int,
+        # because a float one puts a PAX header before every member, which doubles the
+        # header parsing of every reader (bench/data.py).
+        self._writer = wds.TarWriter(self._stream, mtime=0)
         self.paths.append(path)
         self._count = 0
 

@@ -64,7 +64,7 @@ class Scene:
 
 def _polygon(shape: str, box: tuple[float, float, float, float]) -> list[tuple[float, float]]:
     x1, y1, x2, y2 = box
-    cx, cy, w, h = (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
+    cx, cy, w = (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1
     if shape == "triangle":
         return [(cx, y1), (x2, y2), (x1, y2)]
     if shape == "diamond":
@@ -121,7 +121,8 @@ def _place_objects(rng: np.random.Generator, n: int, image_size: int) -> list[Sc
     return objects
 
 
-def render_scene(rng: np.random.Generator, objects: list[SceneObject], image_size: int) -> Image.Image:
+def render_scene(rng: np.random.Generator, objects: list[SceneObject],
+                 image_size: int) -> Image.Image:
     """Draw objects (4x supersampled, then downsampled) on a dark noisy background."""
     scale = 4
     background = tuple(int(v) for v in rng.integers(0, 60, size=3))

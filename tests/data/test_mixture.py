@@ -4,12 +4,12 @@ import itertools
 import json
 
 import pytest
+from test_pipeline import png  # same folder: pytest puts it on sys.path
 
 from mmgoal.data.pipeline import MixtureDataset
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.tokenizers import WordTokenizer
 from mmgoal.data.transforms import build_transforms
-from test_pipeline import png  # same folder: pytest puts it on sys.path
 
 
 def write_source(folder, prefix, first_id, caption, count=40):

@@ -1,6 +1,7 @@
 import io
 import itertools
 import json
+import tarfile
 
 import pytest
 import torch
@@ -190,6 +191,10 @@ def test_shard_writer_leaves_no_partial_shard(tmp_path):
             writer.write(sample(key, key, ["a"]))
         raise RuntimeError("killed while writing")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x-000000.tar"]
+    # an int mtime: no PAX header before each member, which readers would parse too
+    with tarfile.open(tmp_path / "x-000000.tar") as archive:
+        members = archive.getmembers()
+    assert len(members) == 4 and all(m.pax_headers == {} and m.mtime == 0 for m in members)
     with pytest.raises(ValueError, match="__key__"):
         ShardWriter(tmp_path, "y").write({"png": b""})
 
@@ -224,10 +229,20 @@ def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_pa
         writer.write({"__key__": "2", "png": png((0, 0, 0)),
                       "json": json.dumps({"image_id": 2, "captions": ["a circle"]}).encode(),
                       "boxes.npy": npy([[4, 4, 8, 8]])})
-    batch = next(iter(dataset(str(tmp_path / "boxes-000000.tar"), tokenizer)))
+        bad = {**meta, "image_id": 3, "entities": [{"caption": 0, "boxes": [[0, 0, 4]]}]}
+        writer.write({"__key__": "3", "png": png((0, 0, 0)), "json": json.dumps(bad).encode()})
+    data = dataset(str(tmp_path / "boxes-000000.tar"), tokenizer)
+    batch = next(iter(data))
     assert batch["box_lengths"].tolist() == [2, 1]
     torch.testing.assert_close(batch["boxes"], torch.tensor(
         [[[0, 0, 0.5, 0.25], [0.25, 0.25, 1, 1]], [[0.5, 0.5, 1, 1], [0, 0, 0, 0]]]))
+    assert data.counter.total == 1 and "entity boxes must be xyxy" in data.counter.summary()
+    # evaluation batches keep every entity, its boxes as fractions of the image
+    entities = next(iter_eval_batches(str(tmp_path / "boxes-000000.tar"),
+                                      build_transforms(None, 8), batch_size=8))["entities"]
+    assert [[e["boxes"] for e in sample] for sample in entities] == [
+        [[[0, 0, 0.5, 0.25]], [[0, 0, 0.5, 0.25], [0.25, 0.25, 1, 1]]], []]
+    assert entities[0][1]["phrase"] == "a square"
 
     with ShardWriter(tmp_path, "regions", max_count=10) as writer:
         for key, count in ((1, 3), (2, 2)):

@@ -6,10 +6,10 @@ import numpy as np
 from mmgoal.data.synthetic import (
     COLOURS,
     SHAPES,
+    SceneObject,
     make_scene,
     position_phrase,
     relation_phrase,
-    SceneObject,
     write_flickr_entities,
 )
 
