@@ -2,6 +2,7 @@
 
     python bench/scan_eval.py                      # 1000 images x 5000 captions
     python bench/scan_eval.py --images 200 --captions 1000 --reference-captions 100
+    python bench/scan_eval.py --compile            # eager scorer vs torch.compile, no reference
 
 Features: ``--images`` x 36 regions and ``--captions`` x 12 words, 1024-d,
 L2-normalised, random. Both sides compute SCAN t2i (lambda_softmax 9, AVG).
@@ -20,19 +21,38 @@ L2-normalised, random. Both sides compute SCAN t2i (lambda_softmax 9, AVG).
 Prints both times, the ratios, the largest difference on the shared captions,
 and GFLOP/s: the model FLOPs of the query-key product (2 n_t W n_i R D) per
 second, next to this machine's ``torch.mm`` rate on a large square product.
+
+``--compile`` measures instead whether ``torch.compile`` of SCAN's elementwise
+part pays on this gallery. Baseline, "eager": ``score_gallery`` as above
+(float32). Against it, on the same blocks and work arrays:
+
+- "products only": the query-key product, the Gram matrices and the Gram
+  product of every block and nothing else, the floor of any scorer that
+  compiles only the elementwise part (eager minus this is all it can save);
+- "compiled": the same products, with the elementwise steps between them
+  (LeakyReLU, clipped L2 norm, lambda, the unnormalised softmax's exp) and
+  after them (the two weighted sums over the keys, the cosine, the mean over
+  words) each one ``torch.compile`` d function (inductor; C++ through gcc on a
+  CPU); then with only the step after the Gram product compiled. A compiled
+  scorer's first pass over the gallery compiles (every block shape; the
+  inductor cache is a fresh empty folder, as on a first run) and its second
+  runs compiled code only; the compile time is the difference (the first
+  compiled scorer's includes inductor's one-time start-up in the process).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 from mmgoal.evaluation.gallery import score_gallery
-from mmgoal.models.layers.cross_attention import scan_similarity
-from mmgoal.structures import ImageFeatures, TextFeatures
+from mmgoal.models.layers.cross_attention import EPS, scan_similarity
+from mmgoal.structures import ImageFeatures, TextFeatures, slice_features
 
 
 class _Scorer(torch.nn.Module):
@@ -78,6 +98,107 @@ def reference_t2i(regions: torch.Tensor, words: torch.Tensor, shard: int = 128,
     return sims
 
 
+def _attention_weights(raw: torch.Tensor, query_mask: torch.Tensor, key_mask: torch.Tensor,
+                       out: torch.Tensor, lambda_softmax: float) -> None:
+    """The elementwise steps between the products, into ``out``: LeakyReLU, clipped L2
+    norm over the queries, lambda, the unnormalised softmax (as the eager in-place path)."""
+    scores = F.leaky_relu(raw, 0.1) * query_mask
+    logits = scores * (lambda_softmax / (scores.norm(dim=-1, keepdim=True) + EPS))
+    out.copy_(logits.masked_fill(~key_mask[:, :, None, None], float("-inf")).exp())
+
+
+def _attention_weights_in_place(raw: torch.Tensor, query_mask: torch.Tensor,
+                                key_mask: torch.Tensor, out: torch.Tensor,
+                                lambda_softmax: float) -> None:
+    """:func:`_attention_weights` step by step in place, as the eager scorer runs it."""
+    weights = torch.ops.aten.leaky_relu.out(raw, 0.1, out=out).mul_(query_mask)
+    weights.mul_(weights.norm(dim=-1, keepdim=True).add_(EPS).reciprocal_()
+                 .mul_(lambda_softmax))
+    weights.masked_fill_(~key_mask[:, :, None, None], float("-inf")).exp_()
+
+
+def _relevance_avg(raw: torch.Tensor, attention: torch.Tensor, quad: torch.Tensor,
+                   query_norm: torch.Tensor, query_mask: torch.Tensor) -> torch.Tensor:
+    """The elementwise steps after the Gram product: the weighted sums over the keys,
+    the cosine of each query with its attended vector, the mean over the real words."""
+    dot = (raw * attention).sum(1)
+    norm = (quad * attention).sum(1).clamp(min=EPS**2).sqrt()
+    relevance = dot / (query_norm * norm).clamp(min=EPS)
+    return (relevance * query_mask).sum(-1) / query_mask.sum(-1).clamp(min=1)
+
+
+class _SplitScorer(torch.nn.Module):
+    """SCAN t2i AVG with the products eager and the elementwise steps before the Gram
+    product (``weights``) and after it (``relevance``) ``torch.compile`` d where asked,
+    or skipped (``products_only``: the products' time alone). Its work arrays are reused
+    from block to block, as ``score_gallery``'s eager scorer does."""
+
+    def __init__(self, compile_weights: bool = True, compile_relevance: bool = True,
+                 products_only: bool = False) -> None:
+        super().__init__()
+        self.products_only = products_only
+        self.weights = torch.compile(_attention_weights) if compile_weights else \
+            _attention_weights_in_place
+        self.relevance = torch.compile(_relevance_avg) if compile_relevance else _relevance_avg
+        self.work: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        if name not in self.work or self.work[name].numel() < numel:
+            self.work[name] = torch.empty(numel)
+        return self.work[name][:numel]
+
+    def similarity(self, images: ImageFeatures, texts: TextFeatures) -> torch.Tensor:
+        keys, queries = images.tokens, texts.tokens
+        (n_k, k_len, dim), (n_q, q_len, _) = keys.shape, queries.shape
+        shape = (n_k, k_len, n_q, q_len)
+        size = n_k * k_len * n_q * q_len
+        raw = torch.mm(keys.reshape(-1, dim), queries.reshape(-1, dim).T,
+                       out=self._buffer("raw", size).view(n_k * k_len, -1)).view(shape)
+        gram = keys @ keys.transpose(1, 2)
+        attention = self._buffer("attention", size).view(shape)
+        if not self.products_only:
+            self.weights(raw, texts.mask, images.mask, attention, 9.0)
+        quad = torch.bmm(gram, attention.view(n_k, k_len, -1),
+                         out=self._buffer("quad", size).view(n_k, k_len, -1)).view(shape)
+        if self.products_only:
+            return raw[:, 0, :, 0]
+        return self.relevance(raw, attention, quad, queries.norm(dim=-1)[None], texts.mask)
+
+
+def compare_compiled(images: ImageFeatures, texts: TextFeatures, block_images: int,
+                     max_block_mb: float) -> None:
+    """Eager ``score_gallery`` (the baseline) against its products alone and against the
+    elementwise steps compiled: compile + first pass, then a compiled pass."""
+    def timed(scorer: torch.nn.Module) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
+        sims = score_gallery(scorer, images, texts, block_images, max_block_mb, progress=False)
+        return sims, time.perf_counter() - start
+
+    # warm-up on a corner of the gallery (first allocations, oneDNN's kernels)
+    score_gallery(_Scorer(), slice_features(images, 0, block_images),
+                  slice_features(texts, 0, 500), block_images, max_block_mb, progress=False)
+    eager_sims, eager = timed(_Scorer())
+    print(f"eager score_gallery (baseline): {eager:.1f} s", flush=True)
+    _, products = timed(_SplitScorer(False, False, products_only=True))
+    print(f"products only (query-key, Gram; no elementwise step): {products:.1f} s, "
+          f"ratio eager / products only: {eager / products:.2f}x; the elementwise steps "
+          f"take {eager - products:.1f} s of the eager run")
+    variants = {"both elementwise steps": (True, True),
+                "the step after the Gram product only": (False, True)}
+    for name, parts in variants.items():
+        torch._dynamo.reset()
+        with tempfile.TemporaryDirectory(prefix="inductor_cache_") as cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a cold compile, as on a first run
+            scorer = _SplitScorer(*parts)
+            _, first = timed(scorer)
+            sims, run = timed(scorer)
+        print(f"compiled, {name}: compile {first - run:.1f} s (first pass {first:.1f} s), "
+              f"compiled run {run:.1f} s, max |compiled - eager| "
+              f"{(sims - eager_sims).abs().max().item():.1e}; ratio eager / (compile + run) "
+              f"{eager / first:.2f}x, ratio eager / compiled run {eager / run:.2f}x",
+              flush=True)
+
+
 def mm_rate(size: int = 4096, repeats: int = 3) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
@@ -98,6 +219,9 @@ def main() -> None:
                         help="captions the reference scores (then extrapolated)")
     parser.add_argument("--block-images", type=int, default=128)
     parser.add_argument("--max-block-mb", type=float, default=512)
+    parser.add_argument("--compile", action="store_true",
+                        help="eager scorer vs torch.compile of its elementwise steps "
+                             "(no reference run)")
     args = parser.parse_args()
     torch.manual_seed(0)
     regions = F.normalize(torch.randn(args.images, args.regions, args.dim), dim=-1)
@@ -109,6 +233,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; gallery "
           f"{args.images} images x {args.captions} captions, {args.regions} regions, "
           f"{args.words} words, {args.dim}-d")
+    if args.compile:
+        compare_compiled(images, texts, args.block_images, args.max_block_mb)
+        return
     rate = mm_rate()
     print(f"torch.mm 4096^2: {rate:.1f} GFLOP/s")
 
