@@ -37,10 +37,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mmgoal tools tests bench
 
+# every benchmark of bench/ and, at the end, every ratio they printed (docs/results/performance.md)
 bench: $(STAMP)
-	$(PY) bench/data.py
-	$(PY) bench/objectives.py
-	$(PY) bench/scan_eval.py
+	$(PY) bench/all.py
 
 # A fresh venv outside the repository, torch from where .venv's came from (this machine's
 # disk), then mmgoal without extras; the check runs from another folder, so it imports the

@@ -6,7 +6,8 @@ Baseline: ``TripletLoss(max_violation=True)`` (plain autograd) on the same
 (n, n) float32 scores. Each measurement runs in a fresh process so that its
 peak resident memory (``ru_maxrss``) minus the memory held before the objective
 runs is that objective's own peak. Prints, per batch size, the median time of
-each combination and its ratio to the baseline, and the ratio of peak memory.
+each combination and its ratio to the baseline, and the ratio of peak memory,
+then one line with the range of the time ratios and the largest memory ratio.
 """
 
 from __future__ import annotations
@@ -73,10 +74,17 @@ def main() -> None:
         print(f"\nbatch {batch}: baseline autograd {BASELINE} {base['seconds'] * 1e3:.2f} ms, "
               f"peak {base['peak_kib'] / 1024:.1f} MiB")
         print(f"{'combination':<14} {'ms':>9} {'time ratio':>11} {'memory ratio':>13}")
+        times, memory = {}, {}
         for name in names:
             r = run_worker(name, batch, args.repeats)
-            print(f"{name:<14} {r['seconds'] * 1e3:>9.2f} {r['seconds'] / base['seconds']:>11.2f} "
-                  f"{r['peak_kib'] / base['peak_kib']:>13.2f}", flush=True)
+            times[name], memory[name] = (r["seconds"] / base["seconds"],
+                                         r["peak_kib"] / base["peak_kib"])
+            print(f"{name:<14} {r['seconds'] * 1e3:>9.2f} {times[name]:>11.2f} "
+                  f"{memory[name]:>13.2f}", flush=True)
+        fastest, slowest = min(times, key=times.get), max(times, key=times.get)
+        print(f"objectives batch {batch}: time ratio to autograd {BASELINE} from "
+              f"{times[fastest]:.2f} ({fastest}) to {times[slowest]:.2f} ({slowest}), memory "
+              f"ratio up to {max(memory.values()):.2f}")
 
 
 if __name__ == "__main__":
