@@ -180,9 +180,9 @@ def report(r: dict, baseline: dict | None) -> None:
     n_i, n_t = r["images"], r["captions"]
     print(f"\n{r['model']} ({r['type']}), batch {r['batch_size']}, {n_i} images, "
           f"{n_t} captions")
-    print(f"  images/s: mmgoal encode_gallery {n_i / image_s:,.0f}, bare encode_image "
+    print(f"  {r['model']} images/s: mmgoal encode_gallery {n_i / image_s:,.0f}, bare encode_image "
           f"{n_i / bare_image_s:,.0f}; ratio mmgoal / bare {bare_image_s / image_s:.2f}")
-    print(f"  texts/s:  mmgoal encode_gallery {n_t / text_s:,.0f}, bare encode_text "
+    print(f"  {r['model']} texts/s:  mmgoal encode_gallery {n_t / text_s:,.0f}, bare encode_text "
           f"{n_t / bare_text_s:,.0f}; ratio mmgoal / bare {bare_text_s / text_s:.2f}")
     print(f"  the data alone: shards read + decoded + transformed {n_i / r['read_s']:,.0f} "
           f"images/s ({r['read_s']:.2f} s, {r['read_s'] / image_s:.0%} of mmgoal's image "
@@ -201,7 +201,7 @@ def report(r: dict, baseline: dict | None) -> None:
             ratio = f"; ratio to {baseline['model']}'s {total / base:.2f}"
         padding = r[f"{key}_padding"]
         padded = f"; {padding:.0%} of the token rows are padding" if padding else ""
-        print(f"  stored features per 1,000 {side}: {total / 2**20:.2f} MiB "
+        print(f"  {r['model']} stored features per 1,000 {side}: {total / 2**20:.2f} MiB "
               f"({total / 1000:,.0f} bytes each: {detail}{padded}){ratio}")
     stored = sum(r["image_bytes"].values()) + sum(r["text_bytes"].values())
     print(f"  peak RSS increase of encode_gallery: {r['rss_peak_kib'] / 1024:.1f} MiB "
