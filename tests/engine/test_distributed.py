@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from ranks import free_port  # tests/ranks.py
 
 from mmgoal.engine.checkpoint import load_checkpoint
 from mmgoal.engine.run_dir import CHANGES_FILE
@@ -55,14 +56,6 @@ def launch(launcher: str, config: Path, work_dir: Path, *extra: str,
     # A session of its own: KillAllAt kills the launcher's whole process group.
     return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True,
                           timeout=timeout, start_new_session=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_config(path: Path, data: Path, batch: int, **top) -> Path:

@@ -1,13 +1,11 @@
 """Objectives on features gathered over 2 processes (gloo, CPU) match one process."""
 
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import run_ranks  # tests/ranks.py
 
 from mmgoal.engine.gather import gather_features, gather_groups, gather_with_grad
 from mmgoal.objectives.mining import positives_from_groups
@@ -74,39 +72,27 @@ def lam_trajectories(slices):
     return trajectories
 
 
-def worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        results = {}
-        for name in OBJECTIVES_TRIED:
-            image_encoder, text_encoder, objective, images, texts = make_problem(name)
-            results[name] = step(image_encoder, text_encoder, objective, images[local],
-                                 texts[local], IDS[local])
-        # word tokens of different lengths on the two ranks: padded to the longest
-        width = 3 + 2 * rank
-        tokens = torch.full((2, width, 4), float(rank + 1), requires_grad=True)
-        mask = torch.ones(2, width, dtype=torch.bool)
-        gathered = gather_features(TextFeatures(tokens[:, 0], tokens=tokens, mask=mask))
-        (gathered.tokens * torch.arange(4.0)[:, None, None]).sum().backward()
-        results["tokens"] = [gathered.tokens.detach(), gathered.mask, tokens.grad]
-        results["lam"] = lam_trajectories([local])
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def on_rank(rank, world):
+    local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    results = {}
+    for name in OBJECTIVES_TRIED:
+        image_encoder, text_encoder, objective, images, texts = make_problem(name)
+        results[name] = step(image_encoder, text_encoder, objective, images[local],
+                             texts[local], IDS[local])
+    # word tokens of different lengths on the two ranks: padded to the longest
+    width = 3 + 2 * rank
+    tokens = torch.full((2, width, 4), float(rank + 1), requires_grad=True)
+    mask = torch.ones(2, width, dtype=torch.bool)
+    gathered = gather_features(TextFeatures(tokens[:, 0], tokens=tokens, mask=mask))
+    (gathered.tokens * torch.arange(4.0)[:, None, None]).sum().backward()
+    results["tokens"] = [gathered.tokens.detach(), gathered.mask, tokens.grad]
+    results["lam"] = lam_trajectories([local])
+    return results
 
 
 @pytest.mark.multiprocess
 def test_two_process_gathered_update_matches_one_process(tmp_path):
-    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks = run_ranks(on_rank, tmp_path)
     for name in OBJECTIVES_TRIED:
         single = step(*make_problem(name), IDS)
         for gathered in ranks:

@@ -2,13 +2,11 @@
 one process holding the global batch: the mean of the ranks' ITM losses is the global ITM
 loss, and the data-parallel average of the gradients is the single process's."""
 
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks  # tests/ranks.py
 
 from mmgoal.data.pipeline import image_id_groups
 from mmgoal.data.tokenizers import WordTokenizer
@@ -64,28 +62,14 @@ def run(pairs: str, rows: slice) -> dict:
             "fused": fused}
 
 
-def worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        torch.save({pairs: run(pairs, rows) for pairs in ("local", "global")},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def on_rank(rank, world):
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return {pairs: run(pairs, rows) for pairs in ("local", "global")}
 
 
 @pytest.mark.multiprocess
 def test_local_itm_over_two_ranks_trains_like_global_itm_in_one_process(tmp_path):
-    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks = run_ranks(on_rank, tmp_path)
     single = run("local", slice(None))  # one process: local and global are the same
     assert single["fused"] == [3 * 2 * PER_RANK]
     local = [r["local"] for r in ranks]
