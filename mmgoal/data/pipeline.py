@@ -245,30 +245,28 @@ def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
                                  f"and no regions.npy")
     width, height = out["image"].size if "image" in out else (meta.get("width"),
                                                               meta.get("height"))
-    boxes = (_load_npy(sample["boxes.npy"], where, "boxes.npy") if "boxes.npy" in sample
-             else _xyxy(entity_boxes(meta), where))
-    if boxes.ndim != 2 or boxes.shape[1] != 4:
-        raise CorruptSampleError(f"{where}: boxes must be (boxes, 4) xyxy, got shape "
-                                 f"{boxes.shape}")
+    boxes = (_xyxy(_load_npy(sample["boxes.npy"], where, "boxes.npy"), where, "boxes.npy")
+             if "boxes.npy" in sample else _xyxy(entity_boxes(meta), where, "entity boxes"))
     if width and height:
         scale = np.float32([width, height, width, height])
-        out["boxes"] = torch.from_numpy(boxes.astype(np.float32) / scale)
+        out["boxes"] = torch.from_numpy(boxes / scale)
         out["entities"] = scale_entity_boxes(meta.get("entities") or [], scale, where)
     return out
 
 
-def _xyxy(boxes: list, where: str) -> np.ndarray:
-    """JSON entity boxes -> (n, 4) float32; a ``CorruptSampleError`` unless each is 4 numbers."""
-    if not boxes:
+def _xyxy(boxes: list | np.ndarray, where: str, what: str) -> np.ndarray:
+    """Boxes (the JSON's lists, or ``boxes.npy``) -> (n, 4) float32; a ``CorruptSampleError``
+    unless each is 4 numbers (an empty list is no box)."""
+    if isinstance(boxes, list) and not boxes:
         return np.zeros((0, 4), dtype=np.float32)
     try:
         array = np.asarray(boxes, dtype=np.float32)
     except (ValueError, TypeError) as error:  # ragged lists, strings
-        raise CorruptSampleError(f"{where}: entity boxes must be xyxy, 4 numbers each "
+        raise CorruptSampleError(f"{where}: {what} must be xyxy, 4 numbers each "
                                  f"({error})") from error
     if array.ndim != 2 or array.shape[1] != 4:
-        raise CorruptSampleError(f"{where}: entity boxes must be xyxy, 4 numbers each, got "
-                                 f"an array of shape {array.shape}")
+        raise CorruptSampleError(f"{where}: {what} must be xyxy, 4 numbers each, got an "
+                                 f"array of shape {array.shape}")
     return array
 
 
@@ -279,7 +277,8 @@ def scale_entity_boxes(entities: list[dict], scale: np.ndarray, where: str = "a 
     if not entities:
         return []
     counts = [len(entity.get("boxes") or []) for entity in entities]
-    flat = _xyxy([box for entity in entities for box in entity.get("boxes") or []], where)
+    flat = _xyxy([box for entity in entities for box in entity.get("boxes") or []], where,
+                 "entity boxes")
     scaled = (flat / scale).tolist()
     starts = itertools.accumulate(counts, initial=0)
     return [{**entity, "boxes": scaled[start:start + count]}
