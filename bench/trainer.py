@@ -62,10 +62,11 @@ class StepTimes(Hook):
 
 
 def config(shards: str, steps: int) -> dict:
-    cfg = load_run_config(CONFIG, [
-        f"data.train.shards={shards}", "data.val=null", "data.test=null", "train.epochs=1",
-        f"train.samples_per_epoch={steps * 128}", "train.progress=false", "hooks=[]",
-        "data.train.batch_size=128"])
+    """The quickstart on ``shards`` for ``steps`` steps of its batch, no evaluation."""
+    cfg = load_run_config(CONFIG, [f"data.train.shards={shards}", "data.val=null",
+                                   "data.test=null", "train.epochs=1", "train.progress=false",
+                                   "hooks=[]"])
+    cfg["train"]["samples_per_epoch"] = steps * cfg["data"]["train"]["batch_size"]
     return cfg
 
 
@@ -120,7 +121,8 @@ def run_bare(cfg: dict, steps: int) -> list[float]:
     return times
 
 
-def rate(times: list[float], warmup: int, batch: int = 128) -> float:
+def rate(times: list[float], warmup: int, batch: int) -> float:
+    """Samples/s from the end of step ``warmup`` to the end of the last step."""
     return (len(times) - 1 - warmup) * batch / (times[-1] - times[warmup])
 
 
@@ -137,16 +139,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_benchmark(tmp, {"train": 2000}, shard_size=250, progress=False)
         cfg = config(f"{tmp}/train-{{000000..000007}}.tar", total)
-        print(f"quickstart, {total} steps of 128 ({args.warmup} untimed), "
+        batch = cfg["data"]["train"]["batch_size"]
+        print(f"quickstart, {total} steps of {batch} ({args.warmup} untimed), "
               f"{cfg['data']['num_workers']} data worker, torch threads "
               f"{torch.get_num_threads()}")
         best = {"trainer": 0.0, "bare loop": 0.0}
         for repeat in range(args.repeats):
             times = run_trainer(cfg, f"{tmp}/run{repeat}")
             assert len(times) == total, f"the trainer took {len(times)} steps, not {total}"
-            best["trainer"] = max(best["trainer"], rate(times, args.warmup))
+            best["trainer"] = max(best["trainer"], rate(times, args.warmup, batch))
             best["bare loop"] = max(best["bare loop"],
-                                    rate(run_bare(cfg, total), args.warmup))
+                                    rate(run_bare(cfg, total), args.warmup, batch))
         for name, value in best.items():
             print(f"trainer {name:<10} {value:7.1f} samples/s")
         print(f"trainer: overhead vs the bare loop {1 - best['trainer'] / best['bare loop']:+.1%}"
