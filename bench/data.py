@@ -53,8 +53,8 @@ from webdataset.tariterators import tar_file_expander
 from mmgoal.data.pipeline import expand_shards
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.synthetic import iter_scenes, scene_sample
+from mmgoal.data.tokenizers import OpenCLIPTokenizer
 from mmgoal.data.transforms import build_transforms
-from mmgoal.models.clip import OpenCLIPTokenizer
 from mmgoal.registry import DATASETS
 
 TOKENIZER = "ViT-B-32"  # the CLIP BPE tokenizer, 77 ids per caption

@@ -76,8 +76,8 @@ def build(name: str, shards: str):
 
     from mmgoal.data.pipeline import read_captions
     from mmgoal.data.tokenizers import WordTokenizer
-    from mmgoal.engine.schema import load_model_config
-    from mmgoal.evaluation.loading import build_from_config
+    from mmgoal.runs.loading import build_from_config
+    from mmgoal.runs.schema import load_model_config
 
     cfg = load_model_config(CONFIGS[name])
     tokenizer = dict(cfg["data"]["tokenizer"])
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from mmgoal.data.synthetic import write_benchmark
-    from mmgoal.engine.schema import load_model_config
+    from mmgoal.runs.schema import load_model_config
 
     image_size = load_model_config(CONFIGS[args.models[0]])["data"]["image_size"]
     if any(load_model_config(CONFIGS[m])["data"]["image_size"] != image_size

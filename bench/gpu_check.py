@@ -155,7 +155,7 @@ def step_throughput(cfg: dict, batch: dict, device: torch.device, precision: str
                  for k, v in batch.items()}
     model.train()
     reset_peak(device)
-    seconds = timed(lambda: strategy.train_step([batch], objective), device, steps)
+    seconds = timed(lambda: strategy.train_step([batch]), device, steps)
     return {"samples_per_s": len(batch["captions"]) / seconds, "peak_gib": peak_gib(device)}
 
 

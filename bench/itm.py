@@ -66,7 +66,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         model = MODELS.build(cfg["model"], tokenizer=tokenizer)
         objective = OBJECTIVES.build(cfg["objective"])
         itm = next(t for t in objective.terms if isinstance(t, ITMLoss))
-        step = TrainingStep(model, objective, tokenizer=tokenizer).train()
+        step = TrainingStep(model, objective).train()
         # The ViT's head norm gets no gradient: the trainer's DDP then keeps searching
         # for unused parameters (strategy.find_unused_parameters: auto), and so does this.
         ddp = torch.nn.parallel.DistributedDataParallel(step, find_unused_parameters=True)

@@ -41,10 +41,10 @@ from mmgoal.data.pipeline import read_captions
 from mmgoal.data.synthetic import write_benchmark
 from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.hooks import Hook
-from mmgoal.engine.schema import load_run_config
 from mmgoal.engine.trainer import Trainer
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import DATASETS, MODELS, OBJECTIVES, TOKENIZERS
+from mmgoal.runs.schema import load_run_config
 from mmgoal.structures import ObjectiveInputs
 
 ROOT = Path(__file__).resolve().parents[1]

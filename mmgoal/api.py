@@ -9,7 +9,7 @@
     hits = model.search(["a red circle"], model.index(images), top_k=5)
 
 Everything runs batched, under ``no_grad``, on the model's device, with the
-model's own eval transform and tokenizer (:func:`mmgoal.evaluation.loading.load_for_evaluation`).
+model's own eval transform and tokenizer (:func:`mmgoal.runs.loading.load_for_evaluation`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from PIL import Image
 
 from mmgoal.contract import MatchingModel, require
 from mmgoal.devices import module_device, move_to_device
-from mmgoal.evaluation.gallery import ScoringConfig, score_gallery
-from mmgoal.evaluation.loading import LoadedModel, build_from_config, load_for_evaluation
+from mmgoal.evaluation.gallery import score_gallery
 from mmgoal.evaluation.rerank import itm_rerank
+from mmgoal.runs.loading import LoadedModel, build_from_config, load_for_evaluation
+from mmgoal.runs.schema import ScoringConfig
 from mmgoal.structures import ImageFeatures, TextFeatures, cat_features, detach_features
 
 ImageLike = str | os.PathLike | Image.Image

@@ -11,7 +11,7 @@ A config is plain data: it is read with ``yaml.safe_load`` and never runs code.
   ``false``, ``null`` too), anything else stays a string. Overriding a key that
   nothing knows is an error with the closest match, so a typo never passes
   silently; ``apply_override``'s ``known_keys`` says which absent keys a
-  schema knows (the trainer's: :func:`mmgoal.engine.schema.load_run_config`).
+  schema knows (the trainer's: :func:`mmgoal.runs.schema.load_run_config`).
 * :class:`ConfigSection` is the base of a section's schema: a dataclass whose
   fields are the section's keys with their defaults, read by ``from_dict``.
 """
@@ -241,10 +241,15 @@ def check_value(where: str, value: Any, hint: Any) -> None:
         else (hint,)
     if any(suits(value, option) for option in options):
         return
-    named = [_KINDS[t] for t in options if t in _KINDS] or [
+    choices = [str(c) for option in options if typing.get_origin(option) is typing.Literal
+               for c in typing.get_args(option)]
+    named = [_KINDS[t] for t in options if t in _KINDS] + choices or [
         getattr(t, "__name__", str(t)) for t in options if t is not type(None)]
     wanted = " or ".join(named) + (" or null" if type(None) in options else "")
-    raise ValueError(f"{where} must be {wanted}, got {value!r}")
+    close = difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.6) \
+        if isinstance(value, str) else []
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise ValueError(f"{where} must be {wanted}, got {value!r}{hint}")
 
 
 def suits(value: Any, hint: Any) -> bool:
@@ -330,9 +335,39 @@ class ConfigSection:
         """The keys this section may hold."""
         return [f.name for f in dataclasses.fields(cls)]
 
+    @classmethod
+    def sections(cls, prefix: str = "") -> dict[str, type[ConfigSection]]:
+        """Dotted path -> schema of this section (at ``prefix``) and of every section nested
+        in it, from its fields' types: the one map of a schema's sections."""
+        found: dict[str, type[ConfigSection]] = {prefix: cls}
+        hints = typing.get_type_hints(cls)
+        for name in cls.keys():
+            section = _section_type(hints[name])
+            if section is not None:
+                found.update(section.sections(f"{prefix}.{name}" if prefix else name))
+        return found
+
+    @classmethod
+    def components(cls, prefix: str = "") -> dict[str, Any]:
+        """Dotted path -> registry of every field (here and in nested sections) that holds a
+        component's config, as declared by :func:`component`."""
+        found: dict[str, Any] = {}
+        for path, section in cls.sections(prefix).items():
+            for f in dataclasses.fields(section):
+                if "registry" in f.metadata:
+                    found[f"{path}.{f.name}" if path else f.name] = f.metadata["registry"]
+        return found
+
     def to_dict(self) -> dict[str, Any]:
         """The section as plain config data, defaults included."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def component(registry: Any, **default: Any) -> Any:
+    """A schema field holding the config of a component that ``registry`` builds (``type``
+    and the keyword arguments of the class registered under that name; a list field: each
+    of its items); ``default``: ``default_factory=...`` where it has one."""
+    return dataclasses.field(metadata={"registry": registry}, **default)
 
 
 def _section_type(hint: Any) -> type[ConfigSection] | None:

@@ -8,7 +8,7 @@ component needs one (tests/test_every_component_builds.py checks every registere
 model against the protocols it claims). docs/plugins.md shows a model of your own.
 
 A model class may also bring its own preprocessing (transforms and tokenizer) with a
-classmethod ``preprocessing(cfg, image_size)``: :mod:`mmgoal.data.preprocessing`.
+classmethod ``preprocessing(cfg, image_size)``: :mod:`mmgoal.runs.preprocessing`.
 """
 
 from __future__ import annotations

@@ -51,11 +51,20 @@ class Registry:
         name: what the registry holds, used in error messages (``"objective"``).
         inputs: parameters its entries receive when called (a weight's scores),
             which are never config keys.
+
+    Attributes:
+        builder_keys: the schema (a :class:`~mmgoal.config.ConfigSection`) of keys
+            that the code building this registry's components reads itself from
+            their configs and does not pass on (``optimizer.paramwise``); ``None``:
+            every key goes to the component. Declared by that code
+            (:meth:`read_by_builder`), so the run schema checks them without
+            importing it.
     """
 
     def __init__(self, name: str, inputs: tuple[str, ...] = ()) -> None:
         self.name = name
         self.inputs = inputs  # call-time parameters of its entries, never config keys
+        self.builder_keys: type | None = None
         self._entries: dict[str, Callable[..., Any]] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -91,6 +100,11 @@ class Registry:
 
         return decorator
 
+    def read_by_builder(self, section: type) -> None:
+        """Declare the keys the builder of this registry's components reads itself
+        (``section``: a ``ConfigSection`` of them; see :attr:`builder_keys`)."""
+        self.builder_keys = section
+
     def get(self, name: str) -> Callable[..., Any]:
         """The component registered under ``name``; an unknown name lists the choices."""
         if name not in self._entries:
@@ -117,8 +131,18 @@ class Registry:
         return [p.name for p in params if p.name not in self.inputs], takes_any
 
     def required(self, name: str) -> list[str]:
-        """The parameters of ``name`` that have no default."""
-        return [p.name for p in _keyword_parameters(self.get(name))[0] if p.default is p.empty]
+        """The config keys of ``name`` that have no default (never a call-time input)."""
+        return [p.name for p in _keyword_parameters(self.get(name))[0]
+                if p.default is p.empty and p.name not in self.inputs]
+
+    def defaults(self, name: str) -> dict[str, Any]:
+        """The config keys of ``name`` that have a default, with it."""
+        return {p.name: p.default for p in _keyword_parameters(self.get(name))[0]
+                if p.default is not p.empty and p.name not in self.inputs}
+
+    def inputs_of(self, name: str) -> list[str]:
+        """The call-time inputs (of :attr:`inputs`) that the component ``name`` takes."""
+        return [p.name for p in _keyword_parameters(self.get(name))[0] if p.name in self.inputs]
 
     def check(self, cfg: Mapping[str, Any], where: str | None = None,
               provided: Iterable[str] = ()) -> None:
@@ -144,9 +168,9 @@ class Registry:
         keys = [k for k in cfg if k != "type"]
         unknown = [] if takes_any else [k for k in keys if k not in accepted]
         if unknown:
+            takes = f"it accepts: {', '.join(accepted)}" if accepted else "it takes none"
             raise ConfigError(f"{prefix}{self.name} {type_name!r} got unknown config key(s) "
-                              f"{close_match_hints(unknown, accepted)}; it accepts: "
-                              f"{', '.join(accepted)}")
+                              f"{close_match_hints(unknown, accepted)}; {takes}")
         hints = _parameter_hints(target)
         for key in keys:
             if key in hints:

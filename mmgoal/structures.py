@@ -1,11 +1,14 @@
-"""Data shared by models, objectives and evaluation: features, attention, objective inputs.
+"""Data shared by models, objectives, data and evaluation: features, attention, objective
+inputs, a model's preprocessing.
 
 Models produce them, objectives and constraints consume them, evaluation caches
-and slices them; they live below all three so that none imports another for them.
+and slices them; they live below all of them so that none imports another for them
+(docs/architecture.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +85,6 @@ class ObjectiveInputs:
         local_image_features, local_text_features: this rank's own features.
         batch: this rank's collated batch.
         model: the model being trained (its heads: ``match_logits``, ``mlm_logits``, ...).
-        tokenizer: the run's tokenizer.
         generator: for random draws (ITM's negatives, MLM's masks); ``None``: torch's.
     """
 
@@ -94,9 +96,37 @@ class ObjectiveInputs:
     local_text_features: TextFeatures | None = None
     batch: dict | None = None
     model: Any = None
-    tokenizer: Any = None
     generator: torch.Generator | None = None
 
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How images and captions become a model's inputs: plain data, as timm's ``default_cfg``.
+
+    A model class may declare its own with a classmethod ``preprocessing(cfg,
+    image_size) -> Preprocessing`` (its config section and ``data.image_size``,
+    ``None`` when not set); each field is ``None`` where it has none of its own.
+    :func:`mmgoal.runs.preprocessing.resolve_preprocessing` decides what a run uses.
+
+    Attributes:
+        train_transforms: ``TRANSFORMS`` configs of the training images.
+        eval_transforms: ``TRANSFORMS`` configs of the evaluated images.
+        tokenizer: a ``TOKENIZERS`` config.
+    """
+
+    train_transforms: list[dict] | None = None
+    eval_transforms: list[dict] | None = None
+    tokenizer: dict | None = None
+
+
+@dataclass
+class Member:
+    """A model ready to encode a gallery, with its eval transform and tokenizer (one model
+    of an evaluation ensemble)."""
+
+    model: torch.nn.Module
+    transform: Callable
+    tokenizer: Callable
 
 
 def check_inputs(inputs: ObjectiveInputs, needed_by: str, *fields: str) -> ObjectiveInputs:

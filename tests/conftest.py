@@ -22,8 +22,8 @@ def tiny_quickstart_run(tiny_benchmark, tmp_path_factory):
     (a few seconds), for tests that use a trained model: ``(run_dir, benchmark_dir)``."""
     from pathlib import Path
 
-    from mmgoal.engine.schema import load_run_config
     from mmgoal.engine.trainer import Trainer
+    from mmgoal.runs.schema import load_run_config
 
     out, _ = tiny_benchmark
     root = Path(__file__).resolve().parents[1]

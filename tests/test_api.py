@@ -14,10 +14,10 @@ from script_modules import load_script
 
 import mmgoal
 from mmgoal.data.pipeline import decode_sample, expand_shards
-from mmgoal.engine.schema import load_model_config
 from mmgoal.evaluation.gallery import evaluate_retrieval
-from mmgoal.evaluation.loading import load_for_evaluation
 from mmgoal.evaluation.retrieval import retrieval_metrics
+from mmgoal.runs.loading import load_for_evaluation
+from mmgoal.runs.schema import load_model_config
 from mmgoal.structures import index_features
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,8 +141,8 @@ def test_from_config_alone_builds_the_pretrained_weights_it_names(tmp_path):
 def test_itm_reranked_scores_order_the_top_k_by_the_match_logit():
     from mmgoal.data.tokenizers import WordTokenizer
     from mmgoal.data.transforms import build_transforms
-    from mmgoal.evaluation.loading import LoadedModel
     from mmgoal.registry import MODELS
+    from mmgoal.runs.loading import LoadedModel
 
     captions = ["a red circle", "a blue square", "a star left of a circle", "a red star",
                 "a green cross", "a blue circle"]

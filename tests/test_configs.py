@@ -11,13 +11,13 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgoal.data.preprocessing import resolve_preprocessing
 from mmgoal.data.tokenizers import WordTokenizer
 from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.optimizers import build_optimizer
-from mmgoal.engine.schema import load_run_config
 from mmgoal.paths import resolve_path
 from mmgoal.registry import HOOKS, MODELS, OBJECTIVES, TOKENIZERS
+from mmgoal.runs.preprocessing import resolve_preprocessing
+from mmgoal.runs.schema import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.relative_to(ROOT) for p in (ROOT / "configs").rglob("*.yaml")

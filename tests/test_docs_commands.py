@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from mmgoal.engine.schema import load_run_config
 from mmgoal.registry import OBJECTIVES
+from mmgoal.runs.schema import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -30,7 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mmgoal  # noqa: E402
 from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.synthetic import write_benchmark  # noqa: E402
-from mmgoal.engine.trainer import Trainer, metrics_table  # noqa: E402
+from mmgoal.engine.trainer import Trainer  # noqa: E402
+from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.extras import EXTRAS, pyplot  # noqa: E402
 from mmgoal.registry import LOGGERS, STRATEGIES  # noqa: E402
 

@@ -27,10 +27,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mmgoal.devices import resolve_device  # noqa: E402
-from mmgoal.engine.trainer import metrics_table  # noqa: E402
-from mmgoal.evaluation.gallery import Member, evaluate_retrieval  # noqa: E402
-from mmgoal.evaluation.loading import load_for_evaluation  # noqa: E402
+from mmgoal.evaluation.gallery import evaluate_retrieval  # noqa: E402
+from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.extras import pyplot  # noqa: E402
+from mmgoal.runs.loading import load_for_evaluation  # noqa: E402
+from mmgoal.structures import Member  # noqa: E402
 
 
 def plot_curve(report, path: Path, title: str) -> None:

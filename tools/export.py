@@ -26,13 +26,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmgoal.engine.checkpoint import (
+from mmgoal.runs.checkpoint import (
     check_finite_weights,
     load_checkpoint,
     save_checkpoint,
     save_safetensors,
 )
-from mmgoal.engine.run_dir import weights_file
+from mmgoal.runs.run_dir import weights_file
 
 
 def check_out(out: Path) -> None:

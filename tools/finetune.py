@@ -25,10 +25,15 @@ from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E40
 
 from mmgoal.data.pipeline import UnreadableShardsError  # noqa: E402
 from mmgoal.engine.loggers import LoggerError  # noqa: E402
-from mmgoal.engine.run_dir import prepare_work_dir, record_changes, resume_changes  # noqa: E402
-from mmgoal.engine.schema import load_run_config, resolve_config  # noqa: E402
-from mmgoal.engine.strategies import has_checkpoint  # noqa: E402
-from mmgoal.engine.trainer import Trainer, check_data_paths, metrics_table  # noqa: E402
+from mmgoal.engine.trainer import Trainer  # noqa: E402
+from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
+from mmgoal.runs.run_dir import (  # noqa: E402
+    has_checkpoint,
+    prepare_work_dir,
+    record_changes,
+    resume_changes,
+)
+from mmgoal.runs.schema import check_data_paths, load_run_config, resolve_config  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,16 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if trainer.is_main:
         record_changes(work_dir, changes, trainer.epoch, trainer.step)
-    try:
-        report = trainer.fit()
-    except (FloatingPointError, UnreadableShardsError, LoggerError) as error:
-        trainer.strategy.close()
-        # a divergence stops every rank with one message; unreadable shards are a rank's own;
-        # a logger (W&B without a login) stops rank 0, before training
-        if trainer.is_main or isinstance(error, UnreadableShardsError):
-            print(f"error: {last_line(error)}", file=sys.stderr)
-        return 1
-    trainer.strategy.close()
+    with trainer:  # closes the strategy (the process group) when the run ends
+        try:
+            report = trainer.fit()
+        except (FloatingPointError, UnreadableShardsError, LoggerError) as error:
+            # a divergence stops every rank with one message; unreadable shards are a rank's
+            # own; a logger (W&B without a login) stops rank 0, before training
+            if trainer.is_main or isinstance(error, UnreadableShardsError):
+                print(f"error: {last_line(error)}", file=sys.stderr)
+            return 1
     if not trainer.is_main:
         return 130 if report.get("interrupted") else 0
     if report.get("interrupted"):

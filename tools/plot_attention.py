@@ -30,8 +30,8 @@ from mmgoal.data.pipeline import (  # noqa: E402
     expand_shards,
     transform_image,
 )
-from mmgoal.evaluation.loading import load_for_evaluation  # noqa: E402
 from mmgoal.extras import pyplot  # noqa: E402
+from mmgoal.runs.loading import load_for_evaluation  # noqa: E402
 
 
 def nth_sample(shards, index: int) -> dict:

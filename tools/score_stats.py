@@ -23,12 +23,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from mmgoal.data.pipeline import iter_eval_batches  # noqa: E402
-from mmgoal.evaluation.loading import (  # noqa: E402
+from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
+from mmgoal.runs.loading import (  # noqa: E402
     LoadedModel,
     build_from_config,
     load_for_evaluation,
 )
-from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
 
 
 def load_model(source: Path) -> LoadedModel:

@@ -38,9 +38,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mmgoal.config import parse_value  # noqa: E402
-from mmgoal.engine.schema import load_run_config  # noqa: E402
-from mmgoal.engine.trainer import Trainer, check_data_paths  # noqa: E402
+from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.registry import OBJECTIVES  # noqa: E402
+from mmgoal.runs.schema import check_data_paths, load_run_config  # noqa: E402
 
 TRIPLETS = ("con", "nca", "cir")
 PAIRS = ("con", "lin", "sig", "lin_ms", "sig_ms")

@@ -204,6 +204,78 @@ class HFTokenizer:
         pass
 
 
+@TOKENIZERS.register()
+class OpenCLIPTokenizer:
+    """open_clip's tokenizer of a model (``open_clip.get_tokenizer``): every caption as
+    ``context_length`` ids (start, BPE tokens, end, then padding), as the model reads them.
+
+    CLIP's byte-pair vocabulary ships with open_clip; the models whose tokenizer open_clip
+    reads from the Hugging Face hub (SigLIP, RoBERTa text towers) need it in the local
+    cache (run with ``HF_HUB_OFFLINE=1`` to be sure nothing is fetched).
+
+    Args:
+        model_name: an open_clip architecture.
+        context_length: ids per caption (default: the architecture's, 77 for CLIP).
+    """
+
+    fitted = True  # a fixed vocabulary
+
+    def __init__(self, model_name: str, context_length: int | None = None) -> None:
+        import open_clip
+
+        self.model_name = model_name
+        try:
+            self.tokenizer = open_clip.get_tokenizer(model_name, context_length=context_length)
+        except OSError as error:  # a Hugging Face tokenizer (SigLIP, RoBERTa...) not cached
+            raise FileNotFoundError(
+                f"OpenCLIPTokenizer {model_name}: open_clip reads this model's tokenizer from "
+                f"the Hugging Face hub and its files are not in the local cache ({error}); "
+                f"fetch them on a machine with network, or set data.tokenizer to an "
+                f"HFTokenizer of a local folder") from error
+        self.context_length = self.tokenizer.context_length
+        # open_clip's own BPE pads with 0; its Hugging Face-backed tokenizers wrap one
+        # (``.tokenizer``) and pad with its pad id
+        self.hf_tokenizer = getattr(self.tokenizer, "tokenizer", None)
+        self.pad_id = int(getattr(self.hf_tokenizer, "pad_token_id", None) or 0)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size if self.hf_tokenizer is None else len(self.hf_tokenizer)
+
+    @property
+    def special_ids(self) -> list[int]:
+        """Start and end of text (and the padding)."""
+        owner = self.tokenizer if self.hf_tokenizer is None else self.hf_tokenizer
+        return sorted({*owner.all_special_ids, self.pad_id})
+
+    @property
+    def mask_id(self) -> int:
+        raise ValueError(f"OpenCLIPTokenizer ({self.model_name}) has no mask token: caption "
+                         f"masking (TokenAugment, MLM) needs a tokenizer with one")
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def fit(self, captions: Iterable[str]) -> OpenCLIPTokenizer:
+        return self
+
+    def __call__(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Captions -> ``tokens`` (B, context_length); ``lengths``: ids up to the last
+        non-padding one (the end of text)."""
+        tokens = self.tokenizer(list(captions)).long()
+        real = tokens != self.pad_id
+        positions = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
+        lengths = (real * positions).amax(dim=1)
+        return {"tokens": tokens, "lengths": lengths,
+                "attention_mask": positions[None, :] <= lengths[:, None]}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 def corrupt_tokens(tokens: torch.Tensor, lengths: torch.Tensor, special_ids: torch.Tensor,
                    vocab_size: int, mask_id: int, p: float, mask: float, replace: float,
                    generator: torch.Generator | None = None

@@ -4,7 +4,7 @@ The torchvision transforms below are registered under their own names. Random
 flips and crops are registered for users, but the synthetic benchmark's
 captions talk about left/right and positions, so its configs leave them out.
 ``TimmTransform`` is a pretrained timm model's own preprocessing (a dual
-encoder's timm tower gives it, :mod:`mmgoal.data.preprocessing`); open_clip's and
+encoder's timm tower gives it, :mod:`mmgoal.runs.preprocessing`); open_clip's and
 Hugging Face's are in :mod:`mmgoal.models.clip`.
 """
 

@@ -136,6 +136,10 @@ class ParameterGroupOptions(ConfigSection):
                                  f"{', '.join(NO_DECAY_RULES)}")
 
 
+# the run schema checks these keys of an optimizer config with the rest of it
+OPTIMIZERS.read_by_builder(ParameterGroupOptions)
+
+
 def module_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules() if name]
 

@@ -7,12 +7,10 @@ attention constraints are its children, and its ``forward`` returns the losses.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from mmgoal.engine.gather import gather_features, gather_groups, world_info
+from mmgoal.distributed import gather_features, gather_groups, world_info
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.structures import ObjectiveInputs
 
@@ -26,14 +24,11 @@ class TrainingStep(nn.Module):
         constraints: attention constraints (CCR/CCS), computed on this rank's pairs.
         gather: with several processes, score the features gathered from every
             rank (the global batch) instead of this rank's alone.
-        tokenizer: the run's tokenizer, handed to objectives in their inputs.
     """
 
     def __init__(self, model: nn.Module, objective: nn.Module,
-                 constraints: list[nn.Module] | None = None, gather: bool = True,
-                 tokenizer: Any = None) -> None:
+                 constraints: list[nn.Module] | None = None, gather: bool = True) -> None:
         super().__init__()
-        self.tokenizer = tokenizer
         self.model = model
         self.objective = objective
         self.constraints = nn.ModuleList(constraints or [])
@@ -60,8 +55,7 @@ class TrainingStep(nn.Module):
         outputs = objective(ObjectiveInputs(
             sims, positives_from_groups(groups), image_features=all_images,
             text_features=all_texts, local_image_features=image_features,
-            local_text_features=text_features, batch=batch, model=self.model,
-            tokenizer=self.tokenizer))
+            local_text_features=text_features, batch=batch, model=self.model))
         if len(self.constraints):  # image b and text b of a training batch are a matched pair
             attention = self.model.attention(image_features, text_features)
             for constraint in self.constraints:

@@ -4,24 +4,22 @@ The trainer is the same for one process, ``torchrun`` and ``deepspeed``, on
 CPUs and GPUs: the strategy (``strategy:`` in the config, ``--deepspeed`` on the
 command line; ``torch`` by default: one process, or torch DDP under a launcher)
 owns the device (``train.device``), processes, optimizer, precision
-(``train.precision``) and checkpoint files. A run directory holds
-``config.yaml`` (resolved), ``metrics.jsonl`` (one JSON object per logged step
-and epoch), ``checkpoints/`` (the strategy's resumable checkpoint: model,
-optimizer, step, position in the epoch, every rank's RNG state; and
-``best.pt``, the float32 weights of the best epoch by validation rsum) and
-``report.json`` (test metrics of the best checkpoint under ``"test"``). Rank 0
-alone writes them and shows progress bars; the loggers of ``loggers:``
-(TensorBoard, W&B: :mod:`mmgoal.engine.loggers`) get the records of
-``metrics.jsonl`` there too.
+(``train.precision``) and checkpoint files. A run directory
+(:mod:`mmgoal.runs.run_dir`) holds ``config.yaml`` (resolved), ``metrics.jsonl``
+(one JSON object per logged step and epoch: :mod:`mmgoal.engine.metric_log`),
+``checkpoints/`` (the strategy's resumable checkpoint: model, optimizer, step,
+position in the epoch, every rank's RNG state; and ``best.pt``, the float32
+weights of the best epoch by validation rsum) and ``report.json`` (test metrics
+of the best checkpoint under ``"test"``). Rank 0 alone writes them and shows
+progress bars; the loggers of ``loggers:`` (TensorBoard, W&B:
+:mod:`mmgoal.engine.loggers`) get the records of ``metrics.jsonl`` there too.
 
 An optimisation step takes ``train.accumulate_steps`` micro-batches of
 ``data.train.batch_size`` on every rank (one window, handed to the strategy's
 ``train_step``): the global batch is their product with the number of
 processes, and an epoch is ``train.samples_per_epoch`` (default: the training
-split's size) divided by it. SIGINT/SIGTERM on any rank stop every
-rank after the same step, with a checkpoint; a second SIGINT stops at once. In
-one process, a signal that comes while the trainer waits for data (a reader may
-be stuck) stops it there, with a checkpoint of the steps done.
+split's size) divided by it. SIGINT/SIGTERM stop the run cleanly, with a
+checkpoint (:mod:`mmgoal.engine.signals`).
 """
 
 from __future__ import annotations
@@ -30,13 +28,9 @@ import functools
 import json
 import logging
 import math
-import multiprocessing
-import os
 import random
-import signal
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +40,20 @@ from tqdm import tqdm
 import mmgoal
 from mmgoal.config import dump_config
 from mmgoal.contract import CrossAttentionModel, require
-from mmgoal.data.pipeline import expand_shards, read_captions
-from mmgoal.data.preprocessing import resolve_preprocessing
+from mmgoal.data.pipeline import read_captions
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
-from mmgoal.engine.checkpoint import (
-    describe_tensors,
-    load_checkpoint,
-    load_matching_weights,
-    save_checkpoint,
-    summarise_keys,
+from mmgoal.engine.metric_log import MetricLog
+from mmgoal.engine.signals import (
+    StopSignals,
+    StopWhileWaitingForData,
+    WorkerRelease,
+    start_data_worker,
 )
-from mmgoal.engine.loggers import Logger
-from mmgoal.engine.schema import RunConfig, training_sources
 from mmgoal.engine.step import TrainingStep
 from mmgoal.engine.strategies.base import Strategy
 from mmgoal.evaluation.gallery import evaluate_retrieval
+from mmgoal.evaluation.retrieval import format_metrics
 from mmgoal.models.efficiency import compile_model
 from mmgoal.registry import (
     CONSTRAINTS,
@@ -76,110 +68,33 @@ from mmgoal.registry import (
     import_custom_modules,
     load_plugins,
 )
+from mmgoal.runs.checkpoint import (
+    describe_tensors,
+    load_checkpoint,
+    load_matching_weights,
+    save_checkpoint,
+    summarise_keys,
+)
+from mmgoal.runs.preprocessing import resolve_preprocessing
+from mmgoal.runs.run_dir import BEST, CHECKPOINTS, CONFIG_FILE
+from mmgoal.runs.schema import RunConfig
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerRelease:
-    """A flag in shared memory that ends the data workers when set (:func:`_start_data_worker`).
-
-    Not a ``multiprocessing.Event``: its ``set`` waits for every process blocked in
-    ``wait`` to acknowledge, and a worker that ended with its epoch never does, so
-    ``set`` would block for ever. Workers poll this flag instead.
-    """
-
-    POLL_SECONDS = 0.2
-
-    def __init__(self) -> None:
-        self.flag = multiprocessing.RawValue("b", 0)
-
-    def set(self) -> None:
-        self.flag.value = 1
-
-    def clear(self) -> None:
-        self.flag.value = 0
-
-    def is_set(self) -> bool:
-        return bool(self.flag.value)
-
-
-def _start_data_worker(release: WorkerRelease, worker_id: int) -> None:
-    """Data workers leave SIGINT/SIGTERM to the main process, which stops cleanly, and end
-    when it sets ``release``: one stuck in a read would sit out the loader's shutdown,
-    which it cannot notice, and keep the process from exiting."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_set, args=(release,), daemon=True).start()
-
-
-def _exit_when_set(release: WorkerRelease) -> None:
-    while not release.is_set():
-        time.sleep(release.POLL_SECONDS)
-    os._exit(0)
-
-
-class StopWhileWaitingForData(BaseException):
-    """A stop signal that came while the only process waited for its next batch.
-
-    A BaseException, like KeyboardInterrupt: the data pipeline, which skips any
-    Exception of a sample as a bad sample, must let it through.
-    """
-
-
-class MetricLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` (rank 0 only: ``enabled``);
-    a NaN or inf value (a diverged loss) is written as ``null``. Every record also goes
-    to ``loggers`` (TensorBoard, W&B), between :meth:`open` and :meth:`close`.
-    """
-
-    def __init__(self, path: Path, enabled: bool = True, loggers: Sequence[Logger] = ()) -> None:
-        self.path = path
-        self.enabled = enabled
-        self.loggers = list(loggers) if enabled else []
-
-    def open(self, config: dict, step: int) -> None:
-        """Start the loggers beside ``metrics.jsonl`` with the resolved ``config``, from
-        ``step`` (a resumed run's)."""
-        for sink in self.loggers:
-            sink.open(self.path.parent, config, step)
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as stream:
-            # JSON has no NaN: bare NaN/Infinity tokens would break strict parsers.
-            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                      for k, v in record.items()}
-            stream.write(json.dumps(finite, allow_nan=False) + "\n")
-        for sink in self.loggers:
-            sink.log(record)
-
-    def close(self) -> None:
-        """Close every logger, also after an error: one that fails to close is reported and
-        the others still close, so the error that ended the run is the one raised."""
-        for sink in self.loggers:
-            try:
-                sink.close()
-            except Exception as error:  # a logger's own failure must not hide the run's
-                logger.warning("%s failed to close: %s", type(sink).__name__, error)
-
-    def truncate_after(self, step: int) -> None:
-        """Drop the records of steps after ``step``: a run resumed from a checkpoint at
-        ``step`` logs those steps again (a run killed after its last checkpoint)."""
-        if not self.path.is_file():
-            return
-        kept = [line for line in self.path.read_text().splitlines(keepends=True)
-                if json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(kept))
 
 
 class Trainer:
     """Builds model, data, objective and strategy from ``cfg`` and trains them.
 
     Construction reads top to bottom: the config against its schema
-    (:mod:`mmgoal.engine.schema`), the strategy and its device, the checkpoints
+    (:mod:`mmgoal.runs.schema`), the strategy and its device, the checkpoints
     to start from, then tokenizer, model and objective, data, optimisation, and
-    the restored progress of a resumed run.
+    the restored progress of a resumed run. Each ``_build_*`` step returns what it
+    builds; ``__init__`` alone keeps it.
+
+    A context manager: leaving the ``with`` block closes the strategy (the process
+    group of a multi-process run), after every rank got there. An exception that
+    leaves the block leaves the group as it is: the other ranks may be gone or inside
+    a collective, and the process's exit ends it.
 
     Args:
         cfg: a config (``load_run_config``; its defaults are filled in here too).
@@ -188,10 +103,9 @@ class Trainer:
     """
 
     def __init__(self, cfg: dict, work_dir: str | Path, resume: bool = False) -> None:
-        self.config = RunConfig.from_dict(cfg, "")  # checked against the schema
-        self.cfg = self.config.to_dict()  # every default written out: saved as config.yaml
+        self.config = RunConfig.from_dict(cfg, "")  # checked, every default written out
         self.work_dir = Path(work_dir)
-        self.checkpoint_dir = self.work_dir / "checkpoints"
+        self.checkpoint_dir = self.work_dir / CHECKPOINTS
         import_custom_modules(self.config.custom_imports)
         load_plugins()
         # Built on every rank, which only checks their options and packages: a bad option
@@ -206,16 +120,41 @@ class Trainer:
         resumed = self.strategy.read_state(self.checkpoint_dir) if resume else None
         start_from = (load_checkpoint(self.config.load_from)
                       if self.config.load_from and not resume else None)
-        self._seed(rank=0)  # the same initial weights on every rank
 
+        self._seed(rank=0)  # the same initial weights on every rank
         # the config's tokenizer and transforms, else the model's own
-        self.preprocessing = resolve_preprocessing(self.cfg)
+        self.preprocessing = resolve_preprocessing(self.config.to_dict())
         self.tokenizer = self._build_tokenizer(resumed or start_from)
-        self.model, self.objective, constraints = self._build_model_and_objective()
-        if start_from is not None:
-            self._load_weights(start_from, self.config.load_from)
-        self._build_data()
-        self._build_optimisation(constraints)
+        model, objective, constraints = self._build_model_and_objective()
+        # load_from: what the checkpoint and the model did not share (None without it)
+        self.handoff = (self._load_weights(model, start_from, self.config.load_from)
+                        if start_from is not None else None)
+        data = self.config.data
+        self.train_transform = build_transforms(self.preprocessing.train_transforms,
+                                                data.image_size)
+        self.eval_transform = build_transforms(self.preprocessing.eval_transforms,
+                                               data.image_size)
+        self.train_set = self._build_train_set()
+        # One step takes accumulate_steps micro-batches on every rank.
+        self.accumulate_steps = int(self.config.train.accumulate_steps)
+        self.global_batch = (self.train_set.batch_size * self.accumulate_steps
+                             * self.strategy.world_size)
+        self.samples_per_epoch = (self.config.train.samples_per_epoch
+                                  or self.train_set.num_samples())
+        self.steps_per_epoch = max(self.samples_per_epoch // self.global_batch, 1)
+        self.strategy.setup(self._build_step(model, objective, constraints),
+                            self._scaled_optimizer_config(), self.train_set.batch_size,
+                            self.accumulate_steps, self.config.train.clip_grad)
+        self.model = self.strategy.model  # the strategy's (SyncBatchNorm converts the model)
+        if self.strategy.rank:
+            self._seed(self.strategy.rank)  # from here on, per rank: dropout, augmentations
+        self.base_lrs = [group["lr"] for group in self.strategy.param_groups()]
+        # The lr logged: the fastest group's, not group 0's (a tower's embeddings under
+        # optimizer.layer_decay, or a backbone slowed by paramwise).
+        self.lr_group = max(range(len(self.base_lrs)), key=self.base_lrs.__getitem__)
+        self.schedule = SCHEDULES.build(self.config.schedule,
+                                        total_steps=self.steps_per_epoch * self.config.train.epochs,
+                                        steps_per_epoch=self.steps_per_epoch)
         self.hooks = [HOOKS.build(h) for h in self.config.hooks]
 
         self.epoch = 0
@@ -225,20 +164,36 @@ class Trainer:
         self.skipped_samples = 0
         self._samples_since_log = 0  # samples (all ranks) since the last logged step
         self.source_counts: dict[str, int] = {}  # samples per source of a mixture, this rank
-        self._stop_signal: int | None = None
+        self.signals = StopSignals(alone=self.strategy.world_size == 1)
         # Set when training ends, however: data workers ignore the SIGTERM that would end
         # them, and one left alive (by an exception's traceback) blocks the exit.
         self._release_workers = WorkerRelease()
-        self._waiting_for_data = False  # a stop signal ends the wait (one process only)
         self.seconds_before = 0.0  # training time of earlier segments of a resumed run
         self._segment_start = time.perf_counter()
         if resume:
             self._restore(self.strategy.load(self.checkpoint_dir, resumed))
             self._check_resumed_state()
-        config_file = self.work_dir / "config.yaml"
+        config_file = self.work_dir / CONFIG_FILE
         if self.is_main and not (resume and config_file.is_file()):  # a resumed run keeps its own
-            dump_config(self.cfg, config_file)
+            dump_config(self.config.to_dict(), config_file)
         self._log_setup()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, error_type: type | None, *_: Any) -> None:
+        if error_type is None:
+            self.strategy.close()
+
+    @property
+    def objective(self) -> torch.nn.Module:
+        """The objective the training steps use: the configured one, or the one a hook
+        swapped in (``ObjectiveWarmup`` sets this; :meth:`Strategy.set_objective`)."""
+        return self.strategy.objective
+
+    @objective.setter
+    def objective(self, objective: torch.nn.Module) -> None:
+        self.strategy.set_objective(objective)
 
     # ---------------------------------------------------------- construction
     def _build_strategy(self) -> Strategy:
@@ -283,47 +238,25 @@ class Trainer:
             require(model, CrossAttentionModel, "the attention constraints (constraints:)")
         return model, objective, constraints
 
-    def _build_data(self) -> None:
-        """Transforms, the training set, and the batch arithmetic: one step takes
-        ``accumulate_steps`` micro-batches on every rank."""
+    def _build_train_set(self) -> Any:
+        """The training set (``data.train``), its readers checked against the ranks and
+        data workers that will share them."""
         data = self.config.data
-        self.train_transform = build_transforms(self.preprocessing.train_transforms,
-                                                data.image_size)
-        self.eval_transform = build_transforms(self.preprocessing.eval_transforms,
-                                               data.image_size)
-        self.train_set = DATASETS.build(
-            data.train, tokenizer=self.tokenizer, transform=self.train_transform,
-            training=True, seed=self.config.train.seed)
-        if hasattr(self.train_set, "check_readers"):
-            self.train_set.check_readers(self.strategy.world_size, max(data.num_workers, 1))
-        self.accumulate_steps = int(self.config.train.accumulate_steps)
-        self.global_batch = (self.train_set.batch_size * self.accumulate_steps
-                             * self.strategy.world_size)
-        self.samples_per_epoch = (self.config.train.samples_per_epoch
-                                  or self.train_set.num_samples())
-        self.steps_per_epoch = max(self.samples_per_epoch // self.global_batch, 1)
+        train_set = DATASETS.build(data.train, tokenizer=self.tokenizer,
+                                   transform=self.train_transform, training=True,
+                                   seed=self.config.train.seed)
+        if hasattr(train_set, "check_readers"):
+            train_set.check_readers(self.strategy.world_size, max(data.num_workers, 1))
+        return train_set
 
-    def _build_optimisation(self, constraints: list[torch.nn.Module]) -> None:
-        """The training step handed to the strategy (which wraps it and builds the
-        optimizer), the base learning rates and the schedule."""
-        train = self.config.train
-        if train.compile:
-            compiled = compile_model(self.model)
+    def _build_step(self, model: torch.nn.Module, objective: torch.nn.Module,
+                    constraints: list[torch.nn.Module]) -> TrainingStep:
+        """The training step the strategy wraps (and builds the optimizer of)."""
+        if self.config.train.compile:
+            compiled = compile_model(model)
             logger.info("torch.compile: %s (compiled at their first call)", ", ".join(compiled))
-        self.step_module = TrainingStep(self.model, self.objective, constraints,
-                                        gather=train.gather_features, tokenizer=self.tokenizer)
-        self.strategy.setup(self.step_module, self._scaled_optimizer_config(),
-                            self.train_set.batch_size, self.accumulate_steps, train.clip_grad)
-        self.model = self.strategy.model
-        if self.strategy.rank:
-            self._seed(self.strategy.rank)
-        self.base_lrs = [group["lr"] for group in self.strategy.param_groups()]
-        # The lr logged: the fastest group's, not group 0's (a tower's embeddings under
-        # optimizer.layer_decay, or a backbone slowed by paramwise).
-        self.lr_group = max(range(len(self.base_lrs)), key=self.base_lrs.__getitem__)
-        self.schedule = SCHEDULES.build(self.config.schedule,
-                                        total_steps=self.steps_per_epoch * train.epochs,
-                                        steps_per_epoch=self.steps_per_epoch)
+        return TrainingStep(model, objective, constraints,
+                            gather=self.config.train.gather_features)
 
     def _log_setup(self) -> None:
         lr = ("from the DeepSpeed scheduler" if self.strategy.owns_schedule else
@@ -365,7 +298,7 @@ class Trainer:
             "skipped_samples": self.skipped_samples,
             "global_batch": self.global_batch,
             "train_seconds": self.train_seconds,
-            "config": self.cfg,
+            "config": self.config.to_dict(),
             "mmgoal_version": mmgoal.__version__,
         }
 
@@ -402,24 +335,25 @@ class Trainer:
                              f"was written); it cannot be continued: start again with a lower "
                              f"learning rate, or from best.pt with load_from")
 
-    def _load_weights(self, state: dict, path: str) -> None:
-        """``load_from``: start from another run's model weights (a pretraining checkpoint,
-        VSE++ stage one); heads either side lacks are listed, a different model refused."""
+    def _load_weights(self, model: torch.nn.Module, state: dict, path: str) -> dict[str, list]:
+        """``load_from``: start ``model`` from another run's model weights (a pretraining
+        checkpoint, VSE++ stage one); heads either side lacks are listed (and returned:
+        :func:`~mmgoal.runs.checkpoint.load_matching_weights`), a different model refused."""
         saved = ((state.get("config") or {}).get("model") or {}).get("type")
         wanted = self.config.model["type"]
         if saved is not None and saved != wanted:
             raise ValueError(f"load_from {path}: a {saved} checkpoint cannot start a {wanted} "
                              f"model; give a checkpoint of a {wanted} run")
-        self.handoff = load_matching_weights(self.model, state["model"], f"load_from {path}")
+        handoff = load_matching_weights(model, state["model"], f"load_from {path}")
         logger.info("model weights loaded from %s", path)
-        if self.handoff["dropped"]:
+        if handoff["dropped"]:
             logger.warning("load_from: dropped %d checkpoint tensors this model has no place "
-                           "for: %s", len(self.handoff["dropped"]),
-                           summarise_keys(self.handoff["dropped"]))
-        if self.handoff["missing"]:
+                           "for: %s", len(handoff["dropped"]), summarise_keys(handoff["dropped"]))
+        if handoff["missing"]:
             logger.warning("load_from: %d tensors of this model are not in the checkpoint and "
-                           "keep their initial values: %s", len(self.handoff["missing"]),
-                           summarise_keys(self.handoff["missing"]))
+                           "keep their initial values: %s", len(handoff["missing"]),
+                           summarise_keys(handoff["missing"]))
+        return handoff
 
     def save(self) -> None:
         """A resumable checkpoint (collective: every rank calls it)."""
@@ -435,7 +369,8 @@ class Trainer:
         self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
         if self.is_main:
             save_checkpoint({"model": weights, "tokenizer": self.tokenizer.state_dict(),
-                             "config": self.cfg, **extra}, self.checkpoint_dir / name)
+                             "config": self.config.to_dict(), **extra},
+                            self.checkpoint_dir / name)
         self.strategy.barrier()
 
     # -------------------------------------------------------------- training
@@ -453,29 +388,7 @@ class Trainer:
         return torch.utils.data.DataLoader(
             self.train_set, batch_size=None, num_workers=workers, persistent_workers=False,
             pin_memory=self.strategy.device.type == "cuda",
-            worker_init_fn=functools.partial(_start_data_worker, self._release_workers))
-
-    def _handle_signal(self, signum: int, frame: Any) -> None:
-        if self._stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self._stop_signal = signum
-        if self._waiting_for_data:
-            raise StopWhileWaitingForData(signal.Signals(signum).name)
-        logger.warning("received %s: stopping after this step with a checkpoint",
-                       signal.Signals(signum).name)
-
-    def _next_batch(self, batches: Iterator[dict]) -> dict | None:
-        """The next batch (None when the data ran out). In one process a stop signal ends
-        the wait, which may never end otherwise (a stuck reader); several ranks stop after
-        a step they agree on, since the others may be inside a collective."""
-        alone = self.strategy.world_size == 1
-        if alone and self._stop_signal is not None:  # it came inside a window's micro-step
-            raise StopWhileWaitingForData(signal.Signals(self._stop_signal).name)
-        self._waiting_for_data = alone
-        try:
-            return next(batches, None)
-        finally:
-            self._waiting_for_data = False
+            worker_init_fn=functools.partial(start_data_worker, self._release_workers))
 
     def _stop_while_waiting(self, signal_name: str, trained: bool) -> None:
         """After a stop signal ended a wait for data: a checkpoint when ``trained`` (this
@@ -503,7 +416,7 @@ class Trainer:
             The report (also written to ``report.json``).
         """
         try:
-            self.log.open(self.cfg, self.step)
+            self.log.open(self.config.to_dict(), self.step)
             if not self._train():
                 return {"interrupted": True, "epoch": self.epoch, "step": self.step}
             return self._final_report(self.train_seconds)
@@ -512,39 +425,33 @@ class Trainer:
 
     def _train(self) -> bool:
         """The epochs left, under the stop-signal handlers; False when a signal stopped them."""
-        # Signal handlers can only be installed from the main thread.
-        in_main = threading.current_thread() is threading.main_thread()
-        previous = {sig: signal.signal(sig, self._handle_signal)
-                    for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
         self._segment_start = time.perf_counter()
         self._release_workers.clear()
-        try:
-            for hook in self.hooks:
-                hook.before_train(self)
-            if self.config.train.eval_before_training and self.epoch == self.step == 0:
-                self._validate(-1, None if self.strategy.plain_module
-                               else self.strategy.full_state_dict())  # collective
-            first_step = self.step
-            while self.epoch < self.config.train.epochs:
-                try:
-                    finished = self._train_epoch()
-                except StopWhileWaitingForData as stop:
-                    self._stop_while_waiting(str(stop), trained=self.step > first_step)
-                    finished = False
-                if not finished:
-                    return False
-            for hook in self.hooks:
-                hook.after_train(self)
-        finally:
-            self._release_workers.set()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with self.signals.installed():
+            try:
+                for hook in self.hooks:
+                    hook.before_train(self)
+                if self.config.train.eval_before_training and self.epoch == self.step == 0:
+                    self._validate(-1, self.strategy.full_state_dict())  # collective
+                first_step = self.step
+                while self.epoch < self.config.train.epochs:
+                    try:
+                        finished = self._train_epoch()
+                    except StopWhileWaitingForData as stop:
+                        self._stop_while_waiting(str(stop), trained=self.step > first_step)
+                        finished = False
+                    if not finished:
+                        return False
+                for hook in self.hooks:
+                    hook.after_train(self)
+            finally:
+                self._release_workers.set()
         return True
 
     def _window(self, batches: Iterator[dict]) -> Iterator[dict]:
         """The next ``accumulate_steps`` micro-batches, counted as the strategy takes them."""
         for _ in range(self.accumulate_steps):
-            batch = self._next_batch(batches)
+            batch = self.signals.next_batch(batches)
             if batch is None:
                 return
             self.skipped_samples += batch["skipped"]
@@ -567,7 +474,7 @@ class Trainer:
         batches = iter(self._loader())
         # Resuming inside an epoch: replay the data order, skip the work.
         for _ in range(self.batch_in_epoch):
-            if self._next_batch(batches) is None:
+            if self.signals.next_batch(batches) is None:
                 break
         nonfinite_run = 0
         tick, self._samples_since_log = time.perf_counter(), 0
@@ -575,7 +482,7 @@ class Trainer:
             lr = self._set_lr()
             window_start = self.batch_in_epoch, self.skipped_samples
             try:
-                result = self.strategy.train_step(self._window(batches), self.objective)
+                result = self.strategy.train_step(self._window(batches))
             except StopWhileWaitingForData:  # the checkpoint holds the steps done, no more
                 self.batch_in_epoch, self.skipped_samples = window_start
                 raise
@@ -615,7 +522,7 @@ class Trainer:
             if every and self.step % every == 0:
                 self.save()
             # One agreement per step: a signal on any rank stops every rank after this step.
-            if self.strategy.agree(self._stop_signal is not None)[0]:
+            if self.strategy.agree(self.signals.received is not None)[0]:
                 bar.close()
                 self.save()
                 logger.warning("stopped at epoch %d, step %d; continue with --resume",
@@ -625,15 +532,15 @@ class Trainer:
         self._end_of_epoch()
         return True
 
-    def evaluation_model(self, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
-        """A float32 model to evaluate on rank 0: the trained one when its weights are full
-        float32 ones (loaded with ``weights`` when given), else a copy built with ``weights``."""
-        if self.strategy.plain_module:
-            if weights is not None:
-                self.model.load_state_dict(weights)
+    def evaluation_model(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A float32 model holding ``weights`` (full float32 weights: a ``full_state_dict()``
+        or best.pt's) to evaluate on rank 0: the trained model itself where the strategy
+        loads them into it (:meth:`Strategy.evaluation_weights`), else a copy."""
+        copy_weights = self.strategy.evaluation_weights(weights)
+        if copy_weights is None:
             return self.model
         model = MODELS.build(self.config.model, tokenizer=self.tokenizer)
-        model.load_state_dict(weights)
+        model.load_state_dict(copy_weights)
         return model.to(self.strategy.device)
 
     def _end_of_epoch(self) -> None:
@@ -648,7 +555,7 @@ class Trainer:
             metrics = self._validate(epoch, weights)
             if metrics["rsum"] > self.best["rsum"]:
                 self.best = {"rsum": metrics["rsum"], "epoch": epoch}
-                self._write_weights("best.pt", weights, epoch=epoch, metrics=metrics)
+                self._write_weights(BEST, weights, epoch=epoch, metrics=metrics)
         for hook in self.hooks:  # still in the epoch; what they change is checkpointed below
             hook.after_epoch(self, metrics)
         self.epoch += 1
@@ -656,13 +563,13 @@ class Trainer:
         self.save()
 
     def _validate(self, epoch: int, weights: dict[str, torch.Tensor] | None) -> dict[str, float]:
-        """Rank 0 evaluates on ``data.val`` and logs the metrics as ``epoch``'s (-1: before
-        training); every rank returns them (collective). ``weights``: every rank's
-        ``full_state_dict()``, or None for the trained model of a plain module."""
+        """Rank 0 evaluates ``weights`` (every rank's ``full_state_dict()``: rank 0's, None
+        elsewhere) on ``data.val`` and logs the metrics as ``epoch``'s (-1: before
+        training); every rank returns them (collective)."""
         self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
         metrics: dict[str, float] = {}
         if self.is_main:
-            model = self.evaluation_model(None if self.strategy.plain_module else weights)
+            model = self.evaluation_model(weights)
             metrics = self.evaluate("val", model)
             self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
             logger.info("epoch %d val%s: %s", epoch, " (before training)" if epoch < 0 else "",
@@ -686,11 +593,9 @@ class Trainer:
                                   "skipped_samples": self.skipped_samples}
         if self.config.data.test:
             if self.best["epoch"] >= 0:  # best.pt exists, and every rank knows it
-                weights = (load_checkpoint(self.checkpoint_dir / "best.pt")["model"]
+                weights = (load_checkpoint(self.checkpoint_dir / BEST)["model"]
                            if self.is_main else None)
-            elif self.strategy.plain_module:  # no validation: the trained model as it is
-                weights = None
-            else:
+            else:  # no validation: the trained model as it is
                 weights = self.strategy.full_state_dict()  # collective
             if self.is_main:
                 report["test"] = self.evaluate("test", self.evaluation_model(weights))
@@ -698,29 +603,3 @@ class Trainer:
         if self.is_main:
             (self.work_dir / "report.json").write_text(json.dumps(report, indent=2))
         return self.strategy.broadcast(report)
-
-
-def format_metrics(metrics: dict[str, float]) -> str:
-    """One line: R@1/5/10 both ways and rsum."""
-    return " ".join(f"{k}={metrics[k]:.1f}" for k in
-                    ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum")
-                    if k in metrics)
-
-
-def metrics_table(metrics: dict[str, float]) -> str:
-    """A small text table of retrieval metrics."""
-    rows = [f"{'':>6} {'R@1':>7} {'R@5':>7} {'R@10':>7} {'medr':>6} {'meanr':>7}"]
-    for direction, name in (("i2t", "i2t"), ("t2i", "t2i")):
-        rows.append(f"{name:>6} " + " ".join(
-            f"{metrics[f'{direction}_r{k}']:>7.2f}" for k in (1, 5, 10))
-            + f" {metrics[f'{direction}_medr']:>6.0f} {metrics[f'{direction}_meanr']:>7.2f}")
-    rows.append(f"  rsum {metrics['rsum']:.2f}")
-    return "\n".join(rows)
-
-
-def check_data_paths(cfg: dict) -> None:
-    """Fail early, with the command to run, when a split's shards are missing."""
-    for split in ("train", "val", "test"):
-        section = cfg.get("data", {}).get(split)
-        for source in training_sources(section) if section else []:
-            expand_shards(source["shards"])

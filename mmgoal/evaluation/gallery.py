@@ -16,19 +16,20 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from tqdm import tqdm
 
-from mmgoal.config import ConfigSection
 from mmgoal.contract import MatchingModel, require
 from mmgoal.data.pipeline import SkipCounter, iter_eval_batches
 from mmgoal.devices import free_memory_mb, module_device, move_to_device
+from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
 from mmgoal.models.layers.cross_attention import reuse_buffers
+from mmgoal.runs.schema import MATMUL_PRECISIONS, ScoringConfig
 from mmgoal.structures import (
     ImageFeatures,
+    Member,
     TextFeatures,
     cat_features,
     detach_features,
@@ -39,45 +40,9 @@ logger = logging.getLogger(__name__)
 
 CPU_BLOCK_MB = 1024.0  # the default bound of a block's working set on the CPU
 GPU_FREE_SHARE = 0.5  # ... and on a GPU, this share of its free memory
-MATMUL_PRECISIONS = ("highest", "high", "medium")
 # Tensors of the size of a block's query-key score array that the cross attention
 # keeps alive at its peak (raw scores, clipped scores, attention, products).
 _LIVE_COPIES = 6
-
-
-@dataclass
-class ScoringConfig(ConfigSection):
-    """``evaluation``: how a gallery is scored (:func:`score_gallery`, ITM re-ranking).
-
-    Args:
-        block_images: images scored against every text at a time.
-        max_block_mb: bound of a block's working set (``None``: 1024 MiB on a
-            CPU, half the free memory on a GPU).
-        matmul_precision: float32 matmul precision while scoring.
-        rerank_k: re-rank every query's top k by the ITM head (0: off).
-        rerank_batch_size: pairs the ITM head scores at a time.
-    """
-
-    MINIMUM: ClassVar[dict[str, float]] = {"block_images": 1, "rerank_k": 0,
-                                           "rerank_batch_size": 1}
-
-    block_images: int = 128
-    max_block_mb: float | None = None
-    matmul_precision: str = "highest"
-    rerank_k: int = 0
-    rerank_batch_size: int = 128
-
-    def __post_init__(self) -> None:
-        if self.max_block_mb is not None and self.max_block_mb <= 0:
-            raise ValueError(f"evaluation.max_block_mb must be above 0, got {self.max_block_mb}")
-        if self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"evaluation.matmul_precision must be one of "
-                             f"{', '.join(MATMUL_PRECISIONS)}, got {self.matmul_precision!r}")
-
-    @classmethod
-    def of(cls, scoring: ScoringConfig | dict | None) -> ScoringConfig:
-        """``scoring`` as a ``ScoringConfig`` (a mapping of its keys, or the defaults)."""
-        return scoring if isinstance(scoring, cls) else cls.from_dict(scoring, "evaluation")
 
 
 @dataclass
@@ -277,15 +242,6 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
     return sims
 
 
-@dataclass
-class Member:
-    """One model of an evaluation ensemble with its own preprocessing."""
-
-    model: torch.nn.Module
-    transform: Callable
-    tokenizer: Callable
-
-
 def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch_size: int = 256,
                        scoring: ScoringConfig | dict | None = None, progress: bool = True
                        ) -> tuple[torch.Tensor, Gallery]:
@@ -328,8 +284,6 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
         metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
         metrics["skipped"] = gallery.skipped
         return metrics
-    from mmgoal.evaluation.rerank import itm_rerank
-
     reranker = members[0].model
     if len(members) > 1:
         raise ValueError("evaluation.rerank_k re-ranks with one model's ITM head, not an "

@@ -1,4 +1,5 @@
-"""Retrieval metrics (docs/reference/retrieval.md): Recall@K, median/mean rank, rsum, COCO folds."""
+"""Retrieval metrics (docs/reference/retrieval.md): Recall@K, median/mean rank, rsum, COCO folds;
+and their text forms (a log line, a table) that the trainer and the tools print."""
 
 from __future__ import annotations
 
@@ -102,3 +103,21 @@ def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1,
         per_fold.append(_single_fold(sims[rows, texts], text_to_image[texts] - fold * size,
                                      sims_t2i[rows, texts]))
     return {key: sum(m[key] for m in per_fold) / folds for key in per_fold[0]}
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """One line: R@1/5/10 both ways and rsum."""
+    return " ".join(f"{k}={metrics[k]:.1f}" for k in
+                    ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum")
+                    if k in metrics)
+
+
+def metrics_table(metrics: dict[str, float]) -> str:
+    """A small text table of retrieval metrics."""
+    rows = [f"{'':>6} {'R@1':>7} {'R@5':>7} {'R@10':>7} {'medr':>6} {'meanr':>7}"]
+    for direction, name in (("i2t", "i2t"), ("t2i", "t2i")):
+        rows.append(f"{name:>6} " + " ".join(
+            f"{metrics[f'{direction}_r{k}']:>7.2f}" for k in (1, 5, 10))
+            + f" {metrics[f'{direction}_medr']:>6.0f} {metrics[f'{direction}_meanr']:>7.2f}")
+    rows.append(f"  rsum {metrics['rsum']:.2f}")
+    return "\n".join(rows)

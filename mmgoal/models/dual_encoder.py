@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmgoal.data.preprocessing import Preprocessing
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
 from mmgoal.sequences import length_mask
-from mmgoal.structures import ImageFeatures, TextFeatures
+from mmgoal.structures import ImageFeatures, Preprocessing, TextFeatures
 
 
 class ResidualMLPProjection(nn.Module):

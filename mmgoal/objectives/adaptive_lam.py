@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmgoal.engine.gather import gather_varying_length
+from mmgoal.distributed import gather_varying_length
 
 
 def step_midpoint(positive_scores: torch.Tensor, negative_scores: torch.Tensor) -> float:

@@ -14,15 +14,13 @@ several positives per row, and has no Python loop over the batch.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from mmgoal.config import suits
+from mmgoal.config import close_match_hints
 from mmgoal.objectives.adaptive_lam import AdaptiveLam
 from mmgoal.objectives.hard_negative import check_reduction
 from mmgoal.objectives.mining import mine_triplets, scores_and_positives
@@ -35,19 +33,6 @@ WEIGHT_REGISTRIES = {"triplet": TRIPLET_WEIGHTS, "pair": PAIR_WEIGHTS}
 # that configure it; a weight that takes lam declares them to allow it.
 AUTO = "auto"
 ADAPTIVE_LAM_OPTIONS = ("lam_momentum", "lam_init", "lam_steps")
-
-
-def weight_options(weight: Callable) -> dict[str, Any]:
-    """The options of a triplet or pair weight and their defaults.
-
-    A weight is called ``weight(s_p, s_n, **options)`` (pair weights that take
-    ``relative`` get it too), so its options are its keyword parameters after the
-    two scores, less ``relative``; one without a default maps to
-    ``inspect.Parameter.empty``.
-    """
-    params = list(inspect.signature(weight).parameters.values())[2:]
-    return {p.name: p.default for p in params
-            if p.name != "relative" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 class BoundWeight(NamedTuple):
@@ -69,27 +54,16 @@ class BoundWeight(NamedTuple):
         return f"{self.name}({', '.join(shown)})"
 
 
-def _spelling_hint(key: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
-    return f"{key} (did you mean {close[0]}?)" if close else key
-
-
 def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
                given: Mapping[str, Any]) -> None:
-    """``lam`` is a number or ``auto``, and ``lam: auto``'s options come with it only."""
-    lam = options["lam"]
-    if lam != AUTO and not suits(lam, float):
-        close = isinstance(lam, str) and difflib.get_close_matches(lam.lower(), [AUTO], n=1,
-                                                                    cutoff=0.6)
-        raise ValueError(f"{where}: {name!r} option lam must be a number or auto (mmgoal's "
-                         f"adaptive lambda, docs/objectives.md); got {lam!r}"
-                         f"{' (did you mean auto?)' if close else ''}")
+    """``lam: auto``'s options come with it only, on a pair weight that declares them, and
+    lie in their ranges (their types are the registry's to check: :meth:`Registry.check`)."""
     adaptive_given = [key for key in ADAPTIVE_LAM_OPTIONS if key in given]
-    if lam != AUTO:
+    if options["lam"] != AUTO:
         if adaptive_given:
             raise ValueError(f"{where}: {', '.join(adaptive_given)} (option(s) of lam: auto, "
                              f"mmgoal's adaptive lambda) would apply to nothing with lam: "
-                             f"{lam}; remove them or set lam: auto")
+                             f"{options['lam']}; remove them or set lam: auto")
         return
     if slot != "pair":
         raise ValueError(f"{where}: lam: auto follows the scores of positives and hardest "
@@ -99,16 +73,12 @@ def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
         raise ValueError(f"{where}: {name!r} takes lam but not {', '.join(missing)}, which "
                          f"lam: auto reads: give it keyword parameters {', '.join(missing)} "
                          f"with defaults (docs/objectives.md)")
-    momentum, initial = options["lam_momentum"], options["lam_init"]
-    if not suits(momentum, float) or not 0 <= momentum < 1:
+    if not 0 <= options["lam_momentum"] < 1:
         raise ValueError(f"{where}: lam_momentum must be a number in [0, 1) (the weight of "
                          f"the running lam at each update; 0 takes each step's midpoint); "
-                         f"got {momentum!r}")
-    if not suits(initial, float):
-        raise ValueError(f"{where}: lam_init must be a number (lam until the first update); "
-                         f"got {initial!r}")
+                         f"got {options['lam_momentum']!r}")
     steps = options["lam_steps"]
-    if steps is not None and (not suits(steps, int) or steps < 1):
+    if steps is not None and steps < 1:
         raise ValueError(f"{where}: lam_steps must be a whole number >= 1 (the updates after "
                          f"which lam holds) or null (lam follows the scores for the whole run); "
                          f"got {steps!r}")
@@ -117,55 +87,51 @@ def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
 def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
     """Look up the weight of ``objective.triplet`` or ``objective.pair`` and check its options.
 
+    A weight's options are its keyword parameters after the call-time inputs its
+    registry declares (the scores ``s_p``, ``s_n`` and a pair weight's ``relative``);
+    the registry checks them as it checks any component's config
+    (:meth:`~mmgoal.registry.Registry.check`).
+
     Args:
         slot: ``triplet`` or ``pair``.
         spec: a registered weight name (its default options), or a mapping
             ``{type: name, option: value, ...}`` whose other keys are options of
-            that weight (:func:`weight_options`).
+            that weight.
 
     Returns:
         The weight with every option it takes, defaults filled in.
 
     Raises:
-        KeyError: the name is not registered (the message lists the names).
+        UnknownNameError: the name is not registered (a ``KeyError`` and a
+            ``ValueError``; the message lists the names and the closest one).
         ValueError: ``spec`` is neither a name nor a mapping with a ``type``, it
-            sets an option the weight does not take or leaves out one without a
-            default, a pair weight takes ``relative`` but no ``eps``, or ``lam``
-            is neither a number nor ``auto`` (whose options ``lam_momentum``,
-            ``lam_init`` and ``lam_steps`` it then checks, and refuses without it).
+            sets an option the weight does not take (with the closest option) or of
+            the wrong type, or leaves out one without a default; a pair weight takes
+            ``relative`` but no ``eps``; ``lam: auto``'s options are out of range,
+            come without it, or it is set where it cannot apply.
     """
     registry = WEIGHT_REGISTRIES[slot]
     where = f"objective.{slot}"
     if isinstance(spec, str):
         spec = {"type": spec}
-    name = spec.get("type") if isinstance(spec, Mapping) else None
-    if not isinstance(name, str):
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("type"), str):
         raise ValueError(f"{where} must be a {registry.name} name ({', '.join(registry.names())}) "
                          f"or a mapping with a 'type' key and that weight's options, "
                          f"e.g. {{type: {registry.names()[0]}}}; got {spec!r}")
+    registry.check(spec, where)
+    name = spec["type"]
     given = {key: value for key, value in spec.items() if key != "type"}
-    fn = registry.get(name)
-    defaults = weight_options(fn)
-    takes = ", ".join(defaults) or "no options"
-    unknown = [key for key in given if key not in defaults]
-    if unknown:
-        hints = ", ".join(_spelling_hint(key, list(defaults)) for key in unknown)
-        raise ValueError(f"{where}: {name!r} takes {takes}; got unknown option(s) {hints}. "
-                         f"Remove them or choose a {registry.name} that takes them.")
-    missing = [key for key, default in defaults.items()
-               if default is inspect.Parameter.empty and key not in given]
-    if missing:
-        raise ValueError(f"{where}: {name!r} needs option(s) {', '.join(missing)} "
-                         f"(it takes {takes})")
-    takes_relative = "relative" in inspect.signature(fn).parameters
+    defaults = registry.defaults(name)
+    takes_relative = "relative" in registry.inputs_of(name)
     if takes_relative and (slot != "pair" or "eps" not in defaults):
         raise ValueError(f"{where}: {name!r} takes relative, the multi-similarity comparison "
                          f"sets, which only pair weights get and which are built with the "
                          f"weight's own eps option: give it an eps parameter")
-    options = {**defaults, **given}
+    options = {key: given[key] if key in given else defaults[key]
+               for key in registry.parameters(name)[0]}
     if "lam" in options:
         _check_lam(where, slot, name, options, given)
-    return BoundWeight(name, fn, options, takes_relative)
+    return BoundWeight(name, registry.get(name), options, takes_relative)
 
 
 def _misplaced_options_error(specs: Mapping[str, Any], misplaced: Mapping[str, Any]
@@ -175,8 +141,7 @@ def _misplaced_options_error(specs: Mapping[str, Any], misplaced: Mapping[str, A
     for key, value in misplaced.items():
         targets = []
         for slot, registry in WEIGHT_REGISTRIES.items():
-            takers = [name for name in registry.names()
-                      if key in weight_options(registry.get(name))]
+            takers = [name for name in registry.names() if key in registry.parameters(name)[0]]
             if takers:
                 spec = specs[slot]
                 chosen = spec.get("type") if isinstance(spec, Mapping) else spec
@@ -186,7 +151,7 @@ def _misplaced_options_error(specs: Mapping[str, Any], misplaced: Mapping[str, A
         if targets:
             moves.append(f"{key} -> " + " or ".join(targets))
         else:
-            unknown.append(_spelling_hint(key, ["triplet", "pair", "reduction"]))
+            unknown.append(close_match_hints([key], ["triplet", "pair", "reduction"]))
     problems = []
     if moves:
         problems.append("GoalObjective got weight options at the objective level, where they "

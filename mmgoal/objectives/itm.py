@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.contract import MatchingModel, StepAwareObjective, require
-from mmgoal.engine.gather import world_info
+from mmgoal.distributed import world_info
 from mmgoal.objectives.mining import draw_one_per_row, scores_and_positives
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs, cat_features, check_inputs, index_features
@@ -64,7 +64,7 @@ class ITMLoss(nn.Module):
             ``B`` positive pairs and their ``2 B`` negatives: the loss is this
             rank's, and data-parallel averaging trains on the mean of the ranks'
             losses (the ``pairs: global`` loss when every row has negatives;
-            ``mmgoal/engine/gather.py``). ``global`` runs them on all ``3 W B``
+            ``mmgoal/distributed.py``). ``global`` runs them on all ``3 W B``
             pairs of the global batch on every rank (each rank repeats the same
             fusion work). The same in one process, or with features not gathered.
     """

@@ -10,8 +10,10 @@ take a ``relative`` parameter, a :class:`RelativeScores`, and an ``eps``
 option: ``GoalObjective`` builds the comparison sets with that ``eps``, so the
 weight's signature declares it even though its body only reads ``relative``.
 Likewise a weight whose ``lam`` may be ``auto`` (mmgoal's adaptive lambda, not
-the paper's) declares ``lam_momentum``, ``lam_init`` and ``lam_steps``, which ``GoalObjective``
-reads to keep the running ``lam`` it passes in.
+the paper's; its type ``float | Literal["auto"]`` says so) declares ``lam_momentum``,
+``lam_init`` and ``lam_steps``, which ``GoalObjective`` reads to keep the running
+``lam`` it passes in. The registries check the options against the signatures (names,
+types, the closest name to a typo) as they check every component's config.
 
 Add a weight of your own in a few lines (docs/objectives.md)::
 
@@ -21,6 +23,8 @@ Add a weight of your own in a few lines (docs/objectives.md)::
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
@@ -156,7 +160,8 @@ def pair_weight_lin(s_p: torch.Tensor, s_n: torch.Tensor, lin_shift: float = 0.0
 
 @PAIR_WEIGHTS.register("sig")
 def pair_weight_sig(s_p: torch.Tensor, s_n: torch.Tensor, alpha: float = 2.0,
-                    beta: float = 10.0, lam: float = 0.5, *, lam_momentum: float = 0.9,
+                    beta: float = 10.0, lam: float | Literal["auto"] = 0.5, *,
+                    lam_momentum: float = 0.9,
                     lam_init: float = 0.5, lam_steps: int | None = 10
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid (binomial deviance): ``1/(1+e^{alpha(s_p-lam)})``, ``1/(1+e^{-beta(s_n-lam)})``.
@@ -170,7 +175,8 @@ def pair_weight_sig(s_p: torch.Tensor, s_n: torch.Tensor, alpha: float = 2.0,
 
 @PAIR_WEIGHTS.register("sig_ms")
 def pair_weight_sig_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeScores,
-                       alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
+                       alpha: float = 2.0, beta: float = 10.0,
+                       lam: float | Literal["auto"] = 0.5,
                        eps: float = 0.1, *, lam_momentum: float = 0.9, lam_init: float = 0.5,
                        lam_steps: int | None = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid with multi-similarity terms: ``1/(m+ + e^{alpha(s_p-lam)})``, ``1/(m- + ...)``.

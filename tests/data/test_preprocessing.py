@@ -5,9 +5,9 @@ import timm
 import torch
 from PIL import Image
 
-from mmgoal.data.preprocessing import resolve_preprocessing
 from mmgoal.data.transforms import build_transforms, default_transforms
-from mmgoal.engine.schema import load_model_config
+from mmgoal.runs.preprocessing import resolve_preprocessing
+from mmgoal.runs.schema import load_model_config
 
 TOKENIZER = {"type": "WordTokenizer", "vocab": ["a", "red", "circle"]}
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from mmgoal.data.pipeline import SkipCounter, collate_batch, iter_eval_batches
-from mmgoal.engine.gather import world_info
+from mmgoal.distributed import world_info
 from mmgoal.engine.hooks import Hook
 from mmgoal.registry import DATASETS, HOOKS, OBJECTIVES
 

@@ -9,13 +9,13 @@ from safetensors import safe_open
 from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 
 from mmgoal.data.tokenizers import WordTokenizer
-from mmgoal.engine.checkpoint import (
+from mmgoal.registry import MODELS
+from mmgoal.runs.checkpoint import (
     load_checkpoint,
     load_matching_weights,
     model_from_checkpoint,
     save_safetensors,
 )
-from mmgoal.registry import MODELS
 
 MODEL = tiny_config(Path("unused"))["model"]  # DualEncoder, embed_dim 16
 CONFIG = {"data": {"tokenizer": {"type": "WordTokenizer"}}, "model": MODEL}

@@ -12,9 +12,9 @@ import torch
 import yaml
 from test_trainer import tiny_config
 
-from mmgoal.engine.checkpoint import load_checkpoint
-from mmgoal.engine.strategies.base import LATEST, read_pointer
 from mmgoal.engine.trainer import Trainer
+from mmgoal.runs.checkpoint import load_checkpoint
+from mmgoal.runs.run_dir import LATEST, read_pointer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

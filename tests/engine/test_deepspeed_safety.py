@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_distributed import launch, ok, write_config
 
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
-from mmgoal.engine.strategies.base import LATEST, read_pointer
 from mmgoal.engine.strategies.deepspeed import weights_only_loading
+from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.runs.run_dir import LATEST, read_pointer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -19,9 +19,8 @@ import torch
 import yaml
 from ranks import free_port  # tests/ranks.py
 
-from mmgoal.engine.checkpoint import load_checkpoint
-from mmgoal.engine.run_dir import CHANGES_FILE
-from mmgoal.engine.strategies.base import LATEST, read_pointer
+from mmgoal.runs.checkpoint import load_checkpoint
+from mmgoal.runs.run_dir import CHANGES_FILE, LATEST, read_pointer
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks  # tests/ranks.py
 
-from mmgoal.engine.gather import gather_features, gather_groups, gather_with_grad
+from mmgoal.distributed import gather_features, gather_groups, gather_with_grad
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs, TextFeatures

@@ -5,9 +5,9 @@ import torch
 from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 
 from mmgoal.data.tokenizers import WordTokenizer
-from mmgoal.engine.checkpoint import load_matching_weights, save_checkpoint, summarise_keys
 from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import MODELS
+from mmgoal.runs.checkpoint import load_matching_weights, save_checkpoint, summarise_keys
 
 # room for 40-token captions (test_pretraining_run.py trains it with the MiniLM tokenizer)
 TINY = {"type": "XVLM", "fusion_layers": 1, "embed_dim": 16,

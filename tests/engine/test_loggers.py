@@ -10,9 +10,10 @@ from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 
 from mmgoal.engine.hooks import Hook
 from mmgoal.engine.loggers import Logger, LoggerError, WandbLogger, scalars
-from mmgoal.engine.schema import with_overrides
-from mmgoal.engine.trainer import MetricLog, Trainer
+from mmgoal.engine.metric_log import MetricLog
+from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import HOOKS, LOGGERS, UnknownNameError
+from mmgoal.runs.schema import with_overrides
 
 WANDB_ENV = {"WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true"}
 LOGGED = {"train": ["loss", "lr", "samples_per_s", "skipped_samples", "triplet_loss"],

@@ -3,8 +3,8 @@
 import pytest
 from test_distributed import PER_RANK, launch, write_config
 
-from mmgoal.engine.checkpoint import load_checkpoint, nonfinite_tensors
-from mmgoal.engine.strategies.base import LATEST, read_pointer
+from mmgoal.runs.checkpoint import load_checkpoint, nonfinite_tensors
+from mmgoal.runs.run_dir import LATEST, read_pointer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

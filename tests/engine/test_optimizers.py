@@ -5,8 +5,8 @@ import pytest
 
 from mmgoal.data.tokenizers import WordTokenizer
 from mmgoal.engine.optimizers import build_optimizer, transformer_layers
-from mmgoal.engine.schema import check_components
 from mmgoal.registry import MODELS, OBJECTIVES
+from mmgoal.runs.schema import check_components
 
 # tests/models/test_xvlm.py's tiny timm ViT: two blocks of width 32
 TINY_VIT = {"type": "TimmImageEncoder", "model_name": "vit_tiny_patch16_224",

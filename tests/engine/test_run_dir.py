@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from mmgoal.engine.run_dir import (
+from mmgoal.runs.run_dir import (
     CHANGES_FILE,
     prepare_work_dir,
     record_changes,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mmgoal.engine.schema import RunConfig, TrainConfig, load_run_config, resolve_config
+from mmgoal.runs.schema import RunConfig, TrainConfig, load_run_config, resolve_config
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 
-from mmgoal.engine.checkpoint import load_checkpoint
 from mmgoal.engine.hooks import FreezeSchedule
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import MODELS, OBJECTIVES
+from mmgoal.runs.checkpoint import load_checkpoint
 
 
 def backbone(state):

@@ -20,9 +20,10 @@ from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 
 from mmgoal.data.pipeline import ShardDataset, UnreadableShardsError
 from mmgoal.data.shards import ShardWriter
-from mmgoal.engine.checkpoint import load_checkpoint
-from mmgoal.engine.trainer import Trainer, WorkerRelease, _start_data_worker
+from mmgoal.engine.signals import WorkerRelease, start_data_worker
+from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import DATASETS
+from mmgoal.runs.checkpoint import load_checkpoint
 
 
 class Hang(BaseException):
@@ -158,7 +159,7 @@ def test_the_workers_are_released_after_epochs_whose_workers_ended():
     release = WorkerRelease()
     loader = torch.utils.data.DataLoader(
         range(4), batch_size=2, num_workers=1,
-        worker_init_fn=functools.partial(_start_data_worker, release))
+        worker_init_fn=functools.partial(start_data_worker, release))
     for _ in range(2):
         assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]
     released = threading.Event()
@@ -183,5 +184,5 @@ def test_the_workers_are_released_after_epochs_whose_workers_ended():
 
 
 def _start_data_worker_and_sleep(release) -> None:
-    _start_data_worker(release, 0)
+    start_data_worker(release, 0)
     time.sleep(600)  # a read that never returns

@@ -8,16 +8,16 @@ import torch
 import yaml
 from fault_hooks import InfRunningVariances
 
-from mmgoal.engine.checkpoint import (
+from mmgoal.engine.hooks import Hook
+from mmgoal.engine.trainer import Trainer
+from mmgoal.registry import HOOKS, OBJECTIVES
+from mmgoal.runs.checkpoint import (
     NonFiniteStateError,
     load_checkpoint,
     nonfinite_tensors,
     save_checkpoint,
 )
-from mmgoal.engine.hooks import Hook
-from mmgoal.engine.schema import resolve_config
-from mmgoal.engine.trainer import Trainer
-from mmgoal.registry import HOOKS, OBJECTIVES
+from mmgoal.runs.schema import resolve_config
 
 
 def tiny_config(out, epochs=2, **train):
@@ -54,7 +54,7 @@ class StopAfterSteps(Hook):
 
     def after_step(self, trainer, outputs):
         if trainer.step == self.steps:
-            trainer._handle_signal(signal.SIGTERM, None)
+            trainer.signals.handle(signal.SIGTERM, None)
 
 
 @pytest.fixture

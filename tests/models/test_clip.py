@@ -13,12 +13,12 @@ from PIL import Image
 
 import mmgoal
 from mmgoal.api import Index
-from mmgoal.data.preprocessing import resolve_preprocessing
 from mmgoal.data.transforms import build_transforms
-from mmgoal.engine.schema import load_model_config
 from mmgoal.objectives.classic import InfoNCELoss
 from mmgoal.paths import resolve_path
 from mmgoal.registry import MODELS
+from mmgoal.runs.preprocessing import resolve_preprocessing
+from mmgoal.runs.schema import load_model_config
 from mmgoal.structures import ObjectiveInputs
 
 open_clip = pytest.importorskip("open_clip")
@@ -231,12 +231,12 @@ def test_hf_clip_from_a_model_only_config_gives_transformers_features(tmp_path, 
 
 def test_the_tiny_clip_config_trains_and_its_run_scores_like_its_validation(tiny_benchmark,
                                                                            tmp_path):
-    from mmgoal.data.preprocessing import Preprocessing
-    from mmgoal.engine.schema import load_run_config
+    from mmgoal.data.tokenizers import OpenCLIPTokenizer
     from mmgoal.engine.trainer import Trainer
     from mmgoal.evaluation.gallery import encode_gallery
     from mmgoal.evaluation.retrieval import retrieval_metrics
-    from mmgoal.models.clip import OpenCLIPTokenizer
+    from mmgoal.runs.schema import load_run_config
+    from mmgoal.structures import Preprocessing
 
     out, _ = tiny_benchmark
     root = Path(__file__).resolve().parents[2]

@@ -283,18 +283,21 @@ def test_unknown_weights_list_the_choices():
 
 
 def test_an_option_the_weight_does_not_take_is_an_error():
-    with pytest.raises(ValueError, match=r"objective.triplet: 'con' takes margin; got unknown "
-                                         r"option\(s\) tau\b"):
+    # the registry's check (Registry.check): the weight's options and the closest one
+    with pytest.raises(ValueError, match=r"objective.triplet: triplet weight 'con' got unknown "
+                                         r"config key\(s\) 'tau'; it accepts: margin$"):
         goal(triplet={"type": "con", "tau": 5}, pair="con")
-    with pytest.raises(ValueError, match=r"'cir' takes tau, cir_offset; got unknown option\(s\) "
-                                         r"cir_ofset \(did you mean cir_offset\?\)"):
+    with pytest.raises(ValueError, match=r"'cir' got unknown config key\(s\) 'cir_ofset' \(did "
+                                         r"you mean 'cir_offset'\?\); it accepts: tau, cir_offset"):
         goal(triplet={"type": "cir", "cir_ofset": 0.0})
-    with pytest.raises(ValueError, match=r"objective.pair: 'con' takes no options; got unknown "
-                                         r"option\(s\) eps"):
+    with pytest.raises(ValueError, match=r"objective.pair: pair weight 'con' got unknown config "
+                                         r"key\(s\) 'eps'; it takes none"):
         goal(pair={"type": "con", "eps": 0.1})
-    with pytest.raises(ValueError, match="'sig' takes alpha, beta, lam, lam_momentum, lam_init, "
-                                         "lam_steps; got unknown option"):
+    with pytest.raises(ValueError, match="'sig' got unknown config key.* it accepts: alpha, beta, "
+                                         "lam, lam_momentum, lam_init, lam_steps$"):
         goal(pair={"type": "sig", "eps": 0.1})  # eps belongs to the *_ms weights only
+    with pytest.raises(ValueError, match=r"objective.triplet.tau must be a number, got 'ten'"):
+        goal(triplet={"type": "nca", "tau": "ten"})
 
 
 def test_flat_options_say_where_they_go():
@@ -305,8 +308,8 @@ def test_flat_options_say_where_they_go():
     with pytest.raises(ValueError, match=r"eps -> pair: \{type: lin_ms, eps: 0.2\} \(eps is an "
                                          r"option of the pair weight\(s\) lin_ms, sig_ms\)"):
         goal(pair="sig", eps=0.2)
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) reductoin \(did you mean "
-                                         r"reduction\?\)"):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'reductoin' \(did you mean "
+                                         r"'reduction'\?\)"):
         goal(reductoin="mean")
 
 
@@ -347,7 +350,7 @@ def test_a_registered_weight_takes_its_own_option(scaled_pair_weight):
     torch.testing.assert_close(grad_of(objective, sims, None, "goal_loss"), expected)
     default = goal(triplet=all_active, pair="scaled")
     torch.testing.assert_close(grad_of(default, sims, None, "goal_loss"), expected / gamma)
-    with pytest.raises(ValueError, match="'scaled' takes gamma; got unknown option"):
+    with pytest.raises(ValueError, match="'scaled' got unknown config key.* it accepts: gamma"):
         goal(pair={"type": "scaled", "tau": 3.0})
 
 

@@ -11,8 +11,8 @@ import yaml
 from fault_hooks import InfRunningVariances
 from script_modules import load_script
 
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.registry import HOOKS
+from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -148,7 +148,7 @@ def test_a_diverged_run_and_its_checkpoints_end_in_errors_not_tracebacks(tiny_co
 
 
 def test_print_config_shows_defaults_and_overrides(tiny_config_file, tmp_path):
-    from mmgoal.engine.schema import load_run_config
+    from mmgoal.runs.schema import load_run_config
 
     result = run_tool("tools/finetune.py", tiny_config_file, "--print-config", "--cfg-options",
                       "train.accumulate_steps=4", "data.train.resampled=true")

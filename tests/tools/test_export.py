@@ -5,7 +5,7 @@ import math
 import torch
 from script_modules import load_script
 
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 
 
 def export_tool():

@@ -11,8 +11,8 @@ from script_modules import load_script
 import mmgoal
 from mmgoal.data.pipeline import decode_sample, expand_shards, read_captions
 from mmgoal.data.shards import ShardWriter
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.registry import MODELS, TOKENIZERS
+from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 
 search_tool = load_script("tools/search.py")
 QUERIES = ["a large red circle left of a small blue square", "a green triangle"]

@@ -23,7 +23,7 @@ import os
 import torch
 from torch import nn
 
-from mmgoal.engine.gather import world_info
+from mmgoal.distributed import world_info
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import launched_world_size
 from mmgoal.engine.strategies.torch_native import TorchStrategy, trainable_parameters
@@ -92,7 +92,7 @@ class AccelerateStrategy(TorchStrategy):
             module, build_optimizer(optimizer_cfg, module.model, module.objective))
         self.scaler = torch.amp.GradScaler(enabled=False)  # Accelerate scales fp16 itself
 
-    def wrap_for(self, objective: nn.Module) -> None:
+    def wrap_for(self) -> None:
         """Nothing: ``Accelerator.prepare`` wrapped the module once, in ``setup``."""
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:

@@ -1,4 +1,4 @@
-"""What every strategy does: processes, collective decisions, checkpoint pointers.
+"""What every strategy does: processes, collective decisions, the training step's frame.
 
 A strategy owns everything that depends on where and how the processes train:
 the device (model, objective and every batch live there), the process group,
@@ -28,13 +28,11 @@ from torch import nn
 
 from mmgoal.contract import StepAwareObjective
 from mmgoal.devices import check_precision, move_to_device, resolve_device
-from mmgoal.engine.checkpoint import NonFiniteStateError, nonfinite_tensors
-from mmgoal.engine.gather import world_info
+from mmgoal.distributed import world_info
+from mmgoal.runs.checkpoint import NonFiniteStateError, nonfinite_tensors
+from mmgoal.runs.run_dir import has_checkpoint
 
 logger = logging.getLogger(__name__)
-
-LATEST = "latest"
-
 
 def launched_world_size() -> int:
     """The number of processes a launcher (torchrun, deepspeed, SLURM via them) started."""
@@ -105,25 +103,6 @@ class StepResult:
     micro_batches: int
 
 
-def write_pointer(path: Path, value: str) -> None:
-    """Atomically point ``path`` at ``value`` (write a temporary file, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as stream:
-        stream.write(value)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
-
-
-def read_pointer(path: Path) -> str | None:
-    return path.read_text().strip() if path.is_file() else None
-
-
-def has_checkpoint(directory: Path) -> bool:
-    """Whether ``directory`` holds a resumable checkpoint of any strategy."""
-    return (directory / "last.pt").is_file() or (directory / "deepspeed" / LATEST).is_file()
-
-
 def prune_except(directory: Path, keep: str) -> None:
     """Remove every checkpoint folder in ``directory`` but ``keep`` (and unfinished ones)."""
     for child in directory.iterdir():
@@ -149,7 +128,7 @@ class Strategy:
     Attributes:
         device: where the model, the objective and every batch live.
         plain_module: the wrapped model holds full float32 weights on every rank,
-            so rank 0 can evaluate it directly (else ``evaluation_model`` builds a copy).
+            so rank 0 can evaluate it directly (:meth:`evaluation_weights`).
     """
 
     plain_module = True
@@ -162,6 +141,7 @@ class Strategy:
         self.join_process_group(timeout_minutes)
         self.rank, self.world_size = world_info()
         self.module: nn.Module | None = None
+        self._swapped_objective: nn.Module | None = None  # set_objective's, None: the module's
 
     def join_process_group(self, timeout_minutes: float) -> None:
         init_process_group(timeout_minutes, self.device)
@@ -213,6 +193,24 @@ class Strategy:
         return self.module.model
 
     @property
+    def objective(self) -> nn.Module:
+        """The objective :meth:`train_step` uses: the training module's (the configured
+        one, whose parameters are trained), until :meth:`set_objective` swaps in another."""
+        return self.module.objective if self._swapped_objective is None \
+            else self._swapped_objective
+
+    def set_objective(self, objective: nn.Module) -> None:
+        """Train with ``objective`` from the next step on (``ObjectiveWarmup``'s swap, and
+        the swap back to the configured one). A swapped-in objective is moved to the
+        device; its parameters are not trained."""
+        if objective is self.objective:
+            return
+        configured = objective is self.module.objective
+        if isinstance(objective, nn.Module) and not configured:
+            objective.to(self.device)  # a warm-up objective the hook built on the CPU
+        self._swapped_objective = None if configured else objective
+
+    @property
     def owns_schedule(self) -> bool:
         """The learning rate comes from elsewhere (a DeepSpeed JSON scheduler)."""
         return False
@@ -224,8 +222,9 @@ class Strategy:
         """A batch (from pinned memory when the device is a GPU) moved to the device."""
         return move_to_device(batch, self.device, non_blocking=self.device.type == "cuda")
 
-    def train_step(self, micro_batches: Iterable[dict], objective: nn.Module) -> StepResult:
-        """One optimisation step over a window of micro-batches (gradient accumulation).
+    def train_step(self, micro_batches: Iterable[dict]) -> StepResult:
+        """One optimisation step over a window of micro-batches (gradient accumulation),
+        under :attr:`objective`.
 
         Every micro-batch is moved to the device, run forward and backward; all
         ranks agree after each forward whether its loss is finite, and a window
@@ -235,10 +234,8 @@ class Strategy:
         Args:
             micro_batches: the window, ``train.accumulate_steps`` batches (fewer
                 only where the data ran out).
-            objective: the active objective (a warm-up may swap in another one).
         """
-        if isinstance(objective, nn.Module) and objective is not self.module.objective:
-            objective.to(self.device)  # a warm-up objective the hook built on the CPU
+        objective = self.objective
         window_ok, count, sums = True, 0, {}
         for batch, last in flag_last(micro_batches):
             outputs, nonfinite = self.micro_step(self.to_device(batch), objective, last)
@@ -329,6 +326,22 @@ class Strategy:
         if not self.is_main:
             return None
         return cpu_float_state(self.model.state_dict())
+
+    def evaluation_weights(self, weights: dict[str, torch.Tensor]
+                           ) -> dict[str, torch.Tensor] | None:
+        """Rank 0: where to evaluate ``weights`` (full float32 weights: a
+        :meth:`full_state_dict` or best.pt's).
+
+        Returns:
+            None where the trained model holds full float32 weights on every rank
+            (:attr:`plain_module`): ``weights`` are loaded into it, and rank 0
+            evaluates the trained model itself. Otherwise (ZeRO-3 partitions, bf16 or
+            fp16 engine weights) ``weights``, to load into a float32 copy of the model.
+        """
+        if not self.plain_module:
+            return weights
+        self.model.load_state_dict(weights)
+        return None
 
     def restore_rng(self, states: list[dict]) -> None:
         """This rank's RNG state from a checkpoint's per-rank list."""

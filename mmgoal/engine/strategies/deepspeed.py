@@ -42,25 +42,22 @@ import torch.distributed as dist
 from torch import nn
 
 from mmgoal.devices import PRECISIONS, precision_dtype
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import (
-    LATEST,
     Strategy,
     cpu_float_state,
     launched_world_size,
     process_group_backend,
     prune_except,
-    read_pointer,
     rng_state,
-    write_pointer,
 )
 from mmgoal.extras import require_extra
 from mmgoal.registry import STRATEGIES
+from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.runs.run_dir import DEEPSPEED, DEEPSPEED_WEIGHTS, LATEST, read_pointer, write_pointer
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS = "weights.pt"
 TRAINER_STATE = "trainer_state.pt"
 UNIVERSAL_SUFFIX = "-universal"
 # What DeepSpeed's ds_to_universal converter requires of a checkpoint (beyond Megatron's
@@ -361,7 +358,7 @@ class DeepSpeedStrategy(Strategy):
         return state
 
     def save(self, directory: Path, state: dict) -> None:
-        root = directory / "deepspeed"
+        root = directory / DEEPSPEED
         tag = f"epoch{state['epoch']:04d}-step{state['step']:09d}"
         if tag == read_pointer(root / LATEST):  # never overwrite the checkpoint in use
             tag += "-again"
@@ -373,7 +370,7 @@ class DeepSpeedStrategy(Strategy):
         if self.is_main:
             save_checkpoint({"model": weights, "tokenizer": state["tokenizer"],
                              "config": state["config"], "epoch": state["epoch"],
-                             "step": state["step"]}, root / tag / WEIGHTS)
+                             "step": state["step"]}, root / tag / DEEPSPEED_WEIGHTS)
             save_checkpoint({**state, "rng": rngs, "world_size": self.world_size,
                              "zero_stage": self.zero_stage, "precision": self.precision},
                             root / tag / TRAINER_STATE)
@@ -384,7 +381,7 @@ class DeepSpeedStrategy(Strategy):
         self.barrier()
 
     def latest_tag(self, directory: Path) -> tuple[Path, str]:
-        root = directory / "deepspeed"
+        root = directory / DEEPSPEED
         tag = read_pointer(root / LATEST)
         if tag is None:
             raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint under {root}; "
@@ -430,7 +427,7 @@ class DeepSpeedStrategy(Strategy):
                 raise RuntimeError(f"converting {root / tag} to a universal checkpoint failed:\n"
                                    f"{tail}\nresume with the original number of processes "
                                    f"and ZeRO stage, or start from its weights with load_from: "
-                                   f"{root / tag / WEIGHTS}")
+                                   f"{root / tag / DEEPSPEED_WEIGHTS}")
         self.barrier()
         self.engine._config.load_universal_checkpoint = True  # read at load time
         try:

@@ -20,14 +20,14 @@ import torch
 from torch import nn
 
 from mmgoal.devices import autocast
-from mmgoal.engine.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import Strategy, rng_state
 from mmgoal.registry import STRATEGIES
+from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.runs.run_dir import LAST
 
 logger = logging.getLogger(__name__)
 
-LAST = "last.pt"
 FIND_UNUSED = ("auto", True, False)
 
 
@@ -70,7 +70,9 @@ class TorchStrategy(Strategy):
         self.find_unused = find_unused_parameters
         self.sync_bn = sync_bn
         self.accumulate_steps = 1
-        self._graph: tuple | None = None  # (trainable flags, objective) the wrapper was made for
+        # (trainable flags, objective swaps so far) that the DDP wrapper was made for
+        self._graph: tuple | None = None
+        self._objective_swaps = 0
         self._probing = False
 
     def describe(self) -> str:
@@ -106,11 +108,18 @@ class TorchStrategy(Strategy):
         return self.optimizer.param_groups
 
     # ------------------------------------------------------------ DDP wrapper
-    def wrap_for(self, objective: nn.Module) -> None:
+    def set_objective(self, objective: nn.Module) -> None:
+        """As :meth:`Strategy.set_objective`; another objective may use other parameters, so
+        DDP is wrapped again (and probed: ``find_unused_parameters``) at the next step."""
+        if objective is not self.objective:
+            self._objective_swaps += 1
+        super().set_objective(objective)
+
+    def wrap_for(self) -> None:
         """(Re)wrap in DDP when the trainable set or the objective changed, or a probe ended."""
         if self.world_size == 1:
             return
-        graph = (tuple(p.requires_grad for p in self.module.parameters()), id(objective))
+        graph = (tuple(p.requires_grad for p in self.module.parameters()), self._objective_swaps)
         if graph == self._graph and not self._probing:
             return
         if graph == self._graph:  # the probe step is over: every parameter got a gradient
@@ -138,9 +147,9 @@ class TorchStrategy(Strategy):
         # else: wrap_for rewraps without the search at the next step
 
     # -------------------------------------------------------------- training
-    def train_step(self, micro_batches, objective):
-        self.wrap_for(objective)
-        return super().train_step(micro_batches, objective)
+    def train_step(self, micro_batches):
+        self.wrap_for()
+        return super().train_step(micro_batches)
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Inside an accumulation window gradients stay local; the last micro-batch reduces."""

@@ -13,10 +13,10 @@ from einops import rearrange
 from torch import nn
 
 import mmgoal.models.encoders.small_cnn  # noqa: F401  (registers mmgoal_small_cnn in timm)
-from mmgoal.data.preprocessing import Preprocessing
 from mmgoal.models.pretrained import load_pretrained
 from mmgoal.registry import ENCODERS
 from mmgoal.sequences import length_mask, pack_kept
+from mmgoal.structures import Preprocessing
 
 
 def create_timm_backbone(model_name: str, pretrained: str | bool | None = None,

@@ -1,0 +1,286 @@
+"""Checkpoints: written atomically, read with ``weights_only=True``.
+
+A checkpoint is a plain dict of tensors and Python primitives. It is written to
+a temporary file in the same folder, flushed to disk and renamed over the
+target, so a run killed while saving leaves the previous checkpoint intact and
+never a truncated file under the real name. An exported model may also be a
+``.safetensors`` file (:func:`save_safetensors`): the tensors, with the config,
+tokenizer and format version in its metadata; :func:`load_checkpoint` reads both.
+
+Weights holding NaN or inf are never checkpointed: the strategies and the
+trainer check the model first and stop the run with :class:`NonFiniteStateError`
+(the last good checkpoint stays), and the tools refuse such a checkpoint written
+by an older mmgoal (:func:`check_finite_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmgoal.config import config_changes
+from mmgoal.registry import MODELS, TOKENIZERS, import_custom_modules
+from mmgoal.runs.preprocessing import resolve_preprocessing
+
+FORMAT = "mmgoal-checkpoint/1"
+SAFETENSORS_FORMAT = "mmgoal-safetensors/1"  # an export (tools/export.py --out FILE.safetensors)
+SHOWN_NAMES = 3  # tensor names an error message lists before "and N more"
+
+
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating tensors in ``tensors`` holding NaN or inf (one device sync)."""
+    floating = [(name, value) for name, value in tensors.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point()]
+    if not floating:
+        return []
+    device = floating[0][1].device
+    finite = torch.stack([torch.isfinite(value).all().to(device) for _, value in floating])
+    return [name for (name, _), ok in zip(floating, finite.tolist()) if not ok]
+
+
+def describe_tensors(names: list[str]) -> str:
+    """``8 tensors (a.running_var, b.running_var, c.running_var and 5 more)``."""
+    shown = ", ".join(names[:SHOWN_NAMES])
+    more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''} ({shown}{more})"
+
+
+class NonFiniteStateError(FloatingPointError):
+    """The model holds NaN or inf: the run stops before evaluating or checkpointing it.
+
+    Args:
+        names: the tensors holding NaN/inf.
+        checkpoint_dir: the run's checkpoint folder.
+        step: the step at which the state was found.
+        resumable: the folder holds an earlier (finite) resumable checkpoint.
+    """
+
+    def __init__(self, names: list[str], checkpoint_dir: Path, step: int,
+                 resumable: bool) -> None:
+        self.names = names
+        advice = ("lower the learning rate (optimizer.lr), clip gradients (train.clip_grad) "
+                  "or check the data")
+        then = (f"the last good checkpoint in {checkpoint_dir} is intact: {advice}, then "
+                f"continue from it with --resume --cfg-options optimizer.lr=<lower>"
+                if resumable else f"no checkpoint was written before: {advice} and start again")
+        super().__init__(f"the model holds NaN or inf in {describe_tensors(names)} at step "
+                         f"{step} (the run diverged); it is neither evaluated nor checkpointed, "
+                         f"and {then}")
+
+
+def check_finite_weights(weights: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights holding NaN or inf (a checkpoint an older mmgoal wrote as its run diverged).
+
+    Raises:
+        ValueError: naming how many tensors and the first few.
+    """
+    names = nonfinite_tensors(weights)
+    if names:
+        raise ValueError(f"{source} holds NaN or inf in {describe_tensors(names)}: its run had "
+                         f"diverged when it was written; use an earlier checkpoint of the run "
+                         f"(best.pt) or train again with a lower learning rate")
+
+
+def _write_atomically(path: str | os.PathLike, write: Any) -> None:
+    """``write(temporary_path)``, then rename it over ``path`` and make both durable."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as stream:
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """Atomically write ``state`` (plus a format tag) to ``path``."""
+    _write_atomically(path, lambda tmp: torch.save({"format": FORMAT, **state}, tmp))
+
+
+def save_safetensors(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """Atomically write an exported model as safetensors: ``state["model"]`` as the
+    tensors, every other entry (config, tokenizer, epoch...) JSON in the metadata,
+    with the format version under ``format``.
+
+    Tensors sharing memory (tied weights) are written once; the metadata's
+    ``aliases`` maps the other names to it, and :func:`load_checkpoint` restores them.
+    """
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state["model"].items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+               tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().cpu().contiguous()
+    metadata = {"format": SAFETENSORS_FORMAT, "aliases": json.dumps(aliases)}
+    metadata.update({key: json.dumps(value) for key, value in state.items() if key != "model"})
+    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def _load_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as opened:
+            metadata = opened.metadata() or {}
+            model = {name: opened.get_tensor(name) for name in opened.keys()}
+        extra = {key: json.loads(value) for key, value in metadata.items() if key != "format"}
+    except Exception as error:
+        raise ValueError(f"checkpoint {path} cannot be read ({error}); it may be corrupt or "
+                         f"not an mmgoal export") from error
+    if metadata.get("format") != SAFETENSORS_FORMAT:
+        raise ValueError(f"{path} is a safetensors file but not an mmgoal export (its metadata "
+                         f"has no format {SAFETENSORS_FORMAT!r}); write one with "
+                         f"tools/export.py RUN --out FILE.safetensors")
+    for name, target in extra.pop("aliases", {}).items():
+        model[name] = model[target]
+    return {"format": FORMAT, "model": model, **extra}
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` (tensors and primitives only),
+    or an export written by :func:`save_safetensors` (a ``.safetensors`` file).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is not a readable mmgoal checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if path.suffix == ".safetensors":
+        return _load_safetensors(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise ValueError(f"checkpoint {path} cannot be read ({error}); it may be corrupt or "
+                         f"not an mmgoal checkpoint") from error
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an mmgoal checkpoint (expected format {FORMAT!r})")
+    return state
+
+
+def shape_mismatches(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> list[str]:
+    """``name (checkpoint shape) vs (model shape)`` for each shared name whose shapes differ."""
+    return [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in weights
+            if k in own and weights[k].shape != own[k].shape]
+
+
+def config_differences(saved: Any, wanted: Any, name: str) -> list[str]:
+    """Where two config sections differ: ``model.embed_dim: 1024 in the checkpoint, 16 here``."""
+    return [f"{key}: {old!r} in the checkpoint, {new!r} here"
+            for key, (old, new) in config_changes(saved, wanted, name).items()]
+
+
+def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
+                          source: str = "the checkpoint") -> dict[str, list[str]]:
+    """Load the weights ``model`` shares with ``weights``; list what is left on either side.
+
+    A pretraining checkpoint starts a finetuning model: heads the finetuning
+    model lacks (MLM, box) are dropped, parts the checkpoint lacks keep their
+    initial values.
+
+    Returns:
+        ``{"dropped": checkpoint keys the model has no place for, "missing":
+        model keys the checkpoint does not fill}``.
+
+    Raises:
+        ValueError: a shared key with another shape, no key in common (another
+            architecture), or weights holding NaN/inf.
+    """
+    own = model.state_dict()
+    shared = [k for k in weights if k in own]
+    mismatched = shape_mismatches(own, weights)
+    if mismatched or not shared:
+        detail = (f"shapes differ: {'; '.join(mismatched[:SHOWN_NAMES])}" if mismatched
+                  else "no weight name in common")
+        raise ValueError(f"{source}: the checkpoint's model does not match this config's model "
+                         f"({detail}); it was trained with another architecture or size: start "
+                         f"from a checkpoint of this model, or give the model section that "
+                         f"run's settings")
+    check_finite_weights(weights, source)
+    model.load_state_dict({k: weights[k] for k in shared}, strict=False)
+    return {"dropped": sorted(k for k in weights if k not in own),
+            "missing": sorted(k for k in own if k not in weights)}
+
+
+def summarise_keys(keys: list[str]) -> str:
+    """Keys grouped by top-level module: ``mlm_decoder (2), box_head (3)``."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        prefix = key.split(".")[0]
+        counts[prefix] = counts.get(prefix, 0) + 1
+    return ", ".join(f"{prefix} ({n})" for prefix, n in counts.items())
+
+
+def check_same_model(model: torch.nn.Module, state: dict[str, Any], model_cfg: dict,
+                     source: str) -> None:
+    """Refuse checkpoint weights that do not fit ``model`` (built from ``model_cfg``) exactly.
+
+    Raises:
+        ValueError: saying where the checkpoint's model config differs from
+            ``model_cfg`` (when the checkpoint holds one), then the first tensors
+            whose shapes differ or that one side lacks.
+    """
+    own, weights = model.state_dict(), state["model"]
+    mismatched = shape_mismatches(own, weights)
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    if not (mismatched or missing or unexpected):
+        return
+    saved_cfg = (state.get("config") or {}).get("model")
+    details = []
+    if saved_cfg and saved_cfg.get("type") != model_cfg.get("type"):
+        details.append(f"it holds a {saved_cfg.get('type')} model, this config builds a "
+                       f"{model_cfg.get('type')}")
+    elif saved_cfg:
+        details += config_differences(saved_cfg, model_cfg, "model")[:SHOWN_NAMES]
+    if mismatched:
+        details.append(f"shapes differ: {'; '.join(mismatched[:SHOWN_NAMES])}")
+    if missing:
+        details.append(f"{len(missing)} tensors of this model are not in it: "
+                       f"{summarise_keys(missing)}")
+    if unexpected:
+        details.append(f"{len(unexpected)} of its tensors have no place in this model: "
+                       f"{summarise_keys(unexpected)}")
+    raise ValueError(f"{source} does not fit the model this config builds ({'; '.join(details)});"
+                     f" give the config it was trained with (its run's config.yaml)")
+
+
+def model_from_checkpoint(cfg: dict, state: dict[str, Any],
+                          source: str = "the checkpoint") -> tuple[torch.nn.Module, Any]:
+    """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``.
+
+    Returns:
+        (model in eval mode, tokenizer).
+
+    Raises:
+        ValueError: the weights hold NaN/inf or belong to another model (see
+            :func:`check_same_model`).
+    """
+    check_finite_weights(state["model"], source)
+    import_custom_modules(cfg.get("custom_imports", []))
+    tokenizer = TOKENIZERS.build(resolve_preprocessing(cfg).tokenizer)
+    tokenizer.load_state_dict(state["tokenizer"])
+    model = MODELS.build(cfg["model"], tokenizer=tokenizer)
+    check_same_model(model, state, cfg["model"], source)
+    model.load_state_dict(state["model"])
+    return model.eval(), tokenizer

@@ -1,0 +1,108 @@
+"""A trained model ready to evaluate: weights, vocabulary, eval transforms and config.
+
+Every tool that evaluates a checkpoint (tools/evaluate.py, plot_attention.py,
+score_stats.py) and the Python API (:mod:`mmgoal.api`) build it here, so the model,
+its preprocessing and the defaults they fall back on are the trainer's own
+(:mod:`mmgoal.runs.schema`, :func:`mmgoal.runs.preprocessing.resolve_preprocessing`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmgoal.data.transforms import build_transforms
+from mmgoal.devices import resolve_device
+from mmgoal.registry import MODELS, TOKENIZERS
+from mmgoal.runs.checkpoint import load_checkpoint, model_from_checkpoint
+from mmgoal.runs.preprocessing import resolve_preprocessing
+from mmgoal.runs.run_dir import weights_file
+from mmgoal.runs.schema import load_model_config, with_overrides
+from mmgoal.structures import Member
+
+
+@dataclass
+class LoadedModel(Member):
+    """A model in eval mode on its device with its eval transform and tokenizer.
+
+    Attributes:
+        config: the resolved run config it was built from.
+        checkpoint: the file its weights came from (``None``: built from a config alone).
+        epoch: the epoch the checkpoint was written after (``None`` when it does not say).
+    """
+
+    config: dict
+    checkpoint: Path | None
+    epoch: int | None = None
+
+
+def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
+                        overrides: Iterable[str] = (), device: str | torch.device = "auto"
+                        ) -> LoadedModel:
+    """Build the model of a checkpoint for evaluation.
+
+    Args:
+        checkpoint: ``best.pt``, ``last.pt``, another mmgoal checkpoint, an export
+            (``.pt`` or ``.safetensors``), or a run directory (its best checkpoint,
+            else its latest).
+        config: the YAML config to build with (default: the config saved in the
+            checkpoint): a training config, or one with only the model's sections
+            (:class:`~mmgoal.runs.schema.ModelConfig`).
+        overrides: ``--cfg-options`` on top of that config.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        FileNotFoundError: a missing checkpoint or config.
+        ValueError: an unreadable checkpoint, a checkpoint without a config when
+            none is given, a bad config or override, a device this machine lacks,
+            weights holding NaN/inf or of another model than the config builds.
+    """
+    target = resolve_device(device, name="device")
+    checkpoint = weights_file(checkpoint)
+    state = load_checkpoint(checkpoint)
+    if config is not None:
+        cfg = load_model_config(config, overrides)
+        if cfg["data"]["tokenizer"] is None and state.get("config"):
+            # a model-only config: the vocabulary, and so its tokenizer, is the checkpoint's
+            cfg["data"]["tokenizer"] = state["config"]["data"]["tokenizer"]
+    elif state.get("config"):
+        cfg = with_overrides(state["config"], overrides)
+    else:
+        raise ValueError(f"{checkpoint} holds no config to build its model from; give the "
+                         f"config it was trained with")
+    model, tokenizer = model_from_checkpoint(cfg, state, f"checkpoint {checkpoint}")
+    return _loaded(cfg, model, tokenizer, target, checkpoint, state.get("epoch"))
+
+
+def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str] = (),
+                      device: str | torch.device = "auto") -> LoadedModel:
+    """The model of a config with the weights its own sections name (pretrained towers,
+    a CLIP checkpoint), no mmgoal checkpoint: to use a pretrained model as it is.
+
+    Raises:
+        ValueError: besides a bad config, a tokenizer whose vocabulary is fitted on
+            training captions (it exists only in a trained run's checkpoint).
+    """
+    target = resolve_device(device, name="device")
+    cfg = load_model_config(config, overrides)
+    tokenizer_cfg = resolve_preprocessing(cfg).tokenizer
+    tokenizer = TOKENIZERS.build(tokenizer_cfg)
+    if not tokenizer.fitted:
+        raise ValueError(f"data.tokenizer {tokenizer_cfg['type']!r} learns its "
+                         f"vocabulary from the training captions, so a model built from the "
+                         f"config alone has none; load a trained run's checkpoint with it "
+                         f"(checkpoint=..., or mmgoal.load(RUN_DIR))")
+    model = MODELS.build(cfg["model"], tokenizer=tokenizer).eval()
+    return _loaded(cfg, model, tokenizer, target, None, None)
+
+
+def _loaded(cfg: dict, model: torch.nn.Module, tokenizer, device: torch.device,
+            checkpoint: Path | None, epoch: int | None) -> LoadedModel:
+    transform = build_transforms(resolve_preprocessing(cfg).eval_transforms,
+                                 cfg["data"]["image_size"])
+    return LoadedModel(model.to(device), transform, tokenizer, config=cfg,
+                       checkpoint=checkpoint, epoch=epoch)

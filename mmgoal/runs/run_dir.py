@@ -1,0 +1,213 @@
+"""A run directory: its files, where its weights are, and its life (start, resume).
+
+A run directory holds ``config.yaml``, ``metrics.jsonl``, ``report.json`` and
+``checkpoints/``: ``best.pt`` (the float32 weights of the best epoch), and the
+strategy's resumable checkpoint, ``last.pt`` (torch) or ``deepspeed/<tag>/``
+(whose ``weights.pt`` is the tag's float32 model) with the pointer
+``deepspeed/latest`` naming the newest complete tag. The engine writes them
+(:mod:`mmgoal.engine.strategies`); the tools, the evaluation and the API read
+them back through :func:`weights_file` and :mod:`mmgoal.runs.loading`.
+
+A run directory holds one run. Starting a new run where one already is would
+overwrite its checkpoints, config and report, so it is refused unless the run
+is resumed or the caller asks for ``overwrite`` (which deletes the old run's
+files, and only those). A resumed run keeps its ``config.yaml``: the config
+given for the resume is compared with it, and only keys that may change on
+resume (:data:`RESUMABLE`: the length of the run, logging and loggers, evaluation, how
+the global batch is split, the learning rate and clipping after a divergence)
+may differ. Accepted changes are recorded, one JSON
+object per resume, in ``config_changes.jsonl`` and applied again by later resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from mmgoal.config import config_changes, load_config
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS = "checkpoints"
+BEST = "best.pt"  # float32 weights of the best epoch (any strategy)
+LAST = "last.pt"  # the torch strategy's resumable checkpoint
+DEEPSPEED = "deepspeed"  # the DeepSpeed strategy's tags, under checkpoints/
+DEEPSPEED_WEIGHTS = "weights.pt"  # a DeepSpeed tag's consolidated float32 model
+LATEST = "latest"  # the pointer to the newest complete DeepSpeed tag
+CHANGES_FILE = "config_changes.jsonl"
+# The default places of the loggers' files (mmgoal/engine/loggers.py) count too: a run
+# started over them would continue their curves, or the W&B run of wandb_id.
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "report.json", CHECKPOINTS, CHANGES_FILE,
+             "tensorboard", "wandb_id")
+# Dotted keys (and every key below them) a resumed run may change.
+RESUMABLE = (
+    "train.epochs", "train.log_every", "train.eval_every", "train.eval_before_training",
+    "train.progress",
+    "train.checkpoint_every_steps", "train.max_nonfinite_steps", "train.device",
+    "train.cudnn_benchmark", "train.accumulate_steps", "train.clip_grad", "optimizer.lr",
+    "data.train.batch_size",
+    "data.num_workers", "data.eval_batch_size", "data.val", "data.test", "evaluation",
+    "strategy.timeout_minutes", "loggers",
+)
+
+
+def write_pointer(path: Path, value: str) -> None:
+    """Atomically point ``path`` at ``value`` (write a temporary file, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as stream:
+        stream.write(value)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+
+
+def read_pointer(path: Path) -> str | None:
+    return path.read_text().strip() if path.is_file() else None
+
+
+def has_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` (a run's ``checkpoints/``) holds a resumable checkpoint of any
+    strategy."""
+    return (directory / LAST).is_file() or (directory / DEEPSPEED / LATEST).is_file()
+
+
+def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path:
+    """The file with the float32 weights of a run directory, or ``path`` itself if a file.
+
+    Args:
+        which: ``best`` (``best.pt``), ``latest`` (a DeepSpeed tag's ``weights.pt``,
+            else ``last.pt``) or ``best_or_latest`` (best.pt where the run validated,
+            else the latest).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a folder without such a checkpoint.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist; give a run directory or a checkpoint "
+                                f"file")
+    checkpoints = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+    candidates = []
+    if which in ("best", "best_or_latest"):
+        candidates.append(checkpoints / BEST)
+    if which in ("latest", "best_or_latest"):
+        tag = read_pointer(checkpoints / DEEPSPEED / LATEST)
+        candidates.append(checkpoints / DEEPSPEED / tag / DEEPSPEED_WEIGHTS if tag is not None
+                          else checkpoints / LAST)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{path} holds no {'best' if which == 'best' else 'complete'} "
+                            f"checkpoint (looked for {' and '.join(map(str, candidates))})")
+
+
+def existing_run_files(work_dir: str | os.PathLike) -> list[str]:
+    """The files of a run that ``work_dir`` already holds (empty: none)."""
+    work_dir = Path(work_dir)
+    return [name for name in RUN_FILES if (work_dir / name).exists()
+            and not ((work_dir / name).is_dir() and not any((work_dir / name).iterdir()))]
+
+
+def prepare_work_dir(work_dir: str | os.PathLike, resume: bool, overwrite: bool = False) -> None:
+    """Check ``work_dir`` before a run starts in it.
+
+    Raises:
+        ValueError: ``work_dir`` is a file; or it holds a run and neither ``resume``
+            nor ``overwrite`` is given.
+    """
+    work_dir = Path(work_dir)
+    if work_dir.exists() and not work_dir.is_dir():
+        raise ValueError(f"--work-dir {work_dir} is a file; give a run directory (new or an "
+                         f"earlier run's)")
+    if resume:
+        return
+    found = existing_run_files(work_dir)
+    if not found:
+        return
+    if not overwrite:
+        raise ValueError(f"--work-dir {work_dir} already holds a run ({', '.join(found)}); "
+                         f"continue it with --resume, start afresh with --overwrite (its "
+                         f"run files are deleted), or choose another --work-dir")
+    for name in found:
+        path = work_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def resumable(key: str) -> bool:
+    return any(key == allowed or key.startswith(allowed + ".") for allowed in RESUMABLE)
+
+
+def stored_config(work_dir: str | os.PathLike) -> dict | None:
+    """The config a run trains with: its ``config.yaml`` with every recorded change applied
+    (``None`` when the directory has no config.yaml)."""
+    work_dir = Path(work_dir)
+    if not (work_dir / CONFIG_FILE).is_file():
+        return None
+    cfg = load_config(work_dir / CONFIG_FILE)
+    for record in read_changes(work_dir):
+        for key, (_, value) in record["changes"].items():
+            _set(cfg, key.split("."), value)
+    return cfg
+
+
+def resume_changes(work_dir: str | os.PathLike, requested: dict,
+                   resolve=lambda cfg: cfg) -> dict[str, list]:
+    """What a resume with the ``requested`` config changes in the run's own config.
+
+    Args:
+        work_dir: the run directory.
+        requested: the resolved config given for the resume (file + overrides).
+        resolve: resolves the stored config the same way (defaults written out).
+
+    Returns:
+        The accepted changes (dotted key -> [old, new]); empty for a run without
+        a stored config.
+
+    Raises:
+        ValueError: a change of a key that must not change on resume, each named.
+    """
+    stored = stored_config(work_dir)
+    if stored is None:
+        return {}
+    changes = dict(sorted(config_changes(resolve(stored), requested).items()))
+    refused = {key: change for key, change in changes.items() if not resumable(key)}
+    if refused:
+        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in
+                           list(refused.items())[:8])
+        more = f" (and {len(refused) - 8} more)" if len(refused) > 8 else ""
+        raise ValueError(
+            f"--resume: the config differs from the one {work_dir} was trained with in keys "
+            f"a resumed run must keep: {listed}{more}. Resume with the run's own "
+            f"{Path(work_dir) / CONFIG_FILE} (changing only {', '.join(RESUMABLE)}), or "
+            f"start a new run in another --work-dir")
+    return changes
+
+
+def record_changes(work_dir: str | os.PathLike, changes: dict[str, list], epoch: int,
+                   step: int) -> None:
+    """Append one resume's accepted changes to ``config_changes.jsonl``."""
+    if not changes:
+        return
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "epoch": epoch, "step": step,
+              "changes": changes}
+    with open(Path(work_dir) / CHANGES_FILE, "a") as stream:
+        stream.write(json.dumps(record) + "\n")
+
+
+def read_changes(work_dir: str | os.PathLike) -> Iterable[dict]:
+    path = Path(work_dir) / CHANGES_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _set(cfg: dict, keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        cfg = cfg.setdefault(key, {})
+    cfg[keys[-1]] = value

@@ -1,0 +1,333 @@
+"""The run config's schema: every section, its keys and their defaults, in one place.
+
+Sections the trainer reads itself are :class:`~mmgoal.config.ConfigSection`
+dataclasses (``train``, ``data`` with ``data.val``/``data.test``,
+``evaluation``); sections that build a registered component (``model``,
+``objective``, ``optimizer``, ``schedule``, ``strategy``, ``data.tokenizer``,
+``data.train``, each of ``hooks``, ``loggers`` and ``constraints``) hold a ``type`` and the
+keyword arguments of the class registered under that name, which the registry
+checks; each is a :func:`~mmgoal.config.component` field naming its registry, so
+:class:`RunConfig` alone says what the sections are (a new section is one field).
+Keys that the code building a component reads itself (``optimizer.paramwise``...)
+are declared by that code on its registry (:meth:`~mmgoal.registry.Registry.read_by_builder`).
+:func:`load_run_config` resolves a file with every default written out,
+then applies ``--cfg-options``: any key a section or its component knows can be
+overridden, defaulted or not; a key nothing knows is an error with the closest
+match.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from mmgoal.config import ConfigSection, apply_override, component, load_config
+from mmgoal.data.pipeline import expand_shards
+from mmgoal.devices import PRECISIONS
+from mmgoal.registry import (
+    CONSTRAINTS,
+    DATASETS,
+    ENCODERS,
+    HOOKS,
+    LOGGERS,
+    MODELS,
+    OBJECTIVES,
+    OPTIMIZERS,
+    PAIR_WEIGHTS,
+    POOLERS,
+    SCHEDULES,
+    STRATEGIES,
+    TEXT_AUGMENTS,
+    TOKENIZERS,
+    TRANSFORMS,
+    TRIPLET_WEIGHTS,
+    Registry,
+    import_custom_modules,
+)
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+@dataclass
+class ScoringConfig(ConfigSection):
+    """``evaluation``: how a gallery is scored (:func:`mmgoal.evaluation.gallery.score_gallery`,
+    ITM re-ranking).
+
+    Args:
+        block_images: images scored against every text at a time.
+        max_block_mb: bound of a block's working set (``None``: 1024 MiB on a
+            CPU, half the free memory on a GPU).
+        matmul_precision: float32 matmul precision while scoring.
+        rerank_k: re-rank every query's top k by the ITM head (0: off).
+        rerank_batch_size: pairs the ITM head scores at a time.
+    """
+
+    MINIMUM: ClassVar[dict[str, float]] = {"block_images": 1, "rerank_k": 0,
+                                           "rerank_batch_size": 1}
+
+    block_images: int = 128
+    max_block_mb: float | None = None
+    matmul_precision: str = "highest"
+    rerank_k: int = 0
+    rerank_batch_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.max_block_mb is not None and self.max_block_mb <= 0:
+            raise ValueError(f"evaluation.max_block_mb must be above 0, got {self.max_block_mb}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"evaluation.matmul_precision must be one of "
+                             f"{', '.join(MATMUL_PRECISIONS)}, got {self.matmul_precision!r}")
+
+    @classmethod
+    def of(cls, scoring: ScoringConfig | dict | None) -> ScoringConfig:
+        """``scoring`` as a ``ScoringConfig`` (a mapping of its keys, or the defaults)."""
+        return scoring if isinstance(scoring, cls) else cls.from_dict(scoring, "evaluation")
+
+
+@dataclass
+class TrainConfig(ConfigSection):
+    """``train``: the loop, where it runs and how (docs/configs.md lists every key)."""
+
+    MINIMUM: ClassVar[dict[str, float]] = {
+        "epochs": 0, "clip_grad": 0, "log_every": 1, "eval_every": 0,
+        "checkpoint_every_steps": 0, "max_nonfinite_steps": 1, "samples_per_epoch": 1,
+        "accumulate_steps": 1, "reference_batch": 1}
+    epochs: int = 10
+    seed: int = 0
+    clip_grad: float = 2.0
+    log_every: int = 10
+    eval_every: int = 1
+    eval_before_training: bool = False
+    checkpoint_every_steps: int = 0
+    max_nonfinite_steps: int = 5
+    progress: bool = True
+    samples_per_epoch: int | None = None
+    accumulate_steps: int = 1
+    gather_features: bool = True
+    scale_lr: str = "none"
+    reference_batch: int | None = None
+    # where and how (docs/getting_started.md, "Training on GPUs")
+    device: str = "auto"
+    precision: str = "fp32"
+    matmul_precision: str = "high"
+    cudnn_benchmark: bool = True
+    sync_bn: bool = False
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scale_lr not in LR_SCALINGS:
+            raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
+                             f"{self.scale_lr!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{self.precision!r}")
+
+
+@dataclass
+class SplitConfig(ConfigSection):
+    """``data.val`` / ``data.test``: an evaluation gallery."""
+
+    MINIMUM: ClassVar[dict[str, float]] = {"folds": 1}
+    shards: str | list[str]
+    folds: int = 1  # COCO 1K: 5 folds of the 5K test images, metrics averaged
+
+
+@dataclass
+class DataConfig(ConfigSection):
+    """``data``: the tokenizer, the splits and the image pipeline. ``tokenizer``,
+    ``train_transforms`` and ``eval_transforms`` left null are the model's own, and
+    ``image_size`` null its own size (:mod:`mmgoal.runs.preprocessing`)."""
+
+    MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "num_workers": 0,
+                                           "eval_batch_size": 1}
+    train: dict = component(DATASETS)  # ShardDataset, MixtureDataset
+    tokenizer: dict | None = component(TOKENIZERS, default=None)
+    val: SplitConfig | None = None
+    test: SplitConfig | None = None
+    image_size: int | None = None
+    num_workers: int = 1
+    train_transforms: list | None = None
+    eval_transforms: list | None = None
+    eval_batch_size: int = 256
+
+    def training_sources(self) -> list[dict]:
+        """The shard sections of the training split: itself, or a mixture's sources."""
+        return training_sources(self.train)
+
+
+@dataclass
+class RunConfig(ConfigSection):
+    """A whole run: what :class:`~mmgoal.engine.trainer.Trainer` builds and trains."""
+
+    model: dict = component(MODELS)
+    objective: dict = component(OBJECTIVES)
+    data: DataConfig
+    optimizer: dict = component(OPTIMIZERS)
+    schedule: dict = component(SCHEDULES, default_factory=lambda: {"type": "constant"})
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: dict = component(STRATEGIES, default_factory=lambda: {"type": "torch"})
+    evaluation: ScoringConfig = field(default_factory=ScoringConfig)
+    hooks: list[dict] = component(HOOKS, default_factory=list)
+    # metrics.jsonl is always written
+    loggers: list[dict] = component(LOGGERS, default_factory=list)
+    constraints: list[dict] = component(CONSTRAINTS, default_factory=list)
+    custom_imports: list[str] = field(default_factory=list)
+    load_from: str | None = None
+
+    def __post_init__(self) -> None:
+        if "precision" in self.strategy:
+            raise ValueError(f"strategy.precision is now train.precision: move "
+                             f"'precision: {self.strategy['precision']}' under train")
+        for name in ("model", "objective", "optimizer", "schedule", "strategy"):
+            section = getattr(self, name)
+            if not isinstance(section, dict) or "type" not in section:
+                raise ValueError(f"'{name}' must be a mapping with a 'type' key (a "
+                                 f"{self.components()[name].name} name), got {section!r}")
+        if self.train.eval_before_training and self.data.val is None:
+            raise ValueError("train.eval_before_training evaluates on data.val, which the "
+                             "config lacks: add data.val (shards) or set it to false")
+
+
+@dataclass
+class ModelDataConfig(ConfigSection):
+    """``data`` of a model used, not trained: its tokenizer and eval preprocessing (null:
+    the model's own, as in :class:`DataConfig`)."""
+
+    MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "eval_batch_size": 1}
+    tokenizer: dict | None = component(TOKENIZERS, default=None)
+    image_size: int | None = None
+    eval_transforms: list | None = None
+    eval_batch_size: int = 256
+
+
+@dataclass
+class ModelConfig(ConfigSection):
+    """A model to encode and score with (``mmgoal.from_config``): a config with only
+    ``model`` (and ``data.tokenizer``, eval preprocessing, ``evaluation``) is enough.
+    A training config holds one too (:func:`load_model_config`)."""
+
+    model: dict = component(MODELS)
+    data: ModelDataConfig = field(default_factory=ModelDataConfig)
+    evaluation: ScoringConfig = field(default_factory=ScoringConfig)
+    custom_imports: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, dict) or "type" not in self.model:
+            raise ValueError(f"'model' must be a mapping with a 'type' key (a model name), "
+                             f"got {self.model!r}")
+
+
+def training_sources(train_cfg: dict) -> list[dict]:
+    """The shard sections of a training split: itself, or a mixture's sources."""
+    return list(train_cfg.get("sources") or [train_cfg])
+
+
+def check_data_paths(cfg: dict) -> None:
+    """Fail early, with the command to run, when a split's shards are missing."""
+    for split in ("train", "val", "test"):
+        section = cfg.get("data", {}).get(split)
+        for source in training_sources(section) if section else []:
+            expand_shards(source["shards"])
+
+
+# The registry that builds each component section (lists: each of their items), and the
+# schema's sections by dotted path: both read off RunConfig.
+REGISTRY_OF_SECTION: dict[str, Registry] = RunConfig.components()
+SECTIONS: dict[str, type[ConfigSection]] = RunConfig.sections()
+# Where a nested ``type`` (an encoder inside a model, a term of an objective) is looked up.
+NESTED_REGISTRIES = (MODELS, ENCODERS, POOLERS, OBJECTIVES, DATASETS, TOKENIZERS, TRANSFORMS,
+                     TEXT_AUGMENTS, TRIPLET_WEIGHTS, PAIR_WEIGHTS, HOOKS, CONSTRAINTS)
+
+
+def resolve_config(cfg: dict, schema: type[ConfigSection] = RunConfig) -> dict:
+    """``cfg`` checked against the schema, with every default of the trainer's sections
+    (or of another ``schema``: :class:`ModelConfig`)."""
+    return schema.from_dict(cfg, "").to_dict()
+
+
+def known_keys(path: list[str], mapping: dict) -> Iterable[str]:
+    """The keys ``mapping`` (at ``path`` in a resolved config) may hold beyond its own:
+    a schema section's fields, or the parameters of the component its ``type`` names."""
+    dotted = ".".join(path)
+    # ModelConfig's sections know a subset of these keys (its from_dict refuses the rest)
+    if dotted in SECTIONS:
+        return SECTIONS[dotted].keys()
+    type_name = mapping.get("type")
+    if not isinstance(type_name, str):
+        return ()
+    owner = REGISTRY_OF_SECTION.get(dotted) or REGISTRY_OF_SECTION.get(path[0])
+    registries = [owner] if owner is not None and type_name in owner else NESTED_REGISTRIES
+    builder = REGISTRY_OF_SECTION[dotted].builder_keys if dotted in REGISTRY_OF_SECTION else None
+    return [*(key for registry in registries if type_name in registry
+              for key in registry.parameters(type_name)[0]),
+            *(builder.keys() if builder else ())]
+
+
+def load_run_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:
+    """A run config from a file: ``_base_`` merged, defaults filled in, overrides applied.
+
+    Raises:
+        FileNotFoundError: the file or a base is missing.
+        ValueError: an unknown key (in the file or an override), or a bad value.
+    """
+    return with_overrides(load_config(path), overrides, beside=Path(path).parent)
+
+
+def load_model_config(config: str | os.PathLike | dict, overrides: Iterable[str] = ()) -> dict:
+    """The config of a model to use: a training config resolved as a run's, or one
+    holding only what :class:`ModelConfig` knows (``model``, ``data.tokenizer``...)
+    resolved with that schema's defaults. ``config`` is a file or a loaded mapping.
+
+    Raises:
+        FileNotFoundError: the file or a base is missing.
+        ValueError: an unknown key, a bad value or override.
+    """
+    beside = None
+    if not isinstance(config, dict):
+        beside, config = Path(config).parent, load_config(config)
+    data = config.get("data")
+    model_only = set(config) <= set(ModelConfig.keys()) and \
+        (not isinstance(data, dict) or set(data) <= set(ModelDataConfig.keys()))
+    return with_overrides(config, overrides, beside, ModelConfig if model_only else RunConfig)
+
+
+def with_overrides(cfg: dict, overrides: Iterable[str] = (),
+                   beside: str | os.PathLike | None = None,
+                   schema: type[ConfigSection] = RunConfig) -> dict:
+    """``cfg`` resolved, with ``--cfg-options`` applied to any key the schema knows.
+
+    ``custom_imports`` are imported first (also from ``beside``, the config's
+    folder), so overrides may name the options of components registered there.
+    """
+    cfg = resolve_config(cfg, schema)
+    import_custom_modules(cfg["custom_imports"], beside=beside)
+    for override in overrides:
+        apply_override(cfg, override, known_keys)
+    cfg = resolve_config(cfg, schema)
+    check_components(cfg)
+    return cfg
+
+
+def check_components(cfg: dict) -> None:
+    """Every component section before anything is built: a registered ``type`` (an
+    ``UnknownNameError`` with the closest match), known keys of the right types."""
+    for dotted, registry in REGISTRY_OF_SECTION.items():
+        section = cfg
+        for key in dotted.split("."):
+            section = section.get(key) if isinstance(section, dict) else None
+        items = section if isinstance(section, list) else [section]
+        for index, item in enumerate(items):
+            if isinstance(item, dict):
+                builder = registry.builder_keys
+                builder_keys = builder.keys() if builder else ()
+                if builder:
+                    builder.from_dict({k: v for k, v in item.items() if k in builder_keys},
+                                      dotted)
+                item = {k: v for k, v in item.items() if k not in builder_keys}
+                where = f"{dotted}.{index}" if isinstance(section, list) else dotted
+                registry.check(item, where, provided=registry.parameters(item["type"])[0]
+                               if "type" in item and item["type"] in registry else ())
