@@ -183,3 +183,63 @@ def test_a_loss_scale_overflow_skips_the_step_halves_the_scale_and_is_checkpoint
     resumed.strategy.scaler = torch.amp.GradScaler("cpu")
     resumed.strategy.load(resumed.checkpoint_dir)
     assert resumed.strategy.scaler.get_scale() == 1024.0
+
+
+def test_set_objective_swaps_what_the_steps_use_and_back(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    trainer = Trainer(tiny_config(out, epochs=1), tmp_path / "run")
+    strategy = trainer.strategy
+    configured = strategy.module.objective
+    assert trainer.objective is strategy.objective is configured
+    warmup = OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2, "max_violation": False})
+    batch = next(iter(trainer._loader()))
+    # the step's loss is the swapped-in objective's: the sum of hinges is at least the
+    # hardest-negative hinge of the same scores
+    with torch.no_grad():
+        hardest = float(strategy.module(strategy.to_device(batch))["loss"])
+        trainer.objective = warmup  # what ObjectiveWarmup does
+        assert strategy.objective is warmup and trainer.objective is warmup
+        summed = float(strategy.module(strategy.to_device(batch), strategy.objective)["loss"])
+    assert summed > hardest > 0
+    swaps = strategy._objective_swaps
+    trainer.objective = warmup  # the same one again: nothing changes, DDP keeps its wrapper
+    assert strategy._objective_swaps == swaps
+    trainer.objective = configured
+    assert strategy.objective is configured and strategy._objective_swaps == swaps + 1
+    # the configured objective stays the training module's child: its state is checkpointed
+    assert strategy.module.objective is configured
+
+
+def test_evaluation_weights_load_into_a_plain_model_or_go_to_a_copy(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    trainer = Trainer(tiny_config(out, epochs=1), tmp_path / "run")
+    strategy = trainer.strategy
+    assert strategy.plain_module
+    weights = {k: torch.full_like(v, 0.5) if v.is_floating_point() else v
+               for k, v in strategy.full_state_dict().items()}
+    assert strategy.evaluation_weights(weights) is None  # loaded: evaluate the model itself
+    assert trainer.evaluation_model(weights) is trainer.model
+    assert all(torch.equal(v, weights[k]) for k, v in trainer.model.state_dict().items())
+    strategy.plain_module = False  # as under ZeRO-3 or a bf16 engine
+    trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert strategy.evaluation_weights(weights) is weights
+    copy = trainer.evaluation_model(weights)
+    assert copy is not trainer.model
+    assert all(torch.equal(v, weights[k]) for k, v in copy.state_dict().items())
+    assert all(torch.equal(v, trained[k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_the_trainer_closes_its_strategy_when_its_block_ends(tiny_benchmark, tmp_path,
+                                                            monkeypatch):
+    out, _ = tiny_benchmark
+    closed = []
+    with Trainer(tiny_config(out, epochs=1), tmp_path / "run") as trainer:
+        monkeypatch.setattr(trainer.strategy, "close", lambda: closed.append("clean"))
+    assert closed == ["clean"]
+    # an exception leaves the process group alone: other ranks may be gone or inside a
+    # collective that a barrier would wait on
+    with pytest.raises(RuntimeError, match="boom"):
+        with Trainer(tiny_config(out, epochs=1), tmp_path / "other") as trainer:
+            monkeypatch.setattr(trainer.strategy, "close", lambda: closed.append("error"))
+            raise RuntimeError("boom")
+    assert closed == ["clean"]

@@ -182,7 +182,7 @@ def test_plot_weights(tmp_path):
     result = run_tool("tools/plot_weights.py", ROOT / "configs/goal/quickstart_goal.yaml",
                       "--cfg-options", "objective.triplet={'type': 'con', 'tau': 5}", "--out", out)
     assert result.returncode == 2
-    assert "'con' takes margin; got unknown option(s) tau" in result.stderr
+    assert "'con' got unknown config key(s) 'tau'; it accepts: margin" in result.stderr
     # a lam: auto pair weight is drawn at its lam_init
     result = run_tool("tools/plot_weights.py", ROOT / "configs/goal/quickstart_goal_auto_lam.yaml",
                       "--out", out)
@@ -198,7 +198,8 @@ def test_sweep_rejects_options_before_training(tiny_benchmark, tmp_path):
     result = run_tool("tools/sweep.py", config, "--triplet", "con", "nca", "--pair", "con",
                       "--grid", "objective.triplet.margin=0.1,0.3", "--out", sweep)
     assert result.returncode == 2
-    assert "ncaxcon margin=0.1: objective.triplet: 'nca' takes tau" in result.stderr
+    assert ("ncaxcon margin=0.1: objective.triplet: triplet weight 'nca' got unknown config "
+            "key(s) 'margin'; it accepts: tau") in result.stderr
     result = run_tool("tools/sweep.py", config, "--grid", "objective.tau=1,5", "--out", sweep)
     assert result.returncode == 2 and "--grid objective.triplet.tau=..." in result.stderr
     # a seed's missing load_from checkpoint stops the sweep before the first seed trains
