@@ -142,26 +142,39 @@ class Retriever:
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "auto",
-         batch_size: int = 64) -> Retriever:
+         batch_size: int = 64, *, trust_custom_imports: bool = False) -> Retriever:
     """A trained model, built with the config saved inside it: a run directory (its
     ``checkpoints/best.pt``, else its latest checkpoint), a checkpoint file, or an
-    export (``tools/export.py``: ``.pt`` or ``.safetensors``)."""
-    return Retriever(load_for_evaluation(path, device=device), batch_size)
+    export (``tools/export.py``: ``.pt`` or ``.safetensors``).
+
+    The saved config's ``custom_imports`` are not imported (a file you received must
+    not run code): a model that needs a plug-in of yours is loaded with
+    ``trust_custom_imports=True``, which imports them and logs each."""
+    return Retriever(load_for_evaluation(path, device=device,
+                                         trust_custom_imports=trust_custom_imports),
+                     batch_size)
 
 
 def from_config(config: str | os.PathLike | dict, checkpoint: str | os.PathLike | None = None,
                 device: str | torch.device = "auto", batch_size: int = 64,
-                overrides: Sequence[str] = ()) -> Retriever:
+                overrides: Sequence[str] = (), *, trust_custom_imports: bool = False
+                ) -> Retriever:
     """The model of a config: a training config, or one with only ``model`` (and
     ``data.tokenizer``, eval preprocessing; left out, the model's own: an ``OpenCLIP`` or
     ``HFCLIP`` section alone is enough). With ``checkpoint`` (a run directory or a
     checkpoint/export file) it gets those weights and vocabulary; without, the weights
     its own sections load (pretrained towers, a CLIP file) and a pretrained tokenizer.
-    ``overrides`` are ``--cfg-options`` strings (``"model.embed_dim=256"``)."""
+    ``overrides`` are ``--cfg-options`` strings (``"model.embed_dim=256"``). The
+    config's ``custom_imports`` are imported only with ``trust_custom_imports`` (as
+    :func:`load`)."""
     if checkpoint is None:
-        return Retriever(build_from_config(config, overrides, device), batch_size)
+        return Retriever(build_from_config(config, overrides, device,
+                                           trust_custom_imports=trust_custom_imports),
+                         batch_size)
     return Retriever(load_for_evaluation(checkpoint, config=config, overrides=overrides,
-                                         device=device), batch_size)
+                                         device=device,
+                                         trust_custom_imports=trust_custom_imports),
+                     batch_size)
 
 
 def rgb_image(image: ImageLike) -> Image.Image:

@@ -57,6 +57,55 @@ class ConfigLoader(yaml.SafeLoader):
 
 
 ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+# What YAML aliases (&name / *name) may expand a config to: a config is a few hundred
+# values, and nested aliases grow exponentially (9 levels of 10 are 10**9 values).
+MAX_EXPANDED_VALUES = 100_000
+
+
+def _expanded_values(node: yaml.Node, seen: dict[int, int], limit: int) -> int:
+    """How many values ``node`` stands for once every alias is copied out (stops counting
+    past ``limit``); ``seen`` holds the nodes counted so far (an alias is the same node
+    object as its anchor)."""
+    if id(node) in seen:
+        return seen[id(node)]
+    seen[id(node)] = 1  # a recursive alias counts once
+    total = 1
+    children = node.value if isinstance(node, yaml.SequenceNode) else \
+        [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) \
+        else []
+    for child in children:
+        total += _expanded_values(child, seen, limit)
+        if total > limit:
+            break
+    seen[id(node)] = total
+    return total
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """``text`` as plain data (:class:`ConfigLoader`), refusing aliases that expand it past
+    :data:`MAX_EXPANDED_VALUES` values: such a file would take memory and time it does
+    not hold (a YAML alias bomb) before anything could look at it.
+
+    Raises:
+        ValueError: malformed YAML, or the expansion past the bound.
+    """
+    loader = ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        seen: dict[int, int] = {}
+        expanded = _expanded_values(node, seen, MAX_EXPANDED_VALUES)
+        if expanded > MAX_EXPANDED_VALUES and expanded > len(seen):
+            raise ValueError(f"{where} ({len(text)} bytes) expands through YAML aliases "
+                             f"(&name / *name) to more than {MAX_EXPANDED_VALUES} values, "
+                             f"which mmgoal refuses to build; write the repeated parts out, "
+                             f"or share them through _base_ files")
+        return loader.construct_document(node)
+    except RecursionError:
+        raise ValueError(f"{where} nests its values too deeply to be a config") from None
+    finally:
+        loader.dispose()
 DELETE_KEY = "_delete_"
 _YAML_WORDS = {"true": True, "false": False, "null": None, "none": None, "~": None}
 
@@ -91,7 +140,7 @@ def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict:
         where = f" (a _base_ of {chain[-1]})" if chain else ""
         raise FileNotFoundError(f"config file {path} does not exist{where}")
     try:
-        data = yaml.load(path.read_text(), Loader=ConfigLoader) or {}
+        data = read_yaml(path.read_text(), f"config {path}") or {}
     except yaml.YAMLError as error:
         raise ValueError(f"config {path} is not valid YAML: {error}") from error
     if not isinstance(data, dict):

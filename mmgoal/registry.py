@@ -275,6 +275,9 @@ def import_custom_modules(modules: Iterable[str], beside: str | os.PathLike | No
             otherwise is looked for there (the folder joins ``sys.path``), so a
             plug-in can sit next to its config. Only the named modules are imported.
 
+    Each module imported is logged with the file it came from (a plug-in's code runs
+    when it is imported: the log says whose).
+
     Raises:
         ImportError: a module cannot be imported; the message names it and says
             where it was looked for.
@@ -282,20 +285,23 @@ def import_custom_modules(modules: Iterable[str], beside: str | os.PathLike | No
     if isinstance(modules, str):
         modules = [modules]
     for module in modules:
+        new = module not in sys.modules
         try:
-            importlib.import_module(module)
-            continue
+            imported = importlib.import_module(module)
         except ModuleNotFoundError as error:
             missing_itself = error.name is not None and module.startswith(error.name)
             if beside is None or not missing_itself:
                 raise _custom_import_error(module, error, beside) from error
-        folder = str(Path(beside).resolve())
-        if folder not in sys.path:
-            sys.path.append(folder)
-        try:
-            importlib.import_module(module)
-        except ImportError as error:
-            raise _custom_import_error(module, error, beside) from error
+            folder = str(Path(beside).resolve())
+            if folder not in sys.path:
+                sys.path.append(folder)
+            try:
+                imported = importlib.import_module(module)
+            except ImportError as error:
+                raise _custom_import_error(module, error, beside) from error
+        if new:
+            logger.info("custom_imports: imported %s from %s", module,
+                        getattr(imported, "__file__", None) or "a namespace package")
 
 
 def _custom_import_error(module: str, error: ImportError,

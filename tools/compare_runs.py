@@ -28,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-import yaml
+from mmgoal.config import load_config
 
 SCORE_KEYS = ("positive_median", "negative_median", "lam")
 
@@ -40,7 +40,7 @@ def read_run(run: Path) -> dict:
     if not report.is_file():
         raise FileNotFoundError(f"{run} has no report.json: the run has not finished "
                                 f"(resume it, or leave it out of the glob)")
-    config = yaml.safe_load((run / "config.yaml").read_text())
+    config = load_config(run / "config.yaml")  # plain data, aliases bounded
     last: dict[str, float] = {}
     metrics = run / "metrics.jsonl"
     if metrics.is_file():

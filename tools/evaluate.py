@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                                         "(default: <checkpoint>.<split>.attention.png)")
     parser.add_argument("--out", help="JSON file for the metrics "
                                       "(default: <checkpoint>.<split>.json)")
+    parser.add_argument("--trust-custom-imports", action="store_true",
+                        help="import the custom_imports the config or checkpoint names (left "
+                             "out otherwise: a file you received must not run code)")
     parser.add_argument("--device", default="auto",
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
@@ -126,9 +129,12 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.entities and not Path(args.entities, "Sentences").is_dir():
         raise FileNotFoundError(f"--entities {args.entities}: no Sentences/ folder there")
     device = resolve_device(args.device, name="--device")
-    first = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device)
+    trust = args.trust_custom_imports
+    first = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device,
+                                trust_custom_imports=trust)
     # every ensemble member is built from the config saved inside its checkpoint
-    members = [first] + [load_for_evaluation(path, device=device) for path in args.ensemble]
+    members = [first] + [load_for_evaluation(path, device=device, trust_custom_imports=trust)
+                         for path in args.ensemble]
     cfg = first.config
     split_cfg = cfg["data"].get(args.split)
     if not split_cfg:

@@ -44,7 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", help="run directory (default: work_dirs/<config name>)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (bases merged, every default filled in, "
-                             "overrides applied) and exit")
+                             "overrides applied) and exit; its custom_imports are not imported "
+                             "unless --trust-custom-imports (training always imports them)")
+    parser.add_argument("--trust-custom-imports", action="store_true",
+                        help="with --print-config: import the config's custom_imports")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in <work-dir>/checkpoints; "
                              "the config may differ from the run's own config.yaml only in "
@@ -99,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
     resume = args.resume or (args.auto_resume and has_checkpoint(work_dir / "checkpoints"))
     try:
-        cfg = load_run_config(args.config, args.cfg_options)
+        # printing a config (maybe one you received) imports nothing it names, unless asked
+        cfg = load_run_config(args.config, args.cfg_options, trust_custom_imports=(
+            args.trust_custom_imports or not args.print_config))
         if args.deepspeed:
             cfg = with_deepspeed(cfg, args.deepspeed)
         if args.print_config:

@@ -84,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--word", required=True, help="a word of the caption, or its position")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", help="PNG (default: <checkpoint>.attention_<index>_<word>.png)")
+    parser.add_argument("--trust-custom-imports", action="store_true",
+                        help="import the custom_imports the config or checkpoint names (left "
+                             "out otherwise: a file you received must not run code)")
     args = parser.parse_args(argv)
     try:
         plt = pyplot("tools/plot_attention.py")
-        loaded = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device="cpu")
+        loaded = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device="cpu",
+                                     trust_custom_imports=args.trust_custom_imports)
         model, tokenizer, transform = loaded.model, loaded.tokenizer, loaded.transform
         split = loaded.config["data"][args.split]
         if not split:

@@ -31,15 +31,16 @@ from mmgoal.runs.loading import (  # noqa: E402
 )
 
 
-def load_model(source: Path) -> LoadedModel:
+def load_model(source: Path, trust_custom_imports: bool = False) -> LoadedModel:
     """A run directory or checkpoint with its weights, or a config with the weights it names."""
     if source.suffix in (".yaml", ".yml"):
-        return build_from_config(source, device="cpu")
-    return load_for_evaluation(source, device="cpu")
+        return build_from_config(source, device="cpu", trust_custom_imports=trust_custom_imports)
+    return load_for_evaluation(source, device="cpu", trust_custom_imports=trust_custom_imports)
 
 
-def score_stats(source: Path, split: str, pairs: int) -> dict[str, float]:
-    loaded = load_model(source)
+def score_stats(source: Path, split: str, pairs: int,
+                trust_custom_imports: bool = False) -> dict[str, float]:
+    loaded = load_model(source, trust_custom_imports)
     model, tokenizer, transform, cfg = (loaded.model, loaded.tokenizer, loaded.transform,
                                         loaded.config)
     positive, negative = [], []
@@ -69,10 +70,13 @@ def main(argv: list[str] | None = None) -> int:
                                                 "model loads pretrained weights")
     parser.add_argument("--split", default="test", choices=("val", "test"))
     parser.add_argument("--pairs", type=int, default=512)
+    parser.add_argument("--trust-custom-imports", action="store_true",
+                        help="import the custom_imports the config or checkpoint names (left "
+                             "out otherwise: a file you received must not run code)")
     args = parser.parse_args(argv)
     for run in args.runs:
         try:
-            s = score_stats(Path(run), args.split, args.pairs)
+            s = score_stats(Path(run), args.split, args.pairs, args.trust_custom_imports)
         except (FileNotFoundError, ValueError, KeyError) as error:
             print(f"error: {run}: {error}", file=sys.stderr)
             return 2

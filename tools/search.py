@@ -261,7 +261,8 @@ def search(args: argparse.Namespace) -> int:
                          "with --images or a caption file with --texts")
     texts = read_texts(args.texts) if args.texts else None
     plt = pyplot("tools/search.py --out") if args.out else None
-    retriever = mmgoal.load(args.run, device=args.device, batch_size=args.batch_size)
+    retriever = mmgoal.load(args.run, device=args.device, batch_size=args.batch_size,
+                            trust_custom_imports=args.trust_custom_imports)
     rerank_k = retriever.scoring.rerank_k if args.rerank_k is None else args.rerank_k
     if args.query:
         fig = rank_images(retriever, args.query, args.top_k, rerank_k, shards, image_files, plt)
@@ -294,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="re-rank the top K of every query by ITM (cross encoders; 0 = "
                              "off; default: evaluation.rerank_k of the model's config)")
     parser.add_argument("--out", help="PNG of the hits (needs the plot extra)")
+    parser.add_argument("--trust-custom-imports", action="store_true",
+                        help="import the custom_imports the config or checkpoint names (left "
+                             "out otherwise: a file you received must not run code)")
     parser.add_argument("--device", default="auto",
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
     parser.add_argument("--batch-size", type=positive_int, default=64,

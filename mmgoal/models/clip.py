@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
+from mmgoal.config import close_match_hints
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.paths import resolve_path
 from mmgoal.registry import MODELS, TRANSFORMS
@@ -49,15 +50,47 @@ OPEN_CLIP_HUB_SAFE_FILE = "open_clip_model.safetensors"
 
 
 # ------------------------------------------------------------------------------ open_clip
+def open_clip_architecture_keys() -> list[str]:
+    """The keys ``model_kwargs`` may set: the parameters of open_clip's model classes (CLIP,
+    CustomTextCLIP, CoCa), less those of ``create_model`` itself, which decide how weights
+    are found and read (``weights_only``, ``pretrained_image_path``, ``cache_dir``...)
+    and are never a config's to set, and the dtype (``train.precision``'s)."""
+    import inspect
+
+    import open_clip
+
+    loading = set(inspect.signature(open_clip.create_model).parameters)
+    keys = {name for cls in (open_clip.CLIP, open_clip.CustomTextCLIP, open_clip.CoCa)
+            for name in inspect.signature(cls.__init__).parameters}
+    return sorted(keys - loading - {"self", "cast_dtype"})
+
+
+def check_model_kwargs(model_name: str, model_kwargs: dict | None) -> None:
+    """Refuse a ``model_kwargs`` key that is not an architecture key (see
+    :func:`open_clip_architecture_keys`): ``create_model`` would take it as a loading
+    switch (``weights_only: false`` would unpickle a received ``pretrained`` file)."""
+    allowed = open_clip_architecture_keys()
+    unknown = sorted(set(model_kwargs or {}) - set(allowed))
+    if unknown:
+        raise ValueError(f"OpenCLIP {model_name} model_kwargs: "
+                         f"{close_match_hints(unknown, allowed)} is not an architecture key "
+                         f"(model_kwargs takes "
+                         f"{', '.join(allowed)}); how weights are read is not a config's to "
+                         f"say: mmgoal reads every weights file weights-only")
+
+
 def open_clip_architecture(model_name: str, model_kwargs: dict | None = None) -> dict:
     """open_clip's architecture config of ``model_name`` (``embed_dim``, ``vision_cfg``,
     ``text_cfg``...) with ``model_kwargs`` on top, as ``open_clip.create_model`` merges
     them (each key replaced whole).
 
     Raises:
-        ValueError: open_clip has no architecture of that name.
+        ValueError: open_clip has no architecture of that name, or ``model_kwargs`` sets
+            a key that is not an architecture key (:func:`check_model_kwargs`).
     """
     import open_clip
+
+    check_model_kwargs(model_name, model_kwargs)
 
     if model_name.startswith(("hf-hub:", "local-dir:")):
         raise ValueError(f"OpenCLIP model_name {model_name!r}: give an architecture name "
@@ -201,8 +234,15 @@ class OpenCLIP(nn.Module):
                            "plain one) to match", model_name, pretrained,
                            tag_cfg.get("quick_gelu", False), architecture.get("quick_gelu", False),
                            model_name.removesuffix("-quickgelu"))
-        self.model = open_clip.create_model(model_name, pretrained=weights,
-                                            **(model_kwargs or {}))
+        try:
+            # weights_only by name: only architecture keys come from the config
+            self.model = open_clip.create_model(model_name, pretrained=weights,
+                                                weights_only=True, **(model_kwargs or {}))
+        except (TypeError, KeyError) as error:  # architecture keys of another model family
+            raise ValueError(f"OpenCLIP {model_name} cannot be built with model_kwargs "
+                             f"{sorted(model_kwargs or {})} ({type(error).__name__}: {error}); "
+                             f"they may belong to another architecture: give the "
+                             f"{model_name} keys, or remove model_kwargs") from error
         self.model_name = model_name
         if grad_checkpointing:
             enable_grad_checkpointing(self)

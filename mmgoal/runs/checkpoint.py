@@ -16,15 +16,19 @@ by an older mmgoal (:func:`check_finite_weights`).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mmgoal.config import config_changes
-from mmgoal.registry import MODELS, TOKENIZERS, import_custom_modules
+from mmgoal.registry import MODELS, TOKENIZERS
 from mmgoal.runs.preprocessing import resolve_preprocessing
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "mmgoal-checkpoint/1"
 SAFETENSORS_FORMAT = "mmgoal-safetensors/1"  # an export (tools/export.py --out FILE.safetensors)
@@ -269,6 +273,12 @@ def model_from_checkpoint(cfg: dict, state: dict[str, Any],
                           source: str = "the checkpoint") -> tuple[torch.nn.Module, Any]:
     """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``.
 
+    Nothing is imported here: ``cfg`` is resolved by the caller, which decides whether
+    its ``custom_imports`` may be imported (:func:`mmgoal.runs.schema.with_overrides`).
+    The model is first built on the meta device, which allocates nothing, and checked
+    against the file's tensors: a file whose config claims a model far larger than the
+    weights it holds is refused before any memory is taken for it.
+
     Returns:
         (model in eval mode, tokenizer).
 
@@ -277,10 +287,29 @@ def model_from_checkpoint(cfg: dict, state: dict[str, Any],
             :func:`check_same_model`).
     """
     check_finite_weights(state["model"], source)
-    import_custom_modules(cfg.get("custom_imports", []))
     tokenizer = TOKENIZERS.build(resolve_preprocessing(cfg).tokenizer)
     tokenizer.load_state_dict(state["tokenizer"])
+    skeleton = meta_model(cfg["model"], tokenizer)
+    if skeleton is not None:
+        check_same_model(skeleton, state, cfg["model"], source)
     model = MODELS.build(cfg["model"], tokenizer=tokenizer)
     check_same_model(model, state, cfg["model"], source)
     model.load_state_dict(state["model"])
     return model.eval(), tokenizer
+
+
+def meta_model(model_cfg: dict, tokenizer: Any) -> torch.nn.Module | None:
+    """The model of ``model_cfg`` on the meta device: its shapes, no memory. ``None`` where
+    a component cannot be built there (a library that reads a weights file into real
+    tensors while building, as transformers' ``from_pretrained`` and open_clip's
+    ``create_model`` do: their sizes are the files'); the caller then checks the real
+    model instead."""
+    try:
+        # a pretrained tower's weights copied onto meta tensors warn at every tensor
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return MODELS.build(model_cfg, tokenizer=tokenizer)
+    except Exception as error:  # a bad config too: the real build then says why
+        logger.debug("the model of %s cannot be built on the meta device (%s)",
+                     model_cfg.get("type"), error)
+        return None

@@ -41,8 +41,8 @@ class LoadedModel(Member):
 
 
 def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
-                        overrides: Iterable[str] = (), device: str | torch.device = "auto"
-                        ) -> LoadedModel:
+                        overrides: Iterable[str] = (), device: str | torch.device = "auto",
+                        *, trust_custom_imports: bool = False) -> LoadedModel:
     """Build the model of a checkpoint for evaluation.
 
     Args:
@@ -54,6 +54,9 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
             (:class:`~mmgoal.runs.schema.ModelConfig`).
         overrides: ``--cfg-options`` on top of that config.
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        trust_custom_imports: import the ``custom_imports`` of that config (the given
+            one, or the one a checkpoint or export holds, which may come from anyone);
+            without, they are left out with a warning that names them.
 
     Raises:
         FileNotFoundError: a missing checkpoint or config.
@@ -65,12 +68,13 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
     checkpoint = weights_file(checkpoint)
     state = load_checkpoint(checkpoint)
     if config is not None:
-        cfg = load_model_config(config, overrides)
+        cfg = load_model_config(config, overrides, trust_custom_imports=trust_custom_imports)
         if cfg["data"]["tokenizer"] is None and state.get("config"):
             # a model-only config: the vocabulary, and so its tokenizer, is the checkpoint's
             cfg["data"]["tokenizer"] = state["config"]["data"]["tokenizer"]
     elif state.get("config"):
-        cfg = with_overrides(state["config"], overrides)
+        cfg = with_overrides(state["config"], overrides, trust_custom_imports=trust_custom_imports,
+                             source=f"the config stored in {checkpoint}")
     else:
         raise ValueError(f"{checkpoint} holds no config to build its model from; give the "
                          f"config it was trained with")
@@ -79,16 +83,18 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
 
 
 def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str] = (),
-                      device: str | torch.device = "auto") -> LoadedModel:
+                      device: str | torch.device = "auto", *,
+                      trust_custom_imports: bool = False) -> LoadedModel:
     """The model of a config with the weights its own sections name (pretrained towers,
-    a CLIP checkpoint), no mmgoal checkpoint: to use a pretrained model as it is.
+    a CLIP checkpoint), no mmgoal checkpoint: to use a pretrained model as it is. The
+    config's ``custom_imports`` are imported only with ``trust_custom_imports``.
 
     Raises:
         ValueError: besides a bad config, a tokenizer whose vocabulary is fitted on
             training captions (it exists only in a trained run's checkpoint).
     """
     target = resolve_device(device, name="device")
-    cfg = load_model_config(config, overrides)
+    cfg = load_model_config(config, overrides, trust_custom_imports=trust_custom_imports)
     tokenizer_cfg = resolve_preprocessing(cfg).tokenizer
     tokenizer = TOKENIZERS.build(tokenizer_cfg)
     if not tokenizer.fitted:

@@ -18,6 +18,7 @@ match.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,8 +46,11 @@ from mmgoal.registry import (
     TRANSFORMS,
     TRIPLET_WEIGHTS,
     Registry,
+    UnknownNameError,
     import_custom_modules,
 )
+
+logger = logging.getLogger(__name__)
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -267,54 +271,95 @@ def known_keys(path: list[str], mapping: dict) -> Iterable[str]:
             *(builder.keys() if builder else ())]
 
 
-def load_run_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:
+def load_run_config(path: str | os.PathLike, overrides: Iterable[str] = (), *,
+                    trust_custom_imports: bool = True) -> dict:
     """A run config from a file: ``_base_`` merged, defaults filled in, overrides applied.
+
+    Args:
+        trust_custom_imports: import the config's ``custom_imports`` (training does;
+            printing or checking a config you received should not: see
+            :func:`with_overrides`).
 
     Raises:
         FileNotFoundError: the file or a base is missing.
         ValueError: an unknown key (in the file or an override), or a bad value.
     """
-    return with_overrides(load_config(path), overrides, beside=Path(path).parent)
+    return with_overrides(load_config(path), overrides, beside=Path(path).parent,
+                          trust_custom_imports=trust_custom_imports, source=f"config {path}")
 
 
-def load_model_config(config: str | os.PathLike | dict, overrides: Iterable[str] = ()) -> dict:
+def load_model_config(config: str | os.PathLike | dict, overrides: Iterable[str] = (), *,
+                      trust_custom_imports: bool = False) -> dict:
     """The config of a model to use: a training config resolved as a run's, or one
     holding only what :class:`ModelConfig` knows (``model``, ``data.tokenizer``...)
     resolved with that schema's defaults. ``config`` is a file or a loaded mapping.
+    Its ``custom_imports`` are imported only when ``trust_custom_imports``
+    (:func:`with_overrides`).
 
     Raises:
         FileNotFoundError: the file or a base is missing.
         ValueError: an unknown key, a bad value or override.
     """
-    beside = None
+    beside, source = None, "the config"
     if not isinstance(config, dict):
-        beside, config = Path(config).parent, load_config(config)
+        beside, source, config = Path(config).parent, f"config {config}", load_config(config)
     data = config.get("data")
     model_only = set(config) <= set(ModelConfig.keys()) and \
         (not isinstance(data, dict) or set(data) <= set(ModelDataConfig.keys()))
-    return with_overrides(config, overrides, beside, ModelConfig if model_only else RunConfig)
+    return with_overrides(config, overrides, beside, ModelConfig if model_only else RunConfig,
+                          trust_custom_imports=trust_custom_imports, source=source)
 
 
 def with_overrides(cfg: dict, overrides: Iterable[str] = (),
                    beside: str | os.PathLike | None = None,
-                   schema: type[ConfigSection] = RunConfig) -> dict:
+                   schema: type[ConfigSection] = RunConfig, *,
+                   trust_custom_imports: bool = False, source: str = "the config") -> dict:
     """``cfg`` resolved, with ``--cfg-options`` applied to any key the schema knows.
 
-    ``custom_imports`` are imported first (also from ``beside``, the config's
-    folder), so overrides may name the options of components registered there.
+    With ``trust_custom_imports``, the config's ``custom_imports`` are imported first
+    (also from ``beside``, the config's folder; each is logged with its file), so
+    overrides may name the options of components registered there. Without, nothing
+    the config names is imported: a config or checkpoint someone sent could run code
+    through them (docs/configs.md, "What a received file can make mmgoal do"); a
+    warning names them, and a component only they register is an error that says how
+    to allow them.
     """
     cfg = resolve_config(cfg, schema)
-    import_custom_modules(cfg["custom_imports"], beside=beside)
+    not_imported: list[str] = []
+    if trust_custom_imports:
+        import_custom_modules(cfg["custom_imports"], beside=beside)
+    elif cfg["custom_imports"]:
+        not_imported = list(cfg["custom_imports"])
+        logger.warning("%s lists custom_imports %s; they were not imported (%s)", source,
+                       ", ".join(not_imported), TRUST_HINT)
     for override in overrides:
         apply_override(cfg, override, known_keys)
     cfg = resolve_config(cfg, schema)
-    check_components(cfg)
+    check_components(cfg, not_imported)
     return cfg
 
 
-def check_components(cfg: dict) -> None:
+TRUST_HINT = ("a received config or checkpoint could run code through them; if you trust it, "
+              "import them with --trust-custom-imports, or trust_custom_imports=True in "
+              "Python")
+
+
+def check_components(cfg: dict, not_imported: Iterable[str] = ()) -> None:
     """Every component section before anything is built: a registered ``type`` (an
-    ``UnknownNameError`` with the closest match), known keys of the right types."""
+    ``UnknownNameError`` with the closest match; naming ``not_imported``, the config's
+    custom_imports that were left out, where there are some), known keys of the right
+    types."""
+    try:
+        _check_components(cfg)
+    except UnknownNameError as error:
+        not_imported = list(not_imported)
+        if not not_imported:
+            raise
+        raise UnknownNameError(f"{error} The config's custom_imports ({', '.join(not_imported)}) "
+                               f"were not imported: {TRUST_HINT}") from None
+
+
+def _check_components(cfg: dict) -> None:
     for dotted, registry in REGISTRY_OF_SECTION.items():
         section = cfg
         for key in dotted.split("."):

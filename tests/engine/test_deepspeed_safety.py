@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from payloads import WritesMarker
 from test_distributed import launch, ok, write_config
 
 from mmgoal.engine.strategies.deepspeed import weights_only_loading
@@ -20,16 +21,6 @@ from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.runs.run_dir import LATEST, read_pointer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-
-class WritesMarker:
-    """Unpickled by a full unpickler, writes ``marker``: the code an attacker would run."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
 def test_deepspeed_loads_are_weights_only_with_its_own_classes_allowed(tmp_path):
