@@ -26,6 +26,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from mmgoal import strict_json  # noqa: E402
 from mmgoal.devices import resolve_device  # noqa: E402
 from mmgoal.evaluation.gallery import evaluate_retrieval  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
@@ -125,7 +126,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def check_out(out: Path) -> None:
+    """Refuse an ``--out`` that is a folder, or a file other than an earlier evaluation's JSON
+    (a run's own checkpoint, its config or report, any other file).
+
+    Raises:
+        ValueError: saying what ``out`` is and what to give instead.
+    """
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file name, e.g. {out / 'test.json'}")
+    if not out.exists():
+        return
+    previous = None
+    if out.stat().st_size < 2**24:  # an evaluation's JSON is small; a checkpoint is not read
+        try:
+            previous = json.loads(out.read_text())
+        except (ValueError, UnicodeDecodeError):
+            pass
+    if not (isinstance(previous, dict) and {"split", "metrics"} <= set(previous)):
+        raise ValueError(f"--out {out} exists and is not an earlier evaluation's JSON (a run's "
+                         f"own file, a checkpoint or another file), so it is not overwritten; "
+                         f"give a new file name")
+
+
 def evaluate(args: argparse.Namespace) -> int:
+    if args.out:
+        check_out(Path(args.out))  # before the evaluation's minutes, not after
     if args.entities and not Path(args.entities, "Sentences").is_dir():
         raise FileNotFoundError(f"--entities {args.entities}: no Sentences/ folder there")
     device = resolve_device(args.device, name="--device")
@@ -171,7 +197,8 @@ def evaluate(args: argparse.Namespace) -> int:
             print(f"no PR curve: {error}", file=sys.stderr)
         result["attention"] = report.as_dict()
     out = Path(args.out or f"{args.checkpoint}.{args.split}.json")
-    out.write_text(json.dumps(result, indent=2))
+    check_out(out)
+    out.write_text(strict_json.dumps(result, indent=2))
     print(f"metrics written to {out}")
     return 0
 

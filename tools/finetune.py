@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -28,10 +29,12 @@ from mmgoal.engine.loggers import LoggerError  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.runs.run_dir import (  # noqa: E402
+    RunFolderLocked,
     has_checkpoint,
     prepare_work_dir,
     record_changes,
     resume_changes,
+    run_lock,
 )
 from mmgoal.runs.schema import check_data_paths, load_run_config, resolve_config  # noqa: E402
 
@@ -59,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--auto-resume", action="store_true",
                         help="--resume when <work-dir> has a checkpoint, else start afresh "
                              "(for jobs that a scheduler requeues)")
+    parser.add_argument("--lock-wait", type=float, metavar="SECONDS",
+                        help="how long to wait for another process that holds <work-dir> "
+                             "(its run lock) before refusing; default 300 with --auto-resume "
+                             "(a requeued job beside the one it replaces, still writing its "
+                             "last checkpoint), else 0")
     parser.add_argument("--deepspeed", nargs="?", const=True, metavar="DS_CONFIG.json",
                         help="train with DeepSpeed (strategy: deepspeed), optionally with a "
                              "DeepSpeed JSON merged over the config's settings")
@@ -100,17 +108,38 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     setup_logging()
     work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
-    resume = args.resume or (args.auto_resume and has_checkpoint(work_dir / "checkpoints"))
     try:
         # printing a config (maybe one you received) imports nothing it names, unless asked
         cfg = load_run_config(args.config, args.cfg_options, trust_custom_imports=(
             args.trust_custom_imports or not args.print_config))
         if args.deepspeed:
             cfg = with_deepspeed(cfg, args.deepspeed)
-        if args.print_config:
-            print(yaml.safe_dump(cfg, sort_keys=False), end="")
-            return 0
-        prepare_work_dir(work_dir, resume, args.overwrite)
+    except (FileNotFoundError, ValueError, ImportError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(yaml.safe_dump(cfg, sort_keys=False), end="")
+        return 0
+    # One process writes a run folder: rank 0 holds its lock for the whole run (the other
+    # ranks of a launch share rank 0's; torchrun ends them when rank 0 is refused).
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    wait = args.lock_wait if args.lock_wait is not None else 300.0 if args.auto_resume else 0.0
+    try:
+        with run_lock(work_dir, wait) if main_rank else contextlib.nullcontext():
+            return train(args, cfg, work_dir, main_rank)
+    except RunFolderLocked as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def train(args: argparse.Namespace, cfg: dict, work_dir: Path, main_rank: bool) -> int:
+    """Start or resume the run in ``work_dir`` (its lock held) and train it to the end."""
+    resume = args.resume or (args.auto_resume and has_checkpoint(work_dir / "checkpoints"))
+    try:
+        if main_rank:  # rank 0 alone decides on the folder, and deletes what --overwrite does
+            deleted = prepare_work_dir(work_dir, resume, args.overwrite)
+            if deleted:
+                logging.warning("--overwrite: deleted the earlier run's %s", ", ".join(deleted))
         # a resumed run keeps its own config; only what may change on resume may differ
         changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
         check_data_paths(cfg)

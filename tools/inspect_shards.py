@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from mmgoal import strict_json
 from mmgoal.data.pipeline import IMAGE_EXTENSIONS, expand_shards
 
 
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report, args.max_problems))
     if args.json:
         try:
-            args.json.write_text(json.dumps(report, indent=2))
+            args.json.write_text(strict_json.dumps(report, indent=2))
         except OSError as error:
             print(f"error: cannot write --json {args.json} ({error.strerror})", file=sys.stderr)
             return 2

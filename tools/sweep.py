@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -37,10 +38,18 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from mmgoal.config import parse_value  # noqa: E402
+from mmgoal import strict_json  # noqa: E402
+from mmgoal.config import config_changes, parse_value  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.registry import OBJECTIVES  # noqa: E402
-from mmgoal.runs.schema import check_data_paths, load_run_config  # noqa: E402
+from mmgoal.runs.run_dir import (  # noqa: E402
+    has_checkpoint,
+    record_changes,
+    resume_changes,
+    run_lock,
+    stored_config,
+)
+from mmgoal.runs.schema import check_data_paths, load_run_config, resolve_config  # noqa: E402
 
 TRIPLETS = ("con", "nca", "cir")
 PAIRS = ("con", "lin", "sig", "lin_ms", "sig_ms")
@@ -116,14 +125,34 @@ def check_load_from(config: str, cfg_options: list[str], seeds: int) -> None:
 
 
 def run_one(config: str, overrides: list[str], seed: int, work_dir: Path) -> dict:
-    """Train (or resume, or skip) one run; returns its report."""
-    report_path = work_dir / "report.json"
-    if report_path.is_file():
-        return json.loads(report_path.read_text())
+    """Train (or resume, or reuse) one run, its folder locked; returns its report.
+
+    A finished run is reused only when it was trained with exactly the config asked
+    for; an unfinished one resumes under ``finetune.py --resume``'s rules (only what
+    may change on resume may differ, recorded in config_changes.jsonl).
+
+    Raises:
+        ValueError: the folder holds a run of another config, or is in use.
+    """
     cfg = seeded_config(config, overrides, seed)
     cfg.setdefault("train", {})["progress"] = False
-    resume = (work_dir / "checkpoints" / "last.pt").is_file()
-    report = Trainer(cfg, work_dir, resume=resume).fit()
+    with run_lock(work_dir):
+        report_path = work_dir / "report.json"
+        if report_path.is_file():
+            stored = stored_config(work_dir)
+            differ = config_changes(resolve_config(stored), cfg) if stored else {"config": []}
+            if not differ:
+                return json.loads(report_path.read_text())
+            listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in
+                               list(differ.items())[:5])
+            raise ValueError(f"{work_dir} holds a finished run of another config ({listed}); "
+                             f"its result is not reused for this one: give the sweep another "
+                             f"--out, or remove that run folder")
+        resume = has_checkpoint(work_dir / "checkpoints")
+        changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
+        trainer = Trainer(cfg, work_dir, resume=resume)
+        record_changes(work_dir, changes, trainer.epoch, trainer.step)
+        report = trainer.fit()
     if report.get("interrupted"):
         raise KeyboardInterrupt
     return report
@@ -201,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         runs.append({"triplet": triplet, "pair": pair, "point": slug(point),
                      "hyperparameters": point, "seed": seed,
-                     "val_rsum": report["best"]["rsum"], "test": report["test"],
+                     # null in report.json where no epoch validated
+                     "val_rsum": report["best"]["rsum"] if report["best"]["rsum"] is not None
+                     else -math.inf, "test": report["test"],
                      "train_seconds": report["train_seconds"], "dir": str(work_dir)})
-        (out / "runs.json").write_text(json.dumps(runs, indent=2))
+        (out / "runs.json").write_text(strict_json.dumps(runs, indent=2))
         print(f"[{index}/{len(settings)}] {triplet}x{pair} {slug(point)} seed {seed}: "
               f"test R@1 {report['test']['i2t_r1']:.1f}/{report['test']['t2i_r1']:.1f}, "
               f"rsum {report['test']['rsum']:.1f} ({time.perf_counter() - start:.0f}s)",

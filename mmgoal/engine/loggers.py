@@ -79,6 +79,12 @@ class Logger:
     def close(self) -> None:
         """Flush and release what ``open`` started; a logger that never opened does nothing."""
 
+    @classmethod
+    def written_files(cls, work_dir: Path, **options: Any) -> list[Path]:
+        """What a logger of these ``options`` wrote for the run in ``work_dir`` (that
+        ``--overwrite`` deletes, and nothing else); none by default."""
+        return []
+
 
 def config_as_markdown(config: dict[str, Any]) -> str:
     """The config as YAML, indented into a markdown code block (TensorBoard's text tab
@@ -110,6 +116,19 @@ class TensorBoardLogger(Logger):
         self.log_dir = log_dir
         self.flush_secs = flush_secs
         self.writer = None
+
+    @classmethod
+    def written_files(cls, work_dir: Path, log_dir: str = "tensorboard",
+                      **_: Any) -> list[Path]:
+        """The event files in ``log_dir``; the folder itself where it holds nothing else."""
+        folder = Path(work_dir) / log_dir
+        if not folder.is_dir():
+            return []
+        events = sorted(folder.glob("events.out.tfevents.*"))
+        others = [p for p in folder.iterdir() if p not in events]
+        if events and not others and folder.resolve() != Path(work_dir).resolve():
+            return [folder]
+        return events
 
     def open(self, work_dir: Path, config: dict[str, Any], step: int) -> None:
         summary = importlib.import_module("torch.utils.tensorboard")
@@ -164,6 +183,21 @@ class WandbLogger(Logger):
                              "group": group, "tags": tags, "notes": notes, "mode": mode}
         self.dir = dir
         self.run = None
+
+    @classmethod
+    def written_files(cls, work_dir: Path, dir: str = ".", **_: Any) -> list[Path]:
+        """``wandb_id`` and the W&B run folders of that id under ``<dir>/wandb`` (with the
+        ``latest-run`` link where it points at one)."""
+        id_file = Path(work_dir) / cls.ID_FILE
+        if not id_file.is_file():
+            return []
+        run_id = id_file.read_text().strip()
+        wandb_dir = Path(work_dir) / dir / "wandb"
+        runs = sorted(wandb_dir.glob(f"*-{run_id}")) if run_id else []
+        latest = wandb_dir / "latest-run"
+        link = [latest] if latest.is_symlink() and latest.resolve() in \
+            [r.resolve() for r in runs] else []
+        return [id_file, *runs, *link]
 
     def open(self, work_dir: Path, config: dict[str, Any], step: int) -> None:
         wandb = importlib.import_module("wandb")

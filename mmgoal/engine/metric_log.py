@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from mmgoal import strict_json
 from mmgoal.engine.loggers import Logger
 
 logger = logging.getLogger(__name__)
@@ -38,10 +38,7 @@ class MetricLog:
         if not self.enabled:
             return
         with open(self.path, "a") as stream:
-            # JSON has no NaN: bare NaN/Infinity tokens would break strict parsers.
-            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                      for k, v in record.items()}
-            stream.write(json.dumps(finite, allow_nan=False) + "\n")
+            stream.write(strict_json.dumps(record) + "\n")
         for sink in self.loggers:
             sink.log(record)
 

@@ -25,7 +25,6 @@ checkpoint (:mod:`mmgoal.engine.signals`).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import random
@@ -38,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 import mmgoal
+from mmgoal import strict_json
 from mmgoal.config import dump_config
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.pipeline import read_captions
@@ -601,5 +601,5 @@ class Trainer:
                 report["test"] = self.evaluate("test", self.evaluation_model(weights))
                 self.log.write({"type": "test", "step": self.step, **report["test"]})
         if self.is_main:
-            (self.work_dir / "report.json").write_text(json.dumps(report, indent=2))
+            (self.work_dir / "report.json").write_text(strict_json.dumps(report, indent=2))
         return self.strategy.broadcast(report)

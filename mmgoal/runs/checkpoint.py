@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mmgoal import strict_json
 from mmgoal.config import config_changes
 from mmgoal.registry import MODELS, TOKENIZERS
 from mmgoal.runs.preprocessing import resolve_preprocessing
@@ -135,7 +136,8 @@ def save_safetensors(state: dict[str, Any], path: str | os.PathLike) -> None:
         seen[key] = name
         tensors[name] = tensor.detach().cpu().contiguous()
     metadata = {"format": SAFETENSORS_FORMAT, "aliases": json.dumps(aliases)}
-    metadata.update({key: json.dumps(value) for key, value in state.items() if key != "model"})
+    metadata.update({key: strict_json.dumps(value) for key, value in state.items()
+                     if key != "model"})
     _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 

@@ -8,11 +8,16 @@ strategy's resumable checkpoint, ``last.pt`` (torch) or ``deepspeed/<tag>/``
 (:mod:`mmgoal.engine.strategies`); the tools, the evaluation and the API read
 them back through :func:`weights_file` and :mod:`mmgoal.runs.loading`.
 
-A run directory holds one run. Starting a new run where one already is would
-overwrite its checkpoints, config and report, so it is refused unless the run
-is resumed or the caller asks for ``overwrite`` (which deletes the old run's
-files, and only those). A resumed run keeps its ``config.yaml``: the config
-given for the resume is compared with it, and only keys that may change on
+A run directory holds one run, written by one process at a time: a run holds
+:func:`run_lock` on its folder for its whole life (an OS file lock, released
+when the process ends however it ends), and a second process that would write
+the same folder is refused with the holder's PID and host. Starting a new run
+where one already is would overwrite its checkpoints, config and report, so it
+is refused unless the run is resumed or the caller asks for ``overwrite``, which
+deletes exactly what the old run wrote (:func:`run_written_files`: its files, its
+checkpoints and its loggers' files) and nothing else. A resumed run keeps its
+``config.yaml``: the config given for the resume is compared with it, and only keys
+that may change on
 resume (:data:`RESUMABLE`: the length of the run, logging and loggers, evaluation, how
 the global batch is split, the learning rate and clipping after a divergence)
 may differ. Accepted changes are recorded, one JSON
@@ -21,15 +26,18 @@ object per resume, in ``config_changes.jsonl`` and applied again by later resume
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from mmgoal.config import config_changes, load_config
+from mmgoal.registry import LOGGERS
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -39,10 +47,12 @@ DEEPSPEED = "deepspeed"  # the DeepSpeed strategy's tags, under checkpoints/
 DEEPSPEED_WEIGHTS = "weights.pt"  # a DeepSpeed tag's consolidated float32 model
 LATEST = "latest"  # the pointer to the newest complete DeepSpeed tag
 CHANGES_FILE = "config_changes.jsonl"
-# The default places of the loggers' files (mmgoal/engine/loggers.py) count too: a run
-# started over them would continue their curves, or the W&B run of wandb_id.
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "report.json", CHECKPOINTS, CHANGES_FILE,
-             "tensorboard", "wandb_id")
+LOCK_FILE = ".mmgoal-run.lock"  # held by the process writing the run (run_lock)
+# What a run writes in its folder; the loggers' files are theirs to name (a logger class's
+# written_files, mmgoal/engine/loggers.py), from the run's own config.
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "report.json", CHANGES_FILE,
+             f"{CHECKPOINTS}/{BEST}", f"{CHECKPOINTS}/{LAST}", f"{CHECKPOINTS}/{DEEPSPEED}")
+DEFAULT_LOGGERS = [{"type": "TensorBoardLogger"}, {"type": "WandbLogger"}]
 # Dotted keys (and every key below them) a resumed run may change.
 RESUMABLE = (
     "train.epochs", "train.log_every", "train.eval_every", "train.eval_before_training",
@@ -107,15 +117,100 @@ def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path
                             f"checkpoint (looked for {' and '.join(map(str, candidates))})")
 
 
-def existing_run_files(work_dir: str | os.PathLike) -> list[str]:
-    """The files of a run that ``work_dir`` already holds (empty: none)."""
+class RunFolderLocked(ValueError):
+    """Another live process holds the run folder (:func:`run_lock`)."""
+
+
+@contextlib.contextmanager
+def run_lock(work_dir: str | os.PathLike, wait_seconds: float = 0.0) -> Iterator[Path]:
+    """Hold the run folder ``work_dir`` for the life of the block: one writer per run.
+
+    The lock is an OS file lock (``flock``) on ``work_dir/.mmgoal-run.lock``, so it ends
+    with the process that holds it, however that ends: a SIGKILLed run leaves the file
+    but no lock. The file names its holder (PID, host, since when) for the message a
+    second process gets. On a network file system without ``flock`` support the
+    lock is only as good as that system's.
+
+    Args:
+        wait_seconds: how long to wait for a holder to let go before refusing (a
+            requeued job beside the run it replaces, still writing its last checkpoint).
+
+    Raises:
+        RunFolderLocked: another process held it for all of ``wait_seconds``.
+    """
+    import fcntl
+
     work_dir = Path(work_dir)
-    return [name for name in RUN_FILES if (work_dir / name).exists()
-            and not ((work_dir / name).is_dir() and not any((work_dir / name).iterdir()))]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / LOCK_FILE
+    stream = open(path, "a+")
+    deadline = time.monotonic() + wait_seconds
+    try:
+        while True:
+            try:
+                fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = path.read_text().strip() or "another process"
+                    waited = f" (waited {wait_seconds:g} s)" if wait_seconds else ""
+                    raise RunFolderLocked(
+                        f"--work-dir {work_dir} is in use by {holder}{waited}: two processes "
+                        f"writing one run would mix their checkpoints and metrics; wait for "
+                        f"it to end (or stop it), or choose another --work-dir") from None
+                time.sleep(0.2)
+        stream.seek(0)
+        stream.truncate()
+        stream.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+        stream.flush()
+        yield path
+    finally:
+        stream.close()  # closing releases the lock
 
 
-def prepare_work_dir(work_dir: str | os.PathLike, resume: bool, overwrite: bool = False) -> None:
-    """Check ``work_dir`` before a run starts in it.
+def logger_files(work_dir: Path, loggers: Iterable[dict]) -> list[Path]:
+    """The files and folders the ``loggers`` of a run's config wrote in ``work_dir``, as each
+    logger class says (``written_files``; a logger type not registered here is skipped)."""
+    found: list[Path] = []
+    for logger_cfg in loggers:
+        name = logger_cfg.get("type") if isinstance(logger_cfg, dict) else None
+        if name in LOGGERS and hasattr(LOGGERS.get(name), "written_files"):
+            options = {k: v for k, v in logger_cfg.items() if k != "type"}
+            found += LOGGERS.get(name).written_files(work_dir, **options)
+    return found
+
+
+def run_written_files(work_dir: str | os.PathLike) -> list[Path]:
+    """What a run wrote in ``work_dir`` that is still there: its files (:data:`RUN_FILES`)
+    and its loggers' (those of its ``config.yaml``, else the loggers' default places)."""
+    work_dir = Path(work_dir)
+    try:
+        stored = stored_config(work_dir)
+    except ValueError:  # an unreadable config.yaml: the default places, then
+        stored = None
+    loggers = stored.get("loggers") or [] if stored is not None else DEFAULT_LOGGERS
+    # a checkpoint write that a kill interrupted leaves its temporary file
+    unfinished = sorted((work_dir / CHECKPOINTS).glob(".*.tmp-*"))
+    paths = [work_dir / name for name in RUN_FILES] + unfinished + \
+        logger_files(work_dir, loggers)
+    return list(dict.fromkeys(p for p in paths if p.exists() or p.is_symlink()))
+
+
+def existing_run_files(work_dir: str | os.PathLike) -> list[str]:
+    """The files of a run that ``work_dir`` already holds, relative to it (empty: none)."""
+    work_dir = Path(work_dir)
+    return [str(path.relative_to(work_dir)) if path.is_relative_to(work_dir) else str(path)
+            for path in run_written_files(work_dir)]
+
+
+def prepare_work_dir(work_dir: str | os.PathLike, resume: bool,
+                     overwrite: bool = False) -> list[str]:
+    """Check ``work_dir`` before a run starts in it; with ``overwrite``, delete what the
+    run there wrote (:func:`run_written_files`) and nothing else.
+
+    Returns:
+        What ``overwrite`` deleted (relative to ``work_dir``; empty otherwise).
 
     Raises:
         ValueError: ``work_dir`` is a file; or it holds a run and neither ``resume``
@@ -126,17 +221,20 @@ def prepare_work_dir(work_dir: str | os.PathLike, resume: bool, overwrite: bool 
         raise ValueError(f"--work-dir {work_dir} is a file; give a run directory (new or an "
                          f"earlier run's)")
     if resume:
-        return
+        return []
     found = existing_run_files(work_dir)
     if not found:
-        return
+        return []
     if not overwrite:
         raise ValueError(f"--work-dir {work_dir} already holds a run ({', '.join(found)}); "
                          f"continue it with --resume, start afresh with --overwrite (its "
                          f"run files are deleted), or choose another --work-dir")
-    for name in found:
-        path = work_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in run_written_files(work_dir):
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    checkpoints = work_dir / CHECKPOINTS
+    if checkpoints.is_dir() and not any(checkpoints.iterdir()):  # the run made it
+        checkpoints.rmdir()
+    return found
 
 
 def resumable(key: str) -> bool:

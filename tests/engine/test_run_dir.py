@@ -1,15 +1,24 @@
 """A run directory: never a new run over an old one; a resume keeps the run's config."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import yaml
 
 from mmgoal.runs.run_dir import (
     CHANGES_FILE,
+    LOCK_FILE,
+    RunFolderLocked,
     prepare_work_dir,
     record_changes,
     resume_changes,
+    run_lock,
     stored_config,
 )
 
@@ -22,8 +31,9 @@ def test_a_run_is_never_started_over_another(tmp_path):
     (run / "checkpoints" / "last.pt").write_bytes(b"x")
     (run / "config.yaml").write_text("train: {epochs: 16}\n")
     (run / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match=r"holds a run \(config.yaml, checkpoints\); continue "
-                                         r"it with --resume, start afresh with --overwrite"):
+    with pytest.raises(ValueError, match=r"holds a run \(config.yaml, checkpoints/last.pt\); "
+                                         r"continue it with --resume, start afresh with "
+                                         r"--overwrite"):
         prepare_work_dir(run, resume=False)
     prepare_work_dir(run, resume=True)
     prepare_work_dir(run, resume=False, overwrite=True)
@@ -54,3 +64,96 @@ def test_a_resume_may_change_only_what_may_change_and_records_it(tmp_path):
     assert stored_config(tmp_path)["train"]["epochs"] == 8
     assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == stored
     assert resume_changes(tmp_path, longer) == {}
+
+
+def test_overwrite_deletes_what_the_run_wrote_and_nothing_else(tmp_path):
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    (checkpoints / "deepspeed" / "epoch0000-step000000004").mkdir(parents=True)
+    for name in ("best.pt", "last.pt", ".last.pt.tmp-4242", "best.pt.test.json",
+                 "model.safetensors", "notes.txt"):
+        (checkpoints / name).write_text("x")
+    (run / "curves").mkdir()  # a TensorBoard log_dir outside tensorboard/
+    (run / "curves" / "events.out.tfevents.1.host").write_text("x")
+    (run / "tensorboard").mkdir()  # the default place, holding a file of the user's too
+    (run / "tensorboard" / "events.out.tfevents.2.host").write_text("x")
+    (run / "tensorboard" / "my_notes.md").write_text("x")
+    (run / "wandb" / "offline-run-20261201_000000-abc123").mkdir(parents=True)
+    (run / "wandb" / "offline-run-20261201_000000-other").mkdir(parents=True)
+    (run / "wandb_id").write_text("abc123\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "config.yaml").write_text(yaml.safe_dump({"loggers": [
+        {"type": "TensorBoardLogger", "log_dir": "curves"}, {"type": "WandbLogger"},
+        {"type": "TensorBoardLogger"}]}))
+    deleted = prepare_work_dir(run, resume=False, overwrite=True)
+    assert deleted == ["config.yaml", "metrics.jsonl", "checkpoints/best.pt",
+                       "checkpoints/last.pt", "checkpoints/deepspeed",
+                       "checkpoints/.last.pt.tmp-4242", "curves", "wandb_id",
+                       "wandb/offline-run-20261201_000000-abc123",
+                       "tensorboard/events.out.tfevents.2.host"]
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    assert left == ["checkpoints", "checkpoints/best.pt.test.json",
+                    "checkpoints/model.safetensors", "checkpoints/notes.txt", "tensorboard",
+                    "tensorboard/my_notes.md", "wandb",
+                    "wandb/offline-run-20261201_000000-other"]
+
+
+def test_a_second_process_on_a_run_folder_is_refused_with_the_holders_name(tmp_path, capsys):
+    from script_modules import ROOT, load_script
+
+    run = tmp_path / "run"
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # another open of the lock file: flock sets it against this one too
+        with run_lock(run):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(30)
+    try:
+        with pytest.raises(RunFolderLocked, match=rf"--work-dir {run} is in use by pid "
+                                                  rf"{os.getpid()} on {socket.gethostname()} "
+                                                  rf"since .*: two processes writing one run"):
+            with run_lock(run):
+                pass
+        finetune = load_script("tools/finetune.py")
+        config = str(ROOT / "configs" / "quickstart.yaml")
+        assert finetune.main([config, "--work-dir", str(run)]) == 2
+        assert f"is in use by pid {os.getpid()}" in capsys.readouterr().err
+        # --auto-resume waits for the holder (a requeued job beside the one it replaces)
+        start = time.monotonic()
+        assert finetune.main([config, "--work-dir", str(run), "--auto-resume",
+                              "--lock-wait", "1"]) == 2
+        assert time.monotonic() - start >= 1
+        assert "(waited 1 s)" in capsys.readouterr().err
+        threading.Timer(0.5, release.set).start()  # ... and goes on once it lets go
+        with run_lock(run, wait_seconds=20):
+            assert f"pid {os.getpid()}" in (run / LOCK_FILE).read_text()
+    finally:
+        release.set()
+        holder.join()
+    assert not (run / "config.yaml").exists()  # the refused runs wrote nothing
+
+
+def test_a_killed_runs_lock_file_locks_nothing(tmp_path):
+    run = tmp_path / "run"
+    code = ("import sys, time, fcntl\n"
+            f"stream = open({str(run / LOCK_FILE)!r}, 'a+')\n"
+            "fcntl.flock(stream, fcntl.LOCK_EX)\n"
+            "stream.write('pid 1 on elsewhere'); stream.flush()\n"
+            "print('held', flush=True); time.sleep(60)\n")
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderLocked, match="in use by pid 1 on elsewhere"):
+            with run_lock(run):
+                pass
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, the file stays
+        holder.wait()
+    assert (run / LOCK_FILE).read_text() == "pid 1 on elsewhere"
+    with run_lock(run):  # the OS released the lock with the process
+        assert f"pid {os.getpid()}" in (run / LOCK_FILE).read_text()

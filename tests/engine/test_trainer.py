@@ -370,3 +370,25 @@ def test_eval_before_training_logs_the_loaded_model_once_as_epoch_minus_one(
     assert load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")["epoch"] == 0
     assert [r["lr"] for r in records if r["type"] == "train"] == pytest.approx(
         [3e-3 * resumed.schedule.factor(r["step"] - 1) for r in records if r["type"] == "train"])
+
+
+def strict_loads(text: str):
+    """``json.loads`` as strict parsers read JSON: no NaN, no Infinity."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_run_without_validation_writes_json_every_parser_reads(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=1)
+    cfg["data"]["val"] = None
+    run = tmp_path / "run"
+    report = Trainer(cfg, run).fit()
+    assert report["best"] == {"rsum": -math.inf, "epoch": -1}  # in Python: no epoch validated
+    saved = strict_loads((run / "report.json").read_text())
+    assert saved["best"] == {"rsum": None, "epoch": -1}
+    assert saved["test"]["rsum"] == report["test"]["rsum"]
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        strict_loads(line)

@@ -1,6 +1,7 @@
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -260,6 +261,18 @@ def test_sweep_tabulates_and_resumes(tiny_benchmark, tmp_path):
     again = json.loads((sweep / "runs.json").read_text())
     assert again[0]["test"] == first["test"]
     assert all(a["train_seconds"] == b["train_seconds"] for a, b in zip(again[1:], runs[1:]))
+    # other options: a finished cell is not reused for them, nor a started one resumed
+    other = run_tool(*args, "--cfg-options", "model.embed_dim=8")
+    assert other.returncode == 2
+    assert ("holds a finished run of another config (model.embed_dim: 16 -> 8); its result is "
+            "not reused for this one") in other.stderr
+    (Path(first["dir"]) / "report.json").unlink()
+    other = run_tool(*args, "--cfg-options", "model.embed_dim=8")
+    assert other.returncode == 2
+    assert "--resume: the config differs from the one" in other.stderr
+    assert "model.embed_dim: 16 -> 8" in other.stderr
+    saved = yaml.safe_load((Path(first["dir"]) / "config.yaml").read_text())
+    assert saved["model"]["embed_dim"] == 16  # the run and its config are untouched
 
 
 @pytest.mark.slow
@@ -304,3 +317,21 @@ def test_scan_cli_ensemble_attention_and_plot(tiny_benchmark, tmp_path):
     # Attention metrics need a cross-attention model.
     result = run_tool("tools/evaluate.py", path, best, "--entities", tmp_path / "nowhere")
     assert result.returncode == 2 and "no Sentences/ folder" in result.stderr
+
+
+def test_evaluate_never_writes_its_json_over_a_runs_files(tiny_quickstart_run, tmp_path, capsys):
+    source, _ = tiny_quickstart_run
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    evaluate = load_script("tools/evaluate.py")
+    for own in ("checkpoints/last.pt", "checkpoints/best.pt", "config.yaml", "report.json"):
+        before = (run / own).read_bytes()
+        assert evaluate.main([str(run), "--device", "cpu", "--out", str(run / own)]) == 2
+        assert (f"--out {run / own} exists and is not an earlier evaluation's JSON"
+                in capsys.readouterr().err)
+        assert (run / own).read_bytes() == before
+    out = tmp_path / "test.json"
+    assert evaluate.main([str(run), "--device", "cpu", "--out", str(out)]) == 0
+    first = json.loads(out.read_text())
+    assert evaluate.main([str(run), "--device", "cpu", "--out", str(out)]) == 0  # its own: fine
+    assert json.loads(out.read_text())["metrics"] == first["metrics"]
