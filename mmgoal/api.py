@@ -53,6 +53,9 @@ class Retriever:
     """
 
     def __init__(self, loaded: LoadedModel, batch_size: int = 64) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a whole number >= 1 (images or texts encoded "
+                             f"at a time), got {batch_size!r}")
         self.model, self.transform, self.tokenizer = loaded.model, loaded.transform, \
             loaded.tokenizer
         self.config, self.batch_size = loaded.config, batch_size
@@ -61,7 +64,9 @@ class Retriever:
 
     @torch.no_grad()
     def image_features(self, images: Sequence[ImageLike]) -> ImageFeatures:
-        """Every feature the model computes for ``images`` (tokens too, for cross attention)."""
+        """Every feature the model computes for ``images`` (tokens too, for cross attention):
+        PIL images or file paths; one image alone is a batch of one."""
+        images = as_images(images)
         parts = []
         for start in range(0, len(images), self.batch_size):
             pixels = torch.stack([self.transform(rgb_image(image))
@@ -77,7 +82,8 @@ class Retriever:
 
     @torch.no_grad()
     def text_features(self, texts: Sequence[str]) -> TextFeatures:
-        """Every feature the model computes for ``texts``."""
+        """Every feature the model computes for ``texts``; one string alone is one text."""
+        texts = as_texts(texts)
         parts = [detach_features(self.model.encode_text(move_to_device(
             self.tokenizer(list(texts[start:start + self.batch_size])), self.device)))
             for start in range(0, len(texts), self.batch_size)]
@@ -131,11 +137,18 @@ class Retriever:
                top_k: int = 5, rerank_k: int | None = None) -> list[list[tuple[int, float]]]:
         """The ``top_k`` gallery items of every query, best first, as ``(index, score)``:
         text queries against an image index, image queries against a text index
-        (``rerank_k`` as in :meth:`score`)."""
+        (``rerank_k`` as in :meth:`score`). One string (or image) alone is one query."""
+        if not isinstance(gallery, Index):
+            raise TypeError(f"search takes the gallery as an Index, which encodes it once for "
+                            f"many searches, got {type(gallery).__name__}: pass "
+                            f"model.index(images), or model.index(texts, kind='texts') for "
+                            f"image queries")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ValueError(f"top_k must be a whole number >= 1, got {top_k!r}")
         if gallery.kind == "images":
-            sims = self.score(gallery, list(queries), rerank_k, direction="t2i").T
+            sims = self.score(gallery, as_texts(queries), rerank_k, direction="t2i").T
         else:
-            sims = self.score(list(queries), gallery, rerank_k, direction="i2t")
+            sims = self.score(as_images(queries), gallery, rerank_k, direction="i2t")
         values, indices = sims.topk(min(top_k, len(gallery)), dim=1)
         return [list(zip(row_indices.tolist(), row_values.tolist()))
                 for row_indices, row_values in zip(indices, values)]
@@ -177,12 +190,47 @@ def from_config(config: str | os.PathLike | dict, checkpoint: str | os.PathLike 
                      batch_size)
 
 
+def as_texts(texts: str | Sequence[str]) -> list[str]:
+    """``texts`` as a list of strings: one string is one text (not its characters).
+
+    Raises:
+        TypeError: something other than strings; ValueError: no text at all.
+    """
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
+        raise TypeError(f"texts must be a string or a list of strings, got "
+                        f"{type(texts).__name__}")
+    if not texts:
+        raise ValueError("no texts given: pass at least one string")
+    return list(texts)
+
+
+def as_images(images: ImageLike | Sequence[ImageLike]) -> list[ImageLike]:
+    """``images`` as a list: one PIL image or path alone is a list of one.
+
+    Raises:
+        ValueError: no image at all.
+    """
+    images = [images] if isinstance(images, (str, os.PathLike, Image.Image)) else list(images)
+    if not images:
+        raise ValueError("no images given: pass at least one image (a PIL image or a path)")
+    return images
+
+
 def rgb_image(image: ImageLike) -> Image.Image:
-    """An RGB PIL image from a PIL image or a file path (a missing file: FileNotFoundError)."""
+    """An RGB PIL image from a PIL image or a file path.
+
+    Raises:
+        FileNotFoundError: a missing file; ValueError: a file that is not a readable image.
+    """
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     path = Path(image)
     if not path.is_file():
         raise FileNotFoundError(f"image {path} does not exist")
-    with Image.open(path) as opened:
-        return opened.convert("RGB")
+    try:
+        with Image.open(path) as opened:
+            return opened.convert("RGB")
+    except (OSError, Image.DecompressionBombError, SyntaxError) as error:
+        raise ValueError(f"image {path} cannot be read as an image ({error}); give a JPEG, "
+                         f"PNG or another format Pillow reads") from None

@@ -181,3 +181,32 @@ def test_itm_reranked_scores_order_the_top_k_by_the_match_logit():
     hits = model.search(captions[:1], model.index(images), top_k=4)[0]
     assert [i for i, _ in hits] == \
         model.score(images, captions[:1], direction="t2i")[:, 0].topk(4).indices.tolist()
+
+
+def test_one_string_is_one_query_and_bad_calls_say_what_to_pass(tiny_quickstart_run, tmp_path):
+    run, out = tiny_quickstart_run
+    model = mmgoal.load(run, device="cpu")
+    images = [s["image"] for s in split_samples(out)[:6]]
+    index = model.index(images)
+    one = model.search("a red square", index, top_k=2)
+    assert len(one) == 1 and len(one[0]) == 2  # one query, not one per character
+    assert one == model.search(["a red square"], index, top_k=2)
+    assert model.encode_texts("a red square").shape == (1, 16)
+    torch.testing.assert_close(model.encode_texts("a red square"),
+                               model.encode_texts(["a red square"]))
+    assert model.encode_images(images[0]).shape == (1, 16)  # one image alone, too
+    with pytest.raises(TypeError, match=r"search takes the gallery as an Index, .*pass "
+                                        r"model.index\(images\)"):
+        model.search(["a red square"], images)
+    with pytest.raises(ValueError, match="no texts given: pass at least one string"):
+        model.encode_texts([])
+    with pytest.raises(TypeError, match="texts must be a string or a list of strings"):
+        model.encode_texts([1, 2])
+    with pytest.raises(ValueError, match=r"top_k must be a whole number >= 1, got 0"):
+        model.search("a red square", index, top_k=0)
+    with pytest.raises(ValueError, match=r"batch_size must be a whole number >= 1"):
+        mmgoal.load(run, device="cpu", batch_size=0)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png at all")
+    with pytest.raises(ValueError, match=rf"image {broken} cannot be read as an image"):
+        model.encode_images([broken])

@@ -34,12 +34,22 @@ SCORE_KEYS = ("positive_median", "negative_median", "lam")
 
 
 def read_run(run: Path) -> dict:
-    """``{"seed", "test": {...}, "last": {positive_median, negative_median, lam (those
-    logged)}}`` of one run directory."""
-    report = run / "report.json"
-    if not report.is_file():
+    """``{"seed", "test": {...}, "test_set", "last": {positive_median, negative_median, lam
+    (those logged)}}`` of one run directory.
+
+    Raises:
+        FileNotFoundError: no report.json (an unfinished run).
+        ValueError: a report without test metrics.
+    """
+    report_path = run / "report.json"
+    if not report_path.is_file():
         raise FileNotFoundError(f"{run} has no report.json: the run has not finished "
                                 f"(resume it, or leave it out of the glob)")
+    report = json.loads(report_path.read_text())
+    if "test" not in report:
+        raise ValueError(f"{run}/report.json has no test metrics: the run had no data.test "
+                         f"split (evaluate its checkpoint with tools/evaluate.py, or leave "
+                         f"it out of the glob)")
     config = load_config(run / "config.yaml")  # plain data, aliases bounded
     last: dict[str, float] = {}
     metrics = run / "metrics.jsonl"
@@ -48,8 +58,38 @@ def read_run(run: Path) -> dict:
             record = json.loads(line) if line.strip() else {}
             if record.get("type") == "train":
                 last.update({k: record[k] for k in SCORE_KEYS if record.get(k) is not None})
-    return {"seed": int(config.get("train", {}).get("seed", 0)),
-            "test": json.loads(report.read_text())["test"], "last": last}
+    # the test set: the shard files the report names (names and sizes); a report written
+    # before reports named them: the config's data.test.shards
+    test_split = (config.get("data") or {}).get("test")
+    test_set = ("files", report["test_set"]) if "test_set" in report else \
+        ("config", test_split.get("shards")) if isinstance(test_split, dict) else None
+    return {"seed": int(config.get("train", {}).get("seed", 0)), "test": report["test"],
+            "test_set": test_set, "last": last, "dir": str(run)}
+
+
+def check_comparable(groups: list[tuple[str, list[dict]]]) -> None:
+    """Every run was tested on the same test set, and no group has a seed twice.
+
+    Raises:
+        ValueError: naming the runs (or the group and seed) at fault.
+    """
+    for label, runs in groups:
+        seeds = [r["seed"] for r in runs]
+        twice = sorted({s for s in seeds if seeds.count(s) > 1})
+        if twice:
+            dirs = [r["dir"] for r in runs if r["seed"] == twice[0]]
+            raise ValueError(f"group {label!r} has seed {twice[0]} more than once "
+                             f"({', '.join(dirs)}): a paired difference needs one run per "
+                             f"seed; narrow the glob")
+    for kind in ("files", "config"):  # like with like: shard files, or config patterns
+        known = [r for _, runs in groups for r in runs
+                 if r["test_set"] is not None and r["test_set"][0] == kind]
+        other = next((r for r in known if r["test_set"] != known[0]["test_set"]), None)
+        if other is not None:
+            raise ValueError(f"{known[0]['dir']} and {other['dir']} were tested on different "
+                             f"test sets ({known[0]['test_set'][1]} vs {other['test_set'][1]});"
+                             f" their recalls are not comparable: evaluate both on one split "
+                             f"with tools/evaluate.py, or leave one out")
 
 
 def parse_group(spec: str) -> tuple[str, list[Path]]:
@@ -105,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         groups = [(label, [read_run(run) for run in runs])
                   for label, runs in map(parse_group, args.groups)]
-    except (FileNotFoundError, json.JSONDecodeError) as error:
+        check_comparable(groups)
+    except (FileNotFoundError, ValueError) as error:  # JSONDecodeError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:

@@ -179,6 +179,13 @@ def expand_shards(shards: str | Sequence[str]) -> list[str]:
     return paths
 
 
+def shard_listing(shards: str | Sequence[str]) -> list[list]:
+    """``[[file name, bytes], ...]`` of a split's shards: what a report records of the test
+    set it was measured on, so that runs on other test sets are never compared
+    (tools/compare_runs.py); the names only, so a data set moved elsewhere still matches."""
+    return [[Path(path).name, Path(path).stat().st_size] for path in expand_shards(shards)]
+
+
 def entity_boxes(meta: dict) -> list[list[float]]:
     """The distinct boxes of a sample's entities (xyxy pixels), in order of appearance."""
     boxes: list[list[float]] = []

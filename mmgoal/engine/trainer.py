@@ -40,7 +40,7 @@ import mmgoal
 from mmgoal import strict_json
 from mmgoal.config import dump_config
 from mmgoal.contract import CrossAttentionModel, require
-from mmgoal.data.pipeline import read_captions
+from mmgoal.data.pipeline import read_captions, shard_listing
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
 from mmgoal.engine.metric_log import MetricLog
@@ -599,6 +599,7 @@ class Trainer:
                 weights = self.strategy.full_state_dict()  # collective
             if self.is_main:
                 report["test"] = self.evaluate("test", self.evaluation_model(weights))
+                report["test_set"] = shard_listing(self.config.data.test.shards)
                 self.log.write({"type": "test", "step": self.step, **report["test"]})
         if self.is_main:
             (self.work_dir / "report.json").write_text(strict_json.dumps(report, indent=2))

@@ -51,3 +51,25 @@ def test_unfinished_run_and_empty_glob_are_errors(tmp_path, capsys):
     assert "has no report.json: the run has not finished" in capsys.readouterr().err
     assert compare_runs.main([f"x={tmp_path}/missing*"]) == 2
     assert "no run directory matches" in capsys.readouterr().err
+
+
+def test_runs_on_other_test_sets_or_a_seed_twice_are_not_compared(tmp_path, capsys):
+    for group, seed, listing in (("a", 0, [["test-0.tar", 100]]), ("a", 1, [["test-0.tar", 100]]),
+                                 ("b", 0, [["test-0.tar", 100]]), ("c", 0, [["test-0.tar", 90]])):
+        fake_run(tmp_path / group / f"seed{seed}", seed, 500.0)
+        report = tmp_path / group / f"seed{seed}" / "report.json"
+        report.write_text(json.dumps({**json.loads(report.read_text()), "test_set": listing}))
+    assert compare_runs.main([f"{tmp_path}/a/seed*", f"{tmp_path}/b/seed*"]) == 0
+    capsys.readouterr()
+    assert compare_runs.main([f"{tmp_path}/a/seed*", f"{tmp_path}/c/seed*"]) == 2
+    assert (f"{tmp_path}/a/seed0 and {tmp_path}/c/seed0 were tested on different test sets "
+            f"([['test-0.tar', 100]] vs [['test-0.tar', 90]])") in capsys.readouterr().err
+    fake_run(tmp_path / "dup" / "first", 0, 400.0)  # seed 0 twice in one group
+    fake_run(tmp_path / "dup" / "second", 0, 410.0)
+    assert compare_runs.main([f"ctl={tmp_path}/dup/*"]) == 2
+    assert "group 'ctl' has seed 0 more than once" in capsys.readouterr().err
+    # a report without test metrics (no data.test) is an error, not a traceback
+    fake_run(tmp_path / "d" / "seed0", 0, 500.0)
+    (tmp_path / "d" / "seed0" / "report.json").write_text(json.dumps({"epochs": 1}))
+    assert compare_runs.main([f"{tmp_path}/d/seed0"]) == 2
+    assert "report.json has no test metrics" in capsys.readouterr().err
