@@ -210,3 +210,18 @@ def test_one_string_is_one_query_and_bad_calls_say_what_to_pass(tiny_quickstart_
     broken.write_bytes(b"not a png at all")
     with pytest.raises(ValueError, match=rf"image {broken} cannot be read as an image"):
         model.encode_images([broken])
+
+
+def test_evaluating_with_other_preprocessing_than_training_says_so(tiny_quickstart_run, caplog):
+    import logging
+
+    run, _ = tiny_quickstart_run
+    with caplog.at_level(logging.WARNING):
+        load_for_evaluation(run, device="cpu")
+    assert "other preprocessing" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        loaded = load_for_evaluation(run, overrides=["data.tokenizer.max_length=10"],
+                                     device="cpu")
+    assert loaded.tokenizer.max_length == 10
+    assert ("is evaluated with other preprocessing than it was trained with "
+            "(data.tokenizer.max_length: 40 -> 10)") in caplog.text

@@ -7,7 +7,9 @@ its state (a plain dict, safe for ``torch.load(weights_only=True)``).
 
 from __future__ import annotations
 
+import logging
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -17,7 +19,11 @@ from mmgoal.paths import resolve_path
 from mmgoal.registry import TEXT_AUGMENTS, TOKENIZERS
 from mmgoal.sequences import length_mask, pack_kept
 
-_WORD = re.compile(r"[a-z0-9]+")
+logger = logging.getLogger(__name__)
+
+# A word: a run of Unicode letters and digits ("café", "naïve", "猫", "3d"); for ASCII
+# text exactly the [a-z0-9]+ of earlier versions, so their vocabularies still apply.
+_WORD = re.compile(r"[^\W_]+")
 
 
 def pad_token_ids(ids: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -55,6 +61,7 @@ class WordTokenizer:
         self.max_length = max_length
         self.words: list[str] = []
         self.index: dict[str, int] = {}
+        self.wordless_captions = 0  # training captions with no word (fit reports them)
         if vocab is not None:
             self._set_words(vocab)
 
@@ -88,11 +95,27 @@ class WordTokenizer:
 
     @staticmethod
     def split(caption: str) -> list[str]:
-        return _WORD.findall(caption.lower())
+        """Lower-cased words (composed first: a combining accent stays with its letter)."""
+        return _WORD.findall(unicodedata.normalize("NFC", caption).lower())
 
     def fit(self, captions: Iterable[str]) -> WordTokenizer:
-        """Build the vocabulary: words seen ``min_count`` times, most frequent first."""
-        counts = Counter(w for c in captions for w in self.split(c))
+        """Build the vocabulary: words seen ``min_count`` times, most frequent first.
+        Captions with no word at all (only punctuation or emoji) are counted and reported:
+        they encode as ``<unk>`` alone."""
+        counts: Counter = Counter()
+        wordless, examples, total = 0, [], 0
+        for caption in captions:
+            words = self.split(caption)
+            counts.update(words)
+            total += 1
+            if not words:
+                wordless += 1
+                examples = examples if len(examples) >= 3 else [*examples, caption]
+        if wordless:
+            logger.warning("WordTokenizer: %d of %d training captions hold no word (letters or "
+                           "digits) and encode as <unk> alone, e.g. %s", wordless, total,
+                           ", ".join(repr(c) for c in examples))
+        self.wordless_captions = wordless
         kept = sorted((w for w, n in counts.items() if n >= self.min_count),
                       key=lambda w: (-counts[w], w))
         if not kept:

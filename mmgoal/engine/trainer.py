@@ -25,6 +25,7 @@ checkpoint (:mod:`mmgoal.engine.signals`).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import random
@@ -410,11 +411,22 @@ class Trainer:
     def fit(self) -> dict:
         """Train for the configured epochs, then evaluate the best checkpoint on the test split.
 
-        The loggers (``loggers:``) are open while it runs and closed however it ends.
+        The loggers (``loggers:``) are open while it runs and closed however it ends. A
+        resumed run that has trained its ``train.epochs`` already says so, and returns
+        the report it wrote when it finished (no new test records), if it has one.
 
         Returns:
             The report (also written to ``report.json``).
         """
+        report_file = self.work_dir / "report.json"
+        if self.step and self.epoch >= self.config.train.epochs:
+            logger.warning("the run has trained %d epoch(s) and train.epochs is %d: nothing "
+                           "is left to train (train on with --cfg-options train.epochs=N, N > "
+                           "%d)%s", self.epoch, self.config.train.epochs, self.epoch,
+                           "; its report stands" if report_file.is_file() else "")
+            if report_file.is_file():
+                return self.strategy.broadcast(json.loads(report_file.read_text())
+                                               if self.is_main else None)
         try:
             self.log.open(self.config.to_dict(), self.step)
             if not self._train():

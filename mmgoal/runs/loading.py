@@ -8,6 +8,7 @@ its preprocessing and the defaults they fall back on are the trainer's own
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from mmgoal.config import config_changes
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import resolve_device
 from mmgoal.registry import MODELS, TOKENIZERS
@@ -23,6 +25,8 @@ from mmgoal.runs.preprocessing import resolve_preprocessing
 from mmgoal.runs.run_dir import weights_file
 from mmgoal.runs.schema import load_model_config, with_overrides
 from mmgoal.structures import Member
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,8 +82,29 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
     else:
         raise ValueError(f"{checkpoint} holds no config to build its model from; give the "
                          f"config it was trained with")
+    warn_preprocessing_changes(state.get("config"), cfg, checkpoint)
     model, tokenizer = model_from_checkpoint(cfg, state, f"checkpoint {checkpoint}")
     return _loaded(cfg, model, tokenizer, target, checkpoint, state.get("epoch"))
+
+
+# What turns captions and images into the model's inputs: evaluated otherwise than trained,
+# a model scores other inputs (a shorter max_length cuts captions its weights saw whole).
+PREPROCESSING_KEYS = ("tokenizer", "image_size", "eval_transforms")
+
+
+def warn_preprocessing_changes(trained: dict | None, cfg: dict, checkpoint: Path) -> None:
+    """Warn, naming each change, where ``cfg`` prepares inputs otherwise than the config the
+    checkpoint was trained with (``trained``; nothing to compare where it has none)."""
+    if not trained:
+        return
+    changes = {key: change for name in PREPROCESSING_KEYS
+               for key, change in config_changes((trained.get("data") or {}).get(name),
+                                                 cfg["data"].get(name), f"data.{name}").items()}
+    if changes:
+        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
+        logger.warning("%s is evaluated with other preprocessing than it was trained with "
+                       "(%s): its scores are of other inputs than training's", checkpoint,
+                       listed)
 
 
 def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str] = (),

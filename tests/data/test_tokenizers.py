@@ -54,3 +54,23 @@ def test_token_augment_edge_cases():
     assert torch.equal(emptied["tokens"], batch["tokens"])  # never an empty caption
     with pytest.raises(ValueError, match="mask \\+ replace <= 1"):
         TokenAugment(tokenizer, mask=0.8, replace=0.5)
+
+
+def test_word_tokenizer_reads_words_of_any_script_and_reports_wordless_captions(caplog):
+    import logging
+    import unicodedata
+
+    captions = ["café naïve", unicodedata.normalize("NFD", "a café"), "猫が座っている",
+                "🐱 🐶", "!!!", "a red circle"]
+    with caplog.at_level(logging.WARNING):
+        tokenizer = WordTokenizer().fit(captions)
+    assert tokenizer.split("Café NAÏVE") == ["café", "naïve"]  # not caf, na, ve
+    assert tokenizer.split(unicodedata.normalize("NFD", "café")) == ["café"]  # accent kept
+    assert tokenizer.split("猫が座っている") == ["猫が座っている"]
+    assert tokenizer.split("a red-circle, 3D") == ["a", "red", "circle", "3d"]  # ASCII as before
+    unk = tokenizer.index["<unk>"]
+    assert unk not in tokenizer.encode("a café naïve")
+    assert tokenizer.wordless_captions == 2
+    assert "2 of 6 training captions hold no word" in caplog.text
+    assert "'🐱 🐶', '!!!'" in caplog.text
+    assert tokenizer.encode("🐱") == [unk]

@@ -392,3 +392,26 @@ def test_a_run_without_validation_writes_json_every_parser_reads(tiny_benchmark,
     assert saved["test"]["rsum"] == report["test"]["rsum"]
     for line in (run / "metrics.jsonl").read_text().splitlines():
         strict_loads(line)
+
+
+def test_a_finished_run_resumed_says_there_is_nothing_to_train(tiny_quickstart_run, tmp_path,
+                                                               caplog):
+    import logging
+    import shutil
+
+    source, _ = tiny_quickstart_run
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    cfg = resolve_config(yaml.safe_load((run / "config.yaml").read_text()))
+    metrics = (run / "metrics.jsonl").read_text()
+    with caplog.at_level(logging.WARNING):
+        report = Trainer(cfg, run, resume=True).fit()
+    assert "the run has trained 1 epoch(s) and train.epochs is 1: nothing is left to train " \
+           "(train on with --cfg-options train.epochs=N, N > 1); its report stands" in caplog.text
+    assert report == json.loads((run / "report.json").read_text())
+    assert (run / "metrics.jsonl").read_text() == metrics  # no second test record
+    cfg["train"]["epochs"] = 0  # below the epochs reached: the same, said the same way
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Trainer(cfg, run, resume=True).fit()
+    assert "the run has trained 1 epoch(s) and train.epochs is 0" in caplog.text
