@@ -46,8 +46,8 @@ def samples_of(url: str, damage: list[str]) -> Iterator[tuple[str, dict[str, byt
             key = name_key
             members[ext] = archive.extractfile(member).read()
         end = archive.offset
-    except (tarfile.TarError, OSError) as error:
-        damage.append(str(error))
+    except (tarfile.TarError, OSError, EOFError) as error:  # EOFError: a cut .tar.gz
+        damage.append(str(error) or type(error).__name__)
     finally:
         if archive is not None:
             archive.close()

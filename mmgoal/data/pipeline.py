@@ -443,7 +443,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
                     for member in archive:
                         if member.isfile():
                             keys.add(Path(member.name).name.split(".", 1)[0])
-            except (tarfile.TarError, OSError) as error:  # count what precedes the damage
+            # count what precedes the damage (EOFError: a cut .tar.gz's gzip stream)
+            except (tarfile.TarError, OSError, EOFError) as error:
                 logger.warning("shard %s is damaged (%s); counting its %d readable samples",
                                url, error, len(keys))
             total += len(keys)

@@ -263,3 +263,27 @@ def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_pa
     evaluation = next(iter_eval_batches(str(tmp_path / "regions-000000.tar"),
                                         build_transforms(None, 8), batch_size=8))
     assert evaluation["region_lengths"].tolist() == [3, 2]
+
+
+def test_a_cut_gzip_shard_is_counted_and_trained_on_up_to_the_damage(tmp_path, tokenizer,
+                                                                    caplog, capsys):
+    import gzip
+
+    from script_modules import load_script
+
+    with ShardWriter(tmp_path, "good", max_count=50) as writer:
+        for key in range(20):
+            writer.write(sample(key, key, ["a red square"]))
+    packed = gzip.compress((tmp_path / "good-000000.tar").read_bytes())
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(packed[: len(packed) // 2])  # the gzip stream ends early: EOFError
+    counted = dataset([str(cut)], tokenizer, training=True, batch_size=4).num_samples()
+    assert 0 < counted < 20
+    assert f"shard {cut} is damaged" in caplog.text
+    ids = [i for b in dataset([str(cut)], tokenizer) for i in b["image_ids"]]
+    assert ids == list(range(len(ids))) and 0 < len(ids) <= counted
+    training = iter(dataset([str(cut)], tokenizer, training=True, batch_size=4))
+    assert len(next(training)["image_ids"]) == 4  # the endless training stream reads it too
+    inspect = load_script("tools/inspect_shards.py")
+    assert inspect.main([str(cut)]) == 1  # a report of the damage, not a traceback
+    assert "cut.tar.gz" in capsys.readouterr().out
