@@ -136,8 +136,11 @@ def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict:
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ValueError(f"config _base_ files form a cycle: {cycle}")
+    where = f" (a _base_ of {chain[-1]})" if chain else ""
+    if path.is_dir():
+        raise FileNotFoundError(f"config {path} is a folder, not a YAML file{where}; a run "
+                                f"folder's own config is {path / 'config.yaml'}")
     if not path.is_file():
-        where = f" (a _base_ of {chain[-1]})" if chain else ""
         raise FileNotFoundError(f"config file {path} does not exist{where}")
     try:
         data = read_yaml(path.read_text(), f"config {path}") or {}
@@ -181,11 +184,17 @@ def strip_delete_keys(cfg: Any) -> Any:
 
 
 def parse_value(text: str) -> Any:
-    """A command-line value as a Python literal, YAML word, or else a string."""
+    """A command-line value as a Python literal, a YAML flow mapping or list (``{type: ddp}``,
+    ``[a, b]``: as a config file writes them), a YAML word, or else a string."""
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         pass
+    if text.strip()[:1] in ("{", "["):
+        try:
+            return read_yaml(text, "the --cfg-options value")
+        except (yaml.YAMLError, ValueError):
+            pass
     lowered = text.strip().lower()
     if lowered in _YAML_WORDS:
         return _YAML_WORDS[lowered]

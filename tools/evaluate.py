@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args.config, args.checkpoint = ([None] + args.paths)[-2:]
     try:
         return evaluate(args)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: custom_imports
         print(f"error: {error}", file=sys.stderr)
         return 2
 

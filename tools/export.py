@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from mmgoal.runs.checkpoint import (
+    CheckpointWriteError,
     check_finite_weights,
     load_checkpoint,
     save_checkpoint,
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as error:  # a full disk: --out is untouched
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "
           f"from {summary['source']}")
     return 0

@@ -24,10 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
+from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.pipeline import UnreadableShardsError  # noqa: E402
 from mmgoal.engine.loggers import LoggerError  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
+from mmgoal.runs.checkpoint import CheckpointWriteError  # noqa: E402
 from mmgoal.runs.run_dir import (  # noqa: E402
     RunFolderLocked,
     has_checkpoint,
@@ -36,7 +38,7 @@ from mmgoal.runs.run_dir import (  # noqa: E402
     resume_changes,
     run_lock,
 )
-from mmgoal.runs.schema import check_data_paths, load_run_config, resolve_config  # noqa: E402
+from mmgoal.runs.schema import check_data_paths, resolve_config, with_overrides  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
     try:
-        # printing a config (maybe one you received) imports nothing it names, unless asked
-        cfg = load_run_config(args.config, args.cfg_options, trust_custom_imports=(
-            args.trust_custom_imports or not args.print_config))
-        if args.deepspeed:
+        cfg = load_config(args.config)
+        if args.deepspeed:  # first: the overrides may set DeepSpeed's own options
             cfg = with_deepspeed(cfg, args.deepspeed)
+        # printing a config (maybe one you received) imports nothing it names, unless asked
+        cfg = with_overrides(cfg, args.cfg_options, beside=Path(args.config).parent,
+                             trust_custom_imports=args.trust_custom_imports
+                             or not args.print_config, source=f"config {args.config}")
     except (FileNotFoundError, ValueError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -144,7 +148,8 @@ def train(args: argparse.Namespace, cfg: dict, work_dir: Path, main_rank: bool) 
         changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
         check_data_paths(cfg)
         trainer = Trainer(cfg, work_dir, resume=resume)
-    except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a missing extra
+    # ImportError: a missing extra; LoggerError: a logger that cannot write where it is told
+    except (FileNotFoundError, ValueError, ImportError, LoggerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if trainer.is_main:
@@ -152,9 +157,11 @@ def train(args: argparse.Namespace, cfg: dict, work_dir: Path, main_rank: bool) 
     with trainer:  # closes the strategy (the process group) when the run ends
         try:
             report = trainer.fit()
-        except (FloatingPointError, UnreadableShardsError, LoggerError) as error:
+        except (FloatingPointError, UnreadableShardsError, LoggerError,
+                CheckpointWriteError) as error:
             # a divergence stops every rank with one message; unreadable shards are a rank's
-            # own; a logger (W&B without a login) stops rank 0, before training
+            # own; a logger (W&B without a login) stops rank 0, before training; a checkpoint
+            # that cannot be written (a full disk) leaves the previous one
             if trainer.is_main or isinstance(error, UnreadableShardsError):
                 print(f"error: {last_line(error)}", file=sys.stderr)
             return 1

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in args.runs:
         try:
             s = score_stats(Path(run), args.split, args.pairs, args.trust_custom_imports)
-        except (FileNotFoundError, ValueError, KeyError) as error:
+        except (FileNotFoundError, ValueError, KeyError, ImportError) as error:
             print(f"error: {run}: {error}", file=sys.stderr)
             return 2
         where = "as loaded" if s["epoch"] is None else f"epoch {s['epoch']}"

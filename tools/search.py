@@ -268,6 +268,9 @@ def search(args: argparse.Namespace) -> int:
         fig = rank_images(retriever, args.query, args.top_k, rerank_k, shards, image_files, plt)
     else:  # the shards' captions, a caption of several images once
         captions = texts or list(dict.fromkeys(read_captions(shards)))
+        if not captions:
+            raise ValueError(f"the shards hold no captions for --image to rank "
+                             f"({', '.join(shards)}); give them with --texts FILE, one a line")
         fig = rank_captions(retriever, args.image, args.top_k, rerank_k, captions, plt)
     if fig is not None:
         fig.savefig(args.out, dpi=DPI)

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -217,6 +218,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # SIGINT and SIGTERM between runs stop the sweep (inside a run, the trainer's own
+    # handlers stop it after a step, with a checkpoint); once it stops, more are ignored
+    interrupts = Interrupts()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupts)
+    try:
+        return sweep(args, points, out, argv)
+    except KeyboardInterrupt:
+        interrupts.stopping = True
+        for sig in (signal.SIGINT, signal.SIGTERM):  # also while the interpreter exits
+            signal.signal(sig, signal.SIG_IGN)
+        print(f"interrupted; the same command continues the sweep (finished runs are reused, "
+              f"the interrupted one resumes from its checkpoint): {out}", file=sys.stderr)
+        return 130
+
+
+class Interrupts:
+    """A SIGINT/SIGTERM handler: the first signal interrupts, those after ``stopping`` are
+    ignored (a second Ctrl-C while the sweep is already stopping is no traceback)."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def __call__(self, signum: int, frame) -> None:
+        if not self.stopping:
+            raise KeyboardInterrupt
+
+
+def sweep(args: argparse.Namespace, points: list[dict], out: Path,
+          argv: list[str] | None) -> int:
+    """Train every setting in turn (see the module docstring); returns the exit status."""
     settings = list(itertools.product(args.triplet, args.pair, points, range(args.seeds)))
     runs = []
     start = time.perf_counter()

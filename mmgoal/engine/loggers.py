@@ -62,6 +62,14 @@ class Logger:
     writer), or overrides ``log`` to see whole records.
     """
 
+    def check(self, work_dir: Path) -> None:
+        """Refuse, before the run writes anything, a place this logger could not write to
+        (the trainer calls it on rank 0 before ``config.yaml``). Nothing by default.
+
+        Raises:
+            LoggerError: saying what to change.
+        """
+
     def open(self, work_dir: Path, config: dict[str, Any], step: int) -> None:
         """Start logging a run in ``work_dir`` (it exists) with the resolved ``config``, from
         ``step`` (0, or the checkpoint's step of a resumed run: later records follow it)."""
@@ -116,6 +124,12 @@ class TensorBoardLogger(Logger):
         self.log_dir = log_dir
         self.flush_secs = flush_secs
         self.writer = None
+
+    def check(self, work_dir: Path) -> None:
+        folder = Path(work_dir) / self.log_dir
+        if folder.exists() and not folder.is_dir():
+            raise LoggerError(f"TensorBoardLogger log_dir {folder} is a file, not a folder; "
+                              f"give another log_dir (relative to the run directory)")
 
     @classmethod
     def written_files(cls, work_dir: Path, log_dir: str = "tensorboard",

@@ -174,6 +174,8 @@ class Trainer:
         if resume:
             self._restore(self.strategy.load(self.checkpoint_dir, resumed))
             self._check_resumed_state()
+        for sink in self.log.loggers:  # before the run writes its config: nothing half-started
+            sink.check(self.work_dir)
         config_file = self.work_dir / CONFIG_FILE
         if self.is_main and not (resume and config_file.is_file()):  # a resumed run keeps its own
             dump_config(self.config.to_dict(), config_file)

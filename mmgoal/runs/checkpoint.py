@@ -32,6 +32,7 @@ from mmgoal.runs.preprocessing import resolve_preprocessing
 logger = logging.getLogger(__name__)
 
 FORMAT = "mmgoal-checkpoint/1"
+CONFIG_SUFFIXES = (".yaml", ".yml")
 SAFETENSORS_FORMAT = "mmgoal-safetensors/1"  # an export (tools/export.py --out FILE.safetensors)
 SHOWN_NAMES = 3  # tensor names an error message lists before "and N more"
 
@@ -90,16 +91,72 @@ def check_finite_weights(weights: dict[str, torch.Tensor], source: str) -> None:
                          f"(best.pt) or train again with a lower learning rate")
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint or export could not be written (a full disk, a lost mount); the file it
+    would have replaced is intact."""
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Delete the temporary files of earlier writes of ``path`` whose process is gone (a
+    SIGKILLed save leaves a full-size ``.<name>.tmp-<pid>``); return them."""
+    stale = []
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            stale.append(tmp)
+    return stale
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux shows it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomically(path: str | os.PathLike, write: Any) -> None:
-    """``write(temporary_path)``, then rename it over ``path`` and make both durable."""
+    """``write(temporary_path)``, then rename it over ``path`` and make both durable. The
+    file gets the permissions the umask gives a new file (as ``open`` would), whatever
+    the writer chose; temporary files of writes a kill interrupted are removed first.
+
+    Raises:
+        CheckpointWriteError: the write failed (no space left...); ``path`` is untouched.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600
         with open(tmp, "rb+") as stream:
             os.fsync(stream.fileno())
         os.replace(tmp, path)
+    except Exception as error:  # torch's, safetensors' (a Rust error) and the OS's own
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        kept = "the file it would replace is intact" if path.exists() else "nothing was written"
+        raise CheckpointWriteError(
+            f"could not write {path} ({reason}); {kept}: a checkpoint is written to a "
+            f"temporary file and renamed only once complete. Free space (or fix the folder), "
+            f"then continue with --resume") from error
     finally:
         tmp.unlink(missing_ok=True)
     directory = os.open(path.parent, os.O_RDONLY)
@@ -156,9 +213,39 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is a safetensors file but not an mmgoal export (its metadata "
                          f"has no format {SAFETENSORS_FORMAT!r}); write one with "
                          f"tools/export.py RUN --out FILE.safetensors")
-    for name, target in extra.pop("aliases", {}).items():
+    aliases = extra.pop("aliases", {})
+    if not isinstance(aliases, dict) or not all(
+            isinstance(name, str) and target in model for name, target in aliases.items()):
+        raise ValueError(f"checkpoint {path}: its metadata's aliases name no tensors of the "
+                         f"file; it may be corrupt or not an mmgoal export")
+    for name, target in aliases.items():
         model[name] = model[target]
-    return {"format": FORMAT, "model": model, **extra}
+    return check_state({"format": FORMAT, "model": model, **extra}, path)
+
+
+# What every mmgoal checkpoint entry is, where it has it: a file whose entries are of other
+# kinds is refused when read, not when a tokenizer or config later trips on them.
+STATE_TYPES = {"model": dict, "tokenizer": dict, "config": (dict, type(None)),
+               "epoch": (int, type(None))}
+
+
+def check_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``state`` when its entries are of the kinds an mmgoal checkpoint holds.
+
+    Raises:
+        ValueError: naming the entry that is not.
+    """
+    for key, kind in STATE_TYPES.items():
+        if key in state and not isinstance(state[key], kind):
+            raise ValueError(f"checkpoint {path}: its {key!r} is a {type(state[key]).__name__}, "
+                             f"not what an mmgoal checkpoint holds there; the file may be corrupt "
+                             f"or written by something else")
+    tensors = [name for name, value in state.get("model", {}).items()
+               if not isinstance(value, torch.Tensor)]
+    if tensors:
+        raise ValueError(f"checkpoint {path}: its model entry {tensors[0]!r} is not a tensor; "
+                         f"the file may be corrupt or written by something else")
+    return state
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -170,18 +257,26 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ValueError: the file is not a readable mmgoal checkpoint.
     """
     path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} is a folder, not a checkpoint file; give "
+                                f"a file such as {path / 'checkpoints' / 'best.pt'}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if path.suffix in CONFIG_SUFFIXES:
+        raise ValueError(f"{path} is a config, not a checkpoint: a tool that takes both wants "
+                         f"[CONFIG] CHECKPOINT, the config first")
     if path.suffix == ".safetensors":
         return _load_safetensors(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise ValueError(f"checkpoint {path} cannot be read ({error}); it may be corrupt or "
-                         f"not an mmgoal checkpoint") from error
+    except Exception as error:  # torch's first line says what; the rest is its advice
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise ValueError(f"checkpoint {path} cannot be read ({reason}); it may be corrupt, "
+                         f"not an mmgoal checkpoint, or a pickle that mmgoal will not run "
+                         f"(every checkpoint is read weights-only)") from error
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not an mmgoal checkpoint (expected format {FORMAT!r})")
-    return state
+    return check_state(state, path)
 
 
 def shape_mismatches(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> list[str]:

@@ -45,6 +45,7 @@ from mmgoal.registry import (
     TOKENIZERS,
     TRANSFORMS,
     TRIPLET_WEIGHTS,
+    ConfigError,
     Registry,
     UnknownNameError,
     import_custom_modules,
@@ -332,10 +333,21 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
         not_imported = list(cfg["custom_imports"])
         logger.warning("%s lists custom_imports %s; they were not imported (%s)", source,
                        ", ".join(not_imported), TRUST_HINT)
+    overrides = list(overrides)
     for override in overrides:
         apply_override(cfg, override, known_keys)
     cfg = resolve_config(cfg, schema)
-    check_components(cfg, not_imported)
+    try:
+        check_components(cfg, not_imported)
+    except ConfigError as error:
+        swapped = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0].endswith(".type")]
+        if not swapped or isinstance(error, UnknownNameError):
+            raise
+        section = swapped[0].removesuffix(".type")
+        raise ConfigError(f"{error}. {swapped[0]} changed the component's type and kept the "
+                          f"options of the old one: to switch a component, replace its whole "
+                          f"section, e.g. --cfg-options '{section}={{type: NAME, option: "
+                          f"value}}'") from None
     return cfg
 
 

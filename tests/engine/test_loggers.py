@@ -242,3 +242,17 @@ def test_config_mistakes_in_loggers_are_reported(tiny_benchmark, tmp_path, monke
                                           r"tensorboard.*pip install 'mmgoal\[tracking\]'"):
         Trainer({**cfg, "loggers": [{"type": "TensorBoardLogger"}]}, tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_log_dir_that_is_a_file_stops_the_run_before_it_writes_anything(tiny_benchmark,
+                                                                         tmp_path):
+    out, _ = tiny_benchmark
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "curves").write_text("a file of the user's")
+    cfg = {**tiny_config(out), "loggers": [{"type": "TensorBoardLogger", "log_dir": "curves"}]}
+    with pytest.raises(LoggerError, match=rf"TensorBoardLogger log_dir {run / 'curves'} is a "
+                                          rf"file, not a folder; give another log_dir"):
+        Trainer(cfg, run)
+    assert not (run / "config.yaml").exists()  # the folder holds no half-started run
+    assert (run / "curves").read_text() == "a file of the user's"

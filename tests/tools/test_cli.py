@@ -106,12 +106,47 @@ def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
     (finished / "config.yaml").write_text(tiny_config_file.read_text())
     (finished / "checkpoints" / "last.pt").write_bytes(b"a finished run's")
     result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", finished)
-    assert result.returncode == 2 and "already holds a run (config.yaml, checkpoints)" \
-        in result.stderr
+    assert result.returncode == 2 and \
+        "already holds a run (config.yaml, checkpoints/last.pt)" in result.stderr
     result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", finished, "--resume",
                       "--cfg-options", "model.embed_dim=8")
     assert result.returncode == 2 and "model.embed_dim: 16 -> 8" in result.stderr
     assert (finished / "checkpoints" / "last.pt").read_bytes() == b"a finished run's"
+
+
+def test_misleading_inputs_get_messages_that_say_what_happened(tiny_quickstart_run, tmp_path,
+                                                               capsys):
+    run, _ = tiny_quickstart_run
+    finetune, evaluate = load_script("tools/finetune.py"), load_script("tools/evaluate.py")
+    deepspeed_config = str(ROOT / "configs" / "distributed" / "quickstart_zero2.yaml")
+    # a run folder as the config, or as load_from
+    assert finetune.main([str(run), "--print-config"]) == 2
+    assert (f"config {run} is a folder, not a YAML file; a run folder's own config is "
+            f"{run / 'config.yaml'}") in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match=rf"checkpoint {run} is a folder, not a "
+                                                rf"checkpoint file; give a file such as"):
+        load_checkpoint(run)
+    # --deepspeed switches the strategy before the overrides, so DeepSpeed's keys are known
+    assert finetune.main([str(ROOT / "configs" / "quickstart.yaml"), "--deepspeed",
+                          "--print-config", "--cfg-options", "strategy.zero_stage=3"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["strategy"] == {"type": "deepspeed",
+                                                                   "zero_stage": 3}
+    # another type for a component: the whole section, as a YAML flow mapping
+    assert finetune.main([deepspeed_config, "--print-config", "--cfg-options",
+                          "strategy.type=ddp"]) == 2
+    assert ("strategy.type changed the component's type and kept the options of the old one: "
+            "to switch a component, replace its whole section, e.g. --cfg-options "
+            "'strategy={type: NAME, option: value}'") in capsys.readouterr().err
+    assert finetune.main([deepspeed_config, "--print-config", "--cfg-options",
+                          "strategy={type: ddp, bucket_mb: 50}"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["strategy"] == {"type": "ddp",
+                                                                   "bucket_mb": 50}
+    # evaluate with its two paths swapped: said, not torch's weights-only explanation
+    config = run / "config.yaml"
+    assert evaluate.main([str(run / "checkpoints" / "best.pt"), str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{config} is a config, not a checkpoint: a tool that takes both wants [CONFIG] " \
+           f"CHECKPOINT" in err and "weights_only" not in err
 
 
 def load_tool(name: str):
@@ -335,3 +370,51 @@ def test_evaluate_never_writes_its_json_over_a_runs_files(tiny_quickstart_run, t
     first = json.loads(out.read_text())
     assert evaluate.main([str(run), "--device", "cpu", "--out", str(out)]) == 0  # its own: fine
     assert json.loads(out.read_text())["metrics"] == first["metrics"]
+
+
+def test_a_full_disk_stops_training_with_a_sentence(tiny_config_file, tmp_path, capsys,
+                                                    monkeypatch):
+    import errno
+
+    from mmgoal.runs import checkpoint
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    run = tmp_path / "run"
+    finetune = load_script("tools/finetune.py")
+    assert finetune.main([str(tiny_config_file), "--work-dir", str(run), "--cfg-options",
+                          "train.epochs=1"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: could not write {run / 'checkpoints'}" in err
+    assert "(No space left on device); nothing was written" in err and "--resume" in err
+    assert not list((run / "checkpoints").glob(".*.tmp-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [("SIGINT", "SIGINT"), ("SIGTERM",)])
+def test_a_signalled_sweep_ends_with_130_and_a_sentence(tiny_benchmark, tmp_path, signals):
+    import signal
+    import time
+
+    out, _ = tiny_benchmark
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump(tiny_overrides("goal/sweep_synthetic.yaml", out,
+                                                    train={"epochs": 50, "log_every": 1})))
+    sweep = tmp_path / "sweep"
+    process = subprocess.Popen(
+        [sys.executable, "tools/sweep.py", str(config), "--triplet", "con", "--pair", "con",
+         "--seeds", "1", "--out", str(sweep)], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    metrics = sweep / "conxcon" / "default" / "seed0" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)  # training has taken a step
+    for name in signals:
+        process.send_signal(getattr(signal, name))
+        time.sleep(0.3)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    assert "interrupted; the same command continues the sweep" in err

@@ -162,6 +162,11 @@ def test_bad_input_is_explained(test_split, tmp_path, capsys):
     (tmp_path / "photos").mkdir()
     (tmp_path / "empty").mkdir()
     samples[1]["image"].save(tmp_path / "photos" / "a.png")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "b.png").write_bytes(b"not a png at all")
+    with ShardWriter(tmp_path, "nocaptions", max_count=10) as writer:  # images, no caption
+        writer.write({"__key__": "0", "png": (tmp_path / "scene.png").read_bytes(),
+                      "json": b'{"image_id": 0, "captions": []}'})
     query = ["--query", "a red circle", "--device", "cpu"]
     for args, message in [
         (["--images", str(tmp_path / "none-*.tar"), *query],
@@ -177,6 +182,13 @@ def test_bad_input_is_explained(test_split, tmp_path, capsys):
          "error: --texts holds the captions --image ranks"),
         (["--texts", str(tmp_path / "nowhere.txt"), "--image", str(tmp_path / "scene.png")],
          f"error: --texts {tmp_path / 'nowhere.txt'} does not exist"),
+        (["--images", str(tmp_path / "broken"), *query],
+         f"error: image {tmp_path / 'broken' / 'b.png'} cannot be read as an image"),
+        (["--images", shards, "--image", str(tmp_path / "broken" / "b.png"), "--device", "cpu"],
+         f"error: image {tmp_path / 'broken' / 'b.png'} cannot be read as an image"),
+        (["--images", str(tmp_path / "nocaptions-000000.tar"), "--image",
+          str(tmp_path / "scene.png"), "--device", "cpu"],
+         "error: the shards hold no captions for --image to rank"),
     ]:
         assert search_tool.main([str(run), *args]) == 2, args
         assert message in capsys.readouterr().err, args

@@ -43,6 +43,11 @@ def create_timm_backbone(model_name: str, pretrained: str | bool | None = None,
         raise ValueError(
             f"timm has no model {model_name!r}; similar names: {', '.join(close) or 'none'}"
         ) from error
+    except TypeError as error:  # model_kwargs of another model (left after a model_name swap)
+        raise ValueError(f"timm model {model_name!r} does not take model_kwargs "
+                         f"{sorted(model_kwargs or {})} ({error}); they may belong to another "
+                         f"model_name: give {model_name}'s own arguments, or remove "
+                         f"model_kwargs") from error
     if isinstance(pretrained, str):
         load_pretrained(model, pretrained, remap=checkpoint_remap)
     return model
