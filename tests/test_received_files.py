@@ -154,3 +154,14 @@ def test_an_export_claiming_a_huge_model_is_refused_before_allocating_it(tiny_qu
                                          r"differ: image_proj.bias \(16,\) vs \(20000000,\)"):
         mmgoal.load(export, device="cpu")
     assert checked == ["meta"]  # refused on the meta device: the real model was never built
+
+
+def test_a_trusted_custom_import_that_is_missing_is_a_sentence(tiny_quickstart_run, tmp_path,
+                                                               capsys):
+    run, _ = tiny_quickstart_run
+    export = received_export(run, tmp_path, custom_imports=["no_such_plugin_module"])
+    evaluate = load_script("tools/evaluate.py")
+    assert evaluate.main([str(export), "--device", "cpu", "--trust-custom-imports"]) == 2
+    err = capsys.readouterr().err
+    assert "error: custom_imports lists 'no_such_plugin_module', which cannot be imported" in err
+    assert "Traceback" not in err

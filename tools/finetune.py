@@ -31,7 +31,6 @@ from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.runs.checkpoint import CheckpointWriteError  # noqa: E402
 from mmgoal.runs.run_dir import (  # noqa: E402
-    RunFolderLocked,
     has_checkpoint,
     prepare_work_dir,
     record_changes,
@@ -128,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     # ranks of a launch share rank 0's; torchrun ends them when rank 0 is refused).
     main_rank = int(os.environ.get("RANK", "0")) == 0
     wait = args.lock_wait if args.lock_wait is not None else 300.0 if args.auto_resume else 0.0
-    try:
-        with run_lock(work_dir, wait) if main_rank else contextlib.nullcontext():
-            return train(args, cfg, work_dir, main_rank)
-    except RunFolderLocked as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as held:
+        if main_rank:
+            try:
+                held.enter_context(run_lock(work_dir, wait))
+            except ValueError as error:  # in use by another process (RunFolderLocked), a file
+                print(f"error: {error}", file=sys.stderr)
+                return 2
+        return train(args, cfg, work_dir, main_rank)
 
 
 def train(args: argparse.Namespace, cfg: dict, work_dir: Path, main_rank: bool) -> int:

@@ -117,6 +117,13 @@ def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path
                             f"checkpoint (looked for {' and '.join(map(str, candidates))})")
 
 
+def check_is_folder(work_dir: Path) -> None:
+    """A ``ValueError`` when ``work_dir`` exists and is not a folder."""
+    if work_dir.exists() and not work_dir.is_dir():
+        raise ValueError(f"--work-dir {work_dir} is a file; give a run directory (new or an "
+                         f"earlier run's)")
+
+
 class RunFolderLocked(ValueError):
     """Another live process holds the run folder (:func:`run_lock`)."""
 
@@ -137,10 +144,12 @@ def run_lock(work_dir: str | os.PathLike, wait_seconds: float = 0.0) -> Iterator
 
     Raises:
         RunFolderLocked: another process held it for all of ``wait_seconds``.
+        ValueError: ``work_dir`` is a file.
     """
     import fcntl
 
     work_dir = Path(work_dir)
+    check_is_folder(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / LOCK_FILE
     stream = open(path, "a+")
@@ -217,9 +226,7 @@ def prepare_work_dir(work_dir: str | os.PathLike, resume: bool,
             nor ``overwrite`` is given.
     """
     work_dir = Path(work_dir)
-    if work_dir.exists() and not work_dir.is_dir():
-        raise ValueError(f"--work-dir {work_dir} is a file; give a run directory (new or an "
-                         f"earlier run's)")
+    check_is_folder(work_dir)
     if resume:
         return []
     found = existing_run_files(work_dir)

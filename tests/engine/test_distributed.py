@@ -246,9 +246,11 @@ def test_two_rank_checkpoint_is_exported_and_evaluated_by_one_process(setup, tmp
     results = []
     for checkpoint in (exported, root / "single" / "checkpoints" / "last.pt"):
         out = tmp_path / f"{checkpoint.stem}.json"
+        # the config's own plug-in (its data set) is imported when asked for
         ok(subprocess.run([sys.executable, "tools/evaluate.py", str(configs["ranks"]),
-                           str(checkpoint), "--out", str(out)], cwd=ROOT, env=environment(),
-                          capture_output=True, text=True, timeout=120))
+                           str(checkpoint), "--out", str(out), "--trust-custom-imports"],
+                          cwd=ROOT, env=environment(), capture_output=True, text=True,
+                          timeout=120))
         results.append(json.loads(out.read_text()))
     assert results[0]["metrics"] == pytest.approx(results[1]["metrics"], abs=0.1)
 

@@ -226,3 +226,12 @@ def test_roi_regions_do_not_depend_on_the_other_images_of_the_batch():
     by_hand = roi_align(feature_map, [torch.tensor([[16.0, 0.0, 32.0, 16.0]])], 2,
                         spatial_scale=8 / 32, sampling_ratio=2, aligned=True).mean((2, 3))
     torch.testing.assert_close(tokens[1, 2], by_hand[0])
+
+
+def test_timm_model_kwargs_of_another_model_are_a_sentence():
+    # widths belong to mmgoal_small_cnn: left over after model_name became resnet18
+    with pytest.raises(ValueError, match=r"timm model 'resnet18' does not take model_kwargs "
+                                         r"\['widths'\] .*they may belong to another "
+                                         r"model_name"):
+        ENCODERS.build({"type": "TimmImageEncoder", "model_name": "resnet18",
+                        "model_kwargs": {"widths": [8, 16]}})
