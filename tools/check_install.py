@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 import tempfile
 import time
@@ -25,14 +24,13 @@ from pathlib import Path
 
 import yaml
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import mmgoal  # noqa: E402
 from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.synthetic import write_benchmark  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.extras import EXTRAS, pyplot  # noqa: E402
+from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.registry import LOGGERS, STRATEGIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--installed", action="store_true",
                         help="fail unless mmgoal comes from an installed package (not editable)")
+    parser.add_argument("--offline", action="store_true",
+                        help="download nothing: weights, tokenizers and processors come from "
+                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
     args = parser.parse_args(argv)
+    if args.offline:
+        go_offline()
     package = Path(mmgoal.__file__).resolve().parent
     print(f"mmgoal {mmgoal.__version__} from {package}")
     if args.installed and package.is_relative_to(ROOT):

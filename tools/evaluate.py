@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mmgoal import strict_json  # noqa: E402
 from mmgoal.devices import resolve_device  # noqa: E402
 from mmgoal.evaluation.gallery import evaluate_retrieval  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.extras import pyplot  # noqa: E402
+from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.runs.loading import load_for_evaluation  # noqa: E402
 from mmgoal.structures import Member  # noqa: E402
 
@@ -114,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
                              "out otherwise: a file you received must not run code)")
     parser.add_argument("--device", default="auto",
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
+    parser.add_argument("--offline", action="store_true",
+                        help="download nothing: weights, tokenizers and processors come from "
+                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
     args = parser.parse_args(argv)
+    if args.offline:
+        go_offline()
     if len(args.paths) > 2:
         parser.error(f"give [CONFIG] CHECKPOINT, got {len(args.paths)} paths; more checkpoints "
                      f"go after --ensemble")

@@ -19,9 +19,6 @@ import sys
 from pathlib import Path
 
 import yaml
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from mmgoal.config import load_config  # noqa: E402
@@ -29,6 +26,7 @@ from mmgoal.data.pipeline import UnreadableShardsError  # noqa: E402
 from mmgoal.engine.loggers import LoggerError  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
+from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.runs.checkpoint import CheckpointWriteError  # noqa: E402
 from mmgoal.runs.run_dir import (  # noqa: E402
     has_checkpoint,
@@ -73,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "DeepSpeed JSON merged over the config's settings")
     # The deepspeed launcher passes --local_rank=N; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--offline", action="store_true",
+                        help="download nothing: weights, tokenizers and processors come from "
+                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
     return parser.parse_args(argv)
 
 
@@ -105,6 +106,8 @@ def setup_logging() -> None:
 @record  # torchrun shows every failing rank's traceback
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.offline:
+        go_offline()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     setup_logging()

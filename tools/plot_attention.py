@@ -14,11 +14,8 @@ a region that covers the whole image is only named, with its weight.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import webdataset as wds  # noqa: E402
@@ -31,6 +28,7 @@ from mmgoal.data.pipeline import (  # noqa: E402
     transform_image,
 )
 from mmgoal.extras import pyplot  # noqa: E402
+from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.runs.loading import load_for_evaluation  # noqa: E402
 
 
@@ -87,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-custom-imports", action="store_true",
                         help="import the custom_imports the config or checkpoint names (left "
                              "out otherwise: a file you received must not run code)")
+    parser.add_argument("--offline", action="store_true",
+                        help="download nothing: weights, tokenizers and processors come from "
+                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
     args = parser.parse_args(argv)
+    if args.offline:
+        go_offline()
     try:
         plt = pyplot("tools/plot_attention.py")
         loaded = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device="cpu",

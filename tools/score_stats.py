@@ -14,16 +14,14 @@ model has positives and hardest negatives in the same narrow band.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 from mmgoal.data.pipeline import iter_eval_batches  # noqa: E402
 from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
+from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.runs.loading import (  # noqa: E402
     LoadedModel,
     build_from_config,
@@ -73,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-custom-imports", action="store_true",
                         help="import the custom_imports the config or checkpoint names (left "
                              "out otherwise: a file you received must not run code)")
+    parser.add_argument("--offline", action="store_true",
+                        help="download nothing: weights, tokenizers and processors come from "
+                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
     args = parser.parse_args(argv)
+    if args.offline:
+        go_offline()
     for run in args.runs:
         try:
             s = score_stats(Path(run), args.split, args.pairs, args.trust_custom_imports)

