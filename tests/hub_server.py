@@ -31,6 +31,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def respond(self, body: bool) -> None:
         self.server.requests.append((self.command, self.path))
+        if self.path in self.server.hang:
+            time.sleep(3600)  # a server that never answers
         found = self.server.find(self.path)
         if found is None:
             self.send_response(404)
@@ -38,12 +40,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        data = found
-        if self.path in self.server.hang:
-            time.sleep(3600)  # a server that never answers
+        data, status = found, 200
         cut = self.server.cut_once.pop(self.path, None) if body else None
         etag = hashlib.sha256(data).hexdigest()
-        self.send_response(200)
+        asked = self.headers.get("Range", "")
+        if asked.startswith("bytes=") and asked.endswith("-") and self.server.ranges:
+            start = int(asked[len("bytes="):-1])
+            self.server.ranges_served.append((self.path, start))
+            data, status = data[start:], 206
+        self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("ETag", f'"{etag}"')
         self.send_header("X-Repo-Commit", COMMIT)
@@ -65,6 +70,8 @@ class _Server(http.server.ThreadingHTTPServer):
         self.folder: Path | None = None  # served at /files/<name>
         self.cut_once: dict[str, int] = {}  # path -> bytes sent before the connection drops
         self.hang: set[str] = set()
+        self.ranges = True  # honour "Range: bytes=N-" (a resumed read)
+        self.ranges_served: list[tuple[str, int]] = []
         self.requests: list[tuple[str, str]] = []
 
     @property

@@ -173,7 +173,7 @@ def evaluate(args: argparse.Namespace) -> int:
     scoring = dict(cfg["evaluation"])
     if args.rerank_k is not None:
         scoring["rerank_k"] = args.rerank_k
-    metrics = evaluate_retrieval(members, split_cfg["shards"],
+    metrics = evaluate_retrieval(members, split_cfg["shards"], caption_key=split_cfg["caption_key"],
                                  batch_size=cfg["data"]["eval_batch_size"], folds=folds,
                                  scoring=scoring)
     name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)

@@ -36,6 +36,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from mmgoal.data.remote import RETRIES, TIMEOUT, is_remote, shard_sizes, tar_samples
 from mmgoal.registry import DATASETS, TEXT_AUGMENTS
 
 logger = logging.getLogger(__name__)
@@ -153,16 +154,26 @@ class UnreadablePassCheck:
 
 
 def expand_shards(shards: str | Sequence[str]) -> list[str]:
-    """Shard paths from brace patterns (``a-{000..009}.tar``), globs or lists.
+    """Shard paths and URLs from brace patterns (``a-{000..009}.tar``), globs or lists.
+
+    A local shard must exist; an ``http(s)://`` URL or a ``pipe:`` command
+    (:mod:`mmgoal.data.remote`) is taken as it is, read when the pipeline reads it.
 
     Raises:
         FileNotFoundError: a pattern matches no file, or a listed shard is missing.
+        ValueError: a glob in a URL or command (a store cannot be listed: use braces).
     """
     patterns = [shards] if isinstance(shards, str) else list(shards)
     paths: list[str] = []
     for pattern in patterns:
         for expanded in braceexpand.braceexpand(str(pattern)):
-            if any(c in expanded for c in "*?["):
+            if is_remote(expanded):
+                if any(c in expanded for c in "*?[") and not expanded.startswith("pipe:"):
+                    raise ValueError(f"shard URL {expanded!r} holds a glob, which a remote "
+                                     f"store cannot expand; name the shards with a brace "
+                                     f"pattern (train-{{000000..000099}}.tar)")
+                paths.append(expanded)
+            elif any(c in expanded for c in "*?["):
                 matches = sorted(glob.glob(expanded))
                 if not matches:
                     raise FileNotFoundError(f"shard pattern {expanded!r} matches no file")
@@ -182,8 +193,11 @@ def expand_shards(shards: str | Sequence[str]) -> list[str]:
 def shard_listing(shards: str | Sequence[str]) -> list[list]:
     """``[[file name, bytes], ...]`` of a split's shards: what a report records of the test
     set it was measured on, so that runs on other test sets are never compared
-    (tools/compare_runs.py); the names only, so a data set moved elsewhere still matches."""
-    return [[Path(path).name, Path(path).stat().st_size] for path in expand_shards(shards)]
+    (tools/compare_runs.py); the names only, so a data set moved elsewhere still matches
+    (a remote shard's size is not asked for: None)."""
+    return [[str(path).rsplit("/", 1)[-1],  # a pipe: command's shard: its last path part
+             None if is_remote(path) else Path(path).stat().st_size]
+            for path in expand_shards(shards)]
 
 
 def entity_boxes(meta: dict) -> list[list[float]]:
@@ -393,6 +407,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
             ``{type: TokenAugment, p: 0.2}``.
         caption_key: read one caption per sample from this member (``txt`` for
             img2dataset / open_clip shards) instead of the JSON's ``captions``.
+        retries: reads of a remote shard (URL, ``pipe:``) after one fails, each after
+            a doubling pause, before it is skipped and counted (:mod:`mmgoal.data.remote`).
+        timeout: seconds a remote read may wait for data.
         resampled: draw training shards with replacement (each rank and worker
             from its own seeded, epoch-dependent stream) instead of splitting them;
             any number of shards then feeds any number of readers, and an epoch
@@ -407,12 +424,14 @@ class ShardDataset(torch.utils.data.IterableDataset):
                  transform: Callable, training: bool = True, expand_captions: bool = False,
                  shuffle_buffer: int = 2000, seed: int = 0,
                  text_augment: dict | None = None, resampled: bool = False,
-                 caption_key: str | None = None) -> None:
+                 caption_key: str | None = None, retries: int = RETRIES,
+                 timeout: float = TIMEOUT) -> None:
         super().__init__()
         self.shards = shards
         if batch_size < 1:
             raise ValueError(f"data.train.batch_size must be at least 1, got {batch_size}")
         self.urls = expand_shards(shards)
+        self.retries, self.timeout = retries, timeout
         self.batch_size = batch_size
         self.tokenizer = tokenizer
         self.transform = transform
@@ -431,8 +450,24 @@ class ShardDataset(torch.utils.data.IterableDataset):
         """Training samples in one pass over the shards: images, or captions when expanded.
 
         Read from the tar headers (images) or the JSON members (captions); no
-        image is decoded.
+        image is decoded. Remote shards are not read for it: their ``sizes.json``
+        or img2dataset stats say how many images they hold.
+
+        Raises:
+            ValueError: remote shards that say nothing of their size (or captions to
+                count), naming the three ways to say it.
         """
+        if any(is_remote(url) for url in self.urls):
+            sizes = None if self.expand_captions else shard_sizes(self.urls, self.timeout)
+            if sizes is None:
+                counted = "captions" if self.expand_captions else "samples"
+                raise ValueError(
+                    f"the {counted} of the remote shards {self.shards!r} are not known without "
+                    f"reading the whole data set: put a sizes.json beside the shards "
+                    f"({{\"train-000000.tar\": 10000, ...}}, as webdataset and open_clip "
+                    f"read it), keep img2dataset's <shard>_stats.json beside them, or set "
+                    f"train.samples_per_epoch")
+            return sum(sizes)
         if self.expand_captions:
             return len(read_captions(self.urls, self.caption_key))
         total = 0
@@ -512,13 +547,14 @@ class ShardDataset(torch.utils.data.IterableDataset):
             stages: list = [lambda: self.shard_stream(check)]
             if not self.resampled:
                 stages += [wds.split_by_node, wds.split_by_worker]
-            stages += [wds.tarfile_to_samples(handler=handler), check.tag,
+            stages += [tar_samples(handler, retries=self.retries, timeout=self.timeout),
+                       check.tag,
                        wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
                                    rng=self._rng(1)),
                        check.settle]
         else:
             stages = [wds.SimpleShardList(self.urls), wds.split_by_node, wds.split_by_worker,
-                      wds.tarfile_to_samples(handler=handler)]
+                      tar_samples(handler, retries=self.retries, timeout=self.timeout)]
         stages += [
             wds.map(functools.partial(decode_sample, caption_key=self.caption_key),
                     handler=handler),
@@ -534,8 +570,10 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
 
 def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: int,
-                      counter: SkipCounter | None = None) -> Iterator[dict]:
-    """Evaluation batches in shard order, one sample per image with all its captions.
+                      counter: SkipCounter | None = None,
+                      caption_key: str | None = None) -> Iterator[dict]:
+    """Evaluation batches in shard order, one sample per image with all its captions
+    (``caption_key``: its one caption from that member, as img2dataset's ``txt``).
 
     Yields:
         ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...],
@@ -545,8 +583,8 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
     counter = counter or SkipCounter()
     pipeline = wds.DataPipeline(
         wds.SimpleShardList(expand_shards(shards)),
-        wds.tarfile_to_samples(handler=counter),
-        wds.map(decode_sample, handler=counter),
+        tar_samples(counter),
+        wds.map(functools.partial(decode_sample, caption_key=caption_key), handler=counter),
         wds.map(lambda s: transform_image(s, transform), handler=counter),
         wds.batched(batch_size, partial=True, collation_fn=lambda samples: {
             **collate_visual(samples),
@@ -569,7 +607,7 @@ def read_captions(shards: str | list[str], caption_key: str | None = None) -> li
     suffix = f".{caption_key or 'json'}"
     for sample in wds.DataPipeline(
         wds.SimpleShardList(expand_shards(shards)),
-        wds.tarfile_to_samples(handler=counter, select_files=lambda name: name.endswith(suffix)),
+        tar_samples(counter, select_files=lambda name: name.endswith(suffix)),
     ):
         try:
             if caption_key is None:

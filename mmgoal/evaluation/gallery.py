@@ -82,7 +82,8 @@ def _keep_tokens(model: torch.nn.Module, features, keep: bool):
 @torch.no_grad()
 def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: Callable,
                    tokenizer: Callable, batch_size: int = 256, progress: bool = True,
-                   with_annotations: bool = False, keep_tokens: bool = False) -> Gallery:
+                   with_annotations: bool = False, keep_tokens: bool = False,
+                   caption_key: str | None = None) -> Gallery:
     """Encode every image and caption of the shards, in shard order, on the model's device.
 
     Each image id is one image of the gallery, as in training's positives and the
@@ -92,7 +93,8 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     not have yet become the image's, and a warning says how many there were.
 
     ``with_annotations`` also keeps entities and region boxes (attention metrics);
-    ``keep_tokens`` keeps every token (ITM re-ranking).
+    ``keep_tokens`` keeps every token (ITM re-ranking); ``caption_key`` reads each
+    sample's one caption from that member (img2dataset's ``txt``).
     """
     was_training = model.training
     model.eval()
@@ -104,7 +106,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     known: dict = {}  # image id -> (its index in the gallery, the set of its captions)
     encoder = getattr(model, "image_encoder", None)
     boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
-    for batch in tqdm(iter_eval_batches(shards, transform, batch_size, counter),
+    for batch in tqdm(iter_eval_batches(shards, transform, batch_size, counter, caption_key),
                       desc="encode images", unit="batch", disable=not progress, leave=False):
         rows = _add_samples(gallery, batch, known, text_to_image)
         if not rows:
@@ -243,14 +245,15 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
 
 
 def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch_size: int = 256,
-                       scoring: ScoringConfig | dict | None = None, progress: bool = True
-                       ) -> tuple[torch.Tensor, Gallery]:
+                       scoring: ScoringConfig | dict | None = None, progress: bool = True,
+                       caption_key: str | None = None) -> tuple[torch.Tensor, Gallery]:
     """The mean score matrix of the members (one member: its own) and the first's gallery."""
     scoring = ScoringConfig.of(scoring)
     total, first = None, None
     for member in members:
         gallery = encode_gallery(member.model, shards, member.transform, member.tokenizer,
-                                 batch_size, progress, keep_tokens=scoring.rerank_k > 0)
+                                 batch_size, progress, keep_tokens=scoring.rerank_k > 0,
+                                 caption_key=caption_key)
         sims = score_gallery(member.model, gallery.images, gallery.texts,
                              scoring.block_images, scoring.max_block_mb, progress,
                              scoring.matmul_precision)
@@ -266,7 +269,8 @@ def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch
 def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | list[str],
                        transform: Callable | None = None, tokenizer: Callable | None = None,
                        batch_size: int = 256, folds: int = 1, progress: bool = True,
-                       scoring: ScoringConfig | dict | None = None) -> dict[str, float]:
+                       scoring: ScoringConfig | dict | None = None,
+                       caption_key: str | None = None) -> dict[str, float]:
     """Retrieval metrics on a gallery of shards (plus ``skipped`` samples).
 
     Args:
@@ -279,7 +283,8 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
     scoring = ScoringConfig.of(scoring)
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
         else list(model)
-    sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress)
+    sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress,
+                                       caption_key)
     if scoring.rerank_k <= 0:
         metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
         metrics["skipped"] = gallery.skipped

@@ -137,8 +137,9 @@ class SplitConfig(ConfigSection):
     """``data.val`` / ``data.test``: an evaluation gallery."""
 
     MINIMUM: ClassVar[dict[str, float]] = {"folds": 1}
-    shards: str | list[str]
+    shards: str | list[str]  # local files, http(s):// URLs or pipe: commands
     folds: int = 1  # COCO 1K: 5 folds of the 5K test images, metrics averaged
+    caption_key: str | None = None  # one caption per sample from this member (txt)
 
 
 @dataclass

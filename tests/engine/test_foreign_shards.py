@@ -1,4 +1,4 @@
-"""Shards in the img2dataset / open_clip layout (jpg + txt + json) train like ours."""
+"""Shards in the img2dataset / open_clip layout (jpg + txt + json) train and evaluate like ours."""
 
 import io
 import json
@@ -32,12 +32,15 @@ def test_img2dataset_shards_train_the_quickstart_model(tiny_benchmark, tmp_path)
     cfg = tiny_config(out, epochs=1)
     cfg["data"]["train"] = {"type": "ShardDataset", "shards": str(folder / "{00000..00001}.tar"),
                             "batch_size": 8, "caption_key": "txt"}
+    # evaluated on them too: one caption each from the .txt, image ids from the keys
+    cfg["data"]["test"] = {"shards": str(folder / "00001.tar"), "caption_key": "txt"}
     trainer = Trainer(cfg, tmp_path / "run")
     assert trainer.steps_per_epoch == 48 // 8
     assert trainer.tokenizer.words == WordTokenizer().fit(captions).words  # from the .txt
     report = trainer.fit()
     assert report["steps"] == 6 and report["skipped_samples"] == 0
-    assert np.isfinite(report["test"]["rsum"])
+    assert np.isfinite(report["test"]["rsum"]) and report["test"]["skipped"] == 0
+    assert report["test_set"] == [["00001.tar", (folder / "00001.tar").stat().st_size]]
 
     # the same web shards mixed 1:1 with the benchmark's own: counts per source in the log
     cfg = tiny_config(out, epochs=1, samples_per_epoch=48, log_every=2)

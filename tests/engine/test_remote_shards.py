@@ -1,0 +1,156 @@
+"""Shards over HTTP and through pipe: commands train and evaluate as local ones; a flaky
+store is retried (mmgoal/data/remote.py).
+
+The store is a server on 127.0.0.1 (tests/hub_server.py) serving the tiny benchmark's
+shards, which can cut a shard short once or never answer.
+"""
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+from hub_server import serving
+from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
+
+import mmgoal
+from mmgoal.data.pipeline import ShardDataset, UnreadableShardsError, expand_shards
+from mmgoal.data.tokenizers import WordTokenizer
+from mmgoal.data.transforms import build_transforms
+from mmgoal.engine.trainer import Trainer
+from mmgoal.evaluation.gallery import evaluate_retrieval
+
+TRAIN = "train-{000000..000002}.tar"
+
+
+@pytest.fixture(scope="module")
+def store(tiny_benchmark):
+    """The tiny benchmark's shards served over HTTP, with a sizes.json beside them."""
+    out, summary = tiny_benchmark
+    sizes = {shard: dataset(str(out / shard)).num_samples()
+             for split in summary["splits"].values() for shard in split["shards"]}
+    (out / "sizes.json").write_text(json.dumps(sizes))
+    with serving() as server:
+        server.folder = out
+        yield server, out
+
+
+def dataset(shards, training=False, **options):
+    return ShardDataset(shards, batch_size=8, tokenizer=WordTokenizer().fit(["a red circle"]),
+                        transform=build_transforms(None, 32), training=training,
+                        shuffle_buffer=16, **options)
+
+
+def batches(data, count=None):
+    taken = []
+    for batch in data:
+        taken.append(batch)
+        if count is not None and len(taken) == count:
+            break
+    return taken
+
+
+def same_batches(a, b):
+    assert [x["image_ids"] for x in a] == [x["image_ids"] for x in b]
+    assert all(torch.equal(x["images"], y["images"]) and torch.equal(x["tokens"], y["tokens"])
+               for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("scheme", ["http", "pipe"])
+def test_remote_shards_stream_the_samples_of_the_local_ones(store, scheme):
+    server, out = store
+    remote = f"{server.url}/files/{TRAIN}" if scheme == "http" \
+        else f"pipe:cat {out}/{TRAIN}"
+    local = str(out / TRAIN)
+    assert len(expand_shards(remote)) == 3
+    # evaluation order, and the training stream (shuffled, seeded, endless): sample for sample
+    same_batches(batches(dataset(local)), batches(dataset(remote)))
+    same_batches(batches(dataset(local, training=True), 30),
+                 batches(dataset(remote, training=True), 30))
+    if scheme == "http":  # its size from sizes.json beside the shards, nothing read
+        requests = len(server.requests)
+        assert dataset(remote).num_samples() == dataset(local).num_samples() == 96
+        assert all("sizes.json" in path for _, path in server.requests[requests:])
+    else:
+        with pytest.raises(ValueError, match=r"are not known without reading the whole data "
+                                             r"set: put a sizes.json beside the shards .*, keep "
+                                             r"img2dataset's <shard>_stats.json beside them, or "
+                                             r"set train.samples_per_epoch"):
+            dataset(remote).num_samples()
+
+
+def test_training_and_evaluation_over_http_give_the_local_metrics(store, tmp_path):
+    server, out = store
+    local = tiny_config(out, epochs=1)
+    remote = tiny_config(out, epochs=1)
+    remote["data"]["train"]["shards"] = f"{server.url}/files/{TRAIN}"
+    remote["data"]["val"]["shards"] = f"{server.url}/files/val-000000.tar"
+    remote["data"]["test"]["shards"] = f"pipe:cat {out}/test-{{000000..000001}}.tar"
+    reports = [Trainer(cfg, tmp_path / name).fit() for name, cfg in
+               (("local", local), ("remote", remote))]
+    for key in ("test", "best", "steps"):
+        assert reports[0][key] == reports[1][key], key
+    losses = [[json.loads(line).get("loss") for line in
+               (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+              for name in ("local", "remote")]
+    assert losses[0] == losses[1]
+    model = mmgoal.load(tmp_path / "local", device="cpu")
+    metrics = [evaluate_retrieval(model.model, shards, model.transform, model.tokenizer,
+                                  progress=False)
+               for shards in (str(out / "test-{000000..000001}.tar"),
+                              f"{server.url}/files/test-{{000000..000001}}.tar")]
+    assert metrics[0] == metrics[1]
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_a_shard_that_breaks_once_is_resumed_where_it_broke(store, caplog, ranges, monkeypatch):
+    server, out = store
+    monkeypatch.setattr(server, "ranges", ranges)
+    url, path = f"{server.url}/files/train-000001.tar", "/files/train-000001.tar"
+    half = (out / "train-000001.tar").stat().st_size // 2
+    server.cut_once[path] = half
+    server.ranges_served.clear()
+    with caplog.at_level(logging.WARNING):
+        data = dataset(url, retries=2)
+        got = batches(data)
+    same_batches(batches(dataset(str(out / "train-000001.tar"))), got)
+    assert data.counter.total == 0  # nothing lost, nothing twice
+    assert f"shard {url}: read failed at byte" in caplog.text and "retry 1 of 2" in caplog.text
+    # resumed at the byte where it broke (or, without Range, read again and skipped to it)
+    assert server.ranges_served == ([(path, half)] if ranges else [])
+
+
+def test_a_shard_that_never_answers_is_bounded_and_said(store, caplog):
+    server, out = store
+    server.hang.add("/files/never.tar")
+    hanging = f"{server.url}/files/never.tar"
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        data = dataset([hanging, str(out / "val-000000.tar")], retries=1, timeout=0.5)
+        got = batches(data)
+    assert time.monotonic() - start < 30  # two half-second waits and a pause, not an hour
+    assert sum(len(b["image_ids"]) for b in got) == 32  # the readable shard is read
+    assert data.counter.counts["ShardReadError"] == 1
+    assert (f"shard {hanging} could not be read after 2 attempt(s), at byte 0: no data for "
+            f"0.5 s") in data.counter.summary()
+    # training on it alone: a pass without a readable sample stops the reader, with the why
+    with pytest.raises(UnreadableShardsError, match="no data for 0.5 s"):
+        batches(dataset(hanging, training=True, retries=0, timeout=0.5), 1)
+
+
+def test_a_failing_command_and_img2dataset_stats_say_what_they_say(store, tmp_path):
+    server, out = store
+    failing = dataset("pipe:cat /nowhere/train-000000.tar", retries=0)
+    assert batches(failing) == []
+    assert "the command exited with status 1" in failing.counter.summary()
+    # img2dataset writes <shard>_stats.json beside each shard: its successes are the size
+    (out / "train-000000_stats.json").write_text(json.dumps({"successes": 32, "failed": 3}))
+    sizes = out / "sizes.json"
+    saved = sizes.read_text()
+    sizes.unlink()
+    try:
+        assert dataset(f"{server.url}/files/train-000000.tar").num_samples() == 32
+    finally:
+        sizes.write_text(saved)
+        (out / "train-000000_stats.json").unlink()
