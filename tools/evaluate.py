@@ -14,6 +14,8 @@
     python tools/evaluate.py configs/xvlm/xvlm_tiny_synthetic.yaml CKPT --rerank-k 16
     # encoding and scoring run on the GPU when there is one (--device cpu to stay on the CPU)
     python tools/evaluate.py CONFIG CKPT --device cuda:1
+    # zero-shot: a config alone, with the pretrained weights its model names (a CLIP tag)
+    python tools/evaluate.py configs/clip/clip_vit_b_32_coco.yaml --out zero_shot.json
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from mmgoal.evaluation.gallery import evaluate_retrieval  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.extras import pyplot  # noqa: E402
 from mmgoal.paths import go_offline  # noqa: E402
-from mmgoal.runs.loading import load_for_evaluation  # noqa: E402
+from mmgoal.runs.loading import load_for_evaluation, load_zero_shot  # noqa: E402
 from mmgoal.structures import Member  # noqa: E402
 
 
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", metavar="[CONFIG] CHECKPOINT",
                         help="a checkpoint (best.pt, last.pt, an export) or a run directory "
                              "(its best checkpoint, else its latest), built with the config "
-                             "saved inside it or with CONFIG given before it")
+                             "saved inside it or with CONFIG given before it; a CONFIG alone "
+                             "evaluates the pretrained weights its model names (zero-shot)")
     parser.add_argument("--split", default="test", choices=("val", "test"))
     parser.add_argument("--folds", type=int, default=None,
                         help="average over N consecutive image folds (5 for COCO 1K)")
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"give [CONFIG] CHECKPOINT, got {len(args.paths)} paths; more checkpoints "
                      f"go after --ensemble")
     args.config, args.checkpoint = ([None] + args.paths)[-2:]
+    if args.config is None and Path(args.checkpoint).suffix in (".yaml", ".yml"):
+        args.config, args.checkpoint = args.checkpoint, None  # zero-shot: a config alone
     try:
         return evaluate(args)
     except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: custom_imports
@@ -159,8 +164,14 @@ def evaluate(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--entities {args.entities}: no Sentences/ folder there")
     device = resolve_device(args.device, name="--device")
     trust = args.trust_custom_imports
-    first = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device,
-                                trust_custom_imports=trust)
+    if args.checkpoint is None:
+        first, source = load_zero_shot(args.config, args.cfg_options, device,
+                                       trust_custom_imports=trust)
+        print(f"zero-shot: {args.config} with the weights its model sections name ({source}), "
+              f"no checkpoint")
+    else:
+        first = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device,
+                                    trust_custom_imports=trust)
     # every ensemble member is built from the config saved inside its checkpoint
     members = [first] + [load_for_evaluation(path, device=device, trust_custom_imports=trust)
                          for path in args.ensemble]
@@ -168,7 +179,8 @@ def evaluate(args: argparse.Namespace) -> int:
     split_cfg = cfg["data"].get(args.split)
     if not split_cfg:
         raise ValueError(f"the config has no data.{args.split} section")
-    args.checkpoint = str(first.checkpoint)  # a run directory's checkpoint file
+    # a run directory's checkpoint file; zero-shot: the config
+    args.checkpoint = str(first.checkpoint or args.config)
     folds = args.folds or split_cfg["folds"]
     scoring = dict(cfg["evaluation"])
     if args.rerank_k is not None:
@@ -199,6 +211,8 @@ def evaluate(args: argparse.Namespace) -> int:
         except ImportError as error:  # the metrics need no matplotlib: report and go on
             print(f"no PR curve: {error}", file=sys.stderr)
         result["attention"] = report.as_dict()
+    if first.checkpoint is None and not args.out:  # zero-shot: nothing written beside a config
+        return 0
     out = Path(args.out or f"{args.checkpoint}.{args.split}.json")
     check_out(out)
     out.write_text(strict_json.dumps(result, indent=2))

@@ -1,11 +1,16 @@
-"""Export a run's weights as one plain file that a single process loads.
+"""Export a run's weights as one plain file that a single process loads, or in the folder
+layout of open_clip or Hugging Face transformers, for the code and hubs that load those.
 
     python tools/export.py work_dirs/run1 --out run1.pt            # latest checkpoint
     python tools/export.py work_dirs/run1 --best --out run1_best.pt
     python tools/export.py work_dirs/run1 --best --out run1.safetensors
     python tools/evaluate.py run1.pt           # the config travels inside the file
+    python tools/export.py work_dirs/clip --best --format open_clip --out clip_goal/
+    python tools/export.py work_dirs/hfclip --best --format hf --out hfclip_goal/
 
-and from Python ``mmgoal.load("run1.safetensors")``.
+and from Python ``mmgoal.load("run1.safetensors")``; ``open_clip.create_model_and_transforms(
+"local-dir:clip_goal")``; ``transformers.AutoModel.from_pretrained("hfclip_goal")``
+(docs/models.md, "Take a fine-tuned model elsewhere").
 
 Whatever strategy wrote the run (one process, ``torchrun``, DeepSpeed ZeRO 0-3,
 bf16), the file holds the float32 model weights, the tokenizer and the config:
@@ -18,6 +23,14 @@ JSON in the file's metadata.
 ``--out`` is a new file or an earlier export: a run's own checkpoints (best.pt,
 last.pt) and other files are never overwritten, and weights holding NaN/inf
 (written by an older mmgoal as its run diverged) are refused.
+
+``--format open_clip`` (``OpenCLIP`` runs) writes open_clip's own folder:
+``open_clip_config.json`` (the run's ``model_cfg``, ``model_kwargs`` included, and its
+``preprocess_cfg``) and ``open_clip_model.safetensors``, as open_clip's
+``push_to_hf_hub`` lays them out. ``--format hf`` (``HFCLIP`` runs) writes a
+``save_pretrained`` folder with the run's image processor and tokenizer. ``--out`` is
+then a new or empty folder, or an earlier export of that format. A model family with
+no outside format (VSE, SCAN, X-VLM) is an error that names the formats it has.
 """
 
 from __future__ import annotations
@@ -76,19 +89,71 @@ def export(source: Path, out: Path, best: bool = False) -> dict:
             "parameters": sum(v.numel() for v in weights.values())}
 
 
+# --format -> the file an earlier export of that format holds in its folder
+FOLDER_FORMATS = {"open_clip": "open_clip_config.json", "hf": "config.json"}
+
+
+def check_out_folder(out: Path, fmt: str) -> None:
+    """Refuse an ``--out`` for a folder format that is a file, or a folder holding anything
+    but an earlier export of that format."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; --format {fmt} writes a folder: give a new "
+                         f"folder name")
+    if out.is_dir() and any(out.iterdir()) and not (out / FOLDER_FORMATS[fmt]).is_file():
+        raise ValueError(f"--out {out} is a folder holding other files, not an earlier "
+                         f"--format {fmt} export, so nothing is written into it; give a new "
+                         f"or empty folder")
+
+
+def export_folder(source: Path, out: Path, fmt: str, best: bool = False,
+                  trust_custom_imports: bool = False) -> dict:
+    """Write the model of ``source`` in ``fmt``'s folder layout (the family's ``export_to``).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``source``.
+        ValueError: a bad ``out``, or a model family without that format.
+    """
+    from mmgoal.runs.loading import load_for_evaluation
+
+    check_out_folder(out, fmt)
+    path = weights_file(source, "best" if best else "latest")
+    loaded = load_for_evaluation(path, device="cpu", trust_custom_imports=trust_custom_imports)
+    formats = getattr(type(loaded.model), "EXPORT_FORMATS", ())
+    if fmt not in formats:
+        others = ", ".join(["mmgoal", *formats])
+        raise ValueError(f"a {type(loaded.model).__name__} model has no {fmt} format: it is "
+                         f"exported as {others} (--format); open_clip's layout is for "
+                         f"OpenCLIP runs, Hugging Face's for HFCLIP runs")
+    written = loaded.model.export_to(fmt, out, loaded.tokenizer, loaded.transform)
+    return {"source": str(path), "files": written}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("source", type=Path, help="run directory or checkpoint file")
     parser.add_argument("--out", type=Path, required=True,
-                        help="file to write (new, or an earlier export)")
+                        help="file to write (new, or an earlier export); a folder for "
+                             "--format open_clip and hf")
     parser.add_argument("--best", action="store_true", help="the best epoch, not the latest")
+    parser.add_argument("--format", default="mmgoal", choices=["mmgoal", *FOLDER_FORMATS],
+                        help="mmgoal's own file (default), open_clip's folder (OpenCLIP "
+                             "runs) or a Hugging Face save_pretrained folder (HFCLIP runs)")
+    parser.add_argument("--trust-custom-imports", action="store_true",
+                        help="with --format open_clip/hf: import the custom_imports the run's "
+                             "config names (the model is built)")
     args = parser.parse_args(argv)
     try:
+        if args.format != "mmgoal":
+            summary = export_folder(args.source, args.out, args.format, args.best,
+                                    args.trust_custom_imports)
+            print(f"{args.out}: {', '.join(summary['files'])} ({args.format}) from "
+                  f"{summary['source']}")
+            return 0
         summary = export(args.source, args.out, args.best)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a plug-in
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except CheckpointWriteError as error:  # a full disk: --out is untouched
+    except (CheckpointWriteError, OSError) as error:  # a full disk: --out is untouched
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "

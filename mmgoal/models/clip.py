@@ -30,6 +30,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,8 @@ OPEN_CLIP_HUB_FILE = "open_clip_pytorch_model.bin"
 OPEN_CLIP_HUB_SAFE_FILE = "open_clip_model.safetensors"
 # A model folder or hub entry in open_clip's layout (OPEN_CLIP_CONFIG and the weights)
 SCHEMES = ("hf-hub:", "local-dir:")
+# what open_clip's push_to_hf_hub writes of the preprocessing into OPEN_CLIP_CONFIG
+PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode")
 
 
 # ------------------------------------------------------------------------------ open_clip
@@ -322,8 +325,50 @@ class OpenCLIP(nn.Module):
                              f"they may belong to another architecture: give the "
                              f"{model_name} keys, or remove model_kwargs") from error
         self.model_name = model_name
+        self.architecture = architecture  # the model_cfg it was built with, model_kwargs in
+        self.tag = pretrained if tag_cfg else None  # whose preprocessing the model reads
         if grad_checkpointing:
             enable_grad_checkpointing(self)
+
+    # the formats tools/export.py --format writes for this family (besides mmgoal's own)
+    EXPORT_FORMATS = ("open_clip",)
+
+    @classmethod
+    def pretrained_weights(cls, cfg: dict) -> str | None:
+        """What the config's section loads weights from (zero-shot evaluation asks): its
+        ``pretrained`` file or tag, or its ``hf-hub:``/``local-dir:`` model; None: random."""
+        if str(cfg.get("model_name", "")).startswith(SCHEMES):
+            return cfg["model_name"]
+        return cfg.get("pretrained")
+
+    def export_to(self, fmt: str, folder: Path, tokenizer: Any, transform: Any) -> list[str]:
+        """Write the model in open_clip's own folder layout (``fmt`` ``open_clip``):
+        ``open_clip_config.json`` (the ``model_cfg`` it was built with, ``model_kwargs``
+        included, and its ``preprocess_cfg``) and ``open_clip_model.safetensors``, which
+        ``open_clip.create_model_and_transforms("local-dir:FOLDER")`` and
+        ``open_clip.get_tokenizer("local-dir:FOLDER")`` load (and the hub, uploaded), as
+        open_clip's ``push_to_hf_hub`` writes them; a Hugging Face tokenizer is saved
+        beside them. Returns the files written."""
+        from open_clip.transform import PreprocessCfg, merge_preprocess_dict
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().float().contiguous() if v.is_floating_point() else v
+                   for k, v in self.model.state_dict().items()},
+                  str(folder / OPEN_CLIP_HUB_SAFE_FILE))
+        # the preprocessing mmgoal trained and evaluated with (a tag's statistics: open_clip
+        # did not see the tag, mmgoal handed it the tag's file)
+        preprocess = merge_preprocess_dict(PreprocessCfg(),
+                                           open_clip_preprocess(self.model_name, self.tag))
+        (folder / OPEN_CLIP_CONFIG).write_text(json.dumps({
+            "model_cfg": self.architecture,
+            "preprocess_cfg": {key: preprocess[key] for key in PREPROCESS_KEYS}}, indent=2))
+        written = [OPEN_CLIP_CONFIG, OPEN_CLIP_HUB_SAFE_FILE]
+        inner = getattr(tokenizer, "tokenizer", None)
+        if hasattr(inner, "save_pretrained"):  # SigLIP's, an HF text tower's; CLIP's BPE ships
+            inner.save_pretrained(str(folder))
+            written.append("the tokenizer's files")
+        return written
 
     @classmethod
     def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:
@@ -441,6 +486,37 @@ class HFCLIP(nn.Module):
         hf_model_type(self.model.config)
         if grad_checkpointing:
             enable_grad_checkpointing(self)
+
+    # the formats tools/export.py --format writes for this family (besides mmgoal's own)
+    EXPORT_FORMATS = ("hf",)
+
+    @classmethod
+    def pretrained_weights(cls, cfg: dict) -> str | None:
+        """What the config's section loads weights from: its ``path``; None: a ``config``."""
+        return cfg.get("path")
+
+    def export_to(self, fmt: str, folder: Path, tokenizer: Any, transform: Any) -> list[str]:
+        """Write a ``save_pretrained`` folder (``fmt`` ``hf``): the model, with the run's image
+        processor and tokenizer, which ``AutoModel.from_pretrained(FOLDER)``,
+        ``AutoImageProcessor`` and ``AutoTokenizer`` (``AutoProcessor`` where transformers
+        pairs the two) load. Returns the files written.
+
+        Raises:
+            ValueError: the run's tokenizer or image transform is not a Hugging Face one.
+        """
+        processor = next((step for step in getattr(transform, "transforms", [transform])
+                          if isinstance(step, HFImageProcessor)), None)
+        hf_tokenizer = getattr(tokenizer, "tokenizer", None)
+        if processor is None or not hasattr(hf_tokenizer, "save_pretrained"):
+            raise ValueError("a Hugging Face folder needs the run's image processor and "
+                             "tokenizer to be Hugging Face ones (HFCLIP's own from its path, "
+                             "or HFImageProcessor and HFTokenizer in data); this run's are "
+                             f"{type(transform).__name__} and {type(tokenizer).__name__}")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(folder))
+        processor.processor.save_pretrained(str(folder))
+        hf_tokenizer.save_pretrained(str(folder))
+        return sorted(p.name for p in folder.iterdir())
 
     @classmethod
     def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.models.efficiency import enable_grad_checkpointing
+from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
 from mmgoal.sequences import length_mask
 from mmgoal.structures import ImageFeatures, Preprocessing, TextFeatures
@@ -95,6 +96,11 @@ class DualEncoder(nn.Module):
         self.embed_dim = embed_dim
         if grad_checkpointing:
             enable_grad_checkpointing(self)
+
+    @classmethod
+    def pretrained_weights(cls, cfg: dict) -> str | None:
+        """The towers' weights files and hub names (zero-shot evaluation asks)."""
+        return tower_weights(cfg.get("image_encoder"), cfg.get("text_encoder"))
 
     @classmethod
     def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:

@@ -152,3 +152,12 @@ def load_pretrained(model: nn.Module, path: str | Path, remap: str = "auto") -> 
         logger.info("%s: ignored %d checkpoint key(s) the model does not have: %s",
                     path.name, len(ignored), ", ".join(ignored[:10]))
     return {"remap": name, "ignored": ignored}
+
+
+def tower_weights(*towers: dict | None) -> str | None:
+    """What the tower configs of a model load weights from: a timm tower's ``pretrained``
+    file (or ``true``: timm's own), an HF tower's ``model_path``; None when none does
+    (random weights, which zero-shot evaluation refuses)."""
+    found = [str(tower[key]) for tower in towers if isinstance(tower, dict)
+             for key in ("pretrained", "model_path") if tower.get(key)]
+    return ", ".join(found) or None

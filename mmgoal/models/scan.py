@@ -22,6 +22,7 @@ from mmgoal.models.layers.cross_attention import (
     scan_similarity,
 )
 from mmgoal.models.layers.gpo import MeanPool
+from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import ENCODERS, MODELS
 from mmgoal.sequences import length_mask
 from mmgoal.structures import Attention, ImageFeatures, TextFeatures
@@ -68,6 +69,11 @@ class SCAN(nn.Module):
     """
 
     similarity_uses_tokens = True  # the gallery keeps every region and word for scoring
+
+    @classmethod
+    def pretrained_weights(cls, cfg: dict) -> str | None:
+        """The towers' weights files and hub names (zero-shot evaluation asks)."""
+        return tower_weights(cfg.get("image_encoder"), cfg.get("text_encoder"))
 
     def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: int = 1024,
                  image_projection: str = "linear", text_projection: str = "none",

