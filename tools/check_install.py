@@ -25,12 +25,12 @@ from pathlib import Path
 import yaml
 
 import mmgoal  # noqa: E402
+from mmgoal.cli.arguments import add_offline_option, apply_loading_options  # noqa: E402
 from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.synthetic import write_benchmark  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.extras import EXTRAS, pyplot  # noqa: E402
-from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.registry import LOGGERS, STRATEGIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,12 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--installed", action="store_true",
                         help="fail unless mmgoal comes from an installed package (not editable)")
-    parser.add_argument("--offline", action="store_true",
-                        help="download nothing: weights, tokenizers and processors come from "
-                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
+    add_offline_option(parser)
     args = parser.parse_args(argv)
-    if args.offline:
-        go_offline()
+    apply_loading_options(args)
     package = Path(mmgoal.__file__).resolve().parent
     print(f"mmgoal {mmgoal.__version__} from {package}")
     if args.installed and package.is_relative_to(ROOT):

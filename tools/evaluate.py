@@ -26,11 +26,15 @@ import sys
 from pathlib import Path
 
 from mmgoal import strict_json  # noqa: E402
+from mmgoal.cli.arguments import (  # noqa: E402
+    add_loading_options,
+    apply_loading_options,
+    check_out_file,
+)
 from mmgoal.devices import resolve_device  # noqa: E402
 from mmgoal.evaluation.gallery import evaluate_retrieval  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
 from mmgoal.extras import pyplot  # noqa: E402
-from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.runs.loading import load_for_evaluation, load_zero_shot  # noqa: E402
 from mmgoal.structures import Member  # noqa: E402
 
@@ -110,17 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                                         "(default: <checkpoint>.<split>.attention.png)")
     parser.add_argument("--out", help="JSON file for the metrics "
                                       "(default: <checkpoint>.<split>.json)")
-    parser.add_argument("--trust-custom-imports", action="store_true",
-                        help="import the custom_imports the config or checkpoint names (left "
-                             "out otherwise: a file you received must not run code)")
     parser.add_argument("--device", default="auto",
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
-    parser.add_argument("--offline", action="store_true",
-                        help="download nothing: weights, tokenizers and processors come from "
-                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
+    add_loading_options(parser)
     args = parser.parse_args(argv)
-    if args.offline:
-        go_offline()
+    apply_loading_options(args)
     if len(args.paths) > 2:
         parser.error(f"give [CONFIG] CHECKPOINT, got {len(args.paths)} paths; more checkpoints "
                      f"go after --ensemble")
@@ -134,27 +132,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def is_evaluation(out: Path) -> bool:
+    """Whether ``out`` is an earlier evaluation's JSON (small: a checkpoint is not read)."""
+    if out.stat().st_size >= 2**24:
+        return False
+    try:
+        previous = json.loads(out.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(previous, dict) and {"split", "metrics"} <= set(previous)
+
+
 def check_out(out: Path) -> None:
     """Refuse an ``--out`` that is a folder, or a file other than an earlier evaluation's JSON
-    (a run's own checkpoint, its config or report, any other file).
-
-    Raises:
-        ValueError: saying what ``out`` is and what to give instead.
-    """
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a folder; give a file name, e.g. {out / 'test.json'}")
-    if not out.exists():
-        return
-    previous = None
-    if out.stat().st_size < 2**24:  # an evaluation's JSON is small; a checkpoint is not read
-        try:
-            previous = json.loads(out.read_text())
-        except (ValueError, UnicodeDecodeError):
-            pass
-    if not (isinstance(previous, dict) and {"split", "metrics"} <= set(previous)):
-        raise ValueError(f"--out {out} exists and is not an earlier evaluation's JSON (a run's "
-                         f"own file, a checkpoint or another file), so it is not overwritten; "
-                         f"give a new file name")
+    (a run's own checkpoint, its config or report, any other file)."""
+    check_out_file(out, is_evaluation, "an earlier evaluation's JSON", "test.json")
 
 
 def evaluate(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mmgoal.cli.arguments import check_out_file
 from mmgoal.runs.checkpoint import (
     CheckpointWriteError,
     check_finite_weights,
@@ -49,24 +50,16 @@ from mmgoal.runs.checkpoint import (
 from mmgoal.runs.run_dir import weights_file
 
 
-def check_out(out: Path) -> None:
-    """Refuse an ``--out`` that is a folder, or a file other than an earlier export.
-
-    Raises:
-        ValueError: saying what ``out`` is and what to give instead.
-    """
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a folder; give a file name, e.g. {out / 'model.pt'}")
-    if not out.exists():
-        return
+def is_export(out: Path) -> bool:
     try:
-        exported = "exported_from" in load_checkpoint(out)
+        return "exported_from" in load_checkpoint(out)
     except ValueError:  # not an mmgoal checkpoint at all
-        exported = False
-    if not exported:
-        raise ValueError(f"--out {out} exists and is not an earlier export (a run's own "
-                         f"checkpoint or another file), so it is not overwritten; give a new "
-                         f"file name")
+        return False
+
+
+def check_out(out: Path) -> None:
+    """Refuse an ``--out`` that is a folder, or a file other than an earlier export."""
+    check_out_file(out, is_export, "an earlier export", "model.pt")
 
 
 def export(source: Path, out: Path, best: bool = False) -> dict:

@@ -21,12 +21,12 @@ from pathlib import Path
 import yaml
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
+from mmgoal.cli.arguments import add_offline_option, apply_loading_options  # noqa: E402
 from mmgoal.config import load_config  # noqa: E402
 from mmgoal.data.pipeline import UnreadableShardsError  # noqa: E402
 from mmgoal.engine.loggers import LoggerError  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
 from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
-from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.runs.checkpoint import CheckpointWriteError  # noqa: E402
 from mmgoal.runs.run_dir import (  # noqa: E402
     has_checkpoint,
@@ -71,9 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "DeepSpeed JSON merged over the config's settings")
     # The deepspeed launcher passes --local_rank=N; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--offline", action="store_true",
-                        help="download nothing: weights, tokenizers and processors come from "
-                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
+    add_offline_option(parser)
     return parser.parse_args(argv)
 
 
@@ -106,8 +104,7 @@ def setup_logging() -> None:
 @record  # torchrun shows every failing rank's traceback
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.offline:
-        go_offline()
+    apply_loading_options(args)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     setup_logging()

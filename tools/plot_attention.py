@@ -20,6 +20,7 @@ from pathlib import Path
 import torch  # noqa: E402
 import webdataset as wds  # noqa: E402
 
+from mmgoal.cli.arguments import add_loading_options, apply_loading_options  # noqa: E402
 from mmgoal.contract import CrossAttentionModel, require  # noqa: E402
 from mmgoal.data.pipeline import (  # noqa: E402
     collate_visual,
@@ -28,7 +29,6 @@ from mmgoal.data.pipeline import (  # noqa: E402
     transform_image,
 )
 from mmgoal.extras import pyplot  # noqa: E402
-from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.runs.loading import load_for_evaluation  # noqa: E402
 
 
@@ -82,15 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--word", required=True, help="a word of the caption, or its position")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", help="PNG (default: <checkpoint>.attention_<index>_<word>.png)")
-    parser.add_argument("--trust-custom-imports", action="store_true",
-                        help="import the custom_imports the config or checkpoint names (left "
-                             "out otherwise: a file you received must not run code)")
-    parser.add_argument("--offline", action="store_true",
-                        help="download nothing: weights, tokenizers and processors come from "
-                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
+    add_loading_options(parser)
     args = parser.parse_args(argv)
-    if args.offline:
-        go_offline()
+    apply_loading_options(args)
     try:
         plt = pyplot("tools/plot_attention.py")
         loaded = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device="cpu",

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
+from mmgoal.cli.arguments import add_loading_options, apply_loading_options  # noqa: E402
 from mmgoal.data.pipeline import iter_eval_batches  # noqa: E402
 from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
-from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.runs.loading import (  # noqa: E402
     LoadedModel,
     build_from_config,
@@ -68,15 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 "model loads pretrained weights")
     parser.add_argument("--split", default="test", choices=("val", "test"))
     parser.add_argument("--pairs", type=int, default=512)
-    parser.add_argument("--trust-custom-imports", action="store_true",
-                        help="import the custom_imports the config or checkpoint names (left "
-                             "out otherwise: a file you received must not run code)")
-    parser.add_argument("--offline", action="store_true",
-                        help="download nothing: weights, tokenizers and processors come from "
-                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
+    add_loading_options(parser)
     args = parser.parse_args(argv)
-    if args.offline:
-        go_offline()
+    apply_loading_options(args)
     for run in args.runs:
         try:
             s = score_stats(Path(run), args.split, args.pairs, args.trust_custom_imports)

@@ -34,6 +34,7 @@ from tqdm import tqdm  # noqa: E402
 
 import mmgoal  # noqa: E402
 from mmgoal.api import Index, Retriever, rgb_image  # noqa: E402
+from mmgoal.cli.arguments import add_loading_options, apply_loading_options  # noqa: E402
 from mmgoal.data.pipeline import (  # noqa: E402
     IMAGE_EXTENSIONS,
     SkipCounter,
@@ -43,7 +44,6 @@ from mmgoal.data.pipeline import (  # noqa: E402
 )
 from mmgoal.evaluation.gallery import encode_gallery  # noqa: E402
 from mmgoal.extras import pyplot  # noqa: E402
-from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.structures import cat_features  # noqa: E402
 
 MAX_COLUMNS = 8  # hits per row of the picture; a query with more hits takes several rows
@@ -296,19 +296,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="re-rank the top K of every query by ITM (cross encoders; 0 = "
                              "off; default: evaluation.rerank_k of the model's config)")
     parser.add_argument("--out", help="PNG of the hits (needs the plot extra)")
-    parser.add_argument("--trust-custom-imports", action="store_true",
-                        help="import the custom_imports the config or checkpoint names (left "
-                             "out otherwise: a file you received must not run code)")
     parser.add_argument("--device", default="auto",
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
     parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="images or captions encoded at a time")
-    parser.add_argument("--offline", action="store_true",
-                        help="download nothing: weights, tokenizers and processors come from "
-                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
+    add_loading_options(parser)
     args = parser.parse_args(argv)
-    if args.offline:
-        go_offline()
+    apply_loading_options(args)
     try:
         return search(args)
     except (ImportError, FileNotFoundError, ValueError) as error:

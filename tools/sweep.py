@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 
 from mmgoal import strict_json  # noqa: E402
+from mmgoal.cli.arguments import add_offline_option, apply_loading_options  # noqa: E402
 from mmgoal.config import config_changes, parse_value  # noqa: E402
 from mmgoal.engine.trainer import Trainer  # noqa: E402
-from mmgoal.paths import go_offline  # noqa: E402
 from mmgoal.registry import OBJECTIVES  # noqa: E402
 from mmgoal.runs.run_dir import (  # noqa: E402
     has_checkpoint,
@@ -204,12 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra hyperparameter grid, e.g. objective.triplet.tau=1,5,10,30")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default="work_dirs/sweep", help="sweep directory")
-    parser.add_argument("--offline", action="store_true",
-                        help="download nothing: weights, tokenizers and processors come from "
-                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
+    add_offline_option(parser)
     args = parser.parse_args(argv)
-    if args.offline:
-        go_offline()
+    apply_loading_options(args)
     logging.basicConfig(level=logging.WARNING)
     try:
         points = grid_points(parse_grid(args.grid))

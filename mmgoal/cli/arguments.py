@@ -1,0 +1,50 @@
+"""Options and checks that several tools take alike, so each reads and behaves the same."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from mmgoal.paths import go_offline
+
+
+def add_loading_options(parser: argparse.ArgumentParser, trust_what: str = "the config or "
+                        "checkpoint names") -> None:
+    """``--trust-custom-imports`` and ``--offline``, for a tool that builds a model."""
+    parser.add_argument("--trust-custom-imports", action="store_true",
+                        help=f"import the custom_imports {trust_what} (left out otherwise: a "
+                             f"file you received must not run code)")
+    add_offline_option(parser)
+
+
+def add_offline_option(parser: argparse.ArgumentParser) -> None:
+    """``--offline``: nothing downloaded (:func:`apply_loading_options` applies it)."""
+    parser.add_argument("--offline", action="store_true",
+                        help="download nothing: weights, tokenizers and processors come from "
+                             "local files and the caches only (as HF_HUB_OFFLINE=1)")
+
+
+def apply_loading_options(args: argparse.Namespace) -> None:
+    """What ``--offline`` asks, for the rest of the process."""
+    if args.offline:
+        go_offline()
+
+
+def check_out_file(out: Path, is_earlier: Callable[[Path], bool], earlier: str,
+                   example: str) -> None:
+    """Refuse an ``--out`` that is a folder, or an existing file that ``is_earlier`` does not
+    recognise as an earlier output of this tool (a run's own checkpoint, any other file).
+
+    Args:
+        earlier: what an earlier output is called (``an earlier export``).
+        example: a file name to suggest inside a folder given by mistake.
+
+    Raises:
+        ValueError: saying what ``out`` is and what to give instead.
+    """
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file name, e.g. {out / example}")
+    if out.exists() and not is_earlier(out):
+        raise ValueError(f"--out {out} exists and is not {earlier} (a run's own checkpoint or "
+                         f"another file), so it is not overwritten; give a new file name")
