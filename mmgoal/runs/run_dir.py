@@ -208,9 +208,12 @@ def run_written_files(work_dir: str | os.PathLike) -> list[Path]:
 
 def existing_run_files(work_dir: str | os.PathLike) -> list[str]:
     """The files of a run that ``work_dir`` already holds, relative to it (empty: none)."""
-    work_dir = Path(work_dir)
+    return _relative(Path(work_dir), run_written_files(work_dir))
+
+
+def _relative(work_dir: Path, paths: list[Path]) -> list[str]:
     return [str(path.relative_to(work_dir)) if path.is_relative_to(work_dir) else str(path)
-            for path in run_written_files(work_dir)]
+            for path in paths]
 
 
 def prepare_work_dir(work_dir: str | os.PathLike, resume: bool,
@@ -229,14 +232,15 @@ def prepare_work_dir(work_dir: str | os.PathLike, resume: bool,
     check_is_folder(work_dir)
     if resume:
         return []
-    found = existing_run_files(work_dir)
+    written = run_written_files(work_dir)
+    found = _relative(work_dir, written)
     if not found:
         return []
     if not overwrite:
         raise ValueError(f"--work-dir {work_dir} already holds a run ({', '.join(found)}); "
                          f"continue it with --resume, start afresh with --overwrite (its "
                          f"run files are deleted), or choose another --work-dir")
-    for path in run_written_files(work_dir):
+    for path in written:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     checkpoints = work_dir / CHECKPOINTS
     if checkpoints.is_dir() and not any(checkpoints.iterdir()):  # the run made it
