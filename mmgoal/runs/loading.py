@@ -120,6 +120,11 @@ def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str]
     """
     target = resolve_device(device, name="device")
     cfg = load_model_config(config, overrides, trust_custom_imports=trust_custom_imports)
+    return _build_resolved(cfg, target)
+
+
+def _build_resolved(cfg: dict, target: torch.device) -> LoadedModel:
+    """:func:`build_from_config` of a config already resolved (its imports done)."""
     tokenizer_cfg = resolve_preprocessing(cfg).tokenizer
     tokenizer = TOKENIZERS.build(tokenizer_cfg)
     if not tokenizer.fitted:
@@ -157,8 +162,7 @@ def load_zero_shot(config: str | os.PathLike, overrides: Iterable[str] = (),
                          f"metrics mean nothing; give a checkpoint ([CONFIG] CHECKPOINT), or "
                          f"the weights the model should load (model.pretrained, a hub name, a "
                          f"tower's weights file)")
-    return build_from_config(cfg, device=device,
-                             trust_custom_imports=trust_custom_imports), source
+    return _build_resolved(cfg, resolve_device(device, name="device")), source
 
 
 def _loaded(cfg: dict, model: torch.nn.Module, tokenizer, device: torch.device,
