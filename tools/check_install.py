@@ -24,14 +24,14 @@ from pathlib import Path
 
 import yaml
 
-import mmgoal  # noqa: E402
-from mmgoal.cli.arguments import add_offline_option, apply_loading_options  # noqa: E402
-from mmgoal.config import load_config  # noqa: E402
-from mmgoal.data.synthetic import write_benchmark  # noqa: E402
-from mmgoal.engine.trainer import Trainer  # noqa: E402
-from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
-from mmgoal.extras import EXTRAS, pyplot  # noqa: E402
-from mmgoal.registry import LOGGERS, STRATEGIES  # noqa: E402
+import mmgoal
+from mmgoal.cli.arguments import add_offline_option, apply_loading_options
+from mmgoal.config import load_config
+from mmgoal.data.synthetic import write_benchmark
+from mmgoal.engine.trainer import Trainer
+from mmgoal.evaluation.retrieval import metrics_table
+from mmgoal.extras import EXTRAS, pyplot
+from mmgoal.registry import LOGGERS, STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 

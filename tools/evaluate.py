@@ -25,18 +25,18 @@ import json
 import sys
 from pathlib import Path
 
-from mmgoal import strict_json  # noqa: E402
-from mmgoal.cli.arguments import (  # noqa: E402
+from mmgoal import strict_json
+from mmgoal.cli.arguments import (
     add_loading_options,
     apply_loading_options,
     check_out_file,
 )
-from mmgoal.devices import resolve_device  # noqa: E402
-from mmgoal.evaluation.gallery import evaluate_retrieval  # noqa: E402
-from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
-from mmgoal.extras import pyplot  # noqa: E402
-from mmgoal.runs.loading import load_for_evaluation, load_zero_shot  # noqa: E402
-from mmgoal.structures import Member  # noqa: E402
+from mmgoal.devices import resolve_device
+from mmgoal.evaluation.gallery import evaluate_retrieval
+from mmgoal.evaluation.retrieval import metrics_table
+from mmgoal.extras import pyplot
+from mmgoal.runs.loading import load_for_evaluation, load_zero_shot
+from mmgoal.structures import Member
 
 
 def plot_curve(report, path: Path, title: str) -> None:

@@ -19,23 +19,23 @@ import sys
 from pathlib import Path
 
 import yaml
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record
 
-from mmgoal.cli.arguments import add_offline_option, apply_loading_options  # noqa: E402
-from mmgoal.config import load_config  # noqa: E402
-from mmgoal.data.pipeline import UnreadableShardsError  # noqa: E402
-from mmgoal.engine.loggers import LoggerError  # noqa: E402
-from mmgoal.engine.trainer import Trainer  # noqa: E402
-from mmgoal.evaluation.retrieval import metrics_table  # noqa: E402
-from mmgoal.runs.checkpoint import CheckpointWriteError  # noqa: E402
-from mmgoal.runs.run_dir import (  # noqa: E402
+from mmgoal.cli.arguments import add_offline_option, apply_loading_options
+from mmgoal.config import load_config
+from mmgoal.data.pipeline import UnreadableShardsError
+from mmgoal.engine.loggers import LoggerError
+from mmgoal.engine.trainer import Trainer
+from mmgoal.evaluation.retrieval import metrics_table
+from mmgoal.runs.checkpoint import CheckpointWriteError
+from mmgoal.runs.run_dir import (
     has_checkpoint,
     prepare_work_dir,
     record_changes,
     resume_changes,
     run_lock,
 )
-from mmgoal.runs.schema import check_data_paths, resolve_config, with_overrides  # noqa: E402
+from mmgoal.runs.schema import check_data_paths, resolve_config, with_overrides
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

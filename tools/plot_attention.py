@@ -17,19 +17,19 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch  # noqa: E402
-import webdataset as wds  # noqa: E402
+import torch
+import webdataset as wds
 
-from mmgoal.cli.arguments import add_loading_options, apply_loading_options  # noqa: E402
-from mmgoal.contract import CrossAttentionModel, require  # noqa: E402
-from mmgoal.data.pipeline import (  # noqa: E402
+from mmgoal.cli.arguments import add_loading_options, apply_loading_options
+from mmgoal.contract import CrossAttentionModel, require
+from mmgoal.data.pipeline import (
     collate_visual,
     decode_sample,
     expand_shards,
     transform_image,
 )
-from mmgoal.extras import pyplot  # noqa: E402
-from mmgoal.runs.loading import load_for_evaluation  # noqa: E402
+from mmgoal.extras import pyplot
+from mmgoal.runs.loading import load_for_evaluation
 
 
 def nth_sample(shards, index: int) -> dict:

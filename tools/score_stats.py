@@ -17,12 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from mmgoal.cli.arguments import add_loading_options, apply_loading_options  # noqa: E402
-from mmgoal.data.pipeline import iter_eval_batches  # noqa: E402
-from mmgoal.objectives.mining import hardest_negatives  # noqa: E402
-from mmgoal.runs.loading import (  # noqa: E402
+from mmgoal.cli.arguments import add_loading_options, apply_loading_options
+from mmgoal.data.pipeline import iter_eval_batches
+from mmgoal.objectives.mining import hardest_negatives
+from mmgoal.runs.loading import (
     LoadedModel,
     build_from_config,
     load_for_evaluation,

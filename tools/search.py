@@ -28,23 +28,23 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-import webdataset as wds  # noqa: E402
-from PIL import Image  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import webdataset as wds
+from PIL import Image
+from tqdm import tqdm
 
-import mmgoal  # noqa: E402
-from mmgoal.api import Index, Retriever, rgb_image  # noqa: E402
-from mmgoal.cli.arguments import add_loading_options, apply_loading_options  # noqa: E402
-from mmgoal.data.pipeline import (  # noqa: E402
+import mmgoal
+from mmgoal.api import Index, Retriever, rgb_image
+from mmgoal.cli.arguments import add_loading_options, apply_loading_options
+from mmgoal.data.pipeline import (
     IMAGE_EXTENSIONS,
     SkipCounter,
     decode_sample,
     expand_shards,
     read_captions,
 )
-from mmgoal.evaluation.gallery import encode_gallery  # noqa: E402
-from mmgoal.extras import pyplot  # noqa: E402
-from mmgoal.structures import cat_features  # noqa: E402
+from mmgoal.evaluation.gallery import encode_gallery
+from mmgoal.extras import pyplot
+from mmgoal.structures import cat_features
 
 MAX_COLUMNS = 8  # hits per row of the picture; a query with more hits takes several rows
 MIN_COLUMNS = 3  # the picture is at least this many panels wide, for the query's title

@@ -36,19 +36,19 @@ import sys
 import time
 from pathlib import Path
 
-from mmgoal import strict_json  # noqa: E402
-from mmgoal.cli.arguments import add_offline_option, apply_loading_options  # noqa: E402
-from mmgoal.config import config_changes, parse_value  # noqa: E402
-from mmgoal.engine.trainer import Trainer  # noqa: E402
-from mmgoal.registry import OBJECTIVES  # noqa: E402
-from mmgoal.runs.run_dir import (  # noqa: E402
+from mmgoal import strict_json
+from mmgoal.cli.arguments import add_offline_option, apply_loading_options
+from mmgoal.config import config_changes, parse_value
+from mmgoal.engine.trainer import Trainer
+from mmgoal.registry import OBJECTIVES
+from mmgoal.runs.run_dir import (
     has_checkpoint,
     record_changes,
     resume_changes,
     run_lock,
     stored_config,
 )
-from mmgoal.runs.schema import check_data_paths, load_run_config, resolve_config  # noqa: E402
+from mmgoal.runs.schema import check_data_paths, load_run_config, resolve_config
 
 TRIPLETS = ("con", "nca", "cir")
 PAIRS = ("con", "lin", "sig", "lin_ms", "sig_ms")

@@ -34,6 +34,7 @@ from mmgoal.runs.run_dir import has_checkpoint
 
 logger = logging.getLogger(__name__)
 
+
 def launched_world_size() -> int:
     """The number of processes a launcher (torchrun, deepspeed, SLURM via them) started."""
     return int(os.environ.get("WORLD_SIZE", "1"))
