@@ -276,6 +276,13 @@ def close_match_hints(unknown: Iterable[str], known: Iterable[str]) -> str:
     return ", ".join(hints)
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's first line, where libraries say what went wrong (their advice, a
+    traceback of a subprocess, follows it), or its ``repr`` when it has no text."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else repr(error)
+
+
 def unknown_key_error(where: str, unknown: Iterable[str], known: Iterable[str]) -> ValueError:
     """The error for keys a section does not have, with the closest known key for each."""
     known = sorted(known)

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mmgoal.config import first_line
+
 PACKAGE_SCHEME = "pkg://"
 
 
@@ -82,7 +84,7 @@ def from_pretrained(loader: Any, path: str, what: str, **options: Any) -> Any:
         return loader.from_pretrained(resolve_path(path), local_files_only=offline(),
                                       trust_remote_code=False, **options)
     except OSError as error:  # transformers' "not a folder, not on the hub, not cached"
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        reason = first_line(error)
         then = offline_hint() if offline() else "check the name, or the network"
         raise FileNotFoundError(f"{what} {path!r} is neither a local folder nor a model the "
                                 f"Hugging Face hub gave ({reason}); {then}") from error
@@ -104,7 +106,7 @@ def hub_file(repo_id: str, filename: str, what: str) -> str:
     try:
         return hf_hub_download(repo_id, filename, local_files_only=offline())
     except Exception as error:  # huggingface_hub's not found / not cached / no network
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        reason = first_line(error)
         then = offline_hint() if offline() else "check the name, or the network (HF_ENDPOINT)"
         raise FileNotFoundError(f"{what}: {filename} of {repo_id} could not be had from the "
                                 f"Hugging Face hub ({reason}); {then}") from error

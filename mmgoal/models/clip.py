@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from mmgoal.config import close_match_hints
+from mmgoal.config import close_match_hints, first_line
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.paths import (
     OPEN_CLIP_CONFIG,
@@ -208,7 +208,7 @@ def downloaded_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
     try:
         path = download_pretrained(tag_cfg)
     except Exception as error:  # open_clip's, huggingface_hub's and urllib's errors
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        reason = first_line(error)
         raise FileNotFoundError(f"OpenCLIP {model_name} pretrained tag {tag!r}: its weights "
                                 f"could not be downloaded ({reason}); check the network "
                                 f"(HF_ENDPOINT, a proxy), or download the file elsewhere and "

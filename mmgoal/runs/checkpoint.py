@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mmgoal import strict_json
-from mmgoal.config import config_changes
+from mmgoal.config import config_changes, first_line
 from mmgoal.registry import MODELS, TOKENIZERS
 from mmgoal.runs.preprocessing import resolve_preprocessing
 
@@ -270,7 +270,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch's first line says what; the rest is its advice
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        reason = first_line(error)
         raise ValueError(f"checkpoint {path} cannot be read ({reason}); it may be corrupt, "
                          f"not an mmgoal checkpoint, or a pickle that mmgoal will not run "
                          f"(every checkpoint is read weights-only)") from error
