@@ -266,6 +266,15 @@ def config_changes(old: Any, new: Any, prefix: str = "") -> dict[str, list]:
     return {} if old == new else {prefix: [old, new]}
 
 
+def describe_changes(changes: dict[str, list], limit: int | None = None) -> str:
+    """``model.embed_dim: 16 -> 8; train.seed: 0 -> 1`` of :func:`config_changes`' result
+    (the first ``limit`` of them, then how many more)."""
+    shown = list(changes.items())[:limit]
+    listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in shown)
+    more = len(changes) - len(shown)
+    return listed + (f" (and {more} more)" if more else "")
+
+
 def close_match_hints(unknown: Iterable[str], known: Iterable[str]) -> str:
     """``'epoch' (did you mean 'epochs'?), 'sed'``: each unknown key with its closest known one."""
     known = list(known)

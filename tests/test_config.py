@@ -3,7 +3,14 @@ import textwrap
 import pytest
 import yaml
 
-from mmgoal.config import apply_override, dump_config, load_config, parse_value
+from mmgoal.config import (
+    apply_override,
+    config_changes,
+    describe_changes,
+    dump_config,
+    load_config,
+    parse_value,
+)
 
 
 def write(path, text):
@@ -153,3 +160,12 @@ def test_exponent_numbers_are_numbers(tmp_path):
         """)
     assert load_config(path)["optimizer"] == {"lr": 1e-3, "weight_decay": 5e-4, "eps": 1.5e-8,
                                               "momentum": -20.0, "name": "1e-3"}
+
+
+def test_describe_changes_lists_each_change_then_how_many_more():
+    changes = config_changes({"model": {"embed_dim": 16, "type": "VSE"}, "seed": 0},
+                             {"model": {"embed_dim": 8, "type": "SCAN"}, "seed": 1})
+    assert describe_changes(changes) == ("model.embed_dim: 16 -> 8; model.type: 'VSE' -> "
+                                         "'SCAN'; seed: 0 -> 1")
+    assert describe_changes(changes, 1) == "model.embed_dim: 16 -> 8 (and 2 more)"
+    assert describe_changes(changes, 3) == describe_changes(changes)

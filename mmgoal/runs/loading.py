@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mmgoal.config import config_changes
+from mmgoal.config import config_changes, describe_changes
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import resolve_device
 from mmgoal.registry import MODELS, TOKENIZERS
@@ -101,10 +101,9 @@ def warn_preprocessing_changes(trained: dict | None, cfg: dict, checkpoint: Path
                for key, change in config_changes((trained.get("data") or {}).get(name),
                                                  cfg["data"].get(name), f"data.{name}").items()}
     if changes:
-        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
         logger.warning("%s is evaluated with other preprocessing than it was trained with "
                        "(%s): its scores are of other inputs than training's", checkpoint,
-                       listed)
+                       describe_changes(changes))
 
 
 def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str] = (),

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mmgoal.config import config_changes, load_config
+from mmgoal.config import config_changes, describe_changes, load_config
 from mmgoal.registry import LOGGERS
 
 CONFIG_FILE = "config.yaml"
@@ -287,12 +287,9 @@ def resume_changes(work_dir: str | os.PathLike, requested: dict,
     changes = dict(sorted(config_changes(resolve(stored), requested).items()))
     refused = {key: change for key, change in changes.items() if not resumable(key)}
     if refused:
-        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in
-                           list(refused.items())[:8])
-        more = f" (and {len(refused) - 8} more)" if len(refused) > 8 else ""
         raise ValueError(
             f"--resume: the config differs from the one {work_dir} was trained with in keys "
-            f"a resumed run must keep: {listed}{more}. Resume with the run's own "
+            f"a resumed run must keep: {describe_changes(refused, 8)}. Resume with the run's own "
             f"{Path(work_dir) / CONFIG_FILE} (changing only {', '.join(RESUMABLE)}), or "
             f"start a new run in another --work-dir")
     return changes
