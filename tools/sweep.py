@@ -38,7 +38,7 @@ from pathlib import Path
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import add_offline_option, apply_loading_options
-from mmgoal.config import config_changes, parse_value
+from mmgoal.config import config_changes, describe_changes, parse_value
 from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import OBJECTIVES
 from mmgoal.runs.run_dir import (
@@ -139,14 +139,18 @@ def run_one(config: str, overrides: list[str], seed: int, work_dir: Path) -> dic
         report_path = work_dir / "report.json"
         if report_path.is_file():
             stored = stored_config(work_dir)
-            differ = config_changes(resolve_config(stored), cfg) if stored else {"config": []}
+            if stored is None:
+                raise ValueError(f"{work_dir} holds a report.json but no config.yaml, so "
+                                 f"whether it ran this config is unknown and its result is "
+                                 f"not reused: give the sweep another --out, or remove that "
+                                 f"run folder")
+            differ = config_changes(resolve_config(stored), cfg)
             if not differ:
                 return json.loads(report_path.read_text())
-            listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in
-                               list(differ.items())[:5])
-            raise ValueError(f"{work_dir} holds a finished run of another config ({listed}); "
-                             f"its result is not reused for this one: give the sweep another "
-                             f"--out, or remove that run folder")
+            raise ValueError(f"{work_dir} holds a finished run of another config "
+                             f"({describe_changes(differ, 5)}); its result is not reused for "
+                             f"this one: give the sweep another --out, or remove that run "
+                             f"folder")
         resume = has_checkpoint(work_dir / "checkpoints")
         changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
         trainer = Trainer(cfg, work_dir, resume=resume)

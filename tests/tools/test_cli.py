@@ -249,6 +249,18 @@ def test_sweep_rejects_options_before_training(tiny_benchmark, tmp_path):
     assert not sweep.exists() or not any(sweep.iterdir())
 
 
+def test_sweep_does_not_reuse_a_report_without_the_config_it_ran(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump(tiny_overrides("goal/sweep_synthetic.yaml", out)))
+    run = tmp_path / "cell"
+    run.mkdir()
+    (run / "report.json").write_text(json.dumps({"test": {"rsum": 600.0}}))
+    with pytest.raises(ValueError, match=r"holds a report.json but no config.yaml, so whether "
+                                         r"it ran this config is unknown"):
+        load_tool("sweep").run_one(str(config), [], 0, run)
+
+
 def test_sweep_fills_the_seed_into_load_from():
     sweep = load_script("tools/sweep.py")
     cfg = sweep.seeded_config("configs/goal/finetune_synthetic.yaml", ["objective.pair=sig_ms"], 2)
