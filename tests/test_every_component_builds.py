@@ -1,4 +1,5 @@
-"""Every registered name builds from a config (STYLE.md: a test generated from the registry).
+"""Every registered name builds from a config: a test generated from the registry, which
+checks every built-in model against its contract (docs/plugins.md, "Models: the contract").
 
 A new component must add an example config here, or this test fails.
 """
