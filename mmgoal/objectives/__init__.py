@@ -1,5 +1,6 @@
 """Objectives: hard-negative mining, GOAL gradient objectives, classic losses, CCR/CCS,
-and the cross encoder's ITM, MLM and box grounding."""
+the cross encoder's ITM, MLM and box grounding; and ``GoalLoss``, GOAL for a training loop
+of your own."""
 
 from mmgoal.objectives import (  # noqa: F401
     classic,
@@ -11,3 +12,6 @@ from mmgoal.objectives import (  # noqa: F401
     triplet,
     weights,
 )
+from mmgoal.objectives.goal_loss import GoalLoss
+
+__all__ = ["GoalLoss"]

@@ -1,0 +1,220 @@
+"""``GoalLoss``: GOAL as a plain ``torch.nn.Module`` for a training loop of your own.
+
+open_clip's training script, a Hugging Face ``Trainer.compute_loss`` or a loop of
+a dozen lines: ``loss = GoalLoss(...)(image_embeds, text_embeds)`` then
+``loss.backward()``. The gradient is the registered ``GoalObjective``'s ``G =
+dl/dS`` on the scores ``S = image_embeds @ text_embeds.T``, which ``GoalLoss``
+builds on and does not re-derive (docs/reference/goal.md); the statistics it
+reports say where to put ``lam`` (docs/objectives.md, "GOAL in your own training
+loop").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmgoal.distributed import gather_with_grad, id_hashes, world_info
+from mmgoal.objectives.goal import GoalObjective
+from mmgoal.objectives.mining import positives_from_groups
+from mmgoal.structures import ObjectiveInputs
+
+# How far a row's norm may be from 1 and still count as L2-normalised: bf16 embeddings
+# normalised in float32 and cast are within about 2e-3.
+NORM_TOLERANCE = 1e-2
+WHAT_IT_TAKES = ("GoalLoss takes image_embeds and text_embeds ((N, D) each, L2-normalised, row "
+                 "i of each is pair i) or scores=(N, N)")
+
+
+def _check_embeddings(image_embeds: Any, text_embeds: Any) -> None:
+    """Two (N, D) tensors of one dtype and device whose rows are L2-normalised."""
+    for name, embeds in (("image_embeds", image_embeds), ("text_embeds", text_embeds)):
+        if not isinstance(embeds, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor (N, D), got {type(embeds).__name__}")
+        if embeds.dim() != 2 or not len(embeds):
+            raise ValueError(f"{name} must be (N, D) with N >= 1, got shape "
+                             f"{tuple(embeds.shape)}")
+    if image_embeds.shape[0] != text_embeds.shape[0]:
+        raise ValueError(f"image_embeds has {image_embeds.shape[0]} rows and text_embeds "
+                         f"{text_embeds.shape[0]}; row i of each is pair i, so they must match. "
+                         f"With several captions per image, repeat the image's row once per "
+                         f"caption and pass image_ids")
+    if image_embeds.shape[1] != text_embeds.shape[1]:
+        raise ValueError(f"image_embeds are {image_embeds.shape[1]}-dimensional and text_embeds "
+                         f"{text_embeds.shape[1]}-dimensional; they are scored by a dot product, "
+                         f"so they must match (project both into one space)")
+    if image_embeds.dtype != text_embeds.dtype or image_embeds.device != text_embeds.device:
+        raise ValueError(f"image_embeds are {image_embeds.dtype} on {image_embeds.device}, "
+                         f"text_embeds {text_embeds.dtype} on {text_embeds.device}; cast or "
+                         f"move one to match the other")
+    for name, embeds in (("image_embeds", image_embeds), ("text_embeds", text_embeds)):
+        norms = embeds.detach().float().norm(dim=-1)
+        if (norms - 1).abs().max() > NORM_TOLERANCE:
+            # GOAL's weights (margins, lam) are set for cosine scores in [-1, 1]
+            raise ValueError(f"{name} must be L2-normalised (GOAL's weights are set for cosine "
+                             f"scores); its row norms lie in [{norms.min():.4g}, "
+                             f"{norms.max():.4g}]: pass F.normalize({name}, dim=-1), or "
+                             f"scores= of your own")
+
+
+def _check_scores(scores: Any) -> None:
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"scores must be a tensor (N, N), got {type(scores).__name__}")
+    if scores.dim() != 2 or scores.shape[0] != scores.shape[1] or not len(scores):
+        raise ValueError(f"scores must be square, (N, N) with N >= 1: image i and text j scored, "
+                         f"image i and text i a pair (others with image_ids); got shape "
+                         f"{tuple(scores.shape)}")
+
+
+def _ids_tensor(image_ids: torch.Tensor | Sequence, n_pairs: int,
+                device: torch.device) -> torch.Tensor:
+    """(N,) int64 on ``device``: an integer tensor as it is, any other ids as their hashes."""
+    if isinstance(image_ids, torch.Tensor):
+        if image_ids.dim() != 1 or image_ids.is_floating_point() or image_ids.is_complex():
+            raise ValueError(f"image_ids must be a 1-D integer tensor or a list of ids, got a "
+                             f"{image_ids.dtype} tensor of shape {tuple(image_ids.shape)}")
+        ids = image_ids.to(device=device, dtype=torch.long)
+    elif hasattr(image_ids, "__len__") and not isinstance(image_ids, (str, bytes)):
+        ids = id_hashes(list(image_ids), device)
+    else:
+        raise ValueError(f"image_ids must be a 1-D integer tensor or a list of ids (ints, "
+                         f"strings), got {type(image_ids).__name__}")
+    if len(ids) != n_pairs:
+        raise ValueError(f"image_ids has {len(ids)} ids for {n_pairs} pairs; give one id per "
+                         f"pair (row i of the embeddings)")
+    return ids
+
+
+class GoalLoss(nn.Module):
+    """GOAL over a batch of paired embeddings (or a score matrix), for any training loop.
+
+    ``loss = goal(image_embeds, text_embeds)`` scores every image against every
+    text, ``S = image_embeds @ text_embeds.T``, and returns a loss whose gradient
+    with respect to ``S`` is exactly ``GoalObjective``'s ``G`` (times whatever
+    gradient flows in: loss scaling, accumulation), which autograd carries on into
+    both towers. Its value is ``GoalObjective``'s ``goal_loss``, the weighted
+    violation ``sum T (s_n - s_p)``: for logging, not a loss whose gradient is ``G``.
+
+    Args:
+        triplet: the triplet weight, as ``GoalObjective``'s: a name (``con``,
+            ``nca``, ``cir``) or ``{"type": name, option: value}``.
+        pair: the pair weight, likewise (``con``, ``lin``, ``sig``, ``lin_ms``,
+            ``sig_ms``); ``sig``/``sig_ms`` take ``"lam": "auto"``.
+        reduction: ``sum`` over triplets (VSE++) or ``mean`` over positives.
+        gather: with ``torch.distributed`` initialised and more than one rank,
+            all-gather the embeddings (and image ids) of every rank, gradients
+            flowing back to this rank's own rows, so that each rank scores the
+            global batch and mines its hardest negatives there, as open_clip's
+            ``gather_with_grad``. Under DDP's gradient average this gives exactly
+            one process's gradient of the global loss, with no rescaling
+            (:mod:`mmgoal.distributed`). Every rank must pass the same number of
+            pairs; without ``torch.distributed`` it changes nothing.
+        step_each_call: with ``lam: auto``, every training-mode call is one
+            optimisation step: the call ends the step itself once ``G`` is computed
+            (``GoalObjective.finish_step``; a call whose loss is not finite is a
+            skipped step). ``False`` (gradient accumulation, a ``GradScaler`` that
+            may skip steps): call :meth:`step` after each optimizer step instead,
+            or ``lam`` never moves. Nothing to do for a fixed ``lam``.
+
+    Attributes:
+        objective: the ``GoalObjective`` that computes ``G``; with ``lam: auto`` its
+            running ``lam`` is ``objective.adaptive_lam.value``, and it is in this
+            module's ``state_dict`` (checkpoint it with your model).
+        last_stats: the statistics of the last call, as floats (read only when
+            asked): ``active_fraction`` (the mean triplet weight),
+            ``positive_median`` and ``negative_median`` (the median positive and
+            hardest-negative score; absent when no pair has a negative), and with
+            ``lam: auto`` ``lam``, the value that call used. ``{}`` before the first.
+
+    Example:
+        >>> goal = GoalLoss(triplet="cir", pair={"type": "sig_ms", "lam": "auto"})
+        >>> loss = goal(F.normalize(image, dim=-1), F.normalize(text, dim=-1))
+        >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
+        >>> goal.last_stats["positive_median"], goal.last_stats["negative_median"]
+    """
+
+    def __init__(self, triplet: str | Mapping[str, Any] = "con",
+                 pair: str | Mapping[str, Any] = "con", reduction: str = "sum", *,
+                 gather: bool = False, step_each_call: bool = True) -> None:
+        super().__init__()
+        self.objective = GoalObjective(triplet, pair, reduction)
+        self.gather = gather
+        self.step_each_call = step_each_call
+        self._stats: dict[str, torch.Tensor] = {}
+
+    def extra_repr(self) -> str:
+        return f"gather={self.gather}, step_each_call={self.step_each_call}"
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        # kept as tensors and converted here, so a loop that never reads them never syncs
+        return {key: float(value) for key, value in self._stats.items()}
+
+    def forward(self, image_embeds: torch.Tensor | None = None,
+                text_embeds: torch.Tensor | None = None, *,
+                scores: torch.Tensor | None = None,
+                image_ids: torch.Tensor | Sequence | None = None) -> torch.Tensor:
+        """The GOAL loss of one batch: a scalar whose gradient with respect to the scores is ``G``.
+
+        Args:
+            image_embeds: (N, D) L2-normalised image embeddings; row ``i`` and
+                ``text_embeds``' row ``i`` are pair ``i``.
+            text_embeds: (N, D) L2-normalised text embeddings.
+            scores: (N, N) a ready score matrix (image ``i``, text ``j``) instead of
+                the embeddings; not with ``gather``.
+            image_ids: (N,) integer tensor or list of ids (ints, strings): pairs with
+                equal ids are positives of each other, never negatives (several
+                captions of one image in a batch); ``None``: pair ``i`` only. With
+                ``gather``, ids must name the same image on every rank (dataset ids,
+                not positions in the batch).
+
+        Raises:
+            TypeError: embeddings or scores that are not tensors.
+            ValueError: embeddings and scores both or neither given; shapes that do
+                not match; embeddings that are not L2-normalised; image ids of the
+                wrong length or kind; ``gather`` with ``scores``.
+        """
+        if scores is not None:
+            if image_embeds is not None or text_embeds is not None:
+                raise ValueError(f"{WHAT_IT_TAKES}, not both: scores are computed from the "
+                                 f"embeddings")
+            if self.gather:
+                raise ValueError("GoalLoss(gather=True) gathers the embeddings of every rank "
+                                 "and scores them; with scores= given there is nothing it can "
+                                 "gather: pass the embeddings, or gather them yourself "
+                                 "(mmgoal.distributed.gather_with_grad) and build "
+                                 "GoalLoss(gather=False)")
+            _check_scores(scores)
+        else:
+            if image_embeds is None or text_embeds is None:
+                given = ("neither" if image_embeds is None and text_embeds is None else
+                         "only image_embeds" if text_embeds is None else "only text_embeds")
+                raise ValueError(f"{WHAT_IT_TAKES}; got {given}")
+            _check_embeddings(image_embeds, text_embeds)
+        n_pairs = len(scores if scores is not None else image_embeds)
+        device = (scores if scores is not None else image_embeds).device
+        ids = None if image_ids is None else _ids_tensor(image_ids, n_pairs, device)
+        if scores is None:
+            if self.gather and world_info()[1] > 1:
+                image_embeds, text_embeds = (gather_with_grad(image_embeds),
+                                             gather_with_grad(text_embeds))
+                ids = None if ids is None else gather_with_grad(ids)
+            scores = image_embeds @ text_embeds.T
+        positives = None if ids is None else positives_from_groups(ids)
+        outputs = self.objective(ObjectiveInputs(scores, positives))
+        loss = outputs.pop("goal_loss")
+        self._stats = {key: value.detach() for key, value in outputs.items()}
+        if self.step_each_call and self.training and self.objective.adaptive_lam is not None:
+            # G is already computed with this step's lam, so ending the step here is the
+            # same as ending it after the optimizer step
+            self.step(applied=bool(torch.isfinite(loss)))
+        return loss
+
+    def step(self, applied: bool = True) -> None:
+        """End an optimisation step (``lam: auto`` takes the statistics of its calls when
+        ``applied``). Call it after each optimizer step with ``step_each_call=False``, on
+        every rank; a no-op for a fixed ``lam`` or after a call that ended its own step."""
+        self.objective.finish_step(applied)
