@@ -96,7 +96,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 
 # ------------------------------------------------------------------ environment
 def environment(device: torch.device) -> dict[str, str]:
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    info = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda or "none", "cpu cores": str(os.cpu_count())}
     if device.type == "cuda":

@@ -2,7 +2,7 @@
 
     import mmgoal
     model = mmgoal.load("work_dirs/quickstart", device="cpu")   # its best checkpoint
-    model = mmgoal.load("quickstart.safetensors")               # an export (tools/export.py)
+    model = mmgoal.load("quickstart.safetensors")               # an export (mmgoal export)
     model.encode_images(["cat.png", pil_image])    # (n, d), L2-normalised (dual encoders)
     model.encode_texts(["a red circle"])           # (m, d)
     model.score(images, texts)                     # (n_images, n_texts), every model family
@@ -158,7 +158,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "auto",
          batch_size: int = 64, *, trust_custom_imports: bool = False) -> Retriever:
     """A trained model, built with the config saved inside it: a run directory (its
     ``checkpoints/best.pt``, else its latest checkpoint), a checkpoint file, or an
-    export (``tools/export.py``: ``.pt`` or ``.safetensors``).
+    export (``mmgoal export``: ``.pt`` or ``.safetensors``).
 
     The saved config's ``custom_imports`` are not imported (a file you received must
     not run code): a model that needs a plug-in of yours is loaded with

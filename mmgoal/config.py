@@ -14,6 +14,10 @@ A config is plain data: it is read with ``yaml.safe_load`` and never runs code.
   schema knows (the trainer's: :func:`mmgoal.runs.schema.load_run_config`).
 * :class:`ConfigSection` is the base of a section's schema: a dataclass whose
   fields are the section's keys with their defaults, read by ``from_dict``.
+* The configs of the repository's ``configs/`` ship inside the package
+  (``mmgoal/configs/``): :func:`find_config` takes a file, or the name of a
+  shipped one (``quickstart``, ``clip/clip_vit_b_32_coco``) where no such file
+  exists; :func:`shipped_configs` lists them (``mmgoal configs``, docs/configs.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import collections.abc
 import copy
 import dataclasses
 import difflib
+import fnmatch
 import os
 import re
 import types
@@ -34,6 +39,10 @@ from typing import Any
 import yaml
 
 BASE_KEY = "_base_"
+# The configs shipped with the package (the repository's configs/ is a link to it); the
+# _base_ fragments under it are not configs of their own.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+_FRAGMENTS = "_base_"
 # YAML 1.1 reads 1e-3 as a string (it wants 1.0e-3); configs mean a number.
 _FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 
@@ -129,6 +138,46 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:
     for override in overrides:
         apply_override(cfg, override)
     return cfg
+
+
+def shipped_configs(pattern: str = "*") -> dict[str, Path]:
+    """The configs shipped with mmgoal whose name matches ``pattern`` (``fnmatch``, e.g.
+    ``clip/*``, ``*goal*``), by name: ``{"quickstart": .../configs/quickstart.yaml, ...}``,
+    sorted; the ``_base_`` fragments are left out."""
+    found = {}
+    for path in sorted(SHIPPED_CONFIGS.rglob("*.yaml")):
+        name = path.relative_to(SHIPPED_CONFIGS).with_suffix("").as_posix()
+        if not name.startswith(f"{_FRAGMENTS}/") and fnmatch.fnmatchcase(name, pattern):
+            found[name] = path
+    return found
+
+
+def shipped_config_name(text: str | os.PathLike) -> str:
+    """``configs/clip/x.yaml``, ``clip/x.yaml`` and ``clip/x`` all name ``clip/x``."""
+    name = Path(text).as_posix().removeprefix("configs/")
+    return name.removesuffix(".yaml")
+
+
+def find_config(text: str | os.PathLike) -> Path:
+    """The config ``text`` names: the file, when it exists (a path always wins), else the
+    config of that name shipped with mmgoal (``quickstart``, ``configs/quickstart.yaml``
+    or ``clip/clip_vit_b_32_coco``), so the documented commands run from any folder.
+
+    Raises:
+        FileNotFoundError: neither a file nor a shipped config; the message gives the
+            closest shipped names.
+    """
+    path = Path(text)
+    if path.exists():
+        return path
+    name = shipped_config_name(text)
+    shipped = shipped_configs()
+    if name in shipped:
+        return shipped[name]
+    close = difflib.get_close_matches(name, list(shipped), n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise FileNotFoundError(f"config {text}: no such file, and mmgoal ships no config named "
+                            f"{name!r}{hint}; `mmgoal configs` lists the shipped ones")
 
 
 def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict:

@@ -1,6 +1,7 @@
-"""The repository's scripts (tools/*.py, bench/*.py) imported as modules, for tests that call
-their functions or ``main`` in-process."""
+"""The repository's scripts (bench/*.py) and the modules of the ``mmgoal`` command's tools,
+imported for tests that call their functions or ``main`` in-process."""
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -10,10 +11,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(relative_path: str) -> ModuleType:
-    """``load_script("tools/export.py")``: the script's module, freshly executed."""
+    """``load_script("bench/eval.py")``: the script's module, freshly executed."""
     path = ROOT / relative_path
     spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def load_tool(command: str) -> ModuleType:
+    """``load_tool("train")``: the module of ``mmgoal train`` (mmgoal/cli/train.py), whose
+    ``main`` the repository's tools/finetune.py calls too."""
+    from mmgoal.cli.main import COMMANDS
+
+    return importlib.import_module(f"mmgoal.cli.{COMMANDS[command]}")

@@ -10,7 +10,7 @@ import webdataset as wds
 import yaml
 from PIL import Image
 from safetensors import safe_open
-from script_modules import load_script
+from script_modules import load_tool
 
 import mmgoal
 from mmgoal.data.pipeline import decode_sample, expand_shards
@@ -70,7 +70,7 @@ def test_score_over_the_test_split_gives_the_evaluation_recalls(tiny_quickstart_
 def test_an_export_and_a_model_only_config_score_like_the_run(tiny_quickstart_run, tmp_path):
     run, out = tiny_quickstart_run
     trained = mmgoal.load(run, device="cpu")
-    export = load_script("tools/export.py")
+    export = load_tool("export")
     exported = tmp_path / "model.safetensors"
     assert export.main([str(run), "--best", "--out", str(exported)]) == 0
     metadata = safe_open(str(exported), framework="pt").metadata()
@@ -89,7 +89,7 @@ def test_an_export_and_a_model_only_config_score_like_the_run(tiny_quickstart_ru
     torch.testing.assert_close(mmgoal.from_config(model_only, exported, device="cpu")
                                .score(images, captions), expected, rtol=0, atol=0)
     # tools/evaluate.py needs no config when the checkpoint carries one
-    evaluate = load_script("tools/evaluate.py")
+    evaluate = load_tool("eval")
     assert evaluate.main([str(exported), "--out", str(tmp_path / "a.json")]) == 0
     assert evaluate.main([str(run / "config.yaml"), str(run),
                           "--out", str(tmp_path / "b.json")]) == 0

@@ -109,17 +109,17 @@ def test_importing_mmgoal_imports_no_extra():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tool,args", [
-    ("plot_weights.py", ["--out", "never.png"]),
-    ("plot_attention.py", ["missing.yaml", "missing.pt", "--word", "0"]),
+@pytest.mark.parametrize("tool,command,args", [
+    ("plot_weights.py", "plot-weights", ["--out", "never.png"]),
+    ("plot_attention.py", "plot-attention", ["missing.yaml", "missing.pt", "--word", "0"]),
 ])
-def test_plot_tools_without_matplotlib_say_which_extra(tool, args):
+def test_plot_tools_without_matplotlib_say_which_extra(tool, command, args):
     code = (f"import runpy\nsys.argv = {[tool, *args]!r}\n"
             f"runpy.run_path({str(ROOT / 'tools' / tool)!r}, run_name='__main__')\n")
     result = run_without(["matplotlib"], code)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
-        f"error: tools/{tool} needs matplotlib, which is not installed; install it with "
+        f"error: mmgoal {command} needs matplotlib, which is not installed; install it with "
         f"pip install 'mmgoal[plot]' (or 'mmgoal[all]')")
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from payloads import WritesMarker, marker_module
-from script_modules import ROOT, load_script
+from script_modules import ROOT, load_tool
 
 import mmgoal
 from mmgoal.config import MAX_EXPANDED_VALUES, load_config
@@ -79,7 +79,7 @@ def test_an_export_never_imports_what_its_config_names(tiny_quickstart_run, tmp_
     assert "lists custom_imports payload_module; they were not imported" in caplog.text
     assert retriever.encode_texts(["a red circle"]).shape == (1, 16)  # the model still loads
     # the evaluation tool, on the export and on a run folder whose config names it
-    evaluate = load_script("tools/evaluate.py")
+    evaluate = load_tool("eval")
     assert evaluate.main([str(export), "--device", "cpu"]) == 0
     assert not marker.exists()
     # asked for, the modules are imported, and the log says which, from where
@@ -107,7 +107,7 @@ def test_printing_a_received_config_imports_nothing(tmp_path, capsys):
     config = tmp_path / "config.yaml"
     config.write_text(f"_base_: {ROOT / 'configs/quickstart.yaml'}\n"
                       f"custom_imports: [beside_payload]\n")
-    finetune = load_script("tools/finetune.py")
+    finetune = load_tool("train")
     assert finetune.main([str(config), "--print-config"]) == 0
     assert not marker.exists()
     printed = yaml.safe_load(capsys.readouterr().out)
@@ -160,7 +160,7 @@ def test_a_trusted_custom_import_that_is_missing_is_a_sentence(tiny_quickstart_r
                                                                capsys):
     run, _ = tiny_quickstart_run
     export = received_export(run, tmp_path, custom_imports=["no_such_plugin_module"])
-    evaluate = load_script("tools/evaluate.py")
+    evaluate = load_tool("eval")
     assert evaluate.main([str(export), "--device", "cpu", "--trust-custom-imports"]) == 2
     err = capsys.readouterr().err
     assert "error: custom_imports lists 'no_such_plugin_module', which cannot be imported" in err

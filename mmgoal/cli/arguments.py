@@ -3,10 +3,48 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from mmgoal.config import SHIPPED_CONFIGS, find_config, shipped_config_name, shipped_configs
 from mmgoal.paths import go_offline
+
+
+def summary(doc: str) -> str:
+    """A tool's one-line description: the first paragraph of its module docstring."""
+    return " ".join(doc.strip().split("\n\n", 1)[0].split())
+
+
+def tool_parser(doc: str, **kwargs) -> argparse.ArgumentParser:
+    """The parser of a tool whose module docstring is ``doc``. Its program name is
+    ``sys.argv[0]``'s: ``mmgoal train`` under the ``mmgoal`` command (mmgoal/cli/main.py),
+    ``finetune.py`` from tools/."""
+    return argparse.ArgumentParser(description=summary(doc), **kwargs)
+
+
+def names_shipped_config(text: str) -> bool:
+    """``text`` is no file but the name of a config shipped with mmgoal (``quickstart``)."""
+    return not Path(text).exists() and shipped_config_name(text) in shipped_configs()
+
+
+def config_argument(text: str) -> str:
+    """A config the command line names: the file, or mmgoal's shipped config of that name
+    when no such file exists (:func:`mmgoal.config.find_config`); which one is said on
+    stderr when it is a shipped one, as the log would.
+
+    Raises:
+        FileNotFoundError: neither, with the closest shipped names.
+    """
+    path = find_config(text)
+    if path.is_relative_to(SHIPPED_CONFIGS) and not Path(text).exists():
+        message = f"config {text}: mmgoal's shipped {path}"
+        if logging.getLogger().handlers:
+            logging.info(message)
+        else:
+            print(message, file=sys.stderr)
+    return str(path)
 
 
 def add_loading_options(parser: argparse.ArgumentParser, trust_what: str = "the config or "

@@ -1,6 +1,6 @@
 """Compare groups of runs over seeds: test recalls (mean ± std) and paired differences.
 
-    python tools/compare_runs.py \\
+    mmgoal compare-runs \\
         "con x con=work_dirs/fidelity/scratch/conxcon/default/seed*" \\
         "cir x sig_ms=work_dirs/fidelity/scratch_sig_ms/cirxsig_ms/lam=0.5/seed*" \\
         --out table.md
@@ -21,13 +21,13 @@ ITC-only recalls beside its re-ranked ones). A run without report.json
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import statistics
 import sys
 from pathlib import Path
 
+from mmgoal.cli.arguments import tool_parser
 from mmgoal.config import load_config
 
 SCORE_KEYS = ("positive_median", "negative_median", "lam")
@@ -48,7 +48,7 @@ def read_run(run: Path) -> dict:
     report = json.loads(report_path.read_text())
     if "test" not in report:
         raise ValueError(f"{run}/report.json has no test metrics: the run had no data.test "
-                         f"split (evaluate its checkpoint with tools/evaluate.py, or leave "
+                         f"split (evaluate its checkpoint with mmgoal eval, or leave "
                          f"it out of the glob)")
     config = load_config(run / "config.yaml")  # plain data, aliases bounded
     last: dict[str, float] = {}
@@ -89,7 +89,7 @@ def check_comparable(groups: list[tuple[str, list[dict]]]) -> None:
             raise ValueError(f"{known[0]['dir']} and {other['dir']} were tested on different "
                              f"test sets ({known[0]['test_set'][1]} vs {other['test_set'][1]});"
                              f" their recalls are not comparable: evaluate both on one split "
-                             f"with tools/evaluate.py, or leave one out")
+                             f"with mmgoal eval, or leave one out")
 
 
 def parse_group(spec: str) -> tuple[str, list[Path]]:
@@ -135,7 +135,7 @@ def compare(groups: list[tuple[str, list[dict]]], prefix: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("groups", nargs="+", metavar="LABEL=GLOB",
                         help="run directories of one setting; the first is the control")
     parser.add_argument("--prefix", default="", help="compare the test metrics of this "

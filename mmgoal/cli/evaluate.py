@@ -1,21 +1,21 @@
 """Evaluate a checkpoint on a split: R@1/5/10, median/mean rank, rsum; a table and JSON.
 
-    python tools/evaluate.py work_dirs/quickstart        # a run: its best checkpoint
-    python tools/evaluate.py work_dirs/quickstart/checkpoints/best.pt   # or an export
+    mmgoal eval work_dirs/quickstart        # a run: its best checkpoint
+    mmgoal eval work_dirs/quickstart/checkpoints/best.pt   # or an export
     # CONFIG before the checkpoint builds with that config instead of the saved one
-    python tools/evaluate.py configs/quickstart.yaml CKPT --split val --folds 5 --out m.json
+    mmgoal eval configs/quickstart.yaml CKPT --split val --folds 5 --out m.json
     # SCAN's ensemble: the mean of the score matrices of several checkpoints (each
     # built from the config saved inside it)
-    python tools/evaluate.py configs/scan/scan_t2i_avg_f30k.yaml T2I.pt --ensemble I2T.pt
+    mmgoal eval configs/scan/scan_t2i_avg_f30k.yaml T2I.pt --ensemble I2T.pt
     # attention precision / recall / F1 against entity boxes (the shards' own, or
     # Flickr30K Entities files joined by image id), with the PR curve as PNG
-    python tools/evaluate.py CONFIG CKPT --attention [--entities DIR] [--curve pr.png]
+    mmgoal eval CONFIG CKPT --attention [--entities DIR] [--curve pr.png]
     # a cross encoder: ITC for the gallery, the top K of every query re-scored by ITM
-    python tools/evaluate.py configs/xvlm/xvlm_tiny_synthetic.yaml CKPT --rerank-k 16
+    mmgoal eval configs/xvlm/xvlm_tiny_synthetic.yaml CKPT --rerank-k 16
     # encoding and scoring run on the GPU when there is one (--device cpu to stay on the CPU)
-    python tools/evaluate.py CONFIG CKPT --device cuda:1
+    mmgoal eval CONFIG CKPT --device cuda:1
     # zero-shot: a config alone, with the pretrained weights its model names (a CLIP tag)
-    python tools/evaluate.py configs/clip/clip_vit_b_32_coco.yaml --out zero_shot.json
+    mmgoal eval configs/clip/clip_vit_b_32_coco.yaml --out zero_shot.json
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from mmgoal.cli.arguments import (
     add_loading_options,
     apply_loading_options,
     check_out_file,
+    config_argument,
+    names_shipped_config,
+    tool_parser,
 )
 from mmgoal.devices import resolve_device
 from mmgoal.evaluation.gallery import evaluate_retrieval
@@ -84,7 +87,7 @@ def attention_report(args, cfg: dict, evaluator: Member, split_cfg: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("paths", nargs="+", metavar="[CONFIG] CHECKPOINT",
                         help="a checkpoint (best.pt, last.pt, an export) or a run directory "
                              "(its best checkpoint, else its latest), built with the config "
@@ -123,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"give [CONFIG] CHECKPOINT, got {len(args.paths)} paths; more checkpoints "
                      f"go after --ensemble")
     args.config, args.checkpoint = ([None] + args.paths)[-2:]
-    if args.config is None and Path(args.checkpoint).suffix in (".yaml", ".yml"):
+    if args.config is None and (Path(args.checkpoint).suffix in (".yaml", ".yml")
+                                or names_shipped_config(args.checkpoint)):
         args.config, args.checkpoint = args.checkpoint, None  # zero-shot: a config alone
     try:
+        if args.config is not None:
+            args.config = config_argument(args.config)
         return evaluate(args)
     except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: custom_imports
         print(f"error: {error}", file=sys.stderr)

@@ -1,12 +1,14 @@
-"""Export a run's weights as one plain file that a single process loads, or in the folder
-layout of open_clip or Hugging Face transformers, for the code and hubs that load those.
+"""Export a run's weights: one plain file, or the folder open_clip or transformers loads.
 
-    python tools/export.py work_dirs/run1 --out run1.pt            # latest checkpoint
-    python tools/export.py work_dirs/run1 --best --out run1_best.pt
-    python tools/export.py work_dirs/run1 --best --out run1.safetensors
-    python tools/evaluate.py run1.pt           # the config travels inside the file
-    python tools/export.py work_dirs/clip --best --format open_clip --out clip_goal/
-    python tools/export.py work_dirs/hfclip --best --format hf --out hfclip_goal/
+One file that a single process loads (``.pt`` or ``.safetensors``), or the folder
+layout of open_clip or Hugging Face transformers, for the code and hubs that load those:
+
+    mmgoal export work_dirs/run1 --out run1.pt            # latest checkpoint
+    mmgoal export work_dirs/run1 --best --out run1_best.pt
+    mmgoal export work_dirs/run1 --best --out run1.safetensors
+    mmgoal eval run1.pt           # the config travels inside the file
+    mmgoal export work_dirs/clip --best --format open_clip --out clip_goal/
+    mmgoal export work_dirs/hfclip --best --format hf --out hfclip_goal/
 
 and from Python ``mmgoal.load("run1.safetensors")``; ``open_clip.create_model_and_transforms(
 "local-dir:clip_goal")``; ``transformers.AutoModel.from_pretrained("hfclip_goal")``
@@ -35,11 +37,10 @@ no outside format (VSE, SCAN, X-VLM) is an error that names the formats it has.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from mmgoal.cli.arguments import check_out_file
+from mmgoal.cli.arguments import check_out_file, tool_parser
 from mmgoal.runs.checkpoint import (
     CheckpointWriteError,
     check_finite_weights,
@@ -122,7 +123,7 @@ def export_folder(source: Path, out: Path, fmt: str, best: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("source", type=Path, help="run directory or checkpoint file")
     parser.add_argument("--out", type=Path, required=True,
                         help="file to write (new, or an earlier export); a folder for "

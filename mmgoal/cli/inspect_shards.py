@@ -1,7 +1,7 @@
 """Inspect and validate shards: counts, caption and image statistics, keys, problems.
 
-    python tools/inspect_shards.py 'data/coco/*.tar'
-    python tools/inspect_shards.py 'laion/{00000..00099}.tar' --caption-key txt --json report.json
+    mmgoal inspect-shards 'data/coco/*.tar'
+    mmgoal inspect-shards 'laion/{00000..00099}.tar' --caption-key txt --json report.json
 
 Every sample of every shard is read: images decoded whole, JSON parsed,
 ``regions.npy``/``boxes.npy`` loaded. Reported per shard: unreadable images or
@@ -12,7 +12,6 @@ samples. Exits 1 when anything is wrong, 2 when the arguments are, 0 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
@@ -26,6 +25,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from mmgoal import strict_json
+from mmgoal.cli.arguments import tool_parser
 from mmgoal.data.pipeline import IMAGE_EXTENSIONS, expand_shards
 
 
@@ -166,7 +166,7 @@ def shard_urls(patterns: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("shards", nargs="+", help="shard files, globs or brace patterns")
     parser.add_argument("--caption-key", help="captions from this member (txt), not the JSON")
     parser.add_argument("--json", type=Path, help="write the whole report here")

@@ -1,12 +1,12 @@
 """Convert a data set into mmgoal shards (docs/data.md).
 
-    python tools/make_shards.py karpathy --json dataset_coco.json --image-root /data/coco \\
+    mmgoal make-shards karpathy --json dataset_coco.json --image-root /data/coco \\
         --out data/coco [--max-size 640] [--workers 8]
-    python tools/make_shards.py precomputed --data-dir /data/scan/f30k_precomp \\
+    mmgoal make-shards precomputed --data-dir /data/scan/f30k_precomp \\
         --out data/f30k_precomp
-    python tools/make_shards.py entities --shards 'data/f30k/*.tar' \\
+    mmgoal make-shards entities --shards 'data/f30k/*.tar' \\
         --entities-root /data/flickr30k_entities --out data/f30k_entities
-    python tools/make_shards.py karpathy ... --out data/coco --resume   # after an interruption
+    mmgoal make-shards karpathy ... --out data/coco --resume   # after an interruption
 
 ``--resume`` requires the options of the first run (recorded in the --out folder's
 summary.json).
@@ -25,14 +25,14 @@ import sys
 import typing
 from pathlib import Path
 
+from mmgoal.cli.arguments import tool_parser
 from mmgoal.data.conversion import convert, format_summary
 from mmgoal.registry import SHARD_SOURCES, import_custom_modules
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog=source_options_help(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__doc__, epilog=source_options_help(),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a registered shard source: "
                                        + ", ".join(SHARD_SOURCES.names()))
     parser.add_argument("--out", type=Path, required=True, help="folder of the shards")

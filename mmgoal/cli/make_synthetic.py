@@ -1,19 +1,19 @@
 """Generate the synthetic-scenes retrieval benchmark as WebDataset shards.
 
-    python tools/make_synthetic.py --out data/synthetic
-    python tools/make_synthetic.py --out data/tiny --train 200 --val 50 --test 100 --flickr-entities
+    mmgoal make-synthetic --out data/synthetic
+    mmgoal make-synthetic --out data/tiny --train 200 --val 50 --test 100 --flickr-entities
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
+from mmgoal.cli.arguments import tool_parser
 from mmgoal.data.synthetic import write_benchmark
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--out", required=True, help="folder for the shards")
     parser.add_argument("--train", type=int, default=5000, help="training images")
     parser.add_argument("--val", type=int, default=500, help="validation images")

@@ -1,8 +1,8 @@
 """Draw an image with its regions shaded by one word's attention (a cross-attention model).
 
-    python tools/plot_attention.py configs/scan/scan_synthetic.yaml \
+    mmgoal plot-attention configs/scan/scan_synthetic.yaml \
         work_dirs/scan_synthetic/checkpoints/best.pt --index 8 --caption 1 --word triangle
-    python tools/plot_attention.py CONFIG CKPT --index 0 --caption 2 --word 4 --out att.png
+    mmgoal plot-attention CONFIG CKPT --index 0 --caption 2 --word 4 --out att.png
 
 ``--index`` is the image's position in the split's shards, ``--caption`` one of
 its captions, ``--word`` a word of that caption (its text, or its position in
@@ -13,14 +13,18 @@ a region that covers the whole image is only named, with its weight.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 import webdataset as wds
 
-from mmgoal.cli.arguments import add_loading_options, apply_loading_options
+from mmgoal.cli.arguments import (
+    add_loading_options,
+    apply_loading_options,
+    config_argument,
+    tool_parser,
+)
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.pipeline import (
     collate_visual,
@@ -58,7 +62,7 @@ def word_position(caption: str, word: str) -> int:
 def word_attention(model, tokenizer, sample: dict, transform, caption: str, position: int):
     """(region boxes as xyxy fractions (R, 4), attention weights (R,)) of one word."""
     batch = collate_visual([transform_image(sample, transform)])
-    require(model, CrossAttentionModel, "tools/plot_attention.py")
+    require(model, CrossAttentionModel, "mmgoal plot-attention")
     if not hasattr(model.image_encoder, "region_boxes"):
         raise ValueError(f"{type(model.image_encoder).__name__} cannot say where its regions "
                          f"are (no region_boxes): there is no region attention to draw")
@@ -73,7 +77,7 @@ def word_attention(model, tokenizer, sample: dict, transform, caption: str, posi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("config")
     parser.add_argument("checkpoint")
     parser.add_argument("--split", default="test", choices=("val", "test"))
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     apply_loading_options(args)
     try:
-        plt = pyplot("tools/plot_attention.py")
+        plt = pyplot("mmgoal plot-attention")
+        args.config = config_argument(args.config)
         loaded = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device="cpu",
                                      trust_custom_imports=args.trust_custom_imports)
         model, tokenizer, transform = loaded.model, loaded.tokenizer, loaded.transform

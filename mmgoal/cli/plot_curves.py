@@ -1,7 +1,7 @@
 """Training curves of one or more runs from their metrics.jsonl, as one picture.
 
-    python tools/plot_curves.py work_dirs/quickstart --out curves.png
-    python tools/plot_curves.py work_dirs/a work_dirs/b --labels triplet goal --out ab.png
+    mmgoal plot-curves work_dirs/quickstart --out curves.png
+    mmgoal plot-curves work_dirs/a work_dirs/b --labels triplet goal --out ab.png
 
 Four panels: the training losses (every ``*_loss`` term and their sum) and
 the learning rate against the step, the validation rsum and R@1 (both
@@ -13,11 +13,11 @@ left out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from mmgoal.cli.arguments import tool_parser
 from mmgoal.extras import pyplot
 
 
@@ -39,7 +39,7 @@ def read_curves(run: Path) -> dict[str, dict[str, list]]:
 
 
 def plot_curves(runs: list[Path], labels: list[str], out: Path) -> None:
-    plt = pyplot("tools/plot_curves.py")
+    plt = pyplot("mmgoal plot-curves")
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, (run, label) in enumerate(zip(runs, labels)):
@@ -71,7 +71,7 @@ def _line(ax, x: list, y: list, colour: str, style: str, label: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (or metrics.jsonl)")
     parser.add_argument("--labels", nargs="+", help="a name per run (default: folder names)")
     parser.add_argument("--out", type=Path, default=Path("curves.png"), help="PNG to write")

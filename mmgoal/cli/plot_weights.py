@@ -1,9 +1,9 @@
 """Draw GOAL's weight maps (the paper's Figures 2 and 3) for configured hyperparameters.
 
-    python tools/plot_weights.py --out docs/goal_weights.png
-    python tools/plot_weights.py configs/goal/quickstart_goal.yaml \
+    mmgoal plot-weights --out docs/goal_weights.png
+    mmgoal plot-weights configs/goal/quickstart_goal.yaml \
         --cfg-options "objective.triplet={'type': 'cir', 'tau': 5}"
-    python tools/plot_weights.py --set tau=1 cir_offset=0 --out weights_tau1.png
+    mmgoal plot-weights --set tau=1 cir_offset=0 --out weights_tau1.png
 
 Figure 2: every triplet weight T(s_p, s_n) as a map over s_p (x) and s_n (y);
 Figure 3: every pair weight, P+ against s_p and P- against s_n. Each weight is
@@ -16,13 +16,13 @@ equal ``sig`` and ``lin``. A ``lam: auto`` weight is drawn at its ``lam_init``.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import sys
 from pathlib import Path
 
 import torch
 
+from mmgoal.cli.arguments import config_argument, tool_parser
 from mmgoal.config import load_config, parse_value
 from mmgoal.extras import pyplot, require_extra
 from mmgoal.objectives.goal import WEIGHT_REGISTRIES, BoundWeight, bind_weight
@@ -79,8 +79,8 @@ def call_weight(weight: BoundWeight, s_p: torch.Tensor, s_n: torch.Tensor):
 
 
 def draw(weights: dict[str, list[BoundWeight]], out: Path, resolution: int = 201) -> None:
-    plt = pyplot("tools/plot_weights.py")
-    grid = torch.linspace(-1, 1, resolution, dtype=torch.float64)
+    plt = pyplot("mmgoal plot-weights")
+    grid = torch.linspace(-1, 1, resolution, dtype=torch.float64, device="cpu")
     s_p, s_n = torch.meshgrid(grid, grid, indexing="xy")
     triplets, pairs = weights["triplet"], weights["pair"]
     columns = max(len(triplets), 2)
@@ -118,7 +118,7 @@ def draw(weights: dict[str, list[BoundWeight]], out: Path, resolution: int = 201
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("config", nargs="?", help="config whose GoalObjective gives options")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
     parser.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE",
@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="goal_weights.png", help="PNG file to write")
     args = parser.parse_args(argv)
     try:
-        require_extra("matplotlib", "tools/plot_weights.py")
+        require_extra("matplotlib", "mmgoal plot-weights")
+        if args.config:
+            args.config = config_argument(args.config)
         weights = configured_weights(args.config, args.cfg_options, args.set)
     except (ImportError, ValueError, KeyError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """How spread out a trained model's scores are: a check for hardest-negative collapse.
 
-    python tools/score_stats.py work_dirs/sweep/conxcon/default/seed0 [--split test] [--pairs 512]
-    python tools/score_stats.py configs/clip/clip_vit_b_32_coco.yaml   # a checkpoint as it is
+    mmgoal score-stats work_dirs/sweep/conxcon/default/seed0 [--split test] [--pairs 512]
+    mmgoal score-stats configs/clip/clip_vit_b_32_coco.yaml   # a checkpoint as it is
 
 Scores the first ``--pairs`` images of the split against their first captions
 with a run's best checkpoint (else its latest), a checkpoint file, or the model
@@ -13,13 +13,18 @@ model has positives and hardest negatives in the same narrow band.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-from mmgoal.cli.arguments import add_loading_options, apply_loading_options
+from mmgoal.cli.arguments import (
+    add_loading_options,
+    apply_loading_options,
+    config_argument,
+    names_shipped_config,
+    tool_parser,
+)
 from mmgoal.data.pipeline import iter_eval_batches
 from mmgoal.objectives.mining import hardest_negatives
 from mmgoal.runs.loading import (
@@ -50,10 +55,10 @@ def score_stats(source: Path, split: str, pairs: int,
             captions = [c[0] for c in batch["captions"]]
             texts = model.encode_text(tokenizer(captions))
             sims = model.similarity(model.encode_image(batch), texts)
-            diagonal = torch.eye(len(captions), dtype=torch.bool)
+            diagonal = torch.eye(len(captions), dtype=torch.bool, device=sims.device)
             text_of_image, _, _, _ = hardest_negatives(sims, diagonal)
             positive.append(sims.diagonal())
-            negative.append(sims[torch.arange(len(captions)), text_of_image])
+            negative.append(sims[torch.arange(len(captions), device=sims.device), text_of_image])
             if sum(len(p) for p in positive) >= pairs:
                 break
     s_p, s_n = torch.cat(positive)[:pairs], torch.cat(negative)[:pairs]
@@ -63,7 +68,7 @@ def score_stats(source: Path, split: str, pairs: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("runs", nargs="+", help="run directories, checkpoints, or configs whose "
                                                 "model loads pretrained weights")
     parser.add_argument("--split", default="test", choices=("val", "test"))
@@ -73,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_loading_options(args)
     for run in args.runs:
         try:
-            s = score_stats(Path(run), args.split, args.pairs, args.trust_custom_imports)
+            s = score_stats(Path(config_argument(run) if names_shipped_config(run) else run),
+                            args.split, args.pairs, args.trust_custom_imports)
         except (FileNotFoundError, ValueError, KeyError, ImportError) as error:
             print(f"error: {run}: {error}", file=sys.stderr)
             return 2

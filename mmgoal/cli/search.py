@@ -1,12 +1,12 @@
 """Search a gallery with a trained model: its images for a caption, or its captions for an image.
 
-    python tools/search.py work_dirs/quickstart --images 'data/synthetic/test-*.tar' \
+    mmgoal search work_dirs/quickstart --images 'data/synthetic/test-*.tar' \
         --query "a large red circle left of a small blue square" --top-k 8 --out hits.png
-    python tools/search.py RUN --images 'data/synthetic/test-*.tar' --query "a red circle" \
+    mmgoal search RUN --images 'data/synthetic/test-*.tar' --query "a red circle" \
         --query "two green triangles"               # one row of the picture per query
-    python tools/search.py RUN --images photos/ --query "a dog on a beach"
-    python tools/search.py RUN --images 'data/synthetic/test-*.tar' --image scene.png --out c.png
-    python tools/search.py RUN --image scene.png --texts captions.txt
+    mmgoal search RUN --images photos/ --query "a dog on a beach"
+    mmgoal search RUN --images 'data/synthetic/test-*.tar' --image scene.png --out c.png
+    mmgoal search RUN --image scene.png --texts captions.txt
 
 RUN is what ``mmgoal.load`` takes: a run directory (its checkpoints/best.pt), a
 checkpoint or an export. ``--images`` names WebDataset shards (brace patterns and
@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import mmgoal
 from mmgoal.api import Index, Retriever, rgb_image
-from mmgoal.cli.arguments import add_loading_options, apply_loading_options
+from mmgoal.cli.arguments import add_loading_options, apply_loading_options, tool_parser
 from mmgoal.data.pipeline import (
     IMAGE_EXTENSIONS,
     SkipCounter,
@@ -258,7 +258,7 @@ def search(args: argparse.Namespace) -> int:
         raise ValueError("--image ranks captions, and image files have none: give shards "
                          "with --images or a caption file with --texts")
     texts = read_texts(args.texts) if args.texts else None
-    plt = pyplot("tools/search.py --out") if args.out else None
+    plt = pyplot("mmgoal search --out") if args.out else None
     retriever = mmgoal.load(args.run, device=args.device, batch_size=args.batch_size,
                             trust_custom_imports=args.trust_custom_imports)
     rerank_k = retriever.scoring.rerank_k if args.rerank_k is None else args.rerank_k
@@ -278,9 +278,9 @@ def search(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("run", help="a run directory (its checkpoints/best.pt), a checkpoint or an "
-                                     "export (tools/export.py)")
+                                     "export (mmgoal export)")
     query = parser.add_mutually_exclusive_group(required=True)
     query.add_argument("--query", action="append", metavar="TEXT",
                        help="a caption to rank the images for (repeat for several)")

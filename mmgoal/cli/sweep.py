@@ -1,7 +1,7 @@
 """Train every GOAL triplet x pair combination (and hyperparameter grid point), tabulate R@1.
 
-    python tools/sweep.py configs/goal/sweep_synthetic.yaml --seeds 3 --out work_dirs/sweep
-    python tools/sweep.py configs/goal/sweep_synthetic.yaml --triplet nca cir --pair con sig_ms \\
+    mmgoal sweep configs/goal/sweep_synthetic.yaml --seeds 3 --out work_dirs/sweep
+    mmgoal sweep configs/goal/sweep_synthetic.yaml --triplet nca cir --pair con sig_ms \\
         --grid objective.triplet.tau=1,5,10,30 --seeds 3 --out work_dirs/sweep_tau
 
 The config's objective must be a ``GoalObjective``. Each run sets
@@ -37,7 +37,12 @@ import time
 from pathlib import Path
 
 from mmgoal import strict_json
-from mmgoal.cli.arguments import add_offline_option, apply_loading_options
+from mmgoal.cli.arguments import (
+    add_offline_option,
+    apply_loading_options,
+    config_argument,
+    tool_parser,
+)
 from mmgoal.config import config_changes, describe_changes, parse_value
 from mmgoal.engine.trainer import Trainer
 from mmgoal.registry import OBJECTIVES
@@ -199,7 +204,7 @@ def summarise(runs: list[dict], triplets: list[str], pairs: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("config", help="a config whose objective is a GoalObjective")
     parser.add_argument("--triplet", nargs="+", default=list(TRIPLETS), choices=TRIPLETS)
     parser.add_argument("--pair", nargs="+", default=list(PAIRS), choices=PAIRS)
@@ -213,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_loading_options(args)
     logging.basicConfig(level=logging.WARNING)
     try:
+        args.config = config_argument(args.config)
         points = grid_points(parse_grid(args.grid))
         check_data_paths(load_run_config(args.config, args.cfg_options))
         check_settings(args.config, args.cfg_options, args.triplet, args.pair, points)
@@ -275,7 +281,7 @@ def sweep(args: argparse.Namespace, points: list[dict], out: Path,
               f"test R@1 {report['test']['i2t_r1']:.1f}/{report['test']['t2i_r1']:.1f}, "
               f"rsum {report['test']['rsum']:.1f} ({time.perf_counter() - start:.0f}s)",
               flush=True)
-    command = "python tools/sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "mmgoal sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     table = summarise(runs, args.triplet, args.pair)
     header = (f"Test R@1 image-to-text / text-to-image (mean ± std over {args.seeds} seeds); "
               f"best grid point per cell by mean validation rsum.\n\n`{command}`\n\n")

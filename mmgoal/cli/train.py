@@ -1,12 +1,12 @@
 """Train a model from a config, evaluate it every epoch, report test metrics.
 
-    python tools/finetune.py configs/quickstart.yaml
-    python tools/finetune.py configs/quickstart.yaml --cfg-options train.epochs=2 optimizer.lr=1e-3
-    python tools/finetune.py configs/quickstart.yaml --work-dir work_dirs/run1 --resume
-    python tools/finetune.py configs/quickstart.yaml --print-config   # every key, defaults included
-    torchrun --nproc_per_node 2 tools/finetune.py configs/quickstart.yaml
-    deepspeed --num_gpus 2 tools/finetune.py configs/quickstart.yaml --deepspeed [ds.json]
-    python tools/finetune.py configs/gpu/quickstart_bf16.yaml         # a GPU, bf16 autocast
+    mmgoal train configs/quickstart.yaml
+    mmgoal train configs/quickstart.yaml --cfg-options train.epochs=2 optimizer.lr=1e-3
+    mmgoal train configs/quickstart.yaml --work-dir work_dirs/run1 --resume
+    mmgoal train configs/quickstart.yaml --print-config   # every key, defaults included
+    torchrun --nproc_per_node 2 -m mmgoal train configs/quickstart.yaml
+    deepspeed --num_gpus 2 --module mmgoal train configs/quickstart.yaml --deepspeed [ds.json]
+    mmgoal train configs/gpu/quickstart_bf16.yaml         # a GPU, bf16 autocast
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from pathlib import Path
 import yaml
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mmgoal.cli.arguments import add_offline_option, apply_loading_options
+from mmgoal.cli.arguments import (
+    add_offline_option,
+    apply_loading_options,
+    config_argument,
+    tool_parser,
+)
 from mmgoal.config import load_config
 from mmgoal.data.pipeline import UnreadableShardsError
 from mmgoal.engine.loggers import LoggerError
@@ -39,7 +44,7 @@ from mmgoal.runs.schema import check_data_paths, resolve_config, with_overrides
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("config", help="YAML config")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override config keys, e.g. train.epochs=2 data.train.batch_size=64")
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
     try:
+        args.config = config_argument(args.config)
         cfg = load_config(args.config)
         if args.deepspeed:  # first: the overrides may set DeepSpeed's own options
             cfg = with_deepspeed(cfg, args.deepspeed)

@@ -156,7 +156,7 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
     """Convert every split of ``source`` into shards under ``out_dir``.
 
     Args:
-        options: what made ``source`` (``tools/make_shards.py``: the source's name
+        options: what made ``source`` (``mmgoal make-shards``: the source's name
             and arguments); with ``shard_size`` they are recorded in
             ``summary.json`` and ``resume`` requires the same.
 

@@ -181,7 +181,7 @@ def expand_shards(shards: str | Sequence[str]) -> list[str]:
             elif not Path(expanded).is_file():
                 raise FileNotFoundError(
                     f"shard {expanded!r} does not exist (from {pattern!r}); generate the "
-                    f"data first, e.g. python tools/make_synthetic.py --out data/synthetic"
+                    f"data first, e.g. mmgoal make-synthetic --out data/synthetic"
                 )
             else:
                 paths.append(expanded)
@@ -193,7 +193,7 @@ def expand_shards(shards: str | Sequence[str]) -> list[str]:
 def shard_listing(shards: str | Sequence[str]) -> list[list]:
     """``[[file name, bytes], ...]`` of a split's shards: what a report records of the test
     set it was measured on, so that runs on other test sets are never compared
-    (tools/compare_runs.py); the names only, so a data set moved elsewhere still matches
+    (mmgoal compare-runs); the names only, so a data set moved elsewhere still matches
     (a remote shard's size is not asked for: None)."""
     return [[str(path).rsplit("/", 1)[-1],  # a pipe: command's shard: its last path part
              None if is_remote(path) else Path(path).stat().st_size]
@@ -521,7 +521,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
                   else "read a whole pass of its")
         return (f"rank {rank} worker {worker} {passed} training shards without a readable "
                 f"sample: no sample of {shards} could be decoded ({self.counter.summary()}); "
-                f"check the shards with tools/inspect_shards.py")
+                f"check the shards with mmgoal inspect-shards")
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose (reproducible) order the next iteration yields."""

@@ -1,4 +1,4 @@
-"""Shard sources for the data sets the papers use (``tools/make_shards.py SOURCE``).
+"""Shard sources for the data sets the papers use (``mmgoal make-shards SOURCE``).
 
 - ``karpathy``: a Karpathy split JSON (``dataset_coco.json``, ``dataset_flickr30k.json``)
   plus the image folder -> image shards per split with five captions each;

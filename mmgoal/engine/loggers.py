@@ -7,7 +7,7 @@ global step: ``train/loss``, ``train/lr``, ``train/<term>_loss``,
 ``train/samples_per_s`` every ``train.log_every`` steps; ``val/rsum``,
 ``val/i2t_r1``, ... every evaluated epoch; ``test/rsum``, ... at the end.
 A NaN or inf value (the loss of a skipped step), which ``metrics.jsonl`` holds
-as ``null``, is left out, as in ``tools/plot_curves.py``.
+as ``null``, is left out, as in ``mmgoal plot-curves``.
 
 The packages come with ``pip install 'mmgoal[tracking]'``; each is imported
 when its logger opens, never by ``import mmgoal``. docs/logging.md shows the

@@ -122,7 +122,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     if gallery.duplicates:
         logger.warning("%d samples repeat an image id of an earlier sample in %s; each image "
                        "is evaluated once, with the captions of its copies (check the shards "
-                       "with tools/inspect_shards.py)", gallery.duplicates, shards)
+                       "with mmgoal inspect-shards)", gallery.duplicates, shards)
     texts = []
     for start in tqdm(range(0, len(gallery.captions), batch_size), desc="encode texts",
                       unit="batch", disable=not progress, leave=False):

@@ -133,7 +133,7 @@ def open_clip_folder_config(model_name: str) -> dict:
         if not path.is_file():
             raise FileNotFoundError(f"OpenCLIP {model_name}: {path} does not exist; a local-dir "
                                     f"model is a folder with {OPEN_CLIP_CONFIG} and its weights "
-                                    f"(tools/export.py --format open_clip writes one)")
+                                    f"(mmgoal export --format open_clip writes one)")
     else:
         path = Path(hub_file(location, OPEN_CLIP_CONFIG, f"OpenCLIP {model_name}"))
     try:
@@ -286,7 +286,7 @@ class OpenCLIP(nn.Module):
         model_name: an open_clip architecture (``ViT-B-32``, ``ViT-B-16``, ``RN50``...:
             ``open_clip.list_models()``), or a model with its weights in open_clip's
             folder layout: ``hf-hub:ORG/NAME`` (fetched into the Hugging Face cache
-            unless offline) or ``local-dir:FOLDER`` (``tools/export.py --format
+            unless offline) or ``local-dir:FOLDER`` (``mmgoal export --format
             open_clip`` writes one).
         pretrained: a local weights file (open_clip's ``.bin``/``.pt``/``.pth``/
             ``.safetensors``, or a ``pkg://`` path), a pretrained tag
@@ -330,7 +330,7 @@ class OpenCLIP(nn.Module):
         if grad_checkpointing:
             enable_grad_checkpointing(self)
 
-    # the formats tools/export.py --format writes for this family (besides mmgoal's own)
+    # the formats mmgoal export --format writes for this family (besides mmgoal's own)
     EXPORT_FORMATS = ("open_clip",)
 
     @classmethod
@@ -487,7 +487,7 @@ class HFCLIP(nn.Module):
         if grad_checkpointing:
             enable_grad_checkpointing(self)
 
-    # the formats tools/export.py --format writes for this family (besides mmgoal's own)
+    # the formats mmgoal export --format writes for this family (besides mmgoal's own)
     EXPORT_FORMATS = ("hf",)
 
     @classmethod

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "mmgoal-checkpoint/1"
 CONFIG_SUFFIXES = (".yaml", ".yml")
-SAFETENSORS_FORMAT = "mmgoal-safetensors/1"  # an export (tools/export.py --out FILE.safetensors)
+SAFETENSORS_FORMAT = "mmgoal-safetensors/1"  # an export (mmgoal export --out FILE.safetensors)
 SHOWN_NAMES = 3  # tensor names an error message lists before "and N more"
 
 
@@ -212,7 +212,7 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
     if metadata.get("format") != SAFETENSORS_FORMAT:
         raise ValueError(f"{path} is a safetensors file but not an mmgoal export (its metadata "
                          f"has no format {SAFETENSORS_FORMAT!r}); write one with "
-                         f"tools/export.py RUN --out FILE.safetensors")
+                         f"mmgoal export RUN --out FILE.safetensors")
     aliases = extra.pop("aliases", {})
     if not isinstance(aliases, dict) or not all(
             isinstance(name, str) and target in model for name, target in aliases.items()):

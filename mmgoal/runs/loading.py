@@ -1,6 +1,6 @@
 """A trained model ready to evaluate: weights, vocabulary, eval transforms and config.
 
-Every tool that evaluates a checkpoint (tools/evaluate.py, plot_attention.py,
+Every tool that evaluates a checkpoint (mmgoal eval, plot_attention.py,
 score_stats.py) and the Python API (:mod:`mmgoal.api`) build it here, so the model,
 its preprocessing and the defaults they fall back on are the trainer's own
 (:mod:`mmgoal.runs.schema`, :func:`mmgoal.runs.preprocessing.resolve_preprocessing`).

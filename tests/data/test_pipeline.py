@@ -162,7 +162,7 @@ def test_a_pass_without_a_decodable_image_stops_the_training_stream(tmp_path, to
             f"of {none_good} could be decoded ({ds.counter.total} samples skipped: "
             f"{ds.counter.total} CorruptSampleError, the last: sample ")
         assert "unreadable image" in str(error.value)
-        assert str(error.value).endswith("check the shards with tools/inspect_shards.py")
+        assert str(error.value).endswith("check the shards with mmgoal inspect-shards")
         assert ds.counter.total >= 16 * 4 if resampled else 8
 
 
@@ -179,7 +179,7 @@ def test_eval_batches_keep_shard_order_and_all_captions(tiny_benchmark):
 
 
 def test_missing_shards_say_how_to_make_them(tmp_path):
-    with pytest.raises(FileNotFoundError, match="make_synthetic.py"):
+    with pytest.raises(FileNotFoundError, match="mmgoal make-synthetic"):
         expand_shards(str(tmp_path / "train-{000000..000002}.tar"))
     with pytest.raises(FileNotFoundError, match="matches no file"):
         expand_shards(str(tmp_path / "*.tar"))
@@ -269,7 +269,7 @@ def test_a_cut_gzip_shard_is_counted_and_trained_on_up_to_the_damage(tmp_path, t
                                                                     caplog, capsys):
     import gzip
 
-    from script_modules import load_script
+    from script_modules import load_tool
 
     with ShardWriter(tmp_path, "good", max_count=50) as writer:
         for key in range(20):
@@ -284,6 +284,6 @@ def test_a_cut_gzip_shard_is_counted_and_trained_on_up_to_the_damage(tmp_path, t
     assert ids == list(range(len(ids))) and 0 < len(ids) <= counted
     training = iter(dataset([str(cut)], tokenizer, training=True, batch_size=4))
     assert len(next(training)["image_ids"]) == 4  # the endless training stream reads it too
-    inspect = load_script("tools/inspect_shards.py")
+    inspect = load_tool("inspect-shards")
     assert inspect.main([str(cut)]) == 1  # a report of the damage, not a traceback
     assert "cut.tar.gz" in capsys.readouterr().out

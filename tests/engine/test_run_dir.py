@@ -99,7 +99,7 @@ def test_overwrite_deletes_what_the_run_wrote_and_nothing_else(tmp_path):
 
 
 def test_a_second_process_on_a_run_folder_is_refused_with_the_holders_name(tmp_path, capsys):
-    from script_modules import ROOT, load_script
+    from script_modules import ROOT, load_tool
 
     run = tmp_path / "run"
     held, release = threading.Event(), threading.Event()
@@ -118,7 +118,7 @@ def test_a_second_process_on_a_run_folder_is_refused_with_the_holders_name(tmp_p
                                                   rf"since .*: two processes writing one run"):
             with run_lock(run):
                 pass
-        finetune = load_script("tools/finetune.py")
+        finetune = load_tool("train")
         config = str(ROOT / "configs" / "quickstart.yaml")
         assert finetune.main([config, "--work-dir", str(run)]) == 2
         assert f"is in use by pid {os.getpid()}" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import yaml
-from script_modules import load_script
+from script_modules import load_tool
 from test_trainer import tiny_config
 
 from mmgoal.engine.strategies.deepspeed import merge_deepspeed_config
@@ -15,7 +15,7 @@ from mmgoal.registry import OBJECTIVES, STRATEGIES
 
 
 def finetune_tool():
-    return load_script("tools/finetune.py")
+    return load_tool("train")
 
 
 def test_deepspeed_config_takes_the_json_first_and_mmgoal_values_for_the_rest():

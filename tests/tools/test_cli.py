@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from fault_hooks import InfRunningVariances
-from script_modules import load_script
+from script_modules import load_tool
 
 from mmgoal.registry import HOOKS
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
@@ -73,10 +73,7 @@ def test_finetune_then_evaluate_agree(tiny_config_file, tmp_path):
     result = run_tool("tools/score_stats.py", work, "--pairs", "1000")
     assert result.returncode == 0, result.stderr
     assert "(epoch" in result.stdout and "40 pairs" in result.stdout
-    sys.path.insert(0, str(ROOT / "tools"))
-    from score_stats import score_stats
-
-    stats = score_stats(work, "test", 1000)
+    stats = load_tool("score-stats").score_stats(work, "test", 1000)
     assert f"positive median {stats['positive_median']:.2f}" in result.stdout
     assert stats["negative_q25"] <= stats["negative_median"] <= stats["negative_q75"]
     # ...and resumes where it has a checkpoint (here: the end, so nothing is trained)
@@ -99,7 +96,7 @@ def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
     result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", tmp_path / "x",
                       "--cfg-options", "data.train.shards=/nowhere/train-{0..3}.tar")
     assert result.returncode == 2
-    assert "make_synthetic.py" in result.stderr
+    assert "mmgoal make-synthetic" in result.stderr
     # a folder holding a run is never trained over, and a resume keeps the run's model
     finished = tmp_path / "finished"
     (finished / "checkpoints").mkdir(parents=True)
@@ -117,7 +114,7 @@ def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
 def test_misleading_inputs_get_messages_that_say_what_happened(tiny_quickstart_run, tmp_path,
                                                                capsys):
     run, _ = tiny_quickstart_run
-    finetune, evaluate = load_script("tools/finetune.py"), load_script("tools/evaluate.py")
+    finetune, evaluate = load_tool("train"), load_tool("eval")
     deepspeed_config = str(ROOT / "configs" / "distributed" / "quickstart_zero2.yaml")
     # a run folder as the config, or as load_from
     assert finetune.main([str(run), "--print-config"]) == 2
@@ -149,13 +146,9 @@ def test_misleading_inputs_get_messages_that_say_what_happened(tiny_quickstart_r
            f"CHECKPOINT" in err and "weights_only" not in err
 
 
-def load_tool(name: str):
-    return load_script(f"tools/{name}.py")
-
-
 def test_a_diverged_run_and_its_checkpoints_end_in_errors_not_tracebacks(tiny_config_file,
                                                                         tmp_path, capsys):
-    finetune, evaluate = load_tool("finetune").main, load_tool("evaluate").main
+    finetune, evaluate = load_tool("train").main, load_tool("eval").main
     (tmp_path / "taken").write_text("")
     assert finetune([str(tiny_config_file), "--work-dir", str(tmp_path / "taken")]) == 2
     assert f"error: --work-dir {tmp_path / 'taken'} is a file" in capsys.readouterr().err
@@ -262,7 +255,7 @@ def test_sweep_does_not_reuse_a_report_without_the_config_it_ran(tiny_benchmark,
 
 
 def test_sweep_fills_the_seed_into_load_from():
-    sweep = load_script("tools/sweep.py")
+    sweep = load_tool("sweep")
     cfg = sweep.seeded_config("configs/goal/finetune_synthetic.yaml", ["objective.pair=sig_ms"], 2)
     assert cfg["load_from"] == (
         "work_dirs/fidelity/scratch/conxcon/default/seed2/checkpoints/best.pt")
@@ -370,7 +363,7 @@ def test_evaluate_never_writes_its_json_over_a_runs_files(tiny_quickstart_run, t
     source, _ = tiny_quickstart_run
     run = tmp_path / "run"
     shutil.copytree(source, run)
-    evaluate = load_script("tools/evaluate.py")
+    evaluate = load_tool("eval")
     for own in ("checkpoints/last.pt", "checkpoints/best.pt", "config.yaml", "report.json"):
         before = (run / own).read_bytes()
         assert evaluate.main([str(run), "--device", "cpu", "--out", str(run / own)]) == 2
@@ -395,7 +388,7 @@ def test_a_full_disk_stops_training_with_a_sentence(tiny_config_file, tmp_path, 
 
     monkeypatch.setattr(checkpoint.torch, "save", disk_full)
     run = tmp_path / "run"
-    finetune = load_script("tools/finetune.py")
+    finetune = load_tool("train")
     assert finetune.main([str(tiny_config_file), "--work-dir", str(run), "--cfg-options",
                           "train.epochs=1"]) == 1
     err = capsys.readouterr().err

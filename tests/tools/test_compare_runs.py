@@ -1,9 +1,9 @@
 import json
 
 import yaml
-from script_modules import load_script
+from script_modules import load_tool
 
-compare_runs = load_script("tools/compare_runs.py")
+compare_runs = load_tool("compare-runs")
 
 
 def fake_run(path, seed, rsum, i2t=50.0, t2i=40.0, logged=None):

@@ -5,7 +5,8 @@ import json
 import tarfile
 
 from PIL import Image
-from test_cli import load_tool, run_tool
+from script_modules import load_tool
+from test_cli import run_tool
 
 from mmgoal.data.shards import ShardWriter
 
@@ -87,7 +88,7 @@ def test_inspect_reports_every_kind_of_problem(tmp_path):
 
 
 def test_inspect_fails_an_empty_set_and_explains_bad_arguments(tmp_path, capsys):
-    inspect_shards = load_tool("inspect_shards")
+    inspect_shards = load_tool("inspect-shards")
     with tarfile.open(tmp_path / "empty-000000.tar", "w"):
         pass
     assert inspect_shards.main([str(tmp_path / "*.tar"), "--no-progress"]) == 1

@@ -4,13 +4,13 @@ import math
 
 import pytest
 import torch
-from script_modules import load_script
+from script_modules import load_tool
 
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 
 
 def export_tool():
-    return load_script("tools/export.py")
+    return load_tool("export")
 
 
 def test_export_refuses_folders_run_checkpoints_and_nonfinite_weights(tmp_path, capsys):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import webdataset as wds
 from hf_folders import tiny_hf_folder
-from script_modules import load_script
+from script_modules import load_tool
 
 import mmgoal
 from mmgoal.data.pipeline import decode_sample, expand_shards
@@ -52,7 +52,7 @@ def test_an_open_clip_export_embeds_through_open_clip_as_through_mmgoal(tiny_ben
     model = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": MODEL_KWARGS}
     run = tiny_run(out, model, {"tokenizer": None}, tmp_path / "run")
     folder = tmp_path / "clip_goal"
-    export = load_script("tools/export.py")
+    export = load_tool("export")
     assert export.main([str(run), "--best", "--format", "open_clip", "--out", str(folder)]) == 0
     saved = json.loads((folder / "open_clip_config.json").read_text())
     assert saved["model_cfg"]["embed_dim"] == 16 and saved["model_cfg"]["text_cfg"][
@@ -85,7 +85,7 @@ def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchma
     source = tiny_hf_folder(tmp_path / "base", "clip")
     run = tiny_run(out, {"type": "HFCLIP", "path": str(source)}, {}, tmp_path / "run")
     folder = tmp_path / "hf_goal"
-    export = load_script("tools/export.py")
+    export = load_tool("export")
     assert export.main([str(run), "--best", "--format", "hf", "--out", str(folder)]) == 0
 
     theirs = transformers.AutoModel.from_pretrained(folder).eval()
@@ -110,7 +110,7 @@ def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchma
 def test_a_family_without_an_outside_format_says_which_it_has(tiny_quickstart_run, tmp_path,
                                                               capsys):
     run, _ = tiny_quickstart_run
-    export = load_script("tools/export.py")
+    export = load_tool("export")
     assert export.main([str(run), "--format", "open_clip", "--out", str(tmp_path / "x")]) == 2
     assert ("a DualEncoder model has no open_clip format: it is exported as mmgoal (--format)"
             in capsys.readouterr().err)
@@ -133,7 +133,7 @@ def test_a_config_alone_is_evaluated_zero_shot_with_the_weights_it_names(tiny_be
     kwargs = yaml_section(config)["model_kwargs"]
     torch.save(open_clip.create_model("ViT-B-32", **kwargs).state_dict(), weights)
     test = f"data.test.shards={out}/test-{{000000..000001}}.tar"
-    evaluate = load_script("tools/evaluate.py")
+    evaluate = load_tool("eval")
     result = tmp_path / "zero_shot.json"
     assert evaluate.main([str(config), "--device", "cpu", "--cfg-options", test,
                           f"model.pretrained={weights}", "--out", str(result)]) == 0

@@ -2,9 +2,9 @@ import json
 from pathlib import Path
 
 from PIL import Image
-from script_modules import load_script
+from script_modules import load_tool
 
-plot_curves = load_script("tools/plot_curves.py")
+plot_curves = load_tool("plot-curves")
 
 
 def write_run(folder: Path, scale: float) -> Path:

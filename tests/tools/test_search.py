@@ -6,7 +6,7 @@ import copy
 import pytest
 import webdataset as wds
 from PIL import Image
-from script_modules import load_script
+from script_modules import load_tool
 
 import mmgoal
 from mmgoal.data.pipeline import decode_sample, expand_shards, read_captions
@@ -14,7 +14,7 @@ from mmgoal.data.shards import ShardWriter
 from mmgoal.registry import MODELS, TOKENIZERS
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 
-search_tool = load_script("tools/search.py")
+search_tool = load_tool("search")
 QUERIES = ["a large red circle left of a small blue square", "a green triangle"]
 
 

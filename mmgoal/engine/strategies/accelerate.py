@@ -1,4 +1,4 @@
-"""Hugging Face Accelerate: ``accelerate launch tools/finetune.py CONFIG`` (DDP, mixed precision).
+"""Hugging Face Accelerate: ``accelerate launch -m mmgoal train CONFIG`` (DDP, mixed precision).
 
 ``Accelerator.prepare`` wraps the training module in DistributedDataParallel
 (``find_unused_parameters``, since objectives use different heads in

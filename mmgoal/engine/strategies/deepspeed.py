@@ -10,7 +10,7 @@ config is an error. A JSON ``optimizer`` / ``scheduler`` replaces mmgoal's.
 Checkpoints: ``checkpoints/deepspeed/<tag>/`` holds DeepSpeed's own files (every
 rank's partitions), ``trainer_state.pt`` (epoch, step, data position, every
 rank's RNG) and ``weights.pt``, the consolidated float32 model in the mmgoal
-format (what ``tools/export.py`` and ``tools/evaluate.py`` read). A run with
+format (what ``mmgoal export`` and ``mmgoal eval`` read). A run with
 another number of processes or ZeRO stage resumes through DeepSpeed's universal
 checkpoint (converted once, next to the tag), optimizer state included; the
 module's state outside its parameters (buffers, ``lam: auto``), which DeepSpeed's

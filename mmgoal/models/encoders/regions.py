@@ -45,7 +45,7 @@ class PrecomputedRegionEncoder(nn.Module):
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch["regions"]`` (B, R, D), ``batch["region_lengths"]`` -> tokens, lengths."""
         _require(batch, ("regions", "region_lengths"), "PrecomputedRegionEncoder",
-                 "the shards need <key>.regions.npy members (tools/make_shards.py precomputed)")
+                 "the shards need <key>.regions.npy members (mmgoal make-shards precomputed)")
         regions, lengths = batch["regions"].float(), batch["region_lengths"]
         if regions.shape[-1] != self.out_dim:
             raise ValueError(f"the shards' region features have {regions.shape[-1]} channels; "
