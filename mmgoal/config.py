@@ -159,18 +159,19 @@ def shipped_config_name(text: str | os.PathLike) -> str:
 
 
 def find_config(text: str | os.PathLike) -> Path:
-    """The config ``text`` names: the file, when it exists (a path always wins), else the
-    config of that name shipped with mmgoal (``quickstart``, ``configs/quickstart.yaml``
-    or ``clip/clip_vit_b_32_coco``), so the documented commands run from any folder.
+    """The config ``text`` names: a file that exists always wins (``text`` itself, else
+    ``text.yaml``, else ``configs/<name>.yaml`` under the working directory: a clone's own
+    configs), then the config of that name shipped with mmgoal (``quickstart``,
+    ``configs/quickstart.yaml`` or ``clip/clip_vit_b_32_coco``), so the documented
+    commands run from any folder.
 
     Raises:
-        FileNotFoundError: neither a file nor a shipped config; the message gives the
-            closest shipped names.
+        FileNotFoundError: none of these; the message gives the closest shipped names.
     """
-    path = Path(text)
-    if path.exists():
-        return path
     name = shipped_config_name(text)
+    for path in (Path(text), Path(f"{text}.yaml"), Path("configs", f"{name}.yaml")):
+        if path.exists():
+            return path
     shipped = shipped_configs()
     if name in shipped:
         return shipped[name]

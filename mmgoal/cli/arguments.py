@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from mmgoal.config import SHIPPED_CONFIGS, find_config, shipped_config_name, shipped_configs
+from mmgoal.config import SHIPPED_CONFIGS, find_config
 from mmgoal.paths import go_offline
 
 
@@ -25,21 +25,28 @@ def tool_parser(doc: str, **kwargs) -> argparse.ArgumentParser:
 
 
 def names_shipped_config(text: str) -> bool:
-    """``text`` is no file but the name of a config shipped with mmgoal (``quickstart``)."""
-    return not Path(text).exists() and shipped_config_name(text) in shipped_configs()
+    """``text`` is no file but names a config (``quickstart``: :func:`find_config`)."""
+    if Path(text).exists():
+        return False
+    try:
+        find_config(text)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def config_argument(text: str) -> str:
-    """A config the command line names: the file, or mmgoal's shipped config of that name
-    when no such file exists (:func:`mmgoal.config.find_config`); which one is said on
-    stderr when it is a shipped one, as the log would.
+    """A config the command line names: the file, or the config that name finds
+    (:func:`mmgoal.config.find_config`: a clone's ``configs/NAME.yaml``, mmgoal's shipped
+    one); which file, in the log (or on stderr) when it is not ``text`` itself.
 
     Raises:
-        FileNotFoundError: neither, with the closest shipped names.
+        FileNotFoundError: none, with the closest shipped names.
     """
     path = find_config(text)
-    if path.is_relative_to(SHIPPED_CONFIGS) and not Path(text).exists():
-        message = f"config {text}: mmgoal's shipped {path}"
+    if path != Path(text):
+        where = "mmgoal's shipped " if path.is_relative_to(SHIPPED_CONFIGS) else ""
+        message = f"config {text}: {where}{path}"
         if logging.getLogger().handlers:
             logging.info(message)
         else:

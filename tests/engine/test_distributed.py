@@ -39,19 +39,22 @@ def environment() -> dict:
 
 def launch(launcher: str, config: Path, work_dir: Path, *extra: str,
            timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run tools/finetune.py under ``torchrun``/``deepspeed`` with 2 processes, or alone."""
-    script = [str(ROOT / "tools" / "finetune.py"), str(config), "--work-dir", str(work_dir),
-              *extra]
+    """Train under ``torchrun``/``deepspeed``/``accelerate`` with 2 processes, or alone, in
+    the forms docs/distributed.md gives: the launchers start the module (``-m mmgoal
+    train``; the deepspeed launcher puts ``--local_rank=N`` before ``train``), one process
+    runs the repository's tools/finetune.py."""
+    train = ["mmgoal", "train", str(config), "--work-dir", str(work_dir), *extra]
     command = {
-        "single": [sys.executable],
-        "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"],
+        "single": [sys.executable, str(ROOT / "tools" / "finetune.py"), *train[2:]],
+        "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m",
+                     *train],
         "deepspeed": [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port",
-                      str(free_port())],
+                      str(free_port()), "--module", *train],
         # --multi_gpu is accelerate's multi-process switch; on CPU the strategy makes it gloo
         "accelerate": [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-                       "no", "--main_process_port", str(free_port())],
-    }[launcher] + script
+                       "no", "--main_process_port", str(free_port()), "-m", *train],
+    }[launcher]
     # A session of its own: KillAllAt kills the launcher's whole process group.
     return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True,
                           timeout=timeout, start_new_session=True)
