@@ -125,3 +125,26 @@ def test_a_copied_config_stands_alone_and_is_not_overwritten(tmp_path, capsys):
     assert copy.read_text() == "mine: true\n"
     assert configs_tool.main(["--copy", "scan/scan_ccr_synthetic", str(copy), "--force"]) == 0
     assert configs_tool.main(["--copy", "scan/nope", str(tmp_path / "x.yaml")]) == 2
+
+
+def test_check_installs_guard_refuses_every_file_of_the_clone(tmp_path):
+    from script_modules import load_script
+
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(load_script("tools/check_install.py").GUARD)
+    clone, elsewhere = tmp_path / "clone", tmp_path / "elsewhere"
+    for folder in (clone, elsewhere):
+        folder.mkdir()
+        (folder / "a.yaml").write_text("x: 1\n")
+    code = ("import os, sys\nfor path in sys.argv[1:]:\n    try:\n        open(path).read(); "
+            "print('read', path)\n    except PermissionError as error:\n        print(error)\n"
+            "try:\n    os.listdir(sys.argv[1].rsplit('/', 1)[0])\nexcept PermissionError:\n"
+            "    print('no listing')\n")
+    result = subprocess.run([sys.executable, "-c", code, str(clone / "a.yaml"),
+                             str(elsewhere / "a.yaml")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(guard),
+                                 "MMGOAL_CHECK_CLONE": str(clone)}, timeout=60)
+    assert result.stdout.splitlines() == [
+        f"check-install: the installed mmgoal reached into the clone: open {clone / 'a.yaml'}",
+        f"read {elsewhere / 'a.yaml'}", "no listing"]
