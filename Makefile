@@ -25,10 +25,10 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	touch $(STAMP)
 
 data/synthetic/meta.json: $(STAMP)
-	$(PY) tools/make_synthetic.py --out data/synthetic
+	$(VENV)/bin/mmgoal make-synthetic --out data/synthetic
 
 demo: $(STAMP) data/synthetic/meta.json
-	$(PY) tools/finetune.py configs/quickstart.yaml --work-dir work_dirs/quickstart
+	$(VENV)/bin/mmgoal train configs/quickstart.yaml --work-dir work_dirs/quickstart
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check mmgoal tools tests bench

@@ -162,19 +162,23 @@ def find_config(text: str | os.PathLike) -> Path:
     """The config ``text`` names: a file that exists always wins (``text`` itself, else
     ``text.yaml``, else ``configs/<name>.yaml`` under the working directory: a clone's own
     configs), then the config of that name shipped with mmgoal (``quickstart``,
-    ``configs/quickstart.yaml`` or ``clip/clip_vit_b_32_coco``), so the documented
-    commands run from any folder.
+    ``configs/quickstart.yaml`` or ``clip/clip_vit_b_32_coco``; a shipped DeepSpeed JSON
+    too, ``configs/distributed/zero3_bf16.json``), so the documented commands run from
+    any folder.
 
     Raises:
         FileNotFoundError: none of these; the message gives the closest shipped names.
     """
-    name = shipped_config_name(text)
-    for path in (Path(text), Path(f"{text}.yaml"), Path("configs", f"{name}.yaml")):
+    given = Path(text)
+    relative = given.as_posix().removeprefix("configs/")
+    # a name without a suffix is a YAML config's; other files (a DeepSpeed JSON) keep theirs
+    suffix = "" if given.suffix else ".yaml"
+    for path in (given, Path(f"{text}{suffix}"), Path("configs", f"{relative}{suffix}"),
+                 SHIPPED_CONFIGS / f"{relative}{suffix}"):
         if path.exists():
             return path
+    name = shipped_config_name(text)
     shipped = shipped_configs()
-    if name in shipped:
-        return shipped[name]
     close = difflib.get_close_matches(name, list(shipped), n=3, cutoff=0.6)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise FileNotFoundError(f"config {text}: no such file, and mmgoal ships no config named "

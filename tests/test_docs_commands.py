@@ -1,9 +1,11 @@
 """The commands, config paths and links of README.md and docs/ match the repository.
 
 Nothing is trained or converted. Every command line of a fenced code block that
-runs ``tools/<name>.py`` is checked against the tool's own ``--help``: the tool
-exists and takes every ``--flag`` the line passes. The ``--cfg-options`` of
-``finetune.py``/``evaluate.py``/``sweep.py`` commands must load with their config
+runs ``mmgoal <command>`` (also under a launcher, ``-m mmgoal``/``--module mmgoal``)
+or the repository's ``tools/<name>.py`` is checked against that command's own
+``--help``: the command exists and takes every ``--flag`` the line passes; each
+tools/ shim takes exactly the options of its command. The ``--cfg-options`` of
+``train``/``eval``/``sweep`` commands must load with their config
 (``load_run_config``). Every ``configs/...yaml`` the pages name exists, and so
 does every ``docs/...md`` they name and every relative link. Placeholders
 (``CONFIG``, ``CKPT``, ``<name>``, ``$c``, ``...``) are skipped.
@@ -23,25 +25,43 @@ from pathlib import Path
 
 import pytest
 
+from mmgoal.cli.main import COMMANDS
+from mmgoal.config import SHIPPED_CONFIGS, find_config
 from mmgoal.registry import OBJECTIVES
 from mmgoal.runs.schema import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^\s*```")
-TOOL = re.compile(r"(?:^|(?<=\s))(?:\S*/)?(tools/\w+\.py)(?=\s|$)")
+# `mmgoal train ...`; not Python's `from mmgoal import X`
+TOOL = re.compile(r"(?:^|(?<=\s))(?<!from )(?:\S*/)?(tools/\w+\.py|mmgoal [a-z][a-z-]*)(?=\s|$)")
 COMMAND_END = {"&&", "||", ";", "|", ">", ">>", "2>&1"}
 CONFIG_PATH = re.compile(r"(?<![\w./-])(?:\.\./)*(configs/[\w{},./-]+?\.yaml)")
 DOC_PATH = re.compile(r"(?<![\w./-])(docs/[\w./-]+?\.md)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-CONFIG_TOOLS = {"tools/finetune.py", "tools/evaluate.py", "tools/sweep.py"}
+CONFIG_TOOLS = {"train", "eval", "sweep"}
 # Files the tools write, named in the docs as where output goes.
 WRITTEN_BY_TOOLS = {"docs/results/gpu.md"}  # bench/gpu_check.py
 
 
+def shim_commands() -> dict[str, str]:
+    """``{"tools/finetune.py": "train", ...}``: the mmgoal command each tools/ shim runs."""
+    modules = {module: command for command, module in COMMANDS.items()}
+    shims = {}
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        found = re.search(r"^from mmgoal\.cli\.(\w+) import main$", path.read_text(), re.M)
+        if found:
+            shims[f"tools/{path.name}"] = modules[found.group(1)]
+    return shims
+
+
+SHIMS = shim_commands()
+
+
 @dataclass(frozen=True)
 class Command:
-    """One tool invocation of a fenced code block: where it is, the tool, its arguments."""
+    """One command of a fenced code block: where it is, the mmgoal command (``train``) or
+    ``tools/<name>.py`` for a script of tools/ that is not a shim, its arguments."""
 
     where: str
     tool: str
@@ -103,52 +123,80 @@ def tokens(text: str) -> list[str]:
 
 
 def doc_commands() -> list[Command]:
+    """Every command of the pages' code blocks, a shim's as its mmgoal command."""
     commands = []
     for page in PAGES:
         for number, line in fenced_lines(page):
-            for match in TOOL.finditer(line):
-                commands.append(Command(f"{relative(page)}:{number}", match.group(1),
-                                        tuple(tokens(line[match.end():]))))
+            code = re.split(r"(?:^|\s)#", line, maxsplit=1)[0]
+            for match in TOOL.finditer(code):
+                name = match.group(1).removeprefix("mmgoal ")
+                commands.append(Command(f"{relative(page)}:{number}", SHIMS.get(name, name),
+                                        tuple(tokens(code[match.end():]))))
     return commands
 
 
 HELP_SCRIPT = """
 import contextlib, io, json, runpy, sys
+from mmgoal.cli.main import main
 helps = {}
-for tool in sys.argv[1:]:
+for name in sys.argv[1:]:
     text = io.StringIO()
-    sys.argv = [tool, "--help"]
     try:
         with contextlib.redirect_stdout(text):
-            runpy.run_path(tool, run_name="__main__")
+            if name.startswith("tools/"):
+                sys.argv = [name, "--help"]
+                runpy.run_path(name, run_name="__main__")
+            else:
+                main([name, "--help"])
     except SystemExit:
         pass
-    except Exception as error:  # reported as the tool's help, so the test names it
+    except Exception as error:  # reported as the command's help, so the test names it
         text.write(f"--help failed: {error!r}")
-    helps[tool] = text.getvalue()
+    helps[name] = text.getvalue()
 sys.__stdout__.write("\\n" + json.dumps(helps) + "\\n")
 """
 
 
 @functools.cache
+def helps() -> dict[str, str]:
+    """The ``--help`` of every mmgoal command and of every script of tools/, in one process."""
+    names = [*COMMANDS, *sorted(f"tools/{p.name}" for p in (ROOT / "tools").glob("*.py"))]
+    result = subprocess.run([sys.executable, "-c", HELP_SCRIPT, *names], cwd=ROOT,
+                            capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def options(help_text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", help_text))
+
+
 def tool_options() -> dict[str, set[str]]:
-    """The option strings of every tool the docs run, read from ``--help`` in one process."""
-    tools = sorted({c.tool for c in doc_commands() if (ROOT / c.tool).is_file()})
-    result = subprocess.run([sys.executable, "-c", HELP_SCRIPT, *tools], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, check=True)
-    helps = json.loads(result.stdout.strip().splitlines()[-1])
-    return {tool: set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", text))
-            for tool, text in helps.items()}
+    """The option strings of every command (and script of tools/), from ``--help``."""
+    return {name: options(text) for name, text in helps().items()}
+
+
+def test_each_tools_shim_is_its_command():
+    """``python tools/finetune.py`` and ``mmgoal train`` are one command: the same options
+    and description, only the program's name differs."""
+    assert len(SHIMS) == len(COMMANDS) - 1  # all but mmgoal configs
+    for shim, command in SHIMS.items():
+        mine, its = helps()[shim], helps()[command]
+        assert its.startswith(f"usage: mmgoal {command} ") and "--help failed" not in its, its
+        assert mine.startswith(f"usage: {Path(shim).name} ")
+        assert options(mine) == options(its) and len(options(its)) > 1, shim
+        description = its.split("\n\n")[1]
+        assert description in mine, shim
 
 
 def test_the_docs_run_tools():
     names = {c.tool for c in doc_commands()}
-    assert {"tools/finetune.py", "tools/evaluate.py", "tools/make_shards.py"} <= names
+    assert {"train", "eval", "make-shards", "configs"} <= names
 
 
 def test_every_tool_a_command_runs_exists():
-    missing = [f"{c.where}: {c.tool} does not exist" for c in doc_commands()
-               if not (ROOT / c.tool).is_file()]
+    missing = [f"{c.where}: {'mmgoal ' * (c.tool in COMMANDS)}{c.tool} does not exist"
+               for c in doc_commands()
+               if c.tool not in COMMANDS and not (ROOT / c.tool).is_file()]
     assert not missing, "\n".join(missing)
 
 
@@ -161,16 +209,26 @@ def test_every_flag_a_command_passes_is_one_the_tool_takes():
     assert not wrong, "\n".join(wrong)
 
 
+def named_config(text: str) -> Path | None:
+    """The config a command's first argument names (a file or a shipped name), if any."""
+    try:
+        path = Path(text) if Path(text).is_absolute() else ROOT / text
+        return path if path.is_file() else SHIPPED_CONFIGS / find_config(text).relative_to(
+            SHIPPED_CONFIGS)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def config_commands() -> list[Command]:
-    """Commands of finetune/evaluate/sweep that name a config of the repository and
-    override it."""
+    """Commands of train/eval/sweep that name a config (a file of the repository or a
+    shipped name) and override it."""
     return [c for c in doc_commands() if c.tool in CONFIG_TOOLS and c.positionals()
             and c.cfg_options() and not is_placeholder(c.positionals()[0])
-            and (ROOT / c.positionals()[0]).is_file()]
+            and named_config(c.positionals()[0])]
 
 
 def test_the_docs_override_configs():
-    assert any(c.tool == "tools/finetune.py" for c in config_commands())
+    assert any(c.tool == "train" for c in config_commands())
 
 
 @pytest.mark.parametrize("command", config_commands(), ids=lambda c: c.where)
@@ -178,7 +236,7 @@ def test_cfg_options_of_a_command_load(command):
     config = command.positionals()[0]
     overrides = [o for o in command.cfg_options() if not is_placeholder(o)]
     try:
-        load_run_config(ROOT / config, overrides)
+        load_run_config(named_config(config), overrides)
     except (ValueError, FileNotFoundError, ImportError) as error:
         pytest.fail(f"{command.where}: {config} --cfg-options {' '.join(overrides)}: {error}")
 

@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         args.config = config_argument(args.config)
         cfg = load_config(args.config)
         if args.deepspeed:  # first: the overrides may set DeepSpeed's own options
+            if isinstance(args.deepspeed, str):  # a JSON file, or one shipped with mmgoal
+                args.deepspeed = config_argument(args.deepspeed)
             cfg = with_deepspeed(cfg, args.deepspeed)
         # printing a config (maybe one you received) imports nothing it names, unless asked
         cfg = with_overrides(cfg, args.cfg_options, beside=Path(args.config).parent,

@@ -81,6 +81,9 @@ def test_a_shipped_config_is_found_by_name_and_a_file_of_that_name_wins(tmp_path
     with pytest.raises(FileNotFoundError) as error:
         find_config("quickstrat")
     assert "mmgoal ships no config named 'quickstrat' (did you mean quickstart" in str(error.value)
+    # a shipped DeepSpeed JSON (mmgoal train --deepspeed configs/distributed/zero3_bf16.json)
+    assert find_config("configs/distributed/zero3_bf16.json") == (
+        SHIPPED_CONFIGS / "distributed" / "zero3_bf16.json")
     # the fragments under _base_ are not configs of their own
     assert not any(name.startswith("_base_") for name in shipped_configs())
     assert "_base_/data/synthetic" not in shipped_configs()
