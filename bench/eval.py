@@ -13,7 +13,7 @@ regions of the scenes' boxes plus the whole image on the same CNN, biGRU words,
 image size, written as shards to a temporary folder. Each model is measured in
 a fresh process (its peak RSS is its own).
 
-- mmgoal: ``encode_gallery`` on the shards, the path of ``tools/evaluate.py``
+- mmgoal: ``encode_gallery`` on the shards, the path of ``mmgoal eval``
   and of validation: shard reading, image decoding, the eval transform, the
   tokenizer, the model, storing the features. images/s counts up to the end of
   the last ``encode_image`` call, texts/s the rest (tokenizing included).

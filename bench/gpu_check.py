@@ -354,7 +354,7 @@ def report(info: dict, tests: dict | None, training: list[dict], trainer: list[d
          ("peak GPU memory (GiB)", "peak_gib", 2)], training)
     lines += section(
         "The whole trainer on the quickstart",
-        "`tools/finetune.py configs/quickstart.yaml` on freshly written 64-px shards (4 loader "
+        "`mmgoal train configs/quickstart.yaml` on freshly written 64-px shards (4 loader "
         "workers; no evaluation): median samples/s of the logged steps.",
         [("device", "device", None), ("precision", "precision", None),
          ("images", "images", None), ("samples/s", "samples_per_s", 0),
