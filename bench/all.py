@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# data pipeline, trainer, distributed ITM, evaluation encoding, objectives, SCAN scoring
-SCRIPTS = ("data", "trainer", "itm", "eval", "objectives", "scan_eval")
+# data pipeline, trainer, distributed ITM, the feature gather, evaluation encoding, objectives,
+# SCAN scoring
+SCRIPTS = ("data", "trainer", "itm", "gather", "eval", "objectives", "scan_eval")
 RATIO = re.compile(r"(ratio|overhead).*\d", re.IGNORECASE)  # not a table's header
 
 

@@ -10,7 +10,7 @@ Every rank all-gathers the features of all ranks and computes the objective on
 the global score matrix, so hardest negatives are mined and weights normalised
 over the whole batch (open_clip's gather). The gather's backward sums the
 gradients that every rank computed for each slice and hands each rank the sum
-for its own slice (``torch.distributed.nn.all_gather``'s rule). With every rank
+for its own slice, as a reduce-scatter (``torch.distributed.nn.all_gather``'s rule). With every rank
 computing the same global loss ``L``, rank ``r``'s encoder gradient is ``world x
 dL/dtheta`` through its slice, and the data-parallel average of those is exactly
 one process's gradient of ``L``; a parameter used after the gather (a learnable
@@ -47,56 +47,98 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
+def _all_gather_single(out: torch.Tensor, local: torch.Tensor) -> None:
+    # one tensor in, one out: torch 2.14's name, else torch 2.6's
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local)
+
+
+def _reduce_scatter_single(mine: torch.Tensor, grad: torch.Tensor) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(mine, grad)
+
+
 class _AllGather(torch.autograd.Function):
-    """all_gather whose backward sums every rank's gradient of each slice."""
+    """all_gather whose backward is a reduce-scatter: each rank receives the sum over ranks
+    of the gradient of its own slice, and moves half the bytes of an all-reduce of the
+    whole gradient (``torch.distributed.nn``'s rule, without its deprecated list API)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor) -> torch.Tensor:
-        rank, world = world_info()
-        ctx.rank, ctx.size = rank, local.shape[0]
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts)
+        world = world_info()[1]
+        out = local.new_empty((world * local.shape[0], *local.shape[1:]))
+        _all_gather_single(out, local.contiguous())
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad[ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size]
+        world = world_info()[1]
+        mine = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
+        _reduce_scatter_single(mine, grad.contiguous())
+        return mine
+
+
+def _shapes(tensors: Sequence[torch.Tensor]) -> list[list[torch.Size]]:
+    """Every rank's shapes of ``tensors`` (the same number, of the same ranks, on every
+    rank), in one collective: ``shapes[rank][i]``."""
+    sizes = torch.tensor([size for t in tensors for size in t.shape], dtype=torch.long,
+                         device=tensors[0].device)
+    parts = [torch.empty_like(sizes) for _ in range(world_info()[1])]
+    dist.all_gather(parts, sizes)
+    shapes = []
+    for part in parts:
+        values, rank_shapes = part.tolist(), []
+        for t in tensors:
+            rank_shapes.append(torch.Size(values[:t.dim()]))
+            values = values[t.dim():]
+        shapes.append(rank_shapes)
+    return shapes
 
 
 def _same_shapes(local: torch.Tensor) -> list[torch.Size]:
-    shape = torch.tensor(local.shape, dtype=torch.long, device=local.device)
-    shapes = [torch.empty_like(shape) for _ in range(world_info()[1])]
-    dist.all_gather(shapes, shape)
-    return [torch.Size(s.tolist()) for s in shapes]
+    return [rank_shapes[0] for rank_shapes in _shapes([local])]
 
 
-def gather_with_grad(local: torch.Tensor, pad_dim: int | None = None) -> torch.Tensor:
+def check_equal_shapes(*tensors: torch.Tensor) -> None:
+    """Raise a ``RuntimeError`` that says so unless every rank holds ``tensors`` of the
+    same shapes (one small collective): a gather of different shapes would abort the
+    process group. For callers that cannot know it (a user's loop); the trainer's
+    batches are equal by construction (partial batches are dropped)."""
+    if world_info()[1] == 1:
+        return
+    shapes = _shapes(list(tensors))
+    if any(rank_shapes != shapes[0] for rank_shapes in shapes):
+        raise RuntimeError(f"every rank must gather tensors of the same shapes, got "
+                           f"{[[tuple(s) for s in rank] for rank in shapes]} (rank by rank); "
+                           f"drop partial batches")
+
+
+def gather_with_grad(local: torch.Tensor, pad_dim: int | None = None,
+                     shapes: Sequence[torch.Size] | None = None) -> torch.Tensor:
     """(B, ...) per rank -> (world * B, ...) in rank order, differentiable (see the module doc).
 
     Args:
         local: this rank's rows; every rank must have the same number of rows
-            (training batches drop their last partial batch for that reason).
+            (training batches drop their last partial batch for that reason), and
+            without ``pad_dim`` the same shape: it is not checked, so that a gather
+            costs one collective (a rank whose shape differs fails in it).
         pad_dim: a dimension whose size may differ across ranks (token counts);
-            it is zero-padded to the largest size before gathering.
+            it is zero-padded to the largest size before gathering, and every
+            rank's shape is exchanged first.
+        shapes: every rank's shape of ``local`` when the caller has them (one
+            exchange for several tensors: :func:`gather_features`).
     """
     rank, world = world_info()
     if world == 1:
         return local
-    shapes = _same_shapes(local)
     if pad_dim is not None:
+        shapes = shapes if shapes is not None else _same_shapes(local)
         width = max(s[pad_dim] for s in shapes)
         if local.shape[pad_dim] < width:
             pad = [0, 0] * (local.dim() - pad_dim - 1) + [0, width - local.shape[pad_dim]]
             local = torch.nn.functional.pad(local, pad)
-        shapes = [s[:pad_dim] + s[pad_dim + 1:] for s in shapes]
-        mine = local.shape[:pad_dim] + local.shape[pad_dim + 1:]
-    else:
-        mine = local.shape
-    if any(s != mine for s in shapes):
-        raise RuntimeError(f"gather_with_grad needs the same shape on every rank, got "
-                           f"{[tuple(s) for s in shapes]}; drop partial batches")
+        rows = {s[0] for s in shapes}
+        if len(rows) > 1:
+            raise RuntimeError(f"gather_with_grad needs the same number of rows on every "
+                               f"rank, got {[s[0] for s in shapes]}; drop partial batches")
     if local.dtype == torch.bool:  # gloo cannot gather bool
         return _AllGather.apply(local.to(torch.uint8)).bool()
     return _AllGather.apply(local)
@@ -122,11 +164,18 @@ def gather_varying_length(local: torch.Tensor) -> torch.Tensor:
     return torch.cat([part[:length] for part, length in zip(parts, lengths)])
 
 
+def _token_like(value: torch.Tensor) -> bool:
+    """Tokens (B, L, ...) or a (B, L) bool mask: padded along L to the longest rank."""
+    return value.dim() >= 3 or (value.dim() == 2 and value.dtype == torch.bool)
+
+
 def gather_features(features: Any) -> Any:
     """A feature object (tensor or ``ImageFeatures``-like dataclass) gathered over ranks.
 
     Every tensor field is gathered along the batch; fields of rank 3 or more
-    (tokens) and masks are padded along dimension 1 to the longest rank.
+    (tokens) and masks are padded along dimension 1 to the longest rank. The
+    shapes of the padded fields are exchanged in one collective for them all;
+    pooled fields (B, D) are gathered without one.
     """
     if world_info()[1] == 1:
         return features
@@ -135,14 +184,18 @@ def gather_features(features: Any) -> Any:
     if not dataclasses.is_dataclass(features):
         raise TypeError(f"cannot gather features of type {type(features).__name__}; give "
                         f"tensors or a dataclass of tensors (ImageFeatures, TextFeatures)")
-    gathered = {}
-    for field in dataclasses.fields(features):
-        value = getattr(features, field.name)
-        if isinstance(value, torch.Tensor):
-            token_like = value.dim() >= 3 or (value.dim() == 2 and value.dtype == torch.bool)
-            value = gather_with_grad(value, pad_dim=1 if token_like else None)
-        gathered[field.name] = value
-    return type(features)(**gathered)
+    values = {field.name: getattr(features, field.name) for field in dataclasses.fields(features)}
+    padded = [name for name, value in values.items()
+              if isinstance(value, torch.Tensor) and _token_like(value)]
+    shapes = _shapes([values[name] for name in padded]) if padded else []
+    for name, value in values.items():
+        if name in padded:
+            index = padded.index(name)
+            values[name] = gather_with_grad(value, pad_dim=1,
+                                            shapes=[rank[index] for rank in shapes])
+        elif isinstance(value, torch.Tensor):
+            values[name] = gather_with_grad(value)
+    return type(features)(**values)
 
 
 def id_hashes(image_ids: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:

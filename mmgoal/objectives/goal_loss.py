@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmgoal.distributed import gather_with_grad, id_hashes, world_info
+from mmgoal.distributed import check_equal_shapes, gather_with_grad, id_hashes, world_info
 from mmgoal.objectives.goal import GoalObjective
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.structures import ObjectiveInputs
@@ -199,6 +199,7 @@ class GoalLoss(nn.Module):
         ids = None if image_ids is None else _ids_tensor(image_ids, n_pairs, device)
         if scores is None:
             if self.gather and world_info()[1] > 1:
+                check_equal_shapes(image_embeds, text_embeds)
                 image_embeds, text_embeds = (gather_with_grad(image_embeds),
                                              gather_with_grad(text_embeds))
                 ids = None if ids is None else gather_with_grad(ids)

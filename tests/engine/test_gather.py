@@ -7,7 +7,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks  # tests/ranks.py
 
-from mmgoal.distributed import gather_features, gather_groups, gather_with_grad
+from mmgoal.distributed import (
+    check_equal_shapes,
+    gather_features,
+    gather_groups,
+    gather_with_grad,
+)
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs, TextFeatures
@@ -87,7 +92,44 @@ def on_rank(rank, world):
     (gathered.tokens * torch.arange(4.0)[:, None, None]).sum().backward()
     results["tokens"] = [gathered.tokens.detach(), gathered.mask, tokens.grad]
     results["lam"] = lam_trajectories([local])
+    results["collectives"] = collectives_of_a_gather(rank)
+    # shapes that differ across ranks: a message, not an aborted process group
+    try:
+        check_equal_shapes(torch.zeros(3 + rank, 4), torch.zeros(2, 4))
+    except RuntimeError as error:
+        results["unequal"] = str(error)
     return results
+
+
+def collectives_of_a_gather(rank):
+    """The collectives that gathering features with tokens costs, by name: one shape
+    exchange for the padded fields, one gather of each field; and the bytes the backward
+    of a (4, 8) gather sends into its collective (a reduce-scatter of the global gradient,
+    not an all-reduce)."""
+    calls = []
+    originals = {name: getattr(dist, name) for name in
+                 ("all_gather", "all_gather_single", "all_reduce", "reduce_scatter_single")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        features = TextFeatures(torch.randn(2, 4), tokens=torch.randn(2, 3 + rank, 4),
+                                mask=torch.ones(2, 3 + rank, dtype=torch.bool))
+        gather_features(features)
+        forward = list(calls)
+        calls.clear()
+        local = torch.randn(4, 8, requires_grad=True)
+        gather_with_grad(local).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"forward": forward, "gather_and_backward": calls}
 
 
 @pytest.mark.multiprocess
@@ -113,6 +155,14 @@ def test_two_process_gathered_update_matches_one_process(tmp_path):
     assert single["gathered"] != single["alone"]  # hardest negatives of 12 vs of 6
     for result in ranks:
         assert result["lam"] == single
+        # no shape exchange for the pooled embedding, one for the tokens and the mask
+        assert result["collectives"] == {
+            "forward": ["all_gather", "all_gather_single", "all_gather_single",
+                        "all_gather_single"],
+            "gather_and_backward": ["all_gather_single", "reduce_scatter_single"]}
+        assert result["unequal"] == (
+            "every rank must gather tensors of the same shapes, got [[(3, 4), (2, 4)], "
+            "[(4, 4), (2, 4)]] (rank by rank); drop partial batches")
 
 
 def test_gather_is_the_identity_in_one_process():
