@@ -15,7 +15,9 @@ a fresh process (its peak RSS is its own).
 
 - mmgoal: ``encode_gallery`` on the shards, the path of ``mmgoal eval``
   and of validation: shard reading, image decoding, the eval transform, the
-  tokenizer, the model, storing the features. images/s counts up to the end of
+  tokenizer, the model, storing the features; with each of ``--workers``
+  (default 0 and 2) DataLoader workers decoding the images while the model
+  encodes (``data.num_workers``). images/s counts up to the end of
   the last ``encode_image`` call, texts/s the rest (tokenizing included).
 - Baseline, "bare": a ``torch.no_grad()`` loop calling ``model.encode_image`` /
   ``model.encode_text`` on the same batches, already read, decoded,
@@ -89,7 +91,8 @@ def build(name: str, shards: str):
     return build_from_config(cfg, device="cpu")
 
 
-def measure(name: str, shards: str, batch_size: int | None, repeats: int) -> dict:
+def measure(name: str, shards: str, batch_size: int | None, repeats: int,
+            workers: int = 0) -> dict:
     """Every number of one model (run in its own process)."""
     import torch
 
@@ -112,7 +115,7 @@ def measure(name: str, shards: str, batch_size: int | None, repeats: int) -> dic
         try:
             start = time.perf_counter()
             gallery = encode_gallery(model, shards, transform, tokenizer, batch_size,
-                                     progress=False)
+                                     progress=False, num_workers=workers)
             end = time.perf_counter()
         finally:
             del model.encode_image
@@ -152,6 +155,7 @@ def measure(name: str, shards: str, batch_size: int | None, repeats: int) -> dic
             best["mmgoal"] = [min(a, b) for a, b in zip(best["mmgoal"], ours)]
     return {
         "model": name, "type": loaded.config["model"]["type"], "batch_size": batch_size,
+        "workers": workers,
         "images": len(gallery.image_ids), "captions": len(captions), "seconds": best,
         "read_s": read_s, "tokenize_s": tokenize_s, "rss_peak_kib": rss_peak_kib,
         "image_bytes": features_bytes(gallery.images), "text_bytes": features_bytes(gallery.texts),
@@ -161,8 +165,10 @@ def measure(name: str, shards: str, batch_size: int | None, repeats: int) -> dic
     }
 
 
-def run_worker(name: str, shards: str, batch_size: int | None, repeats: int) -> dict:
-    command = [sys.executable, __file__, "--worker", name, shards, "--repeats", str(repeats)]
+def run_worker(name: str, shards: str, batch_size: int | None, repeats: int,
+               workers: int) -> dict:
+    command = [sys.executable, __file__, "--worker", name, shards, "--repeats", str(repeats),
+               "--workers", str(workers)]
     if batch_size:
         command += ["--batch-size", str(batch_size)]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -179,9 +185,11 @@ def report(r: dict, baseline: dict | None) -> None:
     (image_s, text_s), (bare_image_s, bare_text_s) = r["seconds"]["mmgoal"], r["seconds"]["bare"]
     n_i, n_t = r["images"], r["captions"]
     print(f"\n{r['model']} ({r['type']}), batch {r['batch_size']}, {n_i} images, "
-          f"{n_t} captions")
-    print(f"  {r['model']} images/s: mmgoal encode_gallery {n_i / image_s:,.0f}, bare encode_image "
-          f"{n_i / bare_image_s:,.0f}; ratio mmgoal / bare {bare_image_s / image_s:.2f}")
+          f"{n_t} captions, decoded by {r['workers']} DataLoader worker(s) (0: in the "
+          f"model's process)")
+    print(f"  {r['model']} images/s, {r['workers']} workers: mmgoal encode_gallery "
+          f"{n_i / image_s:,.0f}, bare encode_image {n_i / bare_image_s:,.0f}; ratio mmgoal / "
+          f"bare {bare_image_s / image_s:.2f}")
     print(f"  {r['model']} texts/s:  mmgoal encode_gallery {n_t / text_s:,.0f}, bare encode_text "
           f"{n_t / bare_text_s:,.0f}; ratio mmgoal / bare {bare_text_s / text_s:.2f}")
     print(f"  the data alone: shards read + decoded + transformed {n_i / r['read_s']:,.0f} "
@@ -216,10 +224,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="images or captions per batch (default: data.eval_batch_size)")
     parser.add_argument("--repeats", type=int, default=3, help="the best of how many runs")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2],
+                        help="DataLoader workers decoding the gallery, each measured "
+                             "(data.num_workers; 0: in the model's process)")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "SHARDS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.worker[0], args.worker[1], args.batch_size, args.repeats)))
+        print(json.dumps(measure(args.worker[0], args.worker[1], args.batch_size, args.repeats,
+                                 args.workers[0])))
         return
     import torch
 
@@ -238,10 +250,11 @@ def main(argv: list[str] | None = None) -> None:
         shards = str(Path(folder) / summary["splits"]["test"]["pattern"])
         baseline = None
         for name in args.models:
-            result = run_worker(name, shards, args.batch_size, args.repeats)
-            report(result, baseline if name != BASELINE_MODEL else None)
-            if name == BASELINE_MODEL:
-                baseline = result
+            for workers in args.workers:
+                result = run_worker(name, shards, args.batch_size, args.repeats, workers)
+                report(result, baseline if name != BASELINE_MODEL else None)
+                if name == BASELINE_MODEL and baseline is None:
+                    baseline = result
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def attention_report(args, cfg: dict, evaluator: Member, split_cfg: dict):
 
     gallery = encode_gallery(evaluator.model, split_cfg["shards"], evaluator.transform,
                              evaluator.tokenizer, cfg["data"]["eval_batch_size"],
-                             with_annotations=True)
+                             with_annotations=True, num_workers=cfg["data"]["num_workers"])
     source = None
     if args.entities:
         texts_of: dict = {}
@@ -185,7 +185,7 @@ def evaluate(args: argparse.Namespace) -> int:
         scoring["rerank_k"] = args.rerank_k
     metrics = evaluate_retrieval(members, split_cfg["shards"], caption_key=split_cfg["caption_key"],
                                  batch_size=cfg["data"]["eval_batch_size"], folds=folds,
-                                 scoring=scoring)
+                                 scoring=scoring, num_workers=cfg["data"]["num_workers"])
     name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)
     print(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
     print(metrics_table(metrics))

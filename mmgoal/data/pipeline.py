@@ -87,6 +87,12 @@ class SkipCounter:
         pending, self._pending = self._pending, 0
         return pending
 
+    def add(self, skipped: int, kind: str) -> None:
+        """Count ``skipped`` samples that another process skipped (and logged)."""
+        if skipped:
+            self.counts[kind] += skipped
+            self.last.setdefault(kind, f"{skipped} sample(s) skipped in another process")
+
     def summary(self) -> str:
         """The skips by kind, each with its latest message (for error messages)."""
         kinds = "; ".join(f"{count} {kind}, the last: {self.last[kind]}"
@@ -569,31 +575,93 @@ class ShardDataset(torch.utils.data.IterableDataset):
         return iter(wds.DataPipeline(*self.stages()))
 
 
+class EvalBatches(torch.utils.data.IterableDataset):
+    """Evaluation batches in shard order, decoded by a share of the readers of the stream.
+
+    Batch ``b`` holds the samples ``b * batch_size`` to ``(b + 1) * batch_size - 1`` of
+    the shards' stream, counted before decoding; ``part=(index, count)`` decodes only
+    the batches ``b`` with ``b % count == index`` (a rank's share: ``(rank, world)``),
+    and worker ``w`` of a DataLoader's ``W`` only those of share ``index * W + w`` of
+    ``count * W``. Each reader reads every shard's bytes and decodes its own batches,
+    so a DataLoader, which takes the next item of each worker in turn, yields the
+    batches in shard order. A batch whose samples all failed is yielded empty, to keep
+    the turns; every batch carries ``skipped``: its samples that could not be read
+    (tar-level damage counts where it surfaces, once).
+    """
+
+    def __init__(self, shards: str | list[str], transform: Callable, batch_size: int,
+                 caption_key: str | None = None, part: tuple[int, int] = (0, 1),
+                 counter: SkipCounter | None = None) -> None:
+        self.urls = expand_shards(shards)
+        self.transform, self.batch_size, self.caption_key = transform, batch_size, caption_key
+        self.part = part
+        self.counter = counter  # in the process that iterates (a worker has its own copy)
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        index, count = self.part
+        mine, every = index * workers + worker, count * workers
+        counter = self.counter if self.counter is not None else SkipCounter()
+        counter.take()
+        samples = wds.DataPipeline(wds.SimpleShardList(self.urls), tar_samples(counter))
+        for number, raw in enumerate(_chunks(iter(samples), self.batch_size)):
+            if number % every != mine:
+                counter.take()  # tar-level skips surfaced here are another reader's
+                continue
+            decoded = []
+            for sample in raw:
+                try:
+                    decoded.append(transform_image(
+                        decode_sample(sample, caption_key=self.caption_key), self.transform))
+                except Exception as error:  # a bad sample: logged, counted, skipped
+                    counter(error)
+            yield {**eval_collate(decoded), "skipped": counter.take()}
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
+
+
+def eval_collate(samples: list[dict]) -> dict:
+    """An evaluation batch of decoded samples: images (and regions, boxes), ids, captions
+    and entities; only the lists when there is no sample."""
+    return {**(collate_visual(samples) if samples else {}),
+            "image_ids": [s["image_id"] for s in samples],
+            "captions": [s["captions"] for s in samples],
+            "entities": [s.get("entities") or [] for s in samples]}
+
+
 def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: int,
-                      counter: SkipCounter | None = None,
-                      caption_key: str | None = None) -> Iterator[dict]:
+                      counter: SkipCounter | None = None, caption_key: str | None = None,
+                      num_workers: int = 0, part: tuple[int, int] = (0, 1),
+                      pin_memory: bool = False) -> Iterator[dict]:
     """Evaluation batches in shard order, one sample per image with all its captions
     (``caption_key``: its one caption from that member, as img2dataset's ``txt``).
+
+    ``num_workers`` > 0 decodes in that many DataLoader worker processes while the
+    caller encodes (``pin_memory`` for a copy to the GPU with ``non_blocking``); the
+    batches and their order are the same. ``part=(rank, world)`` yields only a rank's
+    share of the batches (:class:`EvalBatches`). ``counter`` counts the samples that
+    could not be read (in workers: their number).
 
     Yields:
         ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...],
         "entities": [[...], ...]}`` (each JSON's entity annotations), with
         ``regions``/``boxes`` and their lengths where the shards have them.
     """
-    counter = counter or SkipCounter()
-    pipeline = wds.DataPipeline(
-        wds.SimpleShardList(expand_shards(shards)),
-        tar_samples(counter),
-        wds.map(functools.partial(decode_sample, caption_key=caption_key), handler=counter),
-        wds.map(lambda s: transform_image(s, transform), handler=counter),
-        wds.batched(batch_size, partial=True, collation_fn=lambda samples: {
-            **collate_visual(samples),
-            "image_ids": [s["image_id"] for s in samples],
-            "captions": [s["captions"] for s in samples],
-            "entities": [s.get("entities") or [] for s in samples],
-        }),
-    )
-    yield from pipeline
+    counter = counter if counter is not None else SkipCounter()
+    dataset = EvalBatches(shards, transform, batch_size, caption_key, part,
+                          counter if num_workers == 0 else None)
+    batches = dataset if num_workers == 0 else torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+    for batch in batches:
+        skipped = batch.pop("skipped")
+        if num_workers:
+            counter.add(skipped, "in a DataLoader worker")
+        if batch["image_ids"]:
+            yield batch
 
 
 def read_captions(shards: str | list[str], caption_key: str | None = None) -> list[str]:

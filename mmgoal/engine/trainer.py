@@ -599,7 +599,8 @@ class Trainer:
             model if model is not None else self.model, split_cfg.shards,
             self.eval_transform, self.tokenizer, batch_size=self.config.data.eval_batch_size,
             folds=split_cfg.folds, progress=self.config.train.progress,
-            scoring=self.config.evaluation, caption_key=split_cfg.caption_key)
+            scoring=self.config.evaluation, caption_key=split_cfg.caption_key,
+            num_workers=self.config.data.num_workers)
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,

@@ -83,7 +83,7 @@ def _keep_tokens(model: torch.nn.Module, features, keep: bool):
 def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: Callable,
                    tokenizer: Callable, batch_size: int = 256, progress: bool = True,
                    with_annotations: bool = False, keep_tokens: bool = False,
-                   caption_key: str | None = None) -> Gallery:
+                   caption_key: str | None = None, num_workers: int = 0) -> Gallery:
     """Encode every image and caption of the shards, in shard order, on the model's device.
 
     Each image id is one image of the gallery, as in training's positives and the
@@ -94,7 +94,10 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
 
     ``with_annotations`` also keeps entities and region boxes (attention metrics);
     ``keep_tokens`` keeps every token (ITM re-ranking); ``caption_key`` reads each
-    sample's one caption from that member (img2dataset's ``txt``).
+    sample's one caption from that member (img2dataset's ``txt``). ``num_workers``
+    DataLoader workers decode the images while the model encodes (the run's
+    ``data.num_workers``; on a GPU into pinned memory, copied without blocking); the
+    gallery is the same with any number.
     """
     was_training = model.training
     model.eval()
@@ -106,13 +109,16 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     known: dict = {}  # image id -> (its index in the gallery, the set of its captions)
     encoder = getattr(model, "image_encoder", None)
     boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
-    for batch in tqdm(iter_eval_batches(shards, transform, batch_size, counter, caption_key),
-                      desc="encode images", unit="batch", disable=not progress, leave=False):
+    pinned = device.type == "cuda"
+    batches = iter_eval_batches(shards, transform, batch_size, counter, caption_key,
+                                num_workers=num_workers, pin_memory=pinned)
+    for batch in tqdm(batches, desc="encode images", unit="batch", disable=not progress,
+                      leave=False):
         rows = _add_samples(gallery, batch, known, text_to_image)
         if not rows:
             continue
         batch = _batch_rows(batch, rows)
-        on_device = move_to_device(batch, device)
+        on_device = move_to_device(batch, device, non_blocking=pinned)
         images.append(_keep_tokens(model, model.encode_image(on_device),
                                    with_annotations or keep_tokens))
         if boxes_of is not None:  # a few boxes per image: the attention metrics count on the CPU
@@ -246,14 +252,15 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
 
 def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch_size: int = 256,
                        scoring: ScoringConfig | dict | None = None, progress: bool = True,
-                       caption_key: str | None = None) -> tuple[torch.Tensor, Gallery]:
+                       caption_key: str | None = None, num_workers: int = 0
+                       ) -> tuple[torch.Tensor, Gallery]:
     """The mean score matrix of the members (one member: its own) and the first's gallery."""
     scoring = ScoringConfig.of(scoring)
     total, first = None, None
     for member in members:
         gallery = encode_gallery(member.model, shards, member.transform, member.tokenizer,
                                  batch_size, progress, keep_tokens=scoring.rerank_k > 0,
-                                 caption_key=caption_key)
+                                 caption_key=caption_key, num_workers=num_workers)
         sims = score_gallery(member.model, gallery.images, gallery.texts,
                              scoring.block_images, scoring.max_block_mb, progress,
                              scoring.matmul_precision)
@@ -270,7 +277,8 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
                        transform: Callable | None = None, tokenizer: Callable | None = None,
                        batch_size: int = 256, folds: int = 1, progress: bool = True,
                        scoring: ScoringConfig | dict | None = None,
-                       caption_key: str | None = None) -> dict[str, float]:
+                       caption_key: str | None = None, num_workers: int = 0
+                       ) -> dict[str, float]:
     """Retrieval metrics on a gallery of shards (plus ``skipped`` samples).
 
     Args:
@@ -279,12 +287,13 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
         scoring: a :class:`ScoringConfig` or a mapping of its keys; with
             ``rerank_k`` > 0 the metrics are the ITM re-ranked ones, and ``itc_*``
             keys hold the ITC-only metrics.
+        num_workers: DataLoader workers decoding the gallery (:func:`encode_gallery`).
     """
     scoring = ScoringConfig.of(scoring)
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
         else list(model)
     sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress,
-                                       caption_key)
+                                       caption_key, num_workers)
     if scoring.rerank_k <= 0:
         metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
         metrics["skipped"] = gallery.skipped

@@ -9,6 +9,7 @@ from PIL import Image
 
 from mmgoal.data.pipeline import (
     ShardDataset,
+    SkipCounter,
     UnreadableShardsError,
     expand_shards,
     image_id_groups,
@@ -263,6 +264,34 @@ def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_pa
     evaluation = next(iter_eval_batches(str(tmp_path / "regions-000000.tar"),
                                         build_transforms(None, 8), batch_size=8))
     assert evaluation["region_lengths"].tolist() == [3, 2]
+
+
+def test_eval_batches_split_over_parts_and_workers_keep_the_order_and_the_skips(tmp_path):
+    """A rank's share and a DataLoader's workers decode their own batches only; together
+    they are the one-process stream, in its order, each bad sample counted once."""
+    with ShardWriter(tmp_path, "mixed", max_count=7) as writer:
+        for key in range(1, 21):
+            broken = key in (4, 5, 6, 13)  # batch 1 (samples 4, 5, 6) all bad
+            writer.write(sample(key, key, [f"caption {key}"],
+                                image=b"not a png" if broken else None))
+    shards, transform = str(tmp_path / "mixed-*.tar"), build_transforms(None, 8)
+
+    def ids(batches):
+        return [b["image_ids"] for b in batches]
+
+    alone_counter = SkipCounter()
+    alone = list(iter_eval_batches(shards, transform, 3, alone_counter))
+    # batches of 3 samples as the shards hold them, before decoding: batch 1 is empty
+    assert ids(alone) == [[1, 2, 3], [7, 8, 9], [10, 11, 12], [14, 15], [16, 17, 18],
+                          [19, 20]] and alone_counter.total == 4
+    parts = [list(iter_eval_batches(shards, transform, 3, part=(rank, 2))) for rank in (0, 1)]
+    assert ids(parts[0]) == [[1, 2, 3], [7, 8, 9], [14, 15], [19, 20]]  # batches 0, 2, 4, 6
+    assert ids(parts[1]) == [[10, 11, 12], [16, 17, 18]]                # batches (1), 3, 5
+    counter = SkipCounter()
+    workers = list(iter_eval_batches(shards, transform, 3, counter, num_workers=2))
+    assert ids(workers) == ids(alone) and counter.total == 4
+    for mine, theirs in zip(workers, alone):
+        assert torch.equal(mine["images"], theirs["images"])
 
 
 def test_a_cut_gzip_shard_is_counted_and_trained_on_up_to_the_damage(tmp_path, tokenizer,

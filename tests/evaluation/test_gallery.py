@@ -182,6 +182,13 @@ def test_a_repeated_image_is_evaluated_once_with_the_captions_of_its_copies(tmp_
     assert len(gallery.images.embedding) == 10 and len(gallery.captions) == 21
     assert gallery.captions[-1] == "colour 7 view 9" and gallery.text_to_image[-1] == 7
     assert gallery.text_to_image.tolist() == [i for i in range(10) for _ in range(2)] + [7]
+    # decoded by 2 DataLoader workers while the model encodes: the same gallery
+    decoded_aside = encode_gallery(model, shards, to_tensor, colour_tokenizer, batch_size=4,
+                                   progress=False, num_workers=2)
+    assert decoded_aside.image_ids == gallery.image_ids
+    assert decoded_aside.captions == gallery.captions
+    assert torch.equal(decoded_aside.images.embedding, gallery.images.embedding)
+    assert torch.equal(decoded_aside.text_to_image, gallery.text_to_image)
     sims = score_gallery(model, gallery.images, gallery.texts, progress=False)
     metrics = retrieval_metrics(sims, gallery.text_to_image)
     assert metrics["i2t_r1"] == metrics["t2i_r1"] == 100
