@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -209,3 +210,70 @@ def gather_groups(image_ids: Sequence, device: torch.device | str = "cpu") -> to
     """(world * B,) group numbers of the global batch on ``device`` (NCCL gathers on the
     GPU): positives are equal image ids."""
     return gather_with_grad(id_hashes(image_ids, device))
+
+
+def rank_share(count: int, rank: int, world: int, unit: int = 1) -> tuple[int, int]:
+    """``(start, end)``: rank ``rank``'s contiguous share of ``count`` items dealt out in
+    whole units of ``unit`` items (batches, blocks), so that each unit is the one a single
+    process would form and computes bit for bit the same."""
+    units = math.ceil(count / unit)
+    return (min(rank * units // world * unit, count),
+            min((rank + 1) * units // world * unit, count))
+
+
+@torch.no_grad()
+def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[Any]:
+    """Every rank's ``local`` on every rank, in rank order: a tensor or a feature dataclass
+    (``ImageFeatures``) whose tensors may differ across ranks in every dimension (rows of
+    a rank's share of a gallery, token counts), or ``None`` on a rank that has nothing
+    (its share is empty; ``device`` is then where its empty part of the collective lives:
+    the GPU under NCCL). No gradient: evaluation's gather.
+
+    Each tensor is zero-padded to the largest shape for the collective and cut back to
+    its rank's own; bool tensors travel as uint8 (gloo cannot gather bool).
+    """
+    world = world_info()[1]
+    if world == 1:
+        return [local]
+    fields = _tensor_fields(local)
+    specs: list = [None] * world  # per rank: its type and {field: (shape, dtype)}
+    dist.all_gather_object(specs, None if local is None else (type(local), {
+        name: None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in fields.items()}))
+    kind, known = next(spec for spec in specs if spec is not None)
+    present = [t for t in fields.values() if t is not None]
+    device = present[0].device if present else torch.device(device or "cpu")
+    gathered: list[dict] = [{} for _ in range(world)]
+    for name, first in known.items():
+        if first is None:  # the same on every rank: the model has no such field
+            for part in gathered:
+                part[name] = None
+            continue
+        shapes = [None if spec is None else spec[1][name][0] for spec in specs]
+        widest = [max(s[d] for s in shapes if s is not None) for d in range(len(first[0]))]
+        dtype = getattr(torch, first[1])
+        mine = fields.get(name)
+        if mine is None:
+            mine = torch.zeros((0, *widest[1:]), dtype=dtype, device=device)
+        wire = torch.zeros(widest, dtype=torch.uint8 if dtype == torch.bool else dtype,
+                           device=device)
+        wire[tuple(slice(0, size) for size in mine.shape)] = mine
+        parts = [torch.empty_like(wire) for _ in range(world)]
+        dist.all_gather(parts, wire)
+        for rank, (part, shape) in enumerate(zip(parts, shapes)):
+            if shape is not None:
+                gathered[rank][name] = part[tuple(slice(0, size) for size in shape)].to(dtype)
+    return [None if spec is None else
+            part["tensor"] if kind is torch.Tensor or issubclass(kind, torch.Tensor)
+            else kind(**part) for spec, part in zip(specs, gathered)]
+
+
+def _tensor_fields(value: Any) -> dict[str, torch.Tensor | None]:
+    if value is None:
+        return {}
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value}
+    if not dataclasses.is_dataclass(value):
+        raise TypeError(f"cannot gather {type(value).__name__}; give a tensor or a dataclass "
+                        f"of tensors (ImageFeatures, TextFeatures)")
+    return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}

@@ -178,6 +178,8 @@ def detach_features(features: ImageFeatures | TextFeatures, dtype=torch.float32)
 
 
 def index_features(features: ImageFeatures | TextFeatures, index: torch.Tensor):
-    """The rows ``index`` (a 1-D long tensor, repeats allowed) of features with tokens."""
+    """The rows ``index`` (a 1-D long tensor, repeats allowed) of features."""
+    if features.tokens is None:
+        return type(features)(features.embedding[index])
     return type(features)(features.embedding[index], tokens=features.tokens[index],
                           mask=features.mask[index])

@@ -616,7 +616,7 @@ class EvalBatches(torch.utils.data.IterableDataset):
                         decode_sample(sample, caption_key=self.caption_key), self.transform))
                 except Exception as error:  # a bad sample: logged, counted, skipped
                     counter(error)
-            yield {**eval_collate(decoded), "skipped": counter.take()}
+            yield {**eval_collate(decoded), "skipped": counter.take(), "number": number}
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
@@ -636,15 +636,16 @@ def eval_collate(samples: list[dict]) -> dict:
 def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: int,
                       counter: SkipCounter | None = None, caption_key: str | None = None,
                       num_workers: int = 0, part: tuple[int, int] = (0, 1),
-                      pin_memory: bool = False) -> Iterator[dict]:
+                      pin_memory: bool = False, numbered: bool = False) -> Iterator:
     """Evaluation batches in shard order, one sample per image with all its captions
     (``caption_key``: its one caption from that member, as img2dataset's ``txt``).
 
     ``num_workers`` > 0 decodes in that many DataLoader worker processes while the
     caller encodes (``pin_memory`` for a copy to the GPU with ``non_blocking``); the
     batches and their order are the same. ``part=(rank, world)`` yields only a rank's
-    share of the batches (:class:`EvalBatches`). ``counter`` counts the samples that
-    could not be read (in workers: their number).
+    share of the batches (:class:`EvalBatches`), and ``numbered`` yields ``(number,
+    batch)``, the batch's place in the one-process stream. ``counter`` counts the
+    samples that could not be read (in workers: their number).
 
     Yields:
         ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...],
@@ -657,11 +658,11 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
     batches = dataset if num_workers == 0 else torch.utils.data.DataLoader(
         dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
     for batch in batches:
-        skipped = batch.pop("skipped")
+        skipped, number = batch.pop("skipped"), batch.pop("number")
         if num_workers:
             counter.add(skipped, "in a DataLoader worker")
         if batch["image_ids"]:
-            yield batch
+            yield (number, batch) if numbered else batch
 
 
 def read_captions(shards: str | list[str], caption_key: str | None = None) -> list[str]:

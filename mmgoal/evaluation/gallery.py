@@ -18,11 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from mmgoal.contract import MatchingModel, require
 from mmgoal.data.pipeline import SkipCounter, iter_eval_batches
 from mmgoal.devices import free_memory_mb, module_device, move_to_device
+from mmgoal.distributed import gather_uneven, rank_share, world_info
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
 from mmgoal.models.layers.cross_attention import reuse_buffers
@@ -33,6 +35,7 @@ from mmgoal.structures import (
     TextFeatures,
     cat_features,
     detach_features,
+    index_features,
     slice_features,
 )
 
@@ -83,13 +86,14 @@ def _keep_tokens(model: torch.nn.Module, features, keep: bool):
 def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: Callable,
                    tokenizer: Callable, batch_size: int = 256, progress: bool = True,
                    with_annotations: bool = False, keep_tokens: bool = False,
-                   caption_key: str | None = None, num_workers: int = 0) -> Gallery:
+                   caption_key: str | None = None, num_workers: int = 0,
+                   across_ranks: bool = False) -> Gallery:
     """Encode every image and caption of the shards, in shard order, on the model's device.
 
     Each image id is one image of the gallery, as in training's positives and the
     benchmarks' protocol (COCO 5K, Flickr30K 1K count every image once): a sample
     repeating an earlier sample's image id (shards written twice, a split file
-    listing an image twice) is not encoded again, its captions that the image does
+    listing an image twice) is not kept again, its captions that the image does
     not have yet become the image's, and a warning says how many there were.
 
     ``with_annotations`` also keeps entities and region boxes (attention metrics);
@@ -98,48 +102,85 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     DataLoader workers decode the images while the model encodes (the run's
     ``data.num_workers``; on a GPU into pinned memory, copied without blocking); the
     gallery is the same with any number.
+
+    ``across_ranks`` (a collective: every rank of the process group calls it): each
+    rank decodes and encodes its share of the image batches and of the captions, and
+    every rank gets the whole gallery, equal to one process's.
     """
     was_training = model.training
     model.eval()
     device = module_device(model)
+    rank, world = world_info() if across_ranks else (0, 1)
     counter = SkipCounter()
-    images: list[ImageFeatures] = []
-    gallery = Gallery(None, None, None, 0)
-    text_to_image: list[int] = []
-    known: dict = {}  # image id -> (its index in the gallery, the set of its captions)
     encoder = getattr(model, "image_encoder", None)
     boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
+    keep = with_annotations or keep_tokens
     pinned = device.type == "cuda"
     batches = iter_eval_batches(shards, transform, batch_size, counter, caption_key,
-                                num_workers=num_workers, pin_memory=pinned)
-    for batch in tqdm(batches, desc="encode images", unit="batch", disable=not progress,
-                      leave=False):
-        rows = _add_samples(gallery, batch, known, text_to_image)
-        if not rows:
-            continue
-        batch = _batch_rows(batch, rows)
+                                num_workers=num_workers, part=(rank, world), pin_memory=pinned,
+                                numbered=True)
+    mine: list[dict] = []  # this rank's batches: their place, samples and region boxes
+    encoded: list[ImageFeatures] = []
+    for number, batch in tqdm(batches, desc="encode images", unit="batch",
+                              disable=not progress, leave=False):
         on_device = move_to_device(batch, device, non_blocking=pinned)
-        images.append(_keep_tokens(model, model.encode_image(on_device),
-                                   with_annotations or keep_tokens))
-        if boxes_of is not None:  # a few boxes per image: the attention metrics count on the CPU
-            gallery.region_boxes += [b.float() for b in boxes_of(batch)]
-    if not images:
-        raise ValueError(f"no readable sample in {shards!r} ({counter.total} skipped)")
-    if gallery.duplicates:
+        encoded.append(_keep_tokens(model, model.encode_image(on_device), keep))
+        boxes = [] if boxes_of is None else [b.float() for b in boxes_of(batch)]
+        mine.append({"number": number, "image_ids": batch["image_ids"],
+                     "captions": batch["captions"], "entities": batch["entities"],
+                     "boxes": [b.cpu() for b in boxes]})
+    images = cat_features(encoded) if encoded else None
+    if world > 1:  # every rank's batches, in the order of the one-process stream
+        shares: list = [None] * world
+        dist.all_gather_object(shares, (mine, counter.total))
+        features = gather_uneven(images, device)
+        skipped = sum(total for _, total in shares)
+        ordered = sorted(((batch, features[r], sum(len(b["image_ids"]) for b in share[:i]))
+                          for r, (share, _) in enumerate(shares)
+                          for i, batch in enumerate(share)), key=lambda item: item[0]["number"])
+    else:
+        skipped = counter.total
+        ordered = [(batch, images, sum(len(b["image_ids"]) for b in mine[:i]))
+                   for i, batch in enumerate(mine)]
+    if not ordered:
+        raise ValueError(f"no readable sample in {shards!r} ({skipped} skipped)")
+    gallery = Gallery(None, None, None, skipped)
+    text_to_image: list[int] = []
+    known: dict = {}  # image id -> (its index in the gallery, the set of its captions)
+    kept = []
+    for batch, features, offset in ordered:
+        rows = _add_samples(gallery, batch, known, text_to_image)
+        if rows:
+            index = torch.tensor([offset + row for row in rows], device=features.embedding.device)
+            kept.append(index_features(features, index))
+            gallery.region_boxes += [batch["boxes"][row] for row in rows if batch["boxes"]]
+    if gallery.duplicates and rank == 0:  # every rank knows them: one says so
         logger.warning("%d samples repeat an image id of an earlier sample in %s; each image "
                        "is evaluated once, with the captions of its copies (check the shards "
                        "with mmgoal inspect-shards)", gallery.duplicates, shards)
-    texts = []
-    for start in tqdm(range(0, len(gallery.captions), batch_size), desc="encode texts",
-                      unit="batch", disable=not progress, leave=False):
-        tokens = move_to_device(tokenizer(gallery.captions[start:start + batch_size]), device)
-        features = model.encode_text(tokens)
-        texts.append(_keep_tokens(model, features, with_annotations or keep_tokens))
+    gallery.images = cat_features(kept)
+    gallery.texts = _encode_captions(model, tokenizer, gallery.captions, batch_size, keep,
+                                     progress, device, rank, world)
     model.train(was_training)
-    gallery.images, gallery.texts = cat_features(images), cat_features(texts)
     gallery.text_to_image = torch.tensor(text_to_image, device=device)
-    gallery.skipped = counter.total
     return gallery
+
+
+def _encode_captions(model: torch.nn.Module, tokenizer: Callable, captions: list[str],
+                     batch_size: int, keep: bool, progress: bool, device: torch.device,
+                     rank: int, world: int) -> TextFeatures:
+    """The captions' features; with several ranks each encodes a contiguous share of the
+    batches (those one process forms) and every rank gets them all, in order."""
+    share = captions[slice(*rank_share(len(captions), rank, world, batch_size))]
+    texts = []
+    for start in tqdm(range(0, len(share), batch_size), desc="encode texts",
+                      unit="batch", disable=not progress, leave=False):
+        tokens = move_to_device(tokenizer(share[start:start + batch_size]), device)
+        texts.append(_keep_tokens(model, model.encode_text(tokens), keep))
+    mine = cat_features(texts) if texts else None
+    if world == 1:
+        return mine
+    return cat_features([part for part in gather_uneven(mine, device) if part is not None])
 
 
 def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list[int]
@@ -166,15 +207,6 @@ def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list
         gallery.captions += new
         text_to_image += [image] * len(new)
     return rows
-
-
-def _batch_rows(batch: dict, rows: list[int]) -> dict:
-    """The samples ``rows`` of an evaluation batch (tensors and lists are per sample)."""
-    if len(rows) == len(batch["image_ids"]):
-        return batch
-    index = torch.tensor(rows, dtype=torch.long, device="cpu")  # the batch is still on the CPU
-    return {key: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
-            for key, value in batch.items()}
 
 
 def block_budget_mb(device: torch.device, max_block_mb: float | None = None) -> float:
@@ -206,11 +238,14 @@ def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragment
 @torch.no_grad()
 def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
                   block_images: int = 128, max_block_mb: float | None = None,
-                  progress: bool = True, matmul_precision: str = "highest") -> torch.Tensor:
+                  progress: bool = True, matmul_precision: str = "highest",
+                  across_ranks: bool = False) -> torch.Tensor:
     """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks.
 
     The scores are computed and returned on the features' device.
     ``max_block_mb`` bounds a block's working set (default: :func:`block_budget_mb`).
+    ``across_ranks`` (a collective): each rank scores a contiguous share of the images
+    against every text, and every rank gets the whole matrix.
 
     ``matmul_precision`` is ``torch.set_float32_matmul_precision`` while scoring:
     ``highest`` (exact float32, the default) or ``medium``, which lets float32
@@ -222,29 +257,36 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
                          f"got {matmul_precision!r}")
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul_precision)
+    rank, world = world_info() if across_ranks else (0, 1)
     try:
         with reuse_buffers():
-            return _score_blocks(model, images, texts, block_images, max_block_mb, progress)
+            sims = _score_blocks(model, images, texts, block_images, max_block_mb, progress,
+                                 rank, world)
     finally:
         torch.set_float32_matmul_precision(previous)
+    return sims if world == 1 else torch.cat(gather_uneven(sims))
 
 
 def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
-                  block_images: int, max_block_mb: float | None, progress: bool) -> torch.Tensor:
+                  block_images: int, max_block_mb: float | None, progress: bool,
+                  rank: int = 0, world: int = 1) -> torch.Tensor:
+    """The rows of rank ``rank``'s share of the image blocks (all of them in one process),
+    each block the one a single process scores."""
     n_images, n_texts = len(images.embedding), len(texts.embedding)
     device = images.embedding.device
     image_fragments = images.tokens.shape[1] if images.tokens is not None else 1
     text_fragments = texts.tokens.shape[1] if texts.tokens is not None else 1
     bi, bt = block_sizes(n_images, n_texts, image_fragments, text_fragments, block_images,
                          block_budget_mb(device, max_block_mb))
-    sims = torch.empty(n_images, n_texts, device=device)
-    blocks = math.ceil(n_images / bi) * math.ceil(n_texts / bt)
+    start, end = rank_share(n_images, rank, world, bi)
+    sims = torch.empty(end - start, n_texts, device=device)
+    blocks = math.ceil((end - start) / bi) * math.ceil(n_texts / bt)
     with tqdm(total=blocks, desc="score gallery", unit="block", disable=not progress,
               leave=False) as bar:
-        for i in range(0, n_images, bi):
-            image_block = slice_features(images, i, i + bi)
+        for i in range(start, end, bi):
+            image_block = slice_features(images, i, min(i + bi, end))
             for t in range(0, n_texts, bt):
-                sims[i:i + bi, t:t + bt] = model.similarity(
+                sims[i - start:i - start + bi, t:t + bt] = model.similarity(
                     image_block, slice_features(texts, t, t + bt)).float()
                 bar.update(1)
     return sims
@@ -252,18 +294,20 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
 
 def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch_size: int = 256,
                        scoring: ScoringConfig | dict | None = None, progress: bool = True,
-                       caption_key: str | None = None, num_workers: int = 0
-                       ) -> tuple[torch.Tensor, Gallery]:
-    """The mean score matrix of the members (one member: its own) and the first's gallery."""
+                       caption_key: str | None = None, num_workers: int = 0,
+                       across_ranks: bool = False) -> tuple[torch.Tensor, Gallery]:
+    """The mean score matrix of the members (one member: its own) and the first's gallery
+    (``across_ranks``: encoded and scored by every rank, :func:`encode_gallery`)."""
     scoring = ScoringConfig.of(scoring)
     total, first = None, None
     for member in members:
         gallery = encode_gallery(member.model, shards, member.transform, member.tokenizer,
                                  batch_size, progress, keep_tokens=scoring.rerank_k > 0,
-                                 caption_key=caption_key, num_workers=num_workers)
+                                 caption_key=caption_key, num_workers=num_workers,
+                                 across_ranks=across_ranks)
         sims = score_gallery(member.model, gallery.images, gallery.texts,
                              scoring.block_images, scoring.max_block_mb, progress,
-                             scoring.matmul_precision)
+                             scoring.matmul_precision, across_ranks)
         if first is None:
             first, total = gallery, sims
         else:
@@ -277,8 +321,8 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
                        transform: Callable | None = None, tokenizer: Callable | None = None,
                        batch_size: int = 256, folds: int = 1, progress: bool = True,
                        scoring: ScoringConfig | dict | None = None,
-                       caption_key: str | None = None, num_workers: int = 0
-                       ) -> dict[str, float]:
+                       caption_key: str | None = None, num_workers: int = 0,
+                       across_ranks: bool = False) -> dict[str, float]:
     """Retrieval metrics on a gallery of shards (plus ``skipped`` samples).
 
     Args:
@@ -288,12 +332,15 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
             ``rerank_k`` > 0 the metrics are the ITM re-ranked ones, and ``itc_*``
             keys hold the ITC-only metrics.
         num_workers: DataLoader workers decoding the gallery (:func:`encode_gallery`).
+        across_ranks: a collective of every rank: each decodes and encodes its share of
+            the gallery, scores its share of the images and re-ranks its share of the
+            queries; every rank returns the metrics of one process.
     """
     scoring = ScoringConfig.of(scoring)
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
         else list(model)
     sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress,
-                                       caption_key, num_workers)
+                                       caption_key, num_workers, across_ranks)
     if scoring.rerank_k <= 0:
         metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
         metrics["skipped"] = gallery.skipped
@@ -306,7 +353,8 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
     if folds > 1:
         raise ValueError("ITM re-ranking scores the whole gallery; use folds: 1")
     i2t, t2i = itm_rerank(reranker.eval(), gallery.images, gallery.texts, sims,
-                          scoring.rerank_k, scoring.rerank_batch_size, progress)
+                          scoring.rerank_k, scoring.rerank_batch_size, progress,
+                          across_ranks=across_ranks)
     metrics = retrieval_metrics(i2t, gallery.text_to_image, sims_t2i=t2i)
     itc = retrieval_metrics(sims, gallery.text_to_image)
     metrics.update({f"itc_{key}": value for key, value in itc.items()})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from mmgoal.distributed import gather_uneven, rank_share, world_info
 from mmgoal.structures import ImageFeatures, TextFeatures, index_features, slice_features
 
 
@@ -42,7 +43,8 @@ def _place_above(itc: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
 @torch.no_grad()
 def itm_rerank(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
                itc: torch.Tensor, k: int, batch_size: int = 128, progress: bool = True,
-               directions: tuple[str, ...] = ("i2t", "t2i")) -> tuple[torch.Tensor, ...]:
+               directions: tuple[str, ...] = ("i2t", "t2i"), across_ranks: bool = False
+               ) -> tuple[torch.Tensor, ...]:
     """Re-rank the top ``k`` candidates of every query in each direction.
 
     Args:
@@ -51,6 +53,8 @@ def itm_rerank(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
         k: candidates per query (clipped to the gallery).
         directions: ``i2t`` (each image's top k texts re-scored) and/or ``t2i``
             (each text's top k images).
+        across_ranks: a collective: each rank re-scores a contiguous share of the
+            queries, and every rank gets every matrix.
 
     Returns:
         one (n_images, n_texts) float64 matrix per direction, in order.
@@ -61,15 +65,30 @@ def itm_rerank(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
     out = []
     for direction in directions:
         if direction == "i2t":
-            k_texts = min(k, n_texts)
-            cols = itc.topk(k_texts, dim=1).indices.reshape(-1)  # (n_images * k)
-            rows = torch.arange(n_images, device=itc.device).repeat_interleave(k_texts)
+            per_query = min(k, n_texts)
+            cols = itc.topk(per_query, dim=1).indices.reshape(-1)  # (n_images * k)
+            rows = torch.arange(n_images, device=itc.device).repeat_interleave(per_query)
         elif direction == "t2i":
-            k_images = min(k, n_images)
-            rows = itc.T.topk(k_images, dim=1).indices.reshape(-1)  # (n_texts * k)
-            cols = torch.arange(n_texts, device=itc.device).repeat_interleave(k_images)
+            per_query = min(k, n_images)
+            rows = itc.T.topk(per_query, dim=1).indices.reshape(-1)  # (n_texts * k)
+            cols = torch.arange(n_texts, device=itc.device).repeat_interleave(per_query)
         else:
             raise ValueError(f"a re-ranking direction is 'i2t' or 't2i', got {direction!r}")
-        out.append(_place_above(itc, rows, cols, itm_scores(
-            model, images, texts, rows, cols, batch_size, progress, f"ITM {direction}")))
+        out.append(_place_above(itc, rows, cols, _shared_itm_scores(
+            model, images, texts, rows, cols, batch_size, progress, f"ITM {direction}",
+            across_ranks)))
     return tuple(out)
+
+
+def _shared_itm_scores(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
+                       rows: torch.Tensor, cols: torch.Tensor, batch_size: int, progress: bool,
+                       desc: str, across_ranks: bool) -> torch.Tensor:
+    """:func:`itm_scores` of the pairs; with ``across_ranks`` each rank scores a contiguous
+    share of their batches."""
+    rank, world = world_info() if across_ranks else (0, 1)
+    if world == 1:
+        return itm_scores(model, images, texts, rows, cols, batch_size, progress, desc)
+    start, end = rank_share(len(rows), rank, world, batch_size)  # the batches of one process
+    mine = itm_scores(model, images, texts, rows[start:end], cols[start:end], batch_size,
+                      progress, desc)
+    return torch.cat(gather_uneven(mine))
