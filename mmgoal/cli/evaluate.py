@@ -25,6 +25,9 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
     add_loading_options,
@@ -35,6 +38,8 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.devices import resolve_device
+from mmgoal.distributed import world_info
+from mmgoal.engine.strategies.base import init_process_group
 from mmgoal.evaluation.gallery import evaluate_retrieval
 from mmgoal.evaluation.retrieval import metrics_table
 from mmgoal.extras import pyplot
@@ -138,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+EVAL_TIMEOUT_MINUTES = 60.0  # a rank waits this long for the others' shares
+
+
 def is_evaluation(out: Path) -> bool:
     """Whether ``out`` is an earlier evaluation's JSON (small: a checkpoint is not read)."""
     if out.stat().st_size >= 2**24:
@@ -156,17 +164,30 @@ def check_out(out: Path) -> None:
 
 
 def evaluate(args: argparse.Namespace) -> int:
+    """Evaluate as ``args`` say; under a launcher (``torchrun ... -m mmgoal eval``) every
+    rank takes its share of the gallery and rank 0 alone prints and writes."""
     if args.out:
         check_out(Path(args.out))  # before the evaluation's minutes, not after
     if args.entities and not Path(args.entities, "Sentences").is_dir():
         raise FileNotFoundError(f"--entities {args.entities}: no Sentences/ folder there")
     device = resolve_device(args.device, name="--device")
+    init_process_group(EVAL_TIMEOUT_MINUTES, device)  # one process: nothing to join
+    try:
+        return evaluate_on(args, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
+    main_rank = world_info()[0] == 0
+    say = print if main_rank else lambda *args, **kwargs: None  # rank 0 reports
     trust = args.trust_custom_imports
     if args.checkpoint is None:
         first, source = load_zero_shot(args.config, args.cfg_options, device,
                                        trust_custom_imports=trust)
-        print(f"zero-shot: {args.config} with the weights its model sections name ({source}), "
-              f"no checkpoint")
+        say(f"zero-shot: {args.config} with the weights its model sections name ({source}), "
+            f"no checkpoint")
     else:
         first = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device,
                                     trust_custom_imports=trust)
@@ -185,36 +206,37 @@ def evaluate(args: argparse.Namespace) -> int:
         scoring["rerank_k"] = args.rerank_k
     metrics = evaluate_retrieval(members, split_cfg["shards"], caption_key=split_cfg["caption_key"],
                                  batch_size=cfg["data"]["eval_batch_size"], folds=folds,
-                                 scoring=scoring, num_workers=cfg["data"]["num_workers"])
+                                 scoring=scoring, num_workers=cfg["data"]["num_workers"],
+                                 across_ranks=True)
     name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)
-    print(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
-    print(metrics_table(metrics))
+    say(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
+    say(metrics_table(metrics))
     if "itc_rsum" in metrics:
-        print(f"  (ITM re-ranking of the top {scoring['rerank_k']}; ITC alone: R@1 "
-              f"{metrics['itc_i2t_r1']:.2f} / {metrics['itc_t2i_r1']:.2f}, "
-              f"rsum {metrics['itc_rsum']:.2f})")
+        say(f"  (ITM re-ranking of the top {scoring['rerank_k']}; ITC alone: R@1 "
+            f"{metrics['itc_i2t_r1']:.2f} / {metrics['itc_t2i_r1']:.2f}, "
+            f"rsum {metrics['itc_rsum']:.2f})")
     result = {"split": args.split, "folds": folds, "checkpoint": str(args.checkpoint),
               "ensemble": list(args.ensemble), "metrics": metrics}
-    if args.attention:
+    if args.attention and main_rank:  # one process: the metrics need no gallery scoring
         report = attention_report(args, cfg, first, split_cfg)
         best = report.best
-        print(f"attention ({report.phrases} phrases, T_IoU {args.t_iou}): best F1 "
-              f"{best['f1']:.4f} at T_att {best['t_att']:g} (precision {best['precision']:.4f},"
-              f" recall {best['recall']:.4f})")
+        say(f"attention ({report.phrases} phrases, T_IoU {args.t_iou}): best F1 "
+            f"{best['f1']:.4f} at T_att {best['t_att']:g} (precision {best['precision']:.4f},"
+            f" recall {best['recall']:.4f})")
         curve = Path(args.curve or f"{args.checkpoint}.{args.split}.attention.png")
         try:
             plot_curve(report, curve,
                        f"attention PR, {Path(args.checkpoint).parent.parent.name}")
-            print(f"PR curve written to {curve}")
+            say(f"PR curve written to {curve}")
         except ImportError as error:  # the metrics need no matplotlib: report and go on
-            print(f"no PR curve: {error}", file=sys.stderr)
+            say(f"no PR curve: {error}", file=sys.stderr)
         result["attention"] = report.as_dict()
-    if first.checkpoint is None and not args.out:  # zero-shot: nothing written beside a config
-        return 0
+    if (first.checkpoint is None and not args.out) or not main_rank:  # zero-shot: nothing
+        return 0                                                       # beside a config
     out = Path(args.out or f"{args.checkpoint}.{args.split}.json")
     check_out(out)
     out.write_text(strict_json.dumps(result, indent=2))
-    print(f"metrics written to {out}")
+    say(f"metrics written to {out}")
     return 0
 
 

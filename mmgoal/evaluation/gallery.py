@@ -123,7 +123,9 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     encoded: list[ImageFeatures] = []
     for number, batch in tqdm(batches, desc="encode images", unit="batch",
                               disable=not progress, leave=False):
-        on_device = move_to_device(batch, device, non_blocking=pinned)
+        # the tensors only: walking the captions and entities costs more than the copy
+        on_device = {key: value.to(device, non_blocking=pinned)
+                     for key, value in batch.items() if isinstance(value, torch.Tensor)}
         encoded.append(_keep_tokens(model, model.encode_image(on_device), keep))
         boxes = [] if boxes_of is None else [b.float() for b in boxes_of(batch)]
         mine.append({"number": number, "image_ids": batch["image_ids"],
@@ -135,13 +137,12 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
         dist.all_gather_object(shares, (mine, counter.total))
         features = gather_uneven(images, device)
         skipped = sum(total for _, total in shares)
-        ordered = sorted(((batch, features[r], sum(len(b["image_ids"]) for b in share[:i]))
-                          for r, (share, _) in enumerate(shares)
-                          for i, batch in enumerate(share)), key=lambda item: item[0]["number"])
+        ordered = sorted((item for share, rank_images in zip(shares, features)
+                          for item in _with_offsets(share[0], rank_images)),
+                         key=lambda item: item[0]["number"])
     else:
         skipped = counter.total
-        ordered = [(batch, images, sum(len(b["image_ids"]) for b in mine[:i]))
-                   for i, batch in enumerate(mine)]
+        ordered = list(_with_offsets(mine, images))
     if not ordered:
         raise ValueError(f"no readable sample in {shards!r} ({skipped} skipped)")
     gallery = Gallery(None, None, None, skipped)
@@ -164,6 +165,15 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     model.train(was_training)
     gallery.text_to_image = torch.tensor(text_to_image, device=device)
     return gallery
+
+
+def _with_offsets(batches: list[dict], images: ImageFeatures | None):
+    """``(batch, images, offset)``: each of a rank's batches with that rank's features and
+    the row where the batch's images start in them."""
+    offset = 0
+    for batch in batches:
+        yield batch, images, offset
+        offset += len(batch["image_ids"])
 
 
 def _encode_captions(model: torch.nn.Module, tokenizer: Callable, captions: list[str],

@@ -256,6 +256,15 @@ def test_two_rank_checkpoint_is_exported_and_evaluated_by_one_process(setup, tmp
                           timeout=120))
         results.append(json.loads(out.read_text()))
     assert results[0]["metrics"] == pytest.approx(results[1]["metrics"], abs=0.1)
+    # the same evaluation spread over 2 ranks: each its share of the gallery, the metrics
+    # of one process (tests/evaluation/test_distributed_eval.py: the matrices too)
+    spread = tmp_path / "spread.json"
+    ok(subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m",
+                       "mmgoal", "eval", str(configs["ranks"]), str(exported), "--out",
+                       str(spread), "--trust-custom-imports", "--device", "cpu"], cwd=ROOT,
+                      env=environment(), capture_output=True, text=True, timeout=180))
+    assert json.loads(spread.read_text())["metrics"] == pytest.approx(results[0]["metrics"],
+                                                                      abs=1e-9)
 
 
 def corrupt_shard_config(tmp_path: Path, data: Path, shards: list[Path]) -> Path:
