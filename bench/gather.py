@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks  # bench/ranks.py
 
 WORLD = 2
 IMPLEMENTATIONS = ("previous", "mmgoal")
@@ -151,12 +150,6 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--per-rank", type=int, default=64, help="batch size of each rank")
@@ -165,12 +158,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024, help="feature size (SCAN: 1024)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each")
     args = parser.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"  # before the processes start: one thread each
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.start_processes(worker, args=(free_port(), args, queue), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    times, moved = queue.get()
+    times, moved = run_ranks(worker, args, WORLD)
     ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
     print(f"torch {torch.__version__}, {WORLD} CPU ranks (gloo, 1 thread each), "
           f"{args.per_rank} pairs per rank, {args.regions} regions, {args.words}/"

@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks  # bench/ranks.py
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "xvlm" / "xvlm_tiny_synthetic.yaml"
@@ -94,12 +93,6 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--per-rank", type=int, default=32, help="batch size of each rank")
@@ -107,12 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each mode")
     args = parser.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"  # before the processes start: one thread each
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.start_processes(worker, args=(free_port(), args, queue), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    times = queue.get()
+    times = run_ranks(worker, args, WORLD)
     ms = {mode: statistics.median(values) * 1e3 for mode, values in times.items()}
     print(f"torch {torch.__version__}, {WORLD} CPU ranks (gloo, 1 thread each), tiny X-VLM "
           f"({CONFIG.name}), {args.per_rank} pairs per rank, {args.image_size} px, "
