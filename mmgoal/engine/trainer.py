@@ -546,10 +546,21 @@ class Trainer:
         self._end_of_epoch()
         return True
 
-    def evaluation_model(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """A float32 model holding ``weights`` (full float32 weights: a ``full_state_dict()``
-        or best.pt's) to evaluate on rank 0: the trained model itself where the strategy
-        loads them into it (:meth:`Strategy.evaluation_weights`), else a copy."""
+    def evaluation_model(self, weights: dict[str, torch.Tensor] | None,
+                         current: bool = False) -> torch.nn.Module:
+        """On every rank (a collective with several): a float32 model holding rank 0's
+        ``weights`` (full float32 weights: a ``full_state_dict()`` or best.pt's; ``None``
+        on the other ranks), to evaluate across the ranks: the trained model itself where
+        the strategy loads them into it (:meth:`Strategy.evaluation_weights`), else a copy.
+
+        Args:
+            current: ``weights`` are the trained model's own as it is (a
+                ``full_state_dict()``): a plain module then evaluates itself on every
+                rank, and nothing is sent.
+        """
+        if current and self.strategy.plain_module:
+            return self.model
+        weights = self.strategy.broadcast(weights)  # once: rank 0's on every rank
         copy_weights = self.strategy.evaluation_weights(weights)
         if copy_weights is None:
             return self.model
@@ -577,43 +588,47 @@ class Trainer:
         self.save()
 
     def _validate(self, epoch: int, weights: dict[str, torch.Tensor] | None) -> dict[str, float]:
-        """Rank 0 evaluates ``weights`` (every rank's ``full_state_dict()``: rank 0's, None
-        elsewhere) on ``data.val`` and logs the metrics as ``epoch``'s (-1: before
-        training); every rank returns them (collective)."""
+        """Every rank evaluates ``weights`` (every rank's ``full_state_dict()``: rank 0's,
+        None elsewhere) on ``data.val``, each its share of the gallery, and rank 0 logs the
+        metrics as ``epoch``'s (-1: before training); every rank returns them (collective)."""
         self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
-        metrics: dict[str, float] = {}
+        metrics = self.evaluate("val", self.evaluation_model(weights, current=True),
+                                across_ranks=True)
         if self.is_main:
-            model = self.evaluation_model(weights)
-            metrics = self.evaluate("val", model)
             self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
             logger.info("epoch %d val%s: %s", epoch, " (before training)" if epoch < 0 else "",
                         format_metrics(metrics))
-        return self.strategy.broadcast(metrics)
+        return metrics
 
-    def evaluate(self, split: str, model: torch.nn.Module | None = None) -> dict[str, float]:
-        """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``."""
+    def evaluate(self, split: str, model: torch.nn.Module | None = None,
+                 across_ranks: bool = False) -> dict[str, float]:
+        """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``;
+        ``across_ranks``: a collective, every rank evaluating its share of the gallery."""
         split_cfg = getattr(self.config.data, split)
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
         return evaluate_retrieval(
             model if model is not None else self.model, split_cfg.shards,
             self.eval_transform, self.tokenizer, batch_size=self.config.data.eval_batch_size,
-            folds=split_cfg.folds, progress=self.config.train.progress,
+            folds=split_cfg.folds, progress=self.config.train.progress and self.is_main,
             scoring=self.config.evaluation, caption_key=split_cfg.caption_key,
-            num_workers=self.config.data.num_workers)
+            num_workers=self.config.data.num_workers, across_ranks=across_ranks)
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,
                                   "train_seconds": seconds, "best": self.best,
                                   "skipped_samples": self.skipped_samples}
         if self.config.data.test:
-            if self.best["epoch"] >= 0:  # best.pt exists, and every rank knows it
+            current = self.best["epoch"] < 0  # no validation: the trained model as it is
+            if current:
+                weights = self.strategy.full_state_dict()  # collective
+            else:  # best.pt exists, and every rank knows it
                 weights = (load_checkpoint(self.checkpoint_dir / BEST)["model"]
                            if self.is_main else None)
-            else:  # no validation: the trained model as it is
-                weights = self.strategy.full_state_dict()  # collective
+            test = self.evaluate("test", self.evaluation_model(weights, current),
+                                 across_ranks=True)  # collective
             if self.is_main:
-                report["test"] = self.evaluate("test", self.evaluation_model(weights))
+                report["test"] = test
                 report["test_set"] = shard_listing(self.config.data.test.shards)
                 self.log.write({"type": "test", "step": self.step, **report["test"]})
         if self.is_main:

@@ -379,9 +379,9 @@ def test_ddp_accumulates_without_sync_and_rewraps_when_the_objective_changes(set
     assert torch.allclose(*temperature, atol=1e-6) and abs(float(temperature[0]) - 0.1) > 1e-4
 
 
-def test_deepspeed_rank_0_evaluates_the_gathered_weights_before_training(setup, tmp_path):
-    """``train.eval_before_training`` under ZeRO-2 (rank 0 evaluates a copy built from the
-    gathered weights) logs what one process gives for the same initial weights, once; the
+def test_deepspeed_ranks_evaluate_the_gathered_weights_before_training(setup, tmp_path):
+    """``train.eval_before_training`` under ZeRO-2 (both ranks evaluate their shares of the
+    gallery) logs what one process gives for the same initial weights, once; the
     ``no_decay`` groups train there too."""
     _, data, _ = setup
     top = {"train": {"epochs": 1, "log_every": 5, "progress": False,

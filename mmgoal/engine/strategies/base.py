@@ -330,12 +330,12 @@ class Strategy:
 
     def evaluation_weights(self, weights: dict[str, torch.Tensor]
                            ) -> dict[str, torch.Tensor] | None:
-        """Rank 0: where to evaluate ``weights`` (full float32 weights: a
-        :meth:`full_state_dict` or best.pt's).
+        """Every rank: where to evaluate ``weights`` (full float32 weights: a
+        :meth:`full_state_dict` or best.pt's, the same on every rank).
 
         Returns:
             None where the trained model holds full float32 weights on every rank
-            (:attr:`plain_module`): ``weights`` are loaded into it, and rank 0
+            (:attr:`plain_module`): ``weights`` are loaded into it, and each rank
             evaluates the trained model itself. Otherwise (ZeRO-3 partitions, bf16 or
             fp16 engine weights) ``weights``, to load into a float32 copy of the model.
         """
