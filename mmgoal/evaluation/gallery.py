@@ -127,11 +127,12 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
         on_device = {key: value.to(device, non_blocking=pinned)
                      for key, value in batch.items() if isinstance(value, torch.Tensor)}
         encoded.append(_keep_tokens(model, model.encode_image(on_device), keep))
-        boxes = [] if boxes_of is None else [b.float() for b in boxes_of(batch)]
+        boxes = [] if boxes_of is None else [b.float() for b in boxes_of(batch)]  # of the CPU batch
         mine.append({"number": number, "image_ids": batch["image_ids"],
                      "captions": batch["captions"], "entities": batch["entities"],
-                     "boxes": [b.cpu() for b in boxes]})
+                     "boxes": boxes})
     images = cat_features(encoded) if encoded else None
+    encoded.clear()  # the batches' copies: the concatenation holds them now
     if world > 1:  # every rank's batches, in the order of the one-process stream
         shares: list = [None] * world
         dist.all_gather_object(shares, (mine, counter.total))
@@ -148,18 +149,20 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     gallery = Gallery(None, None, None, skipped)
     text_to_image: list[int] = []
     known: dict = {}  # image id -> (its index in the gallery, the set of its captions)
-    kept = []
+    kept = []  # (features, the rows of them the gallery keeps), in gallery order
     for batch, features, offset in ordered:
         rows = _add_samples(gallery, batch, known, text_to_image)
         if rows:
-            index = torch.tensor([offset + row for row in rows], device=features.embedding.device)
-            kept.append(index_features(features, index))
+            kept.append((features, [offset + row for row in rows]))
             gallery.region_boxes += [batch["boxes"][row] for row in rows if batch["boxes"]]
     if gallery.duplicates and rank == 0:  # every rank knows them: one says so
         logger.warning("%d samples repeat an image id of an earlier sample in %s; each image "
                        "is evaluated once, with the captions of its copies (check the shards "
                        "with mmgoal inspect-shards)", gallery.duplicates, shards)
-    gallery.images = cat_features(kept)
+    # one process and no repeated image: every row, in order, is kept as it is
+    gallery.images = images if world == 1 and not gallery.duplicates else cat_features([
+        index_features(features, torch.tensor(rows, device=features.embedding.device))
+        for features, rows in kept])
     gallery.texts = _encode_captions(model, tokenizer, gallery.captions, batch_size, keep,
                                      progress, device, rank, world)
     model.train(was_training)
