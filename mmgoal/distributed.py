@@ -222,6 +222,27 @@ def rank_share(count: int, rank: int, world: int, unit: int = 1) -> tuple[int, i
 
 
 @torch.no_grad()
+def _field_specs(local: Any) -> tuple[list, dict[str, torch.Tensor | None]]:
+    """Every rank's ``(type, {field: (shape, dtype name) or None})`` (``None`` for a rank
+    without ``local``), exchanged in one collective, and this rank's tensor fields."""
+    fields = _tensor_fields(local)
+    specs: list = [None] * world_info()[1]
+    dist.all_gather_object(specs, None if local is None else (type(local), {
+        name: None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in fields.items()}))
+    return specs, fields
+
+
+def _assemble(kind: type, fields: dict[str, torch.Tensor | None]) -> Any:
+    """A gathered value of the type the ranks hold: a tensor, or the dataclass of ``fields``."""
+    return fields["tensor"] if kind is torch.Tensor or issubclass(kind, torch.Tensor) \
+        else kind(**fields)
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype  # gloo cannot send bool
+
+
 def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[Any]:
     """Every rank's ``local`` on every rank, in rank order: a tensor or a feature dataclass
     (``ImageFeatures``) whose tensors may differ across ranks in every dimension (rows of
@@ -235,11 +256,7 @@ def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[
     world = world_info()[1]
     if world == 1:
         return [local]
-    fields = _tensor_fields(local)
-    specs: list = [None] * world  # per rank: its type and {field: (shape, dtype)}
-    dist.all_gather_object(specs, None if local is None else (type(local), {
-        name: None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        for name, t in fields.items()}))
+    specs, fields = _field_specs(local)
     kind, known = next(spec for spec in specs if spec is not None)
     present = [t for t in fields.values() if t is not None]
     device = present[0].device if present else torch.device(device or "cpu")
@@ -255,17 +272,71 @@ def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[
         mine = fields.get(name)
         if mine is None:
             mine = torch.zeros((0, *widest[1:]), dtype=dtype, device=device)
-        wire = torch.zeros(widest, dtype=torch.uint8 if dtype == torch.bool else dtype,
-                           device=device)
+        wire = torch.zeros(widest, dtype=_wire_dtype(dtype), device=device)
         wire[tuple(slice(0, size) for size in mine.shape)] = mine
         parts = [torch.empty_like(wire) for _ in range(world)]
         dist.all_gather(parts, wire)
         for rank, (part, shape) in enumerate(zip(parts, shapes)):
             if shape is not None:
                 gathered[rank][name] = part[tuple(slice(0, size) for size in shape)].to(dtype)
-    return [None if spec is None else
-            part["tensor"] if kind is torch.Tensor or issubclass(kind, torch.Tensor)
-            else kind(**part) for spec, part in zip(specs, gathered)]
+    return [None if spec is None else _assemble(kind, part)
+            for spec, part in zip(specs, gathered)]
+
+
+def gather_rows(local: Any, wanted: Sequence[tuple[int, int]],
+                device: torch.device | str | None = None) -> Any:
+    """The rows ``wanted`` (``(rank, row)`` pairs, in the order wanted) of the ranks'
+    ``local`` values, where each rank may want other rows: a collective.
+
+    ``local`` is as for :func:`gather_uneven` (a tensor or a feature dataclass, ``None`` on
+    a rank with nothing). Each rank's value is sent once, by a broadcast from it, and
+    every rank keeps only the rows it wants, so none holds more than those and one
+    rank's value in flight (a rank's share of a cross-attention gallery, not the whole
+    gallery). The rows' other dimensions are zero-padded to the widest among the ranks
+    they come from (tokens and their masks, as :func:`mmgoal.structures.cat_features`
+    pads them). Without a process group, the rows of ``local`` (``rank`` 0). No gradient.
+    """
+    rank, world = world_info()
+    if world == 1:
+        specs, fields = [(type(local), {name: None if t is None else (tuple(t.shape), None)
+                                        for name, t in _tensor_fields(local).items()})], \
+            _tensor_fields(local)
+    else:
+        specs, fields = _field_specs(local)
+    kind, known = next(spec for spec in specs if spec is not None)
+    present = [t for t in fields.values() if t is not None]
+    device = present[0].device if present else torch.device(device or "cpu")
+    sources = sorted({source for source, _ in wanted})
+    positions = {source: [k for k, (s, _) in enumerate(wanted) if s == source]
+                 for source in sources}
+    rows = {source: torch.tensor([row for s, row in wanted if s == source], dtype=torch.long,
+                                 device=device) for source in sources}
+    out: dict[str, torch.Tensor | None] = {}
+    for name, first in known.items():
+        if first is None:  # the same on every rank: the model has no such field
+            out[name] = None
+            continue
+        dtype = fields[name].dtype if world == 1 else getattr(torch, first[1])
+        shapes = [None if spec is None else spec[1][name][0] for spec in specs]
+        used = [shapes[source] for source in sources] or [s for s in shapes if s is not None]
+        widest = [max(s[d] for s in used) for d in range(1, len(first[0]))]
+        result = torch.zeros((len(wanted), *widest), dtype=dtype, device=device)
+        for source, shape in enumerate(shapes):
+            if shape is None or (world > 1 and shape[0] == 0):
+                continue
+            if world == 1:
+                part = fields[name]
+            else:
+                part = (fields[name].to(_wire_dtype(dtype)) if source == rank else
+                        torch.empty(shape, dtype=_wire_dtype(dtype), device=device))
+                dist.broadcast(part, source)
+            if source in rows:
+                place = torch.tensor(positions[source], dtype=torch.long, device=device)
+                result[(place, *(slice(0, size) for size in shape[1:]))] = \
+                    part[rows[source]].to(dtype)
+            del part
+        out[name] = result
+    return _assemble(kind, out)
 
 
 def _tensor_fields(value: Any) -> dict[str, torch.Tensor | None]:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from mmgoal.contract import MatchingModel, require
 from mmgoal.data.pipeline import SkipCounter, iter_eval_batches
 from mmgoal.devices import free_memory_mb, module_device, move_to_device
-from mmgoal.distributed import gather_uneven, rank_share, world_info
+from mmgoal.distributed import gather_rows, gather_uneven, rank_share, world_info
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
 from mmgoal.models.layers.cross_attention import reuse_buffers
@@ -62,6 +62,9 @@ class Gallery:
         entities: per image, the entity annotations of its JSON (``with_annotations``).
         region_boxes: per image, its regions' boxes as xyxy fractions
             (``with_annotations`` and an image encoder with ``region_boxes``).
+        image_rows: ``(start, end)`` when ``images`` holds only the gallery's images
+            ``start:end`` (this rank's share of the scoring: ``encode_gallery(...,
+            image_share=...)``); ``None`` when it holds them all.
     """
 
     images: ImageFeatures
@@ -73,6 +76,7 @@ class Gallery:
     image_ids: list = field(default_factory=list)
     entities: list[list[dict]] = field(default_factory=list)
     region_boxes: list[torch.Tensor] = field(default_factory=list)
+    image_rows: tuple[int, int] | None = None
 
 
 def _keep_tokens(model: torch.nn.Module, features, keep: bool):
@@ -87,7 +91,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
                    tokenizer: Callable, batch_size: int = 256, progress: bool = True,
                    with_annotations: bool = False, keep_tokens: bool = False,
                    caption_key: str | None = None, num_workers: int = 0,
-                   across_ranks: bool = False) -> Gallery:
+                   across_ranks: bool = False, image_share: int | None = None) -> Gallery:
     """Encode every image and caption of the shards, in shard order, on the model's device.
 
     Each image id is one image of the gallery, as in training's positives and the
@@ -105,7 +109,10 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
 
     ``across_ranks`` (a collective: every rank of the process group calls it): each
     rank decodes and encodes its share of the image batches and of the captions, and
-    every rank gets the whole gallery, equal to one process's.
+    every rank gets the whole gallery, equal to one process's. With ``image_share`` (the
+    scoring's ``block_images``) a rank keeps the features of only its share of the images,
+    the rows :func:`score_gallery` gives it (``gallery.image_rows``), and never holds the
+    others': a cross-attention gallery's region features are spread over the ranks.
     """
     was_training = model.training
     model.eval()
@@ -133,13 +140,12 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
                      "boxes": boxes})
     images = cat_features(encoded) if encoded else None
     encoded.clear()  # the batches' copies: the concatenation holds them now
-    if world > 1:  # every rank's batches, in the order of the one-process stream
-        shares: list = [None] * world
+    if world > 1:  # every rank's batches, in the order of the one-process stream; the
+        shares: list = [None] * world  # features stay where they are until rows are chosen
         dist.all_gather_object(shares, (mine, counter.total))
-        features = gather_uneven(images, device)
         skipped = sum(total for _, total in shares)
-        ordered = sorted((item for share, rank_images in zip(shares, features)
-                          for item in _with_offsets(share[0], rank_images)),
+        ordered = sorted((item for source, share in enumerate(shares)
+                          for item in _with_offsets(share[0], source)),
                          key=lambda item: item[0]["number"])
     else:
         skipped = counter.total
@@ -149,7 +155,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     gallery = Gallery(None, None, None, skipped)
     text_to_image: list[int] = []
     known: dict = {}  # image id -> (its index in the gallery, the set of its captions)
-    kept = []  # (features, the rows of them the gallery keeps), in gallery order
+    kept = []  # (features or their rank, the rows of them the gallery keeps), in order
     for batch, features, offset in ordered:
         rows = _add_samples(gallery, batch, known, text_to_image)
         if rows:
@@ -159,10 +165,18 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
         logger.warning("%d samples repeat an image id of an earlier sample in %s; each image "
                        "is evaluated once, with the captions of its copies (check the shards "
                        "with mmgoal inspect-shards)", gallery.duplicates, shards)
-    # one process and no repeated image: every row, in order, is kept as it is
-    gallery.images = images if world == 1 and not gallery.duplicates else cat_features([
-        index_features(features, torch.tensor(rows, device=features.embedding.device))
-        for features, rows in kept])
+    if world > 1:  # each rank fetches the rows it keeps from the ranks that encoded them
+        wanted = [(source, row) for source, rows in kept for row in rows]
+        if image_share is not None:
+            gallery.image_rows = rank_share(len(wanted), rank, world, image_share)
+            wanted = wanted[slice(*gallery.image_rows)]
+        gallery.images = gather_rows(images, wanted, device)
+    elif not gallery.duplicates:  # one process, no repeated image: every row, as it is
+        gallery.images = images
+    else:
+        gallery.images = cat_features([index_features(
+            features, torch.tensor(rows, device=features.embedding.device))
+            for features, rows in kept])
     gallery.texts = _encode_captions(model, tokenizer, gallery.captions, batch_size, keep,
                                      progress, device, rank, world)
     model.train(was_training)
@@ -170,9 +184,9 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     return gallery
 
 
-def _with_offsets(batches: list[dict], images: ImageFeatures | None):
-    """``(batch, images, offset)``: each of a rank's batches with that rank's features and
-    the row where the batch's images start in them."""
+def _with_offsets(batches: list[dict], images: ImageFeatures | int | None):
+    """``(batch, images, offset)``: each of a rank's batches with that rank's features (or
+    its rank number) and the row where the batch's images start in them."""
     offset = 0
     for batch in batches:
         yield batch, images, offset
@@ -252,13 +266,17 @@ def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragment
 def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
                   block_images: int = 128, max_block_mb: float | None = None,
                   progress: bool = True, matmul_precision: str = "highest",
-                  across_ranks: bool = False) -> torch.Tensor:
+                  across_ranks: bool = False, image_rows: tuple[int, int] | None = None
+                  ) -> torch.Tensor:
     """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks.
 
     The scores are computed and returned on the features' device.
     ``max_block_mb`` bounds a block's working set (default: :func:`block_budget_mb`).
     ``across_ranks`` (a collective): each rank scores a contiguous share of the images
-    against every text, and every rank gets the whole matrix.
+    against every text, and every rank gets the whole matrix. The shares are whole
+    ``block_images`` blocks, the same on every rank whatever its free memory; with
+    ``image_rows`` (``start, end``), ``images`` is already this rank's share, those rows
+    of the gallery (``encode_gallery(..., image_share=block_images)``).
 
     ``matmul_precision`` is ``torch.set_float32_matmul_precision`` while scoring:
     ``highest`` (exact float32, the default) or ``medium``, which lets float32
@@ -274,7 +292,7 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
     try:
         with reuse_buffers():
             sims = _score_blocks(model, images, texts, block_images, max_block_mb, progress,
-                                 rank, world)
+                                 rank, world, image_rows)
     finally:
         torch.set_float32_matmul_precision(previous)
     return sims if world == 1 else torch.cat(gather_uneven(sims))
@@ -282,24 +300,28 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
 
 def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
                   block_images: int, max_block_mb: float | None, progress: bool,
-                  rank: int = 0, world: int = 1) -> torch.Tensor:
-    """The rows of rank ``rank``'s share of the image blocks (all of them in one process),
-    each block the one a single process scores."""
-    n_images, n_texts = len(images.embedding), len(texts.embedding)
+                  rank: int = 0, world: int = 1, image_rows: tuple[int, int] | None = None
+                  ) -> torch.Tensor:
+    """The rows of rank ``rank``'s share of the image blocks (all of them in one process);
+    where a block fits, each block is the one a single process scores."""
+    n_texts = len(texts.embedding)
     device = images.embedding.device
+    if image_rows is None:  # the whole gallery: this rank's rows of it
+        first, last = rank_share(len(images.embedding), rank, world, block_images)
+    else:  # already this rank's rows
+        first, last = 0, len(images.embedding)
     image_fragments = images.tokens.shape[1] if images.tokens is not None else 1
     text_fragments = texts.tokens.shape[1] if texts.tokens is not None else 1
-    bi, bt = block_sizes(n_images, n_texts, image_fragments, text_fragments, block_images,
-                         block_budget_mb(device, max_block_mb))
-    start, end = rank_share(n_images, rank, world, bi)
-    sims = torch.empty(end - start, n_texts, device=device)
-    blocks = math.ceil((end - start) / bi) * math.ceil(n_texts / bt)
+    bi, bt = block_sizes(max(last - first, 1), n_texts, image_fragments, text_fragments,
+                         block_images, block_budget_mb(device, max_block_mb))
+    sims = torch.empty(last - first, n_texts, device=device)
+    blocks = math.ceil((last - first) / bi) * math.ceil(n_texts / bt)
     with tqdm(total=blocks, desc="score gallery", unit="block", disable=not progress,
               leave=False) as bar:
-        for i in range(start, end, bi):
-            image_block = slice_features(images, i, min(i + bi, end))
+        for i in range(first, last, bi):
+            image_block = slice_features(images, i, min(i + bi, last))
             for t in range(0, n_texts, bt):
-                sims[i - start:i - start + bi, t:t + bt] = model.similarity(
+                sims[i - first:i - first + bi, t:t + bt] = model.similarity(
                     image_block, slice_features(texts, t, t + bt)).float()
                 bar.update(1)
     return sims
@@ -314,13 +336,18 @@ def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch
     scoring = ScoringConfig.of(scoring)
     total, first = None, None
     for member in members:
+        # across ranks, a cross-attention gallery stays spread over them unless the
+        # re-ranking needs every image's tokens on every rank
+        spread = (across_ranks and scoring.rerank_k <= 0
+                  and getattr(member.model, "similarity_uses_tokens", False))
         gallery = encode_gallery(member.model, shards, member.transform, member.tokenizer,
                                  batch_size, progress, keep_tokens=scoring.rerank_k > 0,
                                  caption_key=caption_key, num_workers=num_workers,
-                                 across_ranks=across_ranks)
+                                 across_ranks=across_ranks,
+                                 image_share=scoring.block_images if spread else None)
         sims = score_gallery(member.model, gallery.images, gallery.texts,
                              scoring.block_images, scoring.max_block_mb, progress,
-                             scoring.matmul_precision, across_ranks)
+                             scoring.matmul_precision, across_ranks, gallery.image_rows)
         if first is None:
             first, total = gallery, sims
         else:

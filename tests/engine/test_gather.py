@@ -11,11 +11,12 @@ from mmgoal.distributed import (
     check_equal_shapes,
     gather_features,
     gather_groups,
+    gather_rows,
     gather_with_grad,
 )
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import OBJECTIVES
-from mmgoal.structures import ObjectiveInputs, TextFeatures
+from mmgoal.structures import ImageFeatures, ObjectiveInputs, TextFeatures
 
 BATCH, DIM = 12, 5
 IDS = [0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 8]  # duplicates across the rank split
@@ -92,6 +93,7 @@ def on_rank(rank, world):
     (gathered.tokens * torch.arange(4.0)[:, None, None]).sum().backward()
     results["tokens"] = [gathered.tokens.detach(), gathered.mask, tokens.grad]
     results["lam"] = lam_trajectories([local])
+    results["rows"] = rows_of_other_ranks(rank)
     results["collectives"] = collectives_of_a_gather(rank)
     # shapes that differ across ranks: a message, not an aborted process group
     try:
@@ -99,6 +101,24 @@ def on_rank(rank, world):
     except RuntimeError as error:
         results["unequal"] = str(error)
     return results
+
+
+def rank_features(rank):
+    """Rank r's 3 + r rows (values 10 r + row), tokens 2 + r wide, the last column masked."""
+    rows = 3 + rank
+    values = 10.0 * rank + torch.arange(float(rows))
+    tokens = values[:, None, None].expand(rows, 2 + rank, 2).clone()
+    mask = torch.ones(rows, 2 + rank, dtype=torch.bool)
+    mask[:, -1] = False
+    return ImageFeatures(values[:, None].clone(), tokens=tokens, mask=mask)
+
+
+def rows_of_other_ranks(rank):
+    """Each rank wants other rows (rank 0: rank 1's first row then its own last; rank 1:
+    rows of both, out of order, one twice)."""
+    wanted = [(1, 0), (0, 2)] if rank == 0 else [(0, 1), (1, 3), (0, 1), (1, 1)]
+    got = gather_rows(rank_features(rank), wanted)
+    return wanted, [got.embedding, got.tokens, got.mask]  # tensors: what ranks.py sends
 
 
 def collectives_of_a_gather(rank):
@@ -149,6 +169,15 @@ def test_two_process_gathered_update_matches_one_process(tmp_path):
         # every rank's loss weighs its rows 0..3: the summed gradient of a slice is 2x
         expected = 2 * torch.arange(4.0)[2 * rank:2 * rank + 2, None, None].expand_as(grad)
         assert torch.equal(grad, expected)
+    sources = [rank_features(rank) for rank in range(2)]
+    for wanted, (embedding, tokens, mask) in (result["rows"] for result in ranks):
+        assert embedding[:, 0].tolist() == [10.0 * r + row for r, row in wanted]
+        assert tokens.shape == (len(wanted), 3, 2)  # the widest of the ranks used: 3
+        for k, (r, row) in enumerate(wanted):
+            width = 2 + r
+            assert torch.equal(tokens[k, :width], sources[r].tokens[row])
+            assert tokens[k, width:].eq(0).all()
+            assert mask[k].tolist() == sources[r].mask[row].tolist() + [False] * (3 - width)
     # lam: auto is the same on every rank and equal to one process's: over the gathered
     # global batch, and over the ranks' own batches as the micro-batches of one step
     single = lam_trajectories([slice(0, BATCH // 2), slice(BATCH // 2, BATCH)])
@@ -168,4 +197,10 @@ def test_two_process_gathered_update_matches_one_process(tmp_path):
 def test_gather_is_the_identity_in_one_process():
     x = torch.randn(3, 2, requires_grad=True)
     assert gather_with_grad(x) is x and gather_features(x) is x
+    # gather_rows picks a process's own rows, repeats and order kept
+    features = rank_features(0)
+    picked = gather_rows(features, [(0, 2), (0, 0), (0, 2)])
+    assert picked.embedding[:, 0].tolist() == [2.0, 0.0, 2.0]
+    assert torch.equal(picked.mask, features.mask[[2, 0, 2]])
+    assert torch.equal(gather_rows(x, []), x[:0])
     assert torch.equal(gather_groups(["a", "b", "a"])[[0, 2]].diff(), torch.zeros(1).long())

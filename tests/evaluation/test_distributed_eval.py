@@ -45,13 +45,25 @@ def evaluate(name, shards, across_ranks):
 
     loaded = build(name, shards)
     members = [Member(loaded.model, loaded.transform, loaded.tokenizer)]
+    encoded = {"images": 0, "texts": 0}  # the rows this process encodes, for the first gallery
+
+    def counting(kind, encode):
+        def call(batch):
+            features = encode(batch)
+            encoded[kind] += len(features.embedding)
+            return features
+        return call
+
+    for kind, method in (("images", "encode_image"), ("texts", "encode_text")):
+        setattr(loaded.model, method, counting(kind, getattr(loaded.model, method)))
     scoring = ScoringConfig.of(SCORING[name])
     # batches of 6: 7 of them over the 40 images (3 shards of up to 16), odd on purpose
     sims, gallery = gallery_similarity(members, shards, 6, {**SCORING[name], "rerank_k": 0},
                                        progress=False, across_ranks=across_ranks)
     result = {"sims": sims, "text_to_image": gallery.text_to_image,
               "image_ids": gallery.image_ids, "captions": gallery.captions,
-              "embeddings": gallery.images.embedding}
+              "embeddings": gallery.images.embedding, "image_rows": gallery.image_rows,
+              "encoded": dict(encoded)}
     if scoring.rerank_k:
         sims, gallery = gallery_similarity(members, shards, 6, SCORING[name], progress=False,
                                            across_ranks=across_ranks)
@@ -107,11 +119,23 @@ def test_two_ranks_evaluate_as_one_process(gallery_shards, tmp_path):
         torch.set_num_threads(threads)
     for name, single in singles.items():
         assert single["metrics"]["skipped"] == 1 and len(single["image_ids"]) == 40
+        # each rank encodes its share: 4 and 3 of the 7 image batches (read before the
+        # repeated image is dropped), half of the captions
+        assert [r[name]["encoded"]["images"] for r in ranks] == [24, 17], name
+        texts = single["encoded"]["texts"]
+        assert sum(r[name]["encoded"]["texts"] for r in ranks) == texts, name
+        assert all(abs(r[name]["encoded"]["texts"] - texts / 2) <= 6 for r in ranks), name
+        # SCAN's region features stay spread: each rank holds the images it scores,
+        # whole blocks of 4 (20 and 20 of the 40), and none of the other rank's
+        rows = [r[name]["image_rows"] for r in ranks]
+        assert rows == ([(0, 20), (20, 40)] if name == "scan" else [None, None]), name
+        assert single["image_rows"] is None
         for result in (r[name] for r in ranks):
             assert result["image_ids"] == single["image_ids"], name
             assert result["captions"] == single["captions"], name
             assert torch.equal(result["text_to_image"], single["text_to_image"]), name
-            torch.testing.assert_close(result["embeddings"], single["embeddings"],
+            held = slice(*(result["image_rows"] or (0, 40)))
+            torch.testing.assert_close(result["embeddings"], single["embeddings"][held],
                                        atol=1e-6, rtol=0)
             torch.testing.assert_close(result["sims"], single["sims"], atol=1e-6, rtol=0)
             for mine, theirs in zip(result.get("reranked", ()), single.get("reranked", ())):
