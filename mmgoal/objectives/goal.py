@@ -163,6 +163,41 @@ def _misplaced_options_error(specs: Mapping[str, Any], misplaced: Mapping[str, A
     return ValueError(". ".join(problems))
 
 
+class GradientEntries(NamedTuple):
+    """A sparse ``G``: ``G[rows[k], cols[k]] += values[k]`` (an index may repeat)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    values: torch.Tensor
+    shape: tuple[int, int]
+
+    def dense(self, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``G`` (times ``scale``, a scalar) in the values' dtype, written once."""
+        values = self.values if scale is None else self.values * scale.to(self.values.dtype)
+        grad = self.values.new_zeros(self.shape)
+        return grad.index_put_((self.rows, self.cols), values, accumulate=True)
+
+
+class _GradientIs(torch.autograd.Function):
+    """``value`` (the logged violation) forward; ``G`` times the incoming gradient backward.
+
+    It replaces the surrogate ``(G.detach() * S).sum()``, whose forward multiplied and
+    summed a dense ``G`` and whose backward multiplied it again: here the backward
+    writes the entries, scaled by the incoming (scalar) gradient, into the one
+    (n_img, n_txt) tensor it returns.
+    """
+
+    @staticmethod
+    def forward(ctx, sims: torch.Tensor, value: torch.Tensor, entries: GradientEntries
+                ) -> torch.Tensor:
+        ctx.entries, ctx.dtype = entries, sims.dtype
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        return ctx.entries.dense(grad_output).to(ctx.dtype), None, None
+
+
 @OBJECTIVES.register()
 class GoalObjective(nn.Module):
     """Triplet weight x pair weight, applied directly as the gradient of the scores.
@@ -223,13 +258,18 @@ class GoalObjective(nn.Module):
         return f"triplet={self.triplet_weight}, pair={self.pair_weight}, reduction={self.reduction}"
 
     @torch.no_grad()
-    def gradient(self, sims: torch.Tensor, positives: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``G = dl/dS``, the logged violation, the mean triplet weight and the
-        score medians (``positive_median``, ``negative_median``).
+    def gradient_entries(self, sims: torch.Tensor, positives: torch.Tensor
+                         ) -> tuple[GradientEntries, torch.Tensor, torch.Tensor,
+                                    dict[str, torch.Tensor]]:
+        """The nonzero entries of ``G = dl/dS``, the logged violation, the mean triplet
+        weight and the score medians (``positive_median``, ``negative_median``).
 
-        Weights are computed in float32 from the detached scores whatever their
-        dtype (float64 scores keep float64), so bf16/fp16 training gets exact weights.
+        ``G`` is nonzero only at the positives and the mined negatives, so it is kept
+        as their entries (O(n) values) until the backward pass writes it into the
+        (n_img, n_txt) gradient once: no dense ``G`` is formed, multiplied or summed
+        in the forward pass. Weights are computed in float32 from the detached scores
+        whatever their dtype (float64 scores keep float64), so bf16/fp16 training gets
+        exact weights.
 
         Args:
             sims: (n_img, n_txt) scores.
@@ -248,37 +288,45 @@ class GoalObjective(nn.Module):
             pair_kwargs["lam"] = self.adaptive_lam.value
             if self.training:
                 self.adaptive_lam.observe(s_p, hardest)
-        grad = torch.zeros_like(scores)
-        violation = scores.new_zeros(())
-        weight_sum = scores.new_zeros(())
-        directions = (("i2t", negatives[0], triplets.i2t_valid, triplets.i2t_negatives,
-                       (triplets.rows, triplets.i2t_negatives)),
-                      ("t2i", negatives[1], triplets.t2i_valid, triplets.t2i_negatives,
-                       (triplets.t2i_negatives, triplets.cols)))
+        on_positives = torch.zeros_like(s_p)
+        on_negatives, violation, weight_sum = [], scores.new_zeros(()), scores.new_zeros(())
         shared: dict = {}  # per-anchor sums the two directions' comparison sets share
-        for direction, s_n, valid, mined, negative_index in directions:
+        for direction, s_n, valid, mined in (("i2t", negatives[0], triplets.i2t_valid,
+                                              triplets.i2t_negatives),
+                                             ("t2i", negatives[1], triplets.t2i_valid,
+                                              triplets.t2i_negatives)):
             t = triplet.fn(s_p, s_n, **triplet.options) * valid
             if pair.takes_relative:
                 pair_kwargs["relative"] = RelativeScores(
                     scores, positives, triplets.rows, triplets.cols, mined, direction, s_p, s_n,
                     pair.options["eps"], shared)
             w_pos, w_neg = pair.fn(s_p, s_n, **pair_kwargs)
-            grad.index_put_((triplets.rows, triplets.cols), -t * w_pos, accumulate=True)
-            grad.index_put_(negative_index, t * w_neg, accumulate=True)
+            on_positives -= t * w_pos
+            on_negatives.append(t * w_neg)
             violation += (t * (s_n - s_p)).sum()
             weight_sum += t.sum()
-        n_triplets = max(2 * len(s_p), 1)
+        values = torch.cat([on_positives, *on_negatives])
         if self.reduction == "mean":
-            grad /= max(len(s_p), 1)
+            values /= max(len(s_p), 1)
             violation /= max(len(s_p), 1)
-        return grad, violation, weight_sum / n_triplets, medians
+        entries = GradientEntries(
+            torch.cat([triplets.rows, triplets.rows, triplets.t2i_negatives]),
+            torch.cat([triplets.cols, triplets.i2t_negatives, triplets.cols]), values,
+            tuple(scores.shape))
+        return entries, violation, weight_sum / max(2 * len(s_p), 1), medians
+
+    def gradient(self, sims: torch.Tensor, positives: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``G = dl/dS`` as a dense (n_img, n_txt) tensor (float32, or float64 for float64
+        scores), with what :meth:`gradient_entries` returns beside it."""
+        entries, *rest = self.gradient_entries(sims, positives)
+        return entries.dense(), *rest
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         sims, positives = scores_and_positives(inputs)
-        grad, violation, mean_weight, medians = self.gradient(sims, positives)
-        surrogate = (grad.to(sims.dtype) * sims).sum()
+        entries, violation, mean_weight, medians = self.gradient_entries(sims, positives)
         # value: the logged violation; gradient: exactly G (times the incoming gradient)
-        loss = surrogate - surrogate.detach() + violation.to(sims.dtype)
+        loss = _GradientIs.apply(sims, violation.to(sims.dtype), entries)
         outputs = {"goal_loss": loss, "active_fraction": mean_weight, **medians}
         if self.adaptive_lam is not None:
             outputs["lam"] = torch.tensor(self.adaptive_lam.value, device=sims.device)

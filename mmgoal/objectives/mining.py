@@ -73,8 +73,10 @@ def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,
     masked[positive_index] = float("-inf")
     text_of_image = masked.argmax(dim=1)
     image_of_text = masked.T.contiguous().argmax(dim=1)  # row-wise argmax is the fast one
-    return (text_of_image, image_of_text, positives.count_nonzero(dim=1) < n_txt,
-            positives.count_nonzero(dim=0) < n_img)
+    # counted from the positives' indices: count_nonzero of the (n, n) mask copies it to int64
+    rows, cols = positive_index
+    return (text_of_image, image_of_text, torch.bincount(rows, minlength=n_img) < n_txt,
+            torch.bincount(cols, minlength=n_txt) < n_img)
 
 
 @dataclass

@@ -24,6 +24,7 @@ Add a weight of your own in a few lines (docs/objectives.md)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -105,42 +106,64 @@ class RelativeScores:
         return torch.where(count > 0, mean, torch.full_like(mean, empty))
 
     # ---------------------------------------------------------------- R-
-    def _anchor_sums(self, key: str, values: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def _inside(self) -> torch.Tensor:
+        """(n_img, n_txt) float 0/1: the negatives ``>= threshold``, in one new tensor.
+
+        ``r - below > 0`` exactly when ``r >= threshold`` (``below`` is the next float
+        down, and a rounded difference keeps its sign): one float pass, where a bool
+        comparison and its conversion cost three times as much on CPU, and masked
+        operations with bool tensors are slower still.
+        """
+        below = torch.nextafter(self.threshold, self.threshold.new_tensor(-torch.inf))
+        inside = (self.scores - below).sign_().clamp_(min=0)
+        inside[self.rows, self.cols] = 0  # positives are never negatives
+        return inside
+
+    def _anchor_sums(self, key: str, fill: Callable[[torch.Tensor], torch.Tensor] | None
+                     ) -> torch.Tensor:
         """Per-anchor sums over the negatives ``>= threshold`` (both axes, cached).
 
-        ``values`` (n_img, n_txt) may be modified in place; ``None`` counts.
+        ``fill`` turns the 0/1 mask, in place, into the masked values to sum; ``None``
+        counts. The first values reuse the mask the counts were taken from, so a batch's
+        comparison sets cost one (n_img, n_txt) tensor, not a mask and a copy per kind.
         """
-        if "inside" not in self.cache:
-            # A float 0/1 mask: masked operations with bool tensors are slow on CPU.
-            inside = (self.scores >= self.threshold).to(self.scores.dtype)
-            inside[self.rows, self.cols] = 0  # positives are never negatives
+        if "count" not in self.cache:
+            inside = self._inside()
+            self.cache["count"] = (inside.sum(1), inside.sum(0))
             self.cache["inside"] = inside
         if key not in self.cache:
-            masked = self.cache["inside"] if values is None else values.mul_(self.cache["inside"])
+            inside = self.cache.pop("inside", None)
+            masked = fill(self._inside() if inside is None else inside)
             self.cache[key] = (masked.sum(1), masked.sum(0))
         by_row, by_col = self.cache[key]
         return by_row if self.direction == "i2t" else by_col
 
-    def _negative_mean(self, key: str, values: torch.Tensor | None,
+    def _negative_mean(self, key: str, fill: Callable[[torch.Tensor], torch.Tensor],
                        mined_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         in_set = (self.mined >= self.threshold).to(self.s_n.dtype)  # the mined one is left out
         count = self._anchor_sums("count", None)[self.anchors] - in_set
-        total = self._anchor_sums(key, values)[self.anchors] - in_set * mined_value
+        total = self._anchor_sums(key, fill)[self.anchors] - in_set * mined_value
         return total / count.clamp(min=1), count > 0.5
 
     def neg_mean_exp(self, scale: float, empty: float = 1.0) -> torch.Tensor:
         """``mean_{r in R-} exp(-scale (s_n - r))``; ``empty`` where ``R-`` is empty."""
-        top = self.scores.max()  # exp(scale (r - top)) <= 1: no overflow
-        key = f"exp:{scale}"
-        values = (self.scores - top).mul_(scale).exp_() if key not in self.cache else None
-        mean, nonempty = self._negative_mean(key, values, torch.exp(scale * (self.mined - top)))
+        if "top" not in self.cache:
+            self.cache["top"] = self.scores.max()  # exp(scale (r - top)) <= 1: no overflow
+        top = self.cache["top"]
+
+        def fill(inside: torch.Tensor) -> torch.Tensor:
+            # not exp(log(mask) + ...): exp and log of infinities are ten times slower on CPU
+            return inside.mul_((self.scores - top).mul_(scale).exp_())
+
+        mean, nonempty = self._negative_mean(f"exp:{scale}", fill,
+                                             torch.exp(scale * (self.mined - top)))
         mean = mean * torch.exp(scale * (top - self.s_n))
         return torch.where(nonempty, mean, torch.full_like(mean, empty))
 
     def neg_mean_diff(self, empty: float = 0.0) -> torch.Tensor:
         """``mean_{r in R-} (s_n - r)``; ``empty`` where ``R-`` is empty."""
-        values = self.scores.clone() if "sum" not in self.cache else None
-        mean, nonempty = self._negative_mean("sum", values, self.mined)
+        mean, nonempty = self._negative_mean("sum", lambda inside: inside.mul_(self.scores),
+                                             self.mined)
         mean = self.s_n - mean
         return torch.where(nonempty, mean, torch.full_like(mean, empty))
 
