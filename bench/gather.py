@@ -2,8 +2,10 @@
 against the previous one (all-reduce backward, a shape exchange per tensor).
 
     python bench/gather.py [--per-rank 64] [--regions 36] [--words 20] [--dim 1024] [--steps 20]
+    python bench/gather.py --backend nccl      # 2 GPUs, one per rank (bench/gpu_check.py)
 
-Two CPU processes (gloo, ``OMP_NUM_THREADS=1`` each) gather SCAN-sized features
+Two CPU processes (gloo, ``OMP_NUM_THREADS=1`` each; with ``--backend nccl``, one
+GPU each) gather SCAN-sized features
 of a training batch, as ``train.gather_features: true`` does: image features
 (pooled embedding, ``--regions`` region tokens) and text features (pooled
 embedding, word tokens and mask, rank 1's captions 3 words longer than rank 0's,
@@ -115,7 +117,11 @@ class CountingBytes:
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, rank=rank, world_size=WORLD)
     try:
         from mmgoal.distributed import gather_features
         from mmgoal.structures import ImageFeatures, TextFeatures
@@ -123,8 +129,10 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         gathers = {"previous": previous_gather_features, "mmgoal": gather_features}
         torch.manual_seed(rank)
         words = args.words + 3 * rank
-        regions = torch.randn(args.per_rank, args.regions, args.dim, requires_grad=True)
-        word_tokens = torch.randn(args.per_rank, words, args.dim, requires_grad=True)
+        regions = torch.randn(args.per_rank, args.regions, args.dim, device=device,
+                              requires_grad=True)
+        word_tokens = torch.randn(args.per_rank, words, args.dim, device=device,
+                                  requires_grad=True)
         times = {name: [] for name in IMPLEMENTATIONS}
         moved = {}
         for index in range(3 + args.steps):
@@ -135,11 +143,14 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                     images = gathers[name](ImageFeatures(regions.mean(1), tokens=regions))
                     texts = gathers[name](TextFeatures(
                         word_tokens.mean(1), tokens=word_tokens,
-                        mask=torch.ones(args.per_rank, words, dtype=torch.bool)))
+                        mask=torch.ones(args.per_rank, words, dtype=torch.bool,
+                                        device=device)))
                     # a token product of the global batch (SCAN's score is one of these)
                     scores = torch.einsum("ird,jwd->ij", images.tokens, texts.tokens)
                     (scores.sum() + (images.embedding @ texts.embedding.T).sum()).backward()
                 dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 if index >= 3:
                     times[name].append(time.perf_counter() - start)
                 moved[name] = counter.bytes
@@ -157,10 +168,13 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=20, help="words of rank 0's captions")
     parser.add_argument("--dim", type=int, default=1024, help="feature size (SCAN: 1024)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="nccl: one GPU per rank (needs 2)")
     args = parser.parse_args()
     times, moved = run_ranks(worker, args, WORLD)
     ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
-    print(f"torch {torch.__version__}, {WORLD} CPU ranks (gloo, 1 thread each), "
+    ranks = "GPU ranks (nccl)" if args.backend == "nccl" else "CPU ranks (gloo, 1 thread each)"
+    print(f"torch {torch.__version__}, {WORLD} {ranks}, "
           f"{args.per_rank} pairs per rank, {args.regions} regions, {args.words}/"
           f"{args.words + 3} words, dim {args.dim}, median of {args.steps} steps")
     for name in IMPLEMENTATIONS:

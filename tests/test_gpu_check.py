@@ -28,6 +28,12 @@ def test_the_dry_run_fills_every_row_of_the_report(tmp_path):
     assert len([r for r in rows if r.startswith("| GOAL ")]) == 15
     assert re.search(r"\| cpu \| highest \| 20 x 50 \| \d", text)
     assert re.search(r"\| cpu \| fp32 \| 64 \| \d+ \|", text)  # the whole trainer
+    # gallery encoding at 0 and 2 workers against the bare loop
+    assert len(re.findall(r"\| cpu \| [02] \| 64 \| [\d,]+ \| [\d,]+ \| \d", text)) == 2
+    # the gather on 2 gloo ranks: a reduce-scatter backward sends 2/3 of the previous bytes
+    gather = text.split("## The feature gather", 1)[1]
+    assert "2 gloo CPU ranks" in gather
+    assert re.search(r"gather mmgoal/previous, bytes sent ratio 0\.6", gather)
 
 
 def test_without_cuda_and_without_dry_run_it_says_what_to_do(capsys):

@@ -100,6 +100,42 @@ class SkipCounter:
         return f"{self.total} samples skipped" + (f": {kinds}" if kinds else "")
 
 
+def shuffle_within_passes(samples: Iterator[dict], size: int, rng: random.Random
+                          ) -> Iterator[dict]:
+    """A shuffle buffer of ``size`` samples that never mixes two passes (``exact_passes``).
+
+    As ``wds.shuffle``: half the buffer is read before the first sample comes out, then
+    a random one of the buffer leaves for each sample read (two are read while it is
+    not full). A sample of a new pass (its ``__pass__`` tag, :class:`UnreadablePassCheck`)
+    first empties the buffer of the last pass, in random order.
+    """
+    buffer: list[dict] = []
+    current = None
+    samples = iter(samples)
+    for sample in samples:
+        if sample["__pass__"] != current:
+            rng.shuffle(buffer)
+            yield from buffer
+            buffer.clear()
+            current = sample["__pass__"]
+        buffer.append(sample)
+        if len(buffer) < size:  # filling: a second sample of the same pass, if there is one
+            following = next(samples, None)
+            if following is not None and following["__pass__"] == current:
+                buffer.append(following)
+            elif following is not None:  # the pass ended: this one starts the next
+                rng.shuffle(buffer)
+                yield from buffer
+                buffer = [following]
+                current = following["__pass__"]
+        if len(buffer) >= size // 2:
+            k = rng.randrange(len(buffer))
+            buffer[k], buffer[-1] = buffer[-1], buffer[k]
+            yield buffer.pop()
+    rng.shuffle(buffer)
+    yield from buffer
+
+
 class UnreadablePassCheck:
     """Stops a training reader after a whole pass of its shards without a readable sample.
 
@@ -424,6 +460,13 @@ class ShardDataset(torch.utils.data.IterableDataset):
             at least ``MIN_RESAMPLED_PASS`` (16), and such a pass without a
             readable sample stops it, as a whole pass does without ``resampled``
             (were half the shards unreadable, one pass in 65,000 would be all bad).
+        exact_passes: shuffle each pass over the shards on its own, so that an epoch of
+            ``train.samples_per_epoch`` (one pass, by default) is the pass: every image
+            once, up to the last partial batch and uneven shares of the shards across
+            ranks and workers. By default the buffer shuffles the endless stream across
+            passes, so an epoch's last batches already hold samples of the next pass and
+            about a buffer's worth of this one is left for later (docs/data.md, "What an
+            epoch is"). Not with ``resampled``.
     """
 
     def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
@@ -431,11 +474,16 @@ class ShardDataset(torch.utils.data.IterableDataset):
                  shuffle_buffer: int = 2000, seed: int = 0,
                  text_augment: dict | None = None, resampled: bool = False,
                  caption_key: str | None = None, retries: int = RETRIES,
-                 timeout: float = TIMEOUT) -> None:
+                 timeout: float = TIMEOUT, exact_passes: bool = False) -> None:
         super().__init__()
         self.shards = shards
         if batch_size < 1:
             raise ValueError(f"data.train.batch_size must be at least 1, got {batch_size}")
+        if exact_passes and resampled:
+            raise ValueError("data.train.exact_passes shuffles each pass over the shards, and "
+                             "resampled draws shards with replacement, which has no passes: "
+                             "set one of them")
+        self.exact_passes = exact_passes
         self.urls = expand_shards(shards)
         self.retries, self.timeout = retries, timeout
         self.batch_size = batch_size
@@ -553,11 +601,12 @@ class ShardDataset(torch.utils.data.IterableDataset):
             stages: list = [lambda: self.shard_stream(check)]
             if not self.resampled:
                 stages += [wds.split_by_node, wds.split_by_worker]
-            stages += [tar_samples(handler, retries=self.retries, timeout=self.timeout),
-                       check.tag,
+            shuffle = (functools.partial(shuffle_within_passes, size=self.shuffle_buffer,
+                                         rng=self._rng(1)) if self.exact_passes else
                        wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
-                                   rng=self._rng(1)),
-                       check.settle]
+                                   rng=self._rng(1)))
+            stages += [tar_samples(handler, retries=self.retries, timeout=self.timeout),
+                       check.tag, shuffle, check.settle]
         else:
             stages = [wds.SimpleShardList(self.urls), wds.split_by_node, wds.split_by_worker,
                       tar_samples(handler, retries=self.retries, timeout=self.timeout)]

@@ -232,7 +232,8 @@ class Trainer:
         """The model, the objective, and the attention constraints (CCR/CCS) that add their
         losses to the objective's."""
         model = MODELS.build(self.config.model, tokenizer=self.tokenizer)
-        objective = OBJECTIVES.build(self.config.objective, tokenizer=self.tokenizer)
+        objective = OBJECTIVES.build(self.config.objective, tokenizer=self.tokenizer,
+                                     model=model)
         if not isinstance(objective, torch.nn.Module):
             raise TypeError(f"objective {self.config.objective['type']!r} must be a "
                             f"torch.nn.Module")

@@ -150,25 +150,29 @@ class InfoNCELoss(nn.Module):
     A model that learns its own temperature (a
     :class:`~mmgoal.contract.TemperatureModel`: CLIP's ``1 / exp(logit_scale)``)
     sets it: the scores are divided by ``model.temperature()``, which the gradient
-    trains, and this loss's own ``temperature`` is not used.
+    trains, and this loss's own ``temperature`` is not used. Built for such a model
+    (the trainer passes ``model``), the loss's temperature is then a buffer, not a
+    parameter: nothing the optimizer would hold without a gradient.
 
     Args:
         temperature: initial temperature (0.07 in CLIP and X-VLM).
         learnable: optimise the temperature with the model.
         min_temperature, max_temperature: clamp range (X-VLM: 0.001, 0.5).
+        model: the model it trains (set by the trainer, not the config).
 
     Returns (from ``forward``): ``infonce_loss`` (mean of both directions) and
     the logged ``temperature``.
     """
 
     def __init__(self, temperature: float = 0.07, learnable: bool = True,
-                 min_temperature: float = 0.001, max_temperature: float = 0.5) -> None:
+                 min_temperature: float = 0.001, max_temperature: float = 0.5,
+                 model: nn.Module | None = None) -> None:
         super().__init__()
         if not min_temperature <= temperature <= max_temperature:
             raise ValueError(f"temperature {temperature} lies outside "
                              f"[{min_temperature}, {max_temperature}]")
         value = torch.tensor(float(temperature))
-        if learnable:
+        if learnable and not isinstance(model, TemperatureModel):
             self.temperature = nn.Parameter(value)
         else:
             self.register_buffer("temperature", value)

@@ -139,13 +139,16 @@ class ObjectiveSum(nn.Module):
             override, e.g. ``objective.terms.0={type: GoalObjective, ...}`` puts
             a GOAL objective in place of the ITC term while ITM stays.
         tokenizer: handed to the terms that take one (MLM, box grounding; set by the trainer).
+        model: the model trained, handed to the terms that take it (set by the trainer).
     """
 
-    def __init__(self, terms: list[dict], tokenizer=None) -> None:
+    def __init__(self, terms: list[dict], tokenizer=None, model: nn.Module | None = None
+                 ) -> None:
         super().__init__()
         if not terms:
             raise ValueError("ObjectiveSum needs at least one term")
-        self.terms = nn.ModuleList(OBJECTIVES.build(term, tokenizer=tokenizer) for term in terms)
+        self.terms = nn.ModuleList(OBJECTIVES.build(term, tokenizer=tokenizer, model=model)
+                                   for term in terms)
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         outputs: dict[str, torch.Tensor] = {}

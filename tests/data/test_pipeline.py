@@ -119,6 +119,29 @@ def test_training_order_is_seeded_by_epoch(tmp_path, tokenizer):
     assert sum(i in ids[:40] for i in range(40)) >= 30
 
 
+def test_exact_passes_keep_each_pass_whole(tmp_path, tokenizer):
+    with ShardWriter(tmp_path, "t", max_count=8) as writer:
+        for key in range(40):
+            writer.write(sample(key, key, ["a red square"]))
+    urls = str(tmp_path / "t-{000000..000004}.tar")
+
+    def passes(**kwargs):
+        ds = dataset(urls, tokenizer, training=True, batch_size=8, shuffle_buffer=32, **kwargs)
+        ids = [i for b in itertools.islice(ds, 15) for i in b["image_ids"]]
+        return [ids[:40], ids[40:80], ids[80:]]
+
+    # exact passes: every 40 samples are the 40 images, each once, in a shuffled order
+    exact = passes(exact_passes=True)
+    assert all(sorted(one) == list(range(40)) for one in exact)
+    assert exact[0] != exact[1] and exact[0] != list(range(40))
+    # the default buffer of 32 runs across passes: the first 40 miss images and repeat others
+    mixed = passes()
+    assert sorted(mixed[0]) != list(range(40))
+    assert len(set(mixed[0])) < 40
+    with pytest.raises(ValueError, match="exact_passes shuffles each pass .* resampled"):
+        dataset(urls, tokenizer, training=True, exact_passes=True, resampled=True)
+
+
 def test_training_stream_needs_a_shard_per_reader_and_a_readable_sample(tmp_path, tokenizer):
     with ShardWriter(tmp_path, "t", max_count=4) as writer:
         for key in range(8):

@@ -15,7 +15,7 @@ import mmgoal
 from mmgoal.api import Index
 from mmgoal.data.transforms import build_transforms
 from mmgoal.objectives.classic import InfoNCELoss
-from mmgoal.registry import MODELS
+from mmgoal.registry import MODELS, OBJECTIVES
 from mmgoal.runs.preprocessing import resolve_preprocessing
 from mmgoal.runs.schema import load_model_config
 from mmgoal.structures import ObjectiveInputs
@@ -167,6 +167,17 @@ def test_infonce_takes_the_model_logit_scale_as_its_temperature():
     out["infonce_loss"].backward()
     assert model.model.logit_scale.grad.abs().sum() > 0
     assert objective.temperature.grad is None  # its own temperature is not used
+    # built for the model, as the trainer builds it: the unused temperature is a buffer,
+    # not a parameter the optimizer would hold (and the loss is the same)
+    bound = OBJECTIVES.build({"type": "InfoNCELoss"}, model=model)
+    assert list(bound.parameters()) == [] and "temperature" in bound.state_dict()
+    torch.testing.assert_close(bound(ObjectiveInputs(sims.detach(), model=model))["infonce_loss"],
+                               expected.detach())
+    # a model without a temperature of its own trains the loss's
+    assert [name for name, _ in OBJECTIVES.build({"type": "InfoNCELoss"}, model=torch.nn.Linear(
+        2, 2)).named_parameters()] == ["temperature"]
+    assert dict(OBJECTIVES.build({"type": "ObjectiveSum", "terms": [{"type": "InfoNCELoss"}]},
+                                 model=model).named_parameters()) == {}
 
 
 @pytest.mark.parametrize("model_type", ["clip", "siglip"])
