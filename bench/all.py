@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# data pipeline, trainer, distributed ITM, the feature gather, evaluation encoding, objectives,
-# SCAN scoring
-SCRIPTS = ("data", "trainer", "itm", "gather", "eval", "objectives", "scan_eval")
+# data pipeline, trainer, the race against open_clip's trainer, distributed ITM, the feature
+# gather, evaluation encoding, evaluation on 2 ranks, objectives, SCAN scoring
+SCRIPTS = ("data", "trainer", "clip_train", "itm", "gather", "eval", "eval_ranks",
+           "objectives", "scan_eval")
 RATIO = re.compile(r"(ratio|overhead).*\d", re.IGNORECASE)  # not a table's header
 
 

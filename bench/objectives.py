@@ -1,6 +1,6 @@
 """Forward+backward time and peak memory of every GOAL combination vs the autograd TripletLoss.
 
-    python bench/objectives.py [--batches 128 1024 4096] [--threads 1 2] [--repeats 20]
+    python bench/objectives.py [--batches 128 1024 4096] [--threads 1 2] [--repeats 10]
 
 Baseline: ``TripletLoss(max_violation=True)`` (plain autograd) on the same
 (n, n) float32 scores. Each measurement runs in a fresh process so that its
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                         help="torch threads of each measurement (default 1 and 2)")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

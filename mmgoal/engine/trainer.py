@@ -561,7 +561,7 @@ class Trainer:
         """
         if current and self.strategy.plain_module:
             return self.model
-        weights = self.strategy.broadcast(weights)  # once: rank 0's on every rank
+        weights = self.strategy.broadcast_weights(weights)  # once: rank 0's on every rank
         copy_weights = self.strategy.evaluation_weights(weights)
         if copy_weights is None:
             return self.model

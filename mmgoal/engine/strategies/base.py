@@ -175,6 +175,32 @@ class Strategy:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def broadcast_weights(self, weights: dict[str, Any] | None) -> dict[str, Any]:
+        """Rank 0's state dict on every rank (``None`` elsewhere), tensor by tensor.
+
+        Only the names, shapes and dtypes travel as a pickle; each tensor is one
+        ``broadcast`` on the strategy's device (where NCCL needs it), so a large model is
+        not pickled whole. Values that are not tensors travel in the pickle.
+        """
+        if self.world_size == 1:
+            return weights
+        spec = [None]
+        if self.rank == 0:
+            spec = [{name: (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor)
+                     else ("object", value) for name, value in weights.items()}]
+        dist.broadcast_object_list(spec, src=0)
+        received = {}
+        for name, (shape, dtype) in spec[0].items():
+            if shape == "object":
+                received[name] = dtype
+                continue
+            wire = torch.uint8 if dtype == torch.bool else dtype  # gloo cannot send bool
+            tensor = (weights[name].to(self.device, wire) if self.rank == 0 else
+                      torch.empty(shape, dtype=wire, device=self.device))
+            dist.broadcast(tensor, src=0)
+            received[name] = tensor.to(dtype)
+        return received
+
     def gather_objects(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order, on every rank."""
         if self.world_size == 1:
