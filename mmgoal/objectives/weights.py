@@ -51,6 +51,9 @@ def triplet_weight_cir(s_p: torch.Tensor, s_n: torch.Tensor, tau: float = 10.0,
     return torch.sigmoid(-tau * (s_p * (2 - s_p) - s_n ** 2 - cir_offset))
 
 
+EXP_BLOCK = 1 << 16  # scores per block of the multi-similarity exp (256 KiB of float32)
+
+
 class RelativeScores:
     """The multi-similarity comparison sets of one direction's triplets (docs/reference/goal.md).
 
@@ -152,8 +155,14 @@ class RelativeScores:
         top = self.cache["top"]
 
         def fill(inside: torch.Tensor) -> torch.Tensor:
-            # not exp(log(mask) + ...): exp and log of infinities are ten times slower on CPU
-            return inside.mul_((self.scores - top).mul_(scale).exp_())
+            # In blocks of rows: the exp of one block at a time, small enough to stay in
+            # cache and to reuse one buffer, rather than a second (n_img, n_txt) tensor.
+            # Not exp(log(mask) + ...): exp and log of infinities are ten times slower.
+            rows = max(EXP_BLOCK // max(inside.shape[1], 1), 1)
+            for start in range(0, len(inside), rows):
+                block = self.scores[start:start + rows]
+                inside[start:start + rows].mul_((block - top).mul_(scale).exp_())
+            return inside
 
         mean, nonempty = self._negative_mean(f"exp:{scale}", fill,
                                              torch.exp(scale * (self.mined - top)))
