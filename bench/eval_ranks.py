@@ -14,7 +14,6 @@ whether the metrics are equal.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ranks import run_ranks  # bench/ranks.py
+from ranks import joined, run_ranks  # bench/ranks.py
 
 sys.path.insert(0, str(Path(__file__).parent))
 from eval import build  # noqa: E402  bench/eval.py: a config's model, vocabulary fitted
@@ -47,16 +46,11 @@ def timed_evaluation(name: str, shards: str, repeats: int, across_ranks: bool
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with joined(rank, port, WORLD):
         results = {name: timed_evaluation(name, args.shards, args.repeats, True)
                    for name in args.models}
         if rank == 0:
             queue.put(results)
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from ranks import run_ranks  # bench/ranks.py
+from ranks import joined, run_ranks  # bench/ranks.py
 
 WORLD = 2
 IMPLEMENTATIONS = ("previous", "mmgoal")
@@ -115,14 +114,11 @@ class CountingBytes:
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     device = torch.device("cpu")
     if args.backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(args.backend, rank=rank, world_size=WORLD)
-    try:
+    with joined(rank, port, WORLD, args.backend):
         from mmgoal.distributed import gather_features
         from mmgoal.structures import ImageFeatures, TextFeatures
 
@@ -157,8 +153,6 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                 regions.grad = word_tokens.grad = None
         if rank == 0:
             queue.put((times, moved))
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ ratio local / global.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ranks import run_ranks  # bench/ranks.py
+from ranks import joined, run_ranks  # bench/ranks.py
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "xvlm" / "xvlm_tiny_synthetic.yaml"
@@ -47,10 +46,7 @@ def captions(count: int, rng: random.Random) -> list[str]:
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with joined(rank, port, WORLD):
         from mmgoal.config import load_config
         from mmgoal.data.pipeline import image_id_groups
         from mmgoal.data.tokenizers import WordTokenizer
@@ -89,8 +85,6 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                 step.zero_grad(set_to_none=True)
         if rank == 0:
             queue.put(times)
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:

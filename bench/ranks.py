@@ -1,13 +1,17 @@
-"""What the 2-rank benchmarks (bench/itm.py, bench/gather.py) share: a free port, and the
-rank processes started with one thread each and rank 0's result handed back."""
+"""What the 2-rank benchmarks (bench/itm.py, bench/gather.py, bench/eval_ranks.py) share: a
+free port, the rank processes started with one thread each and rank 0's result handed back,
+and a rank's process group."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -25,3 +29,15 @@ def run_ranks(worker: Callable, args: Any, world: int) -> Any:
     mp.start_processes(worker, args=(free_port(), args, queue), nprocs=world, join=True,
                        start_method="spawn")
     return queue.get()
+
+
+@contextlib.contextmanager
+def joined(rank: int, port: int, world: int, backend: str = "gloo") -> Iterator[None]:
+    """A worker's process group on 127.0.0.1 (one torch thread), destroyed on the way out."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
