@@ -221,15 +221,19 @@ def rank_share(count: int, rank: int, world: int, unit: int = 1) -> tuple[int, i
             min((rank + 1) * units // world * unit, count))
 
 
-@torch.no_grad()
 def _field_specs(local: Any) -> tuple[list, dict[str, torch.Tensor | None]]:
     """Every rank's ``(type, {field: (shape, dtype name) or None})`` (``None`` for a rank
-    without ``local``), exchanged in one collective, and this rank's tensor fields."""
+    without ``local``), exchanged in one collective (none in one process), and this rank's
+    tensor fields."""
     fields = _tensor_fields(local)
-    specs: list = [None] * world_info()[1]
-    dist.all_gather_object(specs, None if local is None else (type(local), {
+    spec = None if local is None else (type(local), {
         name: None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        for name, t in fields.items()}))
+        for name, t in fields.items()})
+    world = world_info()[1]
+    if world == 1:
+        return [spec], fields
+    specs: list = [None] * world
+    dist.all_gather_object(specs, spec)
     return specs, fields
 
 
@@ -239,10 +243,13 @@ def _assemble(kind: type, fields: dict[str, torch.Tensor | None]) -> Any:
         else kind(**fields)
 
 
-def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.uint8 if dtype == torch.bool else dtype  # gloo cannot send bool
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels as in a collective: bool as uint8 (gloo
+    cannot send bool)."""
+    return torch.uint8 if dtype == torch.bool else dtype
 
 
+@torch.no_grad()
 def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[Any]:
     """Every rank's ``local`` on every rank, in rank order: a tensor or a feature dataclass
     (``ImageFeatures``) whose tensors may differ across ranks in every dimension (rows of
@@ -272,7 +279,7 @@ def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[
         mine = fields.get(name)
         if mine is None:
             mine = torch.zeros((0, *widest[1:]), dtype=dtype, device=device)
-        wire = torch.zeros(widest, dtype=_wire_dtype(dtype), device=device)
+        wire = torch.zeros(widest, dtype=wire_dtype(dtype), device=device)
         wire[tuple(slice(0, size) for size in mine.shape)] = mine
         parts = [torch.empty_like(wire) for _ in range(world)]
         dist.all_gather(parts, wire)
@@ -283,6 +290,7 @@ def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[
             for spec, part in zip(specs, gathered)]
 
 
+@torch.no_grad()
 def gather_rows(local: Any, wanted: Sequence[tuple[int, int]],
                 device: torch.device | str | None = None) -> Any:
     """The rows ``wanted`` (``(rank, row)`` pairs, in the order wanted) of the ranks'
@@ -297,12 +305,7 @@ def gather_rows(local: Any, wanted: Sequence[tuple[int, int]],
     pads them). Without a process group, the rows of ``local`` (``rank`` 0). No gradient.
     """
     rank, world = world_info()
-    if world == 1:
-        specs, fields = [(type(local), {name: None if t is None else (tuple(t.shape), None)
-                                        for name, t in _tensor_fields(local).items()})], \
-            _tensor_fields(local)
-    else:
-        specs, fields = _field_specs(local)
+    specs, fields = _field_specs(local)
     kind, known = next(spec for spec in specs if spec is not None)
     present = [t for t in fields.values() if t is not None]
     device = present[0].device if present else torch.device(device or "cpu")
@@ -316,19 +319,17 @@ def gather_rows(local: Any, wanted: Sequence[tuple[int, int]],
         if first is None:  # the same on every rank: the model has no such field
             out[name] = None
             continue
-        dtype = fields[name].dtype if world == 1 else getattr(torch, first[1])
+        dtype = getattr(torch, first[1])
         shapes = [None if spec is None else spec[1][name][0] for spec in specs]
         used = [shapes[source] for source in sources] or [s for s in shapes if s is not None]
         widest = [max(s[d] for s in used) for d in range(1, len(first[0]))]
         result = torch.zeros((len(wanted), *widest), dtype=dtype, device=device)
         for source, shape in enumerate(shapes):
-            if shape is None or (world > 1 and shape[0] == 0):
+            if shape is None or shape[0] == 0:  # every rank knows: no broadcast from it
                 continue
-            if world == 1:
-                part = fields[name]
-            else:
-                part = (fields[name].to(_wire_dtype(dtype)) if source == rank else
-                        torch.empty(shape, dtype=_wire_dtype(dtype), device=device))
+            part = (fields[name].to(wire_dtype(dtype)) if source == rank else
+                    torch.empty(shape, dtype=wire_dtype(dtype), device=device))
+            if world > 1:
                 dist.broadcast(part, source)
             if source in rows:
                 place = torch.tensor(positions[source], dtype=torch.long, device=device)

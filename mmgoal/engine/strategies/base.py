@@ -28,7 +28,7 @@ from torch import nn
 
 from mmgoal.contract import StepAwareObjective
 from mmgoal.devices import check_precision, move_to_device, resolve_device
-from mmgoal.distributed import world_info
+from mmgoal.distributed import wire_dtype, world_info
 from mmgoal.runs.checkpoint import NonFiniteStateError, nonfinite_tensors
 from mmgoal.runs.run_dir import has_checkpoint
 
@@ -194,7 +194,7 @@ class Strategy:
             if shape == "object":
                 received[name] = dtype
                 continue
-            wire = torch.uint8 if dtype == torch.bool else dtype  # gloo cannot send bool
+            wire = wire_dtype(dtype)
             tensor = (weights[name].to(self.device, wire) if self.rank == 0 else
                       torch.empty(shape, dtype=wire, device=self.device))
             dist.broadcast(tensor, src=0)
