@@ -122,7 +122,7 @@ def run_open_clip(data: dict, work: Path, seed: int, args) -> dict:
                                              name, args)}
 
 
-def common_options(data: dict, args) -> list[str]:
+def common_options(data: dict) -> list[str]:
     """The settings both of mmgoal's commands take: the model and the data it reads."""
     return ["model.pretrained=" + data["init"], f"data.test.shards={data['test']}",
             "data.val=null", "data.num_workers=1"]
@@ -131,7 +131,7 @@ def common_options(data: dict, args) -> list[str]:
 def run_mmgoal(data: dict, work: Path, seed: int, args) -> dict:
     run = work / f"mmgoal-{seed}"
     steps = args.steps
-    options = [*common_options(data, args), f"data.train.shards={data['train']}",
+    options = [*common_options(data), f"data.train.shards={data['train']}",
                "data.train.caption_key=txt", f"data.train.batch_size={args.batch_size}",
                f"train.samples_per_epoch={steps * args.batch_size}", "train.epochs=1",
                f"train.seed={seed}", "train.log_every=1", "train.precision=fp32",
@@ -153,7 +153,7 @@ def evaluate(work: Path, data: dict, options: dict, name: str, args, run: Path |
     ``options`` (open_clip's checkpoint as ``model.pretrained``)."""
     out = work / f"{name}-test.json"
     target = [str(run)] if run is not None else [CONFIG, "--cfg-options",
-                                                 *common_options(data, args),
+                                                 *common_options(data),
                                                  *(f"{k}={v}" for k, v in options.items())]
     subprocess.run([sys.executable, "-m", "mmgoal", "eval", *target, "--split", "test",
                     "--out", str(out)], check=True, cwd=work,
