@@ -268,7 +268,8 @@ def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
     ``regions`` ((R, D) float tensor) from ``regions.npy``; ``boxes`` ((R, 4)
     xyxy as fractions of the image size) from ``boxes.npy`` or, failing that,
     from the boxes of the JSON's entities; ``entities``: the JSON's entities with
-    their boxes as fractions too. A sample needs an image or regions.
+    their boxes as fractions too; ``caption_ids``: the JSON's COCO caption ids, one per
+    caption. A sample needs an image or regions.
     """
     key = sample.get("__key__", "?")
     where = f"sample {key!r} of {sample.get('__url__', '?')}"
@@ -290,6 +291,8 @@ def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
         raise CorruptSampleError(f"{where}: captions must be a non-empty list of non-empty "
                                  f"strings")
     out = {"key": key, "image_id": meta.get("image_id", key), "captions": captions}
+    if meta.get("caption_ids") is not None and caption_key is None:
+        out["caption_ids"] = _caption_ids(meta["caption_ids"], len(captions), where)
     if "regions.npy" in sample:
         regions = _load_npy(sample["regions.npy"], where, "regions.npy")
         if regions.ndim != 2:
@@ -315,6 +318,16 @@ def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
         out["boxes"] = torch.from_numpy(boxes / scale)
         out["entities"] = scale_entity_boxes(meta.get("entities") or [], scale, where)
     return out
+
+
+def _caption_ids(ids, captions: int, where: str) -> list[int | None]:
+    """A JSON's ``caption_ids`` (COCO caption ids, :mod:`mmgoal.data.coco`), checked."""
+    if (not isinstance(ids, list) or len(ids) != captions
+            or not all(i is None or (isinstance(i, int) and not isinstance(i, bool))
+                       for i in ids)):
+        raise CorruptSampleError(f"{where}: caption_ids must be a list of {captions} integers "
+                                 f"or nulls, one per caption, got {ids!r}")
+    return ids
 
 
 def _xyxy(boxes: list | np.ndarray, where: str, what: str) -> np.ndarray:
@@ -679,6 +692,7 @@ def eval_collate(samples: list[dict]) -> dict:
     return {**(collate_visual(samples) if samples else {}),
             "image_ids": [s["image_id"] for s in samples],
             "captions": [s["captions"] for s in samples],
+            "caption_ids": [s.get("caption_ids") for s in samples],
             "entities": [s.get("entities") or [] for s in samples]}
 
 
@@ -698,7 +712,8 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
 
     Yields:
         ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...],
-        "entities": [[...], ...]}`` (each JSON's entity annotations), with
+        "caption_ids": [...], "entities": [[...], ...]}`` (each JSON's COCO caption ids,
+        None where it has none, and entity annotations), with
         ``regions``/``boxes`` and their lengths where the shards have them.
     """
     counter = counter if counter is not None else SkipCounter()

@@ -1,7 +1,8 @@
 """Shard sources for the data sets the papers use (``mmgoal make-shards SOURCE``).
 
 - ``karpathy``: a Karpathy split JSON (``dataset_coco.json``, ``dataset_flickr30k.json``)
-  plus the image folder -> image shards per split with five captions each;
+  plus the image folder -> image shards per split with five captions each (and, given
+  COCO's caption annotations, each caption's COCO id);
 - ``precomputed``: SCAN / VSE-infinity region features (``{split}_ims.npy``,
   ``{split}_caps.txt``, optional boxes and image sizes) -> ``regions.npy`` shards,
   read through memory maps so a 30 GB feature file is never loaded whole;
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from mmgoal.data.coco import CaptionIds, report_unmatched
 from mmgoal.data.conversion import MAX_EXAMPLES, ShardSource, SkippedItem, image_member
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
 from mmgoal.data.pipeline import expand_shards
@@ -53,10 +55,15 @@ class KarpathySource(ShardSource):
         image_root: folder the ``filepath/filename`` paths are relative to.
         max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
         jpeg_quality: re-encode every image as JPEG at this quality.
+        coco_captions: COCO's caption annotations (``captions_val2014.json``; several
+            files with commas between them): each sample's JSON then holds
+            ``caption_ids``, the COCO caption id of each caption (null where none of its
+            image's annotations has its text), which the ECCV Caption, CxC and PM-COCO
+            protocols need (:mod:`mmgoal.data.coco`).
     """
 
     def __init__(self, json: str, image_root: str, max_size: int | None = None,
-                 jpeg_quality: int | None = None) -> None:
+                 jpeg_quality: int | None = None, coco_captions: str | None = None) -> None:
         path = Path(json)
         if not path.is_file():
             raise FileNotFoundError(f"Karpathy split file {path} does not exist")
@@ -83,6 +90,20 @@ class KarpathySource(ShardSource):
             logger.warning("%s lists %d images more than once, e.g. %s; each is converted "
                            "once, from its first entry", path, len(repeated),
                            ", ".join(repeated[:MAX_EXAMPLES]))
+        if coco_captions:
+            self._match_caption_ids(CaptionIds(coco_captions), path)
+
+    def _match_caption_ids(self, annotations: CaptionIds, path: Path) -> None:
+        """Give every entry ``caption_ids``, its sentences' COCO caption ids."""
+        unmatched, sentences = [], 0
+        for split in self.splits():
+            for image in self.by_split[split]:
+                raw = [s["raw"] for s in image.get("sentences", [])]
+                image["caption_ids"] = annotations.match(karpathy_image_id(image), raw)
+                sentences += len(raw)
+                unmatched += [f"{karpathy_image_id(image)}: {text!r}"
+                              for text, found in zip(raw, image["caption_ids"]) if found is None]
+        report_unmatched(str(path), sentences, unmatched)
 
     def splits(self) -> list[str]:
         return [s for s in KARPATHY_SPLITS if s in self.by_split] + sorted(
@@ -102,6 +123,8 @@ class KarpathySource(ShardSource):
                 "split": split, "width": width, "height": height}
         if "imgid" in item:
             meta["imgid"] = item["imgid"]
+        if "caption_ids" in item:
+            meta["caption_ids"] = item["caption_ids"]
         return {"__key__": str(image_id), extension: data, "json": json.dumps(meta).encode()}
 
 
@@ -136,10 +159,13 @@ class PrecomputedSource(ShardSource):
         captions_per_image: 5 for COCO and Flickr30K.
         names: shard names of input splits, ``"dev=val,testall=test"`` (SCAN's
             ``dev`` is mmgoal's ``val``; COCO's ``testall`` is the 5K test set).
+        coco_captions: COCO's caption annotations, as for ``karpathy``: with COCO
+            image ids in ``{split}_ids.txt``, each caption gets its COCO caption id.
     """
 
     def __init__(self, data_dir: str, splits: str | list[str] | None = None,
-                 captions_per_image: int = 5, names: str | dict = "dev=val") -> None:
+                 captions_per_image: int = 5, names: str | dict = "dev=val",
+                 coco_captions: str | None = None) -> None:
         self.data_dir = Path(data_dir)
         if not self.data_dir.is_dir():
             raise FileNotFoundError(f"feature folder {self.data_dir} does not exist")
@@ -159,6 +185,27 @@ class PrecomputedSource(ShardSource):
         if len(self.inputs) < len(wanted):
             raise ValueError(f"names {names!r} give two splits the same shard name")
         self._arrays: dict[str, Any] = {}
+        self.caption_ids: dict[str, list] = {}
+        if coco_captions:
+            self._match_caption_ids(CaptionIds(coco_captions))
+
+    def _match_caption_ids(self, annotations: CaptionIds) -> None:
+        """Every split's caption ids, by image (its ``{split}_ids.txt`` must name COCO ids)."""
+        for split in self.wanted:
+            ids = self._ids(split)
+            if not ids:
+                raise FileNotFoundError(f"--coco-captions needs the COCO image id of every "
+                                        f"image: {self.data_dir / split}_ids.txt is missing")
+            captions = self._captions(split)
+            per_image = [captions[i * self.per_image:(i + 1) * self.per_image]
+                         for i in range(len(ids))]
+            self.caption_ids[split] = [annotations.match(image_id, texts)
+                                       for image_id, texts in zip(ids, per_image)]
+            unmatched = [f"{image_id}: {text!r}" for image_id, texts, found in
+                         zip(ids, per_image, self.caption_ids[split])
+                         for text, one in zip(texts, found) if one is None]
+            report_unmatched(str(self.data_dir / f"{split}_caps.txt"),
+                             sum(map(len, per_image)), unmatched)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_arrays": {}}  # memory maps are reopened in each worker
@@ -205,6 +252,8 @@ class PrecomputedSource(ShardSource):
         ids = self._ids(split)
         image_id = ids[index] if ids else f"{split}-{index}"
         meta: dict[str, Any] = {"image_id": image_id, "captions": mine, "split": name}
+        if split in self.caption_ids:
+            meta["caption_ids"] = self.caption_ids[split][index]
         sample = {"__key__": f"{name}-{index:07d}", "regions.npy": _npy(features[row])}
         boxes = self._array(f"{split}_boxes.npy")
         boxes = boxes if boxes is not None else self._array(f"{split}_ims_bbx.npy")

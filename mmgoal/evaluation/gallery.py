@@ -59,6 +59,8 @@ class Gallery:
         duplicates: samples whose image id an earlier sample had (each image is
             evaluated once; see :func:`encode_gallery`).
         captions: every caption; image_ids: every image id, each once.
+        caption_ids: every caption's COCO caption id (``None`` where its shard has none:
+            :mod:`mmgoal.data.coco`).
         entities: per image, the entity annotations of its JSON (``with_annotations``).
         region_boxes: per image, its regions' boxes as xyxy fractions
             (``with_annotations`` and an image encoder with ``region_boxes``).
@@ -74,6 +76,7 @@ class Gallery:
     duplicates: int = 0
     captions: list[str] = field(default_factory=list)
     image_ids: list = field(default_factory=list)
+    caption_ids: list = field(default_factory=list)
     entities: list[list[dict]] = field(default_factory=list)
     region_boxes: list[torch.Tensor] = field(default_factory=list)
     image_rows: tuple[int, int] | None = None
@@ -136,8 +139,8 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
         encoded.append(_keep_tokens(model, model.encode_image(on_device), keep))
         boxes = [] if boxes_of is None else [b.float() for b in boxes_of(batch)]  # of the CPU batch
         mine.append({"number": number, "image_ids": batch["image_ids"],
-                     "captions": batch["captions"], "entities": batch["entities"],
-                     "boxes": boxes})
+                     "captions": batch["captions"], "caption_ids": batch["caption_ids"],
+                     "entities": batch["entities"], "boxes": boxes})
     images = cat_features(encoded) if encoded else None
     encoded.clear()  # the batches' copies: the concatenation holds them now
     if world > 1:  # every rank's batches, in the order of the one-process stream; the
@@ -218,12 +221,17 @@ def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list
     adds only the captions its image lacks, and counts in ``gallery.duplicates``.
     """
     rows = []
-    for row, (image_id, captions, entities) in enumerate(
-            zip(batch["image_ids"], batch["captions"], batch["entities"])):
+    for row, (image_id, captions, caption_ids, entities) in enumerate(
+            zip(batch["image_ids"], batch["captions"], batch["caption_ids"], batch["entities"])):
+        ids = caption_ids or [None] * len(captions)
         if image_id in known:
             gallery.duplicates += 1
             image, own = known[image_id]
-            new = [c for c in dict.fromkeys(captions) if c not in own]
+            first: dict = {}  # each text once, with its first caption id
+            for caption, caption_id in zip(captions, ids):
+                first.setdefault(caption, caption_id)
+            new = [c for c in first if c not in own]
+            ids = [first[c] for c in new]
             own.update(new)
         else:
             rows.append(row)
@@ -232,6 +240,7 @@ def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list
             gallery.image_ids.append(image_id)
             gallery.entities.append(entities)
         gallery.captions += new
+        gallery.caption_ids += ids
         text_to_image += [image] * len(new)
     return rows
 

@@ -1,0 +1,94 @@
+"""COCO caption annotation ids for the sentences of other files (docs/data.md, "COCO ids").
+
+The Karpathy split file names every COCO image by its ``cocoid`` but its sentences by
+ids of its own; the extended COCO protocols (ECCV Caption, CxC, PM-COCO:
+docs/reference/retrieval.md) key captions by COCO's caption annotation ids, which only
+COCO's ``captions_{train,val}2014.json`` hold. :class:`CaptionIds` reads those files and
+finds each sentence's annotation among its image's: by its text with case and spacing
+ignored, else with punctuation ignored too. An image with the same sentence twice (COCO
+has such) gets its two annotations, in their order in the file, one per sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def caption_text_keys(text: str) -> tuple[str, str]:
+    """The two keys a sentence is matched by: casefolded with spaces collapsed, and that
+    with only letters and digits kept."""
+    spaced = " ".join(text.casefold().split())
+    return spaced, re.sub(r"[\W_]+", "", spaced)
+
+
+class CaptionIds:
+    """The caption annotations of COCO files, by image id, to match sentences to.
+
+    Args:
+        paths: ``captions_train2014.json``, ``captions_val2014.json``... (a list, or
+            one string with commas between the files).
+
+    Raises:
+        FileNotFoundError: a file does not exist.
+        ValueError: a file is not COCO caption annotations.
+    """
+
+    def __init__(self, paths: str | Sequence[str]) -> None:
+        files = [p for p in paths.split(",") if p] if isinstance(paths, str) else list(paths)
+        if not files:
+            raise ValueError("no COCO caption annotation file given (--coco-captions "
+                             "captions_val2014.json)")
+        self.by_image: dict[int, list[tuple[int, str]]] = {}
+        for name in files:
+            path = Path(name)
+            if not path.is_file():
+                raise FileNotFoundError(f"COCO caption annotations {path} do not exist; they "
+                                        f"are annotations/captions_val2014.json (and _train2014) "
+                                        f"of COCO's 2014 annotations")
+            try:
+                annotations = json.loads(path.read_text())["annotations"]
+                for annotation in annotations:
+                    self.by_image.setdefault(int(annotation["image_id"]), []).append(
+                        (int(annotation["id"]), str(annotation["caption"])))
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path} is not COCO caption annotations (an 'annotations' "
+                                 f"list of image_id, id, caption): {error!r}") from error
+
+    def match(self, image_id, sentences: Iterable[str]) -> list[int | None]:
+        """The annotation id of each of an image's sentences, ``None`` where no annotation
+        of the image has its text (or every one that has was taken by an earlier sentence)."""
+        try:
+            annotations = self.by_image.get(int(image_id), [])
+        except (TypeError, ValueError):  # not a COCO image id (a Flickr file name)
+            annotations = []
+        keys = [caption_text_keys(text) for _, text in annotations]
+        taken: set[int] = set()
+        ids: list[int | None] = []
+        for sentence in sentences:
+            wanted = caption_text_keys(sentence)
+            found = None
+            for level in (0, 1):
+                found = next((i for i, key in enumerate(keys)
+                              if i not in taken and key[level] == wanted[level]), None)
+                if found is not None:
+                    break
+            if found is not None:
+                taken.add(found)
+            ids.append(None if found is None else annotations[found][0])
+        return ids
+
+
+def report_unmatched(where: str, sentences: int, unmatched: list[str]) -> None:
+    """Log how many sentences found no caption annotation, with a few examples."""
+    if unmatched:
+        logger.warning("%s: %d of %d sentences match no COCO caption annotation of their "
+                       "image (their caption id is null), e.g. %s", where, len(unmatched),
+                       sentences, "; ".join(unmatched[:5]))
+    else:
+        logger.info("%s: every one of %d sentences has its COCO caption id", where, sentences)

@@ -1,0 +1,359 @@
+"""COCO 5K test as the field reports it beside Recall@K (docs/reference/retrieval.md, "COCO
+protocols"): ``evaluation.protocols``.
+
+- ``coco``: COCO's own labels, 5 captions an image: R@1/5/10, median and mean rank, rsum
+  (:func:`mmgoal.evaluation.retrieval.retrieval_metrics`, 1K with ``folds: 5``); always
+  computed.
+- ``eccv``: ECCV Caption (Chun et al., ECCV 2022), machine- and human-verified positives
+  for 1,332 query captions and 1,261 query images: mAP@R, R-Precision and R@1.
+- ``cxc``: Crisscrossed Captions (Parekh et al., EACL 2021): R@1/5/10 with CxC's positives.
+- ``pm``: PM-COCO's plausible matches (Chun et al., CVPR 2021): PMRP, the R-Precision over
+  them, from ``pm_image_to_caption.json`` / ``pm_caption_to_image.json``, which the user
+  downloads (``evaluation.pm_dir``).
+
+The positives of ``eccv`` and ``cxc`` and the test ids are those the ``eccv_caption``
+package ships (``pip install 'mmgoal[coco]'``; imported, its data read, only when a protocol
+asks); they are keyed by COCO image ids and COCO caption annotation ids, so the gallery
+needs both (the shards of ``mmgoal make-shards karpathy --coco-captions``). The metrics are
+computed here from mmgoal's score matrix, for each query only its top ``k`` items (``k``: its
+most positives, at least 10), a block of queries at a time; they equal the package's on the
+same rankings (tests/evaluation/test_protocols.py calls it). Ties count against the query,
+as in :func:`~mmgoal.evaluation.retrieval.retrieval_metrics`: a positive scoring exactly as a
+negative is ranked below it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmgoal.extras import require_extra
+
+logger = logging.getLogger(__name__)
+
+PROTOCOLS = ("coco", "eccv", "cxc", "pm")
+DIRECTIONS = ("i2t", "t2i")
+RECALL_KS = (1, 5, 10)
+# protocol -> the metrics it reports (names of :func:`ranking_metrics`)
+METRICS = {"eccv": ("map_at_r", "rprecision", "r1"), "cxc": ("r1", "r5", "r10"),
+           "pm": ("rprecision",)}
+PM_FILES = ("pm_image_to_caption.json", "pm_caption_to_image.json")
+_BLOCK_MB = 64  # the queries x items scores of one block of queries
+
+
+def check_protocols(protocols: Sequence[str], pm_dir: str | None = None) -> None:
+    """Raise a ``ValueError`` for a name that is no protocol, or ``pm`` without its files."""
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if unknown:
+        raise ValueError(f"evaluation.protocols: unknown {', '.join(map(repr, unknown))}; "
+                         f"the protocols are {', '.join(PROTOCOLS)}")
+    if "pm" in protocols and not pm_dir:
+        raise ValueError("evaluation.protocols lists pm, whose positives (over 140 MB) do not "
+                         "ship with eccv_caption: download pm_image_to_caption.json and "
+                         "pm_caption_to_image.json (https://github.com/naver-ai/eccv-caption, "
+                         "'Download the full data') and set evaluation.pm_dir to their folder")
+
+
+@dataclass(frozen=True)
+class CocoReference:
+    """COCO 5K test and the positives of the extended protocols, by COCO ids.
+
+    Attributes:
+        image_ids: the 5,000 test images; caption_ids: the 25,000 test captions
+            (``coco_test_ids.npy``'s order).
+        caption_image: each test caption's image (COCO's own label).
+        positives: protocol -> direction -> query id -> its positive item ids.
+    """
+
+    image_ids: tuple[int, ...]
+    caption_ids: tuple[int, ...]
+    caption_image: dict[int, int]
+    positives: dict[str, dict[str, dict[int, list[int]]]]
+
+
+def _read_positives(i2t: Path, t2i: Path) -> dict[str, dict[int, list[int]]]:
+    out = {}
+    for direction, path in (("i2t", i2t), ("t2i", t2i)):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (the positives of a COCO protocol)")
+        out[direction] = {int(query): [int(item) for item in items]
+                          for query, items in json.loads(path.read_text()).items()}
+    return out
+
+
+def package_data_dir() -> Path:
+    """The data folder of the installed ``eccv_caption`` (found, not imported)."""
+    require_extra("eccv_caption", "evaluation.protocols eccv, cxc and pm (the COCO protocols)")
+    spec = importlib.util.find_spec("eccv_caption")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+@functools.lru_cache(maxsize=2)
+def load_reference(protocols: tuple[str, ...], pm_dir: str | None = None) -> CocoReference:
+    """The test ids, COCO's labels and the positives of ``protocols`` (``eccv``, ``cxc``:
+    eccv_caption's files; ``pm``: ``pm_dir``'s)."""
+    data = package_data_dir()
+    original = _read_positives(data / "original_image_to_caption.json",
+                               data / "original_caption_to_image.json")
+    positives = {}
+    for protocol in protocols:
+        if protocol == "pm":
+            positives["pm"] = _read_positives(*(Path(pm_dir) / name for name in PM_FILES))
+        elif protocol in METRICS:
+            positives[protocol] = _read_positives(data / f"{protocol}_image_to_caption.json",
+                                                  data / f"{protocol}_caption_to_image.json")
+    captions = tuple(int(c) for c in np.load(data / "coco_test_ids.npy", allow_pickle=False))
+    caption_image = {caption: images[0] for caption, images in original["t2i"].items()}
+    return CocoReference(tuple(original["i2t"]), captions, caption_image, positives)
+
+
+def _coco_id(value) -> int | None:
+    """A COCO id (an int, or a string of digits: precomputed features' ids files)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def _examples(values) -> str:
+    return ", ".join(map(str, list(values)[:5]))
+
+
+def gallery_positions(reference: CocoReference, image_ids: Sequence, caption_ids: Sequence,
+                      text_to_image: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the test images and captions are in the gallery: ``(image_rows, caption_columns)``
+    in the reference's order.
+
+    The gallery must hold the 5,000 test images and no other, and every test caption with
+    its COCO image; a caption of a test image that is not a test caption (Karpathy's
+    sixth and seventh captions of a few images) is left out of the extended protocols.
+
+    Raises:
+        ValueError: the ids are missing, or the gallery is not COCO 5K test; the message
+            says what differs.
+    """
+    need = "the COCO protocols eccv, cxc and pm (evaluation.protocols)"
+    remake = ("make the shards with mmgoal make-shards karpathy --json dataset_coco.json "
+              "--image-root DIR --out DIR --coco-captions captions_val2014.json (docs/data.md, "
+              "'COCO ids')")
+    images = [_coco_id(i) for i in image_ids]
+    if any(i is None for i in images):
+        bad = [i for i, c in zip(image_ids, images) if c is None]
+        raise ValueError(f"{need} need COCO image ids; {len(bad)} of the gallery's "
+                         f"{len(images)} image ids are not (e.g. {_examples(bad)}): {remake}")
+    known = set(reference.image_ids)
+    missing = known.difference(images)
+    foreign = [i for i in images if i not in known]
+    if missing or foreign:
+        raise ValueError(f"{need} score the COCO 5K test split (Karpathy's), and this "
+                         f"gallery of {len(images)} images is not it: it lacks "
+                         f"{len(missing)} of the 5,000 test images"
+                         + (f" (e.g. {_examples(sorted(missing))})" if missing else "")
+                         + f" and holds {len(foreign)} others"
+                         + (f" (e.g. {_examples(foreign)})" if foreign else "")
+                         + "; evaluate the test split, or leave these protocols out "
+                           "(--protocols coco)")
+    if all(c is None for c in caption_ids):
+        raise ValueError(f"{need} need the COCO caption id of every caption, and this "
+                         f"gallery's captions have none: {remake}")
+    row_of = {image: row for row, image in enumerate(images)}
+    column_of = {}
+    for column, caption in enumerate(caption_ids):
+        if caption is not None:
+            column_of.setdefault(caption, column)
+    absent = [c for c in reference.caption_ids if c not in column_of]
+    if absent:
+        raise ValueError(f"{need} need every one of the 25,000 test captions, and "
+                         f"{len(absent)} of them are not in the gallery (e.g. caption ids "
+                         f"{_examples(absent)}); shards whose captions matched no annotation "
+                         f"have null ids there: {remake}")
+    wrong = [c for c in reference.caption_ids
+             if images[text_to_image[column_of[c]]] != reference.caption_image[c]]
+    if wrong:
+        raise ValueError(f"{len(wrong)} captions are in the gallery under another image than "
+                         f"COCO's (e.g. caption {wrong[0]} under image "
+                         f"{images[text_to_image[column_of[wrong[0]]]]}, COCO says "
+                         f"{reference.caption_image[wrong[0]]}); the shards' caption ids do not "
+                         f"fit their images: {remake}")
+    extra = len(caption_ids) - len(reference.caption_ids)
+    if extra:
+        logger.info("%d of the gallery's captions are not among COCO 5K test's 25,000 "
+                    "(e.g. Karpathy's sixth captions): the COCO protocols leave them out",
+                    extra)
+    return (torch.tensor([row_of[i] for i in reference.image_ids]),
+            torch.tensor([column_of[c] for c in reference.caption_ids]))
+
+
+def ranked_hits(scores: torch.Tensor, queries: torch.Tensor, positives: Sequence[Sequence[int]],
+                k: int, by_columns: bool = False, excluded: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Some queries' top ``k`` items and which of them are positives, a block of queries at
+    a time (their scores within ``_BLOCK_MB``, in one buffer); the matrix is not copied.
+
+    Args:
+        scores: a gallery's score matrix, a query a row (``by_columns``: a column).
+        queries: the rows (columns) of the queries.
+        positives: per query, the columns (rows) of its positive items.
+        excluded: items that no query ranks (long), or None.
+
+    Returns:
+        ``(top, hits)``: (queries, k) items, best first, and bool, on the CPU. A positive
+        tied with a negative ranks below it.
+    """
+    n_items = scores.shape[0 if by_columns else 1]
+    k = min(k, n_items)
+    block = max(1, min(len(queries), int(_BLOCK_MB * 2**20 // (4 * n_items))))
+    buffer = scores.new_empty((block, n_items), dtype=torch.float32)
+    order = queries.sort().indices  # in gallery order: the gathers read ahead
+    tops = torch.empty((len(queries), k), dtype=torch.long)
+    hits = torch.empty((len(queries), k), dtype=torch.bool)
+    for start in range(0, len(queries), block):
+        chosen = order[start:start + block]
+        rows = queries[chosen].to(scores.device)
+        view = buffer[:len(chosen)]
+        if by_columns:
+            view.copy_(scores.index_select(1, rows).T)
+        else:
+            torch.index_select(scores, 0, rows, out=view) if scores.dtype == view.dtype \
+                else view.copy_(scores.index_select(0, rows))
+        if excluded is not None and len(excluded):
+            view.index_fill_(1, excluded.to(view.device), -torch.inf)
+        mask = torch.zeros(view.shape, dtype=torch.bool, device=view.device)
+        wanted = [positives[q] for q in chosen.tolist()]
+        at = (torch.tensor([r for r, items in enumerate(wanted) for _ in items], dtype=torch.long),
+              torch.tensor([i for items in wanted for i in items], dtype=torch.long))
+        if len(at[1]):
+            mask[at] = True
+            # just below its score: under every negative with the same score, above any lower
+            view[at] = torch.nextafter(view[at], view.new_tensor(-torch.inf))
+        top = view.topk(k, dim=1).indices
+        tops[chosen] = top.cpu()
+        hits[chosen] = mask.gather(1, top).cpu()
+    return tops, hits
+
+
+def ranking_metrics(hits: torch.Tensor, positives: torch.Tensor) -> dict[str, float]:
+    """R@1/5/10, R-Precision and mAP@R (percent) of ranked hits.
+
+    Args:
+        hits: (n_queries, k) bool, whether each query's r-th item is a positive; ``k`` is
+            at least every query's number of positives.
+        positives: (n_queries,) each query's number of positives, R (those outside the
+            gallery included, as eccv_caption counts them).
+    """
+    hits = hits.double()
+    r = positives.double()
+    within = torch.arange(1, hits.shape[1] + 1, dtype=torch.float64)[None, :] <= r[:, None]
+    precision_at = hits.cumsum(dim=1) / torch.arange(1, hits.shape[1] + 1)
+    out = {f"r{k}": 100.0 * (hits[:, :k].sum(dim=1) > 0).double().mean().item()
+           for k in RECALL_KS}
+    out["rprecision"] = 100.0 * ((hits * within).sum(dim=1) / r).mean().item()
+    out["map_at_r"] = 100.0 * ((hits * precision_at * within).sum(dim=1) / r).mean().item()
+    return out
+
+
+@dataclass
+class _Direction:
+    """One direction of retrieval on the gallery: its score matrix (queries along rows, or
+    along columns), the gallery positions of the reference's queries and items, and each
+    item position's COCO id."""
+
+    scores: torch.Tensor
+    by_columns: bool
+    query_position: dict[int, int]  # COCO id -> the gallery's row (column)
+    item_position: dict[int, int]
+    item_ids: np.ndarray  # the gallery's item positions -> COCO id (-1: no test item)
+    excluded: torch.Tensor
+
+
+def _directions(sims: torch.Tensor, sims_t2i: torch.Tensor | None, reference: CocoReference,
+                image_ids: Sequence, caption_ids: Sequence, text_to_image: Sequence[int]
+                ) -> dict[str, _Direction]:
+    rows, columns = gallery_positions(reference, image_ids, caption_ids,
+                                      [int(i) for i in text_to_image])
+    images = dict(zip(reference.image_ids, rows.tolist()))
+    captions = dict(zip(reference.caption_ids, columns.tolist()))
+    caption_of = np.full(sims.shape[1], -1, dtype=np.int64)
+    caption_of[columns.numpy()] = reference.caption_ids
+    image_of = np.full(sims.shape[0], -1, dtype=np.int64)
+    image_of[rows.numpy()] = reference.image_ids
+    excluded = torch.from_numpy(np.flatnonzero(caption_of < 0))
+    return {"i2t": _Direction(sims, False, images, captions, caption_of, excluded),
+            "t2i": _Direction(sims if sims_t2i is None else sims_t2i, True, captions, images,
+                              image_of, torch.empty(0, dtype=torch.long))}
+
+
+def _extended(protocols: Sequence[str], pm_dir: str | None) -> tuple[str, ...]:
+    extended = tuple(p for p in dict.fromkeys(protocols) if p != "coco")
+    check_protocols(extended, pm_dir)
+    return extended
+
+
+def protocol_metrics(sims: torch.Tensor, image_ids: Sequence, caption_ids: Sequence,
+                     text_to_image: Sequence[int], protocols: Sequence[str],
+                     pm_dir: str | None = None, sims_t2i: torch.Tensor | None = None
+                     ) -> dict[str, float]:
+    """The metrics of the extended ``protocols`` (``coco`` is computed elsewhere) on a
+    COCO 5K test gallery: ``{protocol}_{i2t|t2i}_{metric}``, percent.
+
+    Args:
+        sims: (n_images, n_texts) scores of the gallery (``image_ids``, ``caption_ids``,
+            ``text_to_image``: its :class:`~mmgoal.evaluation.gallery.Gallery`'s);
+            ``sims_t2i``: a separate matrix for text-to-image (ITM re-ranking).
+
+    Raises:
+        ValueError: :func:`gallery_positions`'s; ImportError: no eccv_caption.
+    """
+    extended = _extended(protocols, pm_dir)
+    if not extended:
+        return {}
+    reference = load_reference(extended, pm_dir)
+    directions = _directions(sims, sims_t2i, reference, image_ids, caption_ids, text_to_image)
+    metrics = {}
+    for protocol in extended:
+        for name, direction in directions.items():
+            gts = reference.positives[protocol][name]
+            asked = [q for q in gts if q in direction.query_position]
+            queries = torch.tensor([direction.query_position[q] for q in asked])
+            found = [[direction.item_position[i] for i in dict.fromkeys(gts[q])
+                      if i in direction.item_position] for q in asked]
+            counts = torch.tensor([len(set(gts[q])) for q in asked])
+            _, hits = ranked_hits(direction.scores, queries, found,
+                                  max(int(counts.max()), max(RECALL_KS)),
+                                  direction.by_columns, direction.excluded)
+            values = ranking_metrics(hits, counts)
+            metrics.update({f"{protocol}_{name}_{metric}": values[metric]
+                            for metric in METRICS[protocol]})
+    return metrics
+
+
+def protocol_rankings(sims: torch.Tensor, image_ids: Sequence, caption_ids: Sequence,
+                      text_to_image: Sequence[int], protocols: Sequence[str],
+                      pm_dir: str | None = None, sims_t2i: torch.Tensor | None = None
+                      ) -> dict[str, dict[int, list[int]]]:
+    """Every test query's top items by COCO id, as eccv_caption's ``Metrics`` takes them:
+    ``{"i2t": {image_id: [caption ids]}, "t2i": {caption_id: [image ids]}}``, as many as the
+    ``protocols`` need (their largest number of positives, at least 10)."""
+    extended = _extended(protocols, pm_dir)
+    reference = load_reference(extended, pm_dir)
+    out = {}
+    for name, direction in _directions(sims, sims_t2i, reference, image_ids, caption_ids,
+                                       text_to_image).items():
+        k = max([max(RECALL_KS)] + [len(set(v)) for p in extended
+                                    for v in reference.positives[p][name].values()])
+        asked = list(direction.query_position)
+        queries = torch.tensor([direction.query_position[q] for q in asked])
+        top, _ = ranked_hits(direction.scores, queries, [[]] * len(asked), k,
+                             direction.by_columns, direction.excluded)
+        ids = direction.item_ids[top.numpy()]
+        out[name] = {query: ids[i].tolist() for i, query in enumerate(asked)}
+    return out
