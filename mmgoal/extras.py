@@ -20,6 +20,7 @@ EXTRAS = {
     "matplotlib": "plot",
     "tensorboard": "tracking",
     "wandb": "tracking",
+    "eccv_caption": "coco",
 }
 
 

@@ -16,6 +16,10 @@
     mmgoal eval CONFIG CKPT --device cuda:1
     # zero-shot: a config alone, with the pretrained weights its model names (a CLIP tag)
     mmgoal eval configs/clip/clip_vit_b_32_coco.yaml --out zero_shot.json
+    # COCO 5K test as the field reports it: ECCV Caption mAP@R / R-P / R@1 and CxC R@K
+    # beside COCO's R@K (shards with COCO ids; pip install 'mmgoal[coco]'), and the
+    # rankings the eccv_caption package reads
+    mmgoal eval CONFIG CKPT --protocols coco eccv cxc --rankings rankings.json
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from mmgoal.evaluation.gallery import evaluate_retrieval
 from mmgoal.evaluation.retrieval import metrics_table
 from mmgoal.extras import pyplot
 from mmgoal.runs.loading import load_for_evaluation, load_zero_shot
+from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
 from mmgoal.structures import Member
 
 
@@ -120,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
                              "regions per image the best F1 may lie beyond 0.1)")
     parser.add_argument("--curve", help="PNG for the attention PR curve "
                                         "(default: <checkpoint>.<split>.attention.png)")
+    parser.add_argument("--protocols", nargs="+", default=None, choices=PROTOCOLS,
+                        help="what to report (default: evaluation.protocols of the config, "
+                             "[coco]); eccv, cxc and pm need a COCO 5K test gallery with "
+                             "COCO ids (docs/reference/retrieval.md)")
+    parser.add_argument("--pm-dir", help="the folder of PM-COCO's pm_*.json (protocol pm; "
+                                         "default: evaluation.pm_dir)")
+    parser.add_argument("--rankings", help="JSON file for every COCO 5K test query's top "
+                                           "items by COCO id, as eccv_caption's Metrics reads "
+                                           "them ({\"i2t\": {image: [captions]}, \"t2i\": ...})")
     parser.add_argument("--out", help="JSON file for the metrics "
                                       "(default: <checkpoint>.<split>.json)")
     parser.add_argument("--device", default="auto",
@@ -204,10 +218,16 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     scoring = dict(cfg["evaluation"])
     if args.rerank_k is not None:
         scoring["rerank_k"] = args.rerank_k
+    if args.protocols is not None:
+        scoring["protocols"] = list(args.protocols)
+    if args.pm_dir is not None:
+        scoring["pm_dir"] = args.pm_dir
+    scoring = ScoringConfig.of(scoring)  # checked before the gallery's minutes
+    rankings = {} if args.rankings else None
     metrics = evaluate_retrieval(members, split_cfg["shards"], caption_key=split_cfg["caption_key"],
                                  batch_size=cfg["data"]["eval_batch_size"], folds=folds,
                                  scoring=scoring, num_workers=cfg["data"]["num_workers"],
-                                 across_ranks=True)
+                                 across_ranks=True, rankings=rankings)
     name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)
     say(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
     say(metrics_table(metrics))
@@ -216,7 +236,12 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
             f"{metrics['itc_i2t_r1']:.2f} / {metrics['itc_t2i_r1']:.2f}, "
             f"rsum {metrics['itc_rsum']:.2f})")
     result = {"split": args.split, "folds": folds, "checkpoint": str(args.checkpoint),
-              "ensemble": list(args.ensemble), "metrics": metrics}
+              "ensemble": list(args.ensemble), "protocols": scoring.protocols,
+              "metrics": metrics}
+    if rankings is not None and main_rank:
+        Path(args.rankings).write_text(json.dumps(rankings))
+        say(f"rankings of {len(rankings['i2t'])} images and {len(rankings['t2i'])} captions "
+            f"written to {args.rankings}")
     if args.attention and main_rank:  # one process: the metrics need no gallery scoring
         report = attention_report(args, cfg, first, split_cfg)
         best = report.best

@@ -593,8 +593,9 @@ class Trainer:
         None elsewhere) on ``data.val``, each its share of the gallery, and rank 0 logs the
         metrics as ``epoch``'s (-1: before training); every rank returns them (collective)."""
         self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
+        # the extended COCO protocols are the test split's (5K test), not validation's
         metrics = self.evaluate("val", self.evaluation_model(weights, current=True),
-                                across_ranks=True)
+                                across_ranks=True, protocols=["coco"])
         if self.is_main:
             self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
             logger.info("epoch %d val%s: %s", epoch, " (before training)" if epoch < 0 else "",
@@ -602,9 +603,11 @@ class Trainer:
         return metrics
 
     def evaluate(self, split: str, model: torch.nn.Module | None = None,
-                 across_ranks: bool = False) -> dict[str, float]:
+                 across_ranks: bool = False, protocols: list[str] | None = None
+                 ) -> dict[str, float]:
         """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``;
-        ``across_ranks``: a collective, every rank evaluating its share of the gallery."""
+        ``across_ranks``: a collective, every rank evaluating its share of the gallery;
+        ``protocols``: what it reports (default: ``evaluation.protocols``)."""
         split_cfg = getattr(self.config.data, split)
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
@@ -613,7 +616,8 @@ class Trainer:
             self.eval_transform, self.tokenizer, batch_size=self.config.data.eval_batch_size,
             folds=split_cfg.folds, progress=self.config.train.progress and self.is_main,
             scoring=self.config.evaluation, caption_key=split_cfg.caption_key,
-            num_workers=self.config.data.num_workers, across_ranks=across_ranks)
+            num_workers=self.config.data.num_workers, across_ranks=across_ranks,
+            protocols=protocols)
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,

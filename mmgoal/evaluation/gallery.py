@@ -25,6 +25,7 @@ from mmgoal.contract import MatchingModel, require
 from mmgoal.data.pipeline import SkipCounter, iter_eval_batches
 from mmgoal.devices import free_memory_mb, module_device, move_to_device
 from mmgoal.distributed import gather_rows, gather_uneven, rank_share, world_info
+from mmgoal.evaluation.protocols import protocol_metrics, protocol_rankings
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
 from mmgoal.models.layers.cross_attention import reuse_buffers
@@ -371,7 +372,8 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
                        batch_size: int = 256, folds: int = 1, progress: bool = True,
                        scoring: ScoringConfig | dict | None = None,
                        caption_key: str | None = None, num_workers: int = 0,
-                       across_ranks: bool = False) -> dict[str, float]:
+                       across_ranks: bool = False, protocols: Sequence[str] | None = None,
+                       rankings: dict | None = None) -> dict[str, float]:
     """Retrieval metrics on a gallery of shards (plus ``skipped`` samples).
 
     Args:
@@ -384,14 +386,22 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
         across_ranks: a collective of every rank: each decodes and encodes its share of
             the gallery, scores its share of the images and re-ranks its share of the
             queries; every rank returns the metrics of one process.
+        protocols: what to report (default: ``scoring.protocols``): ``coco``'s metrics
+            always, and on COCO 5K test those of ``eccv``, ``cxc``, ``pm``
+            (:mod:`mmgoal.evaluation.protocols`; the gallery needs COCO ids).
+        rankings: a dict that receives every COCO test query's top items by COCO id
+            (``i2t``, ``t2i``: :func:`~mmgoal.evaluation.protocols.protocol_rankings`), the
+            lists the ``eccv_caption`` package reads; needs COCO 5K test too.
     """
     scoring = ScoringConfig.of(scoring)
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
         else list(model)
     sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress,
                                        caption_key, num_workers, across_ranks)
+    protocols = scoring.protocols if protocols is None else list(protocols)
     if scoring.rerank_k <= 0:
         metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)
+        metrics.update(_protocols(gallery, sims, None, protocols, scoring.pm_dir, rankings))
         metrics["skipped"] = gallery.skipped
         return metrics
     reranker = members[0].model
@@ -405,7 +415,18 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
                           scoring.rerank_k, scoring.rerank_batch_size, progress,
                           across_ranks=across_ranks)
     metrics = retrieval_metrics(i2t, gallery.text_to_image, sims_t2i=t2i)
+    metrics.update(_protocols(gallery, i2t, t2i, protocols, scoring.pm_dir, rankings))
     itc = retrieval_metrics(sims, gallery.text_to_image)
     metrics.update({f"itc_{key}": value for key, value in itc.items()})
     metrics["skipped"] = gallery.skipped
     return metrics
+
+
+def _protocols(gallery: Gallery, sims: torch.Tensor, sims_t2i: torch.Tensor | None,
+               protocols: Sequence[str], pm_dir: str | None, rankings: dict | None
+               ) -> dict[str, float]:
+    """The extended COCO protocols' metrics (none for ``[coco]``), and ``rankings`` filled."""
+    ids = (gallery.image_ids, gallery.caption_ids, gallery.text_to_image.tolist())
+    if rankings is not None:
+        rankings.update(protocol_rankings(sims, *ids, protocols, pm_dir, sims_t2i))
+    return protocol_metrics(sims, *ids, protocols, pm_dir, sims_t2i)

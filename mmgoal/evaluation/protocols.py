@@ -36,11 +36,12 @@ import numpy as np
 import torch
 
 from mmgoal.extras import require_extra
+from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
+
+__all__ = ["PROTOCOLS", "protocol_metrics", "protocol_rankings", "load_reference"]
 
 logger = logging.getLogger(__name__)
 
-PROTOCOLS = ("coco", "eccv", "cxc", "pm")
-DIRECTIONS = ("i2t", "t2i")
 RECALL_KS = (1, 5, 10)
 # protocol -> the metrics it reports (names of :func:`ranking_metrics`)
 METRICS = {"eccv": ("map_at_r", "rprecision", "r1"), "cxc": ("r1", "r5", "r10"),
@@ -50,16 +51,9 @@ _BLOCK_MB = 64  # the queries x items scores of one block of queries
 
 
 def check_protocols(protocols: Sequence[str], pm_dir: str | None = None) -> None:
-    """Raise a ``ValueError`` for a name that is no protocol, or ``pm`` without its files."""
-    unknown = [p for p in protocols if p not in PROTOCOLS]
-    if unknown:
-        raise ValueError(f"evaluation.protocols: unknown {', '.join(map(repr, unknown))}; "
-                         f"the protocols are {', '.join(PROTOCOLS)}")
-    if "pm" in protocols and not pm_dir:
-        raise ValueError("evaluation.protocols lists pm, whose positives (over 140 MB) do not "
-                         "ship with eccv_caption: download pm_image_to_caption.json and "
-                         "pm_caption_to_image.json (https://github.com/naver-ai/eccv-caption, "
-                         "'Download the full data') and set evaluation.pm_dir to their folder")
+    """Raise a ``ValueError`` for a name that is no protocol, or ``pm`` without its files
+    (:class:`~mmgoal.runs.schema.ScoringConfig`'s check)."""
+    ScoringConfig(protocols=list(protocols), pm_dir=pm_dir)
 
 
 @dataclass(frozen=True)
@@ -146,25 +140,28 @@ def gallery_positions(reference: CocoReference, image_ids: Sequence, caption_ids
               "--image-root DIR --out DIR --coco-captions captions_val2014.json (docs/data.md, "
               "'COCO ids')")
     images = [_coco_id(i) for i in image_ids]
-    if any(i is None for i in images):
-        bad = [i for i, c in zip(image_ids, images) if c is None]
-        raise ValueError(f"{need} need COCO image ids; {len(bad)} of the gallery's "
-                         f"{len(images)} image ids are not (e.g. {_examples(bad)}): {remake}")
+    problems = []
+    not_coco = [i for i, c in zip(image_ids, images) if c is None]
     known = set(reference.image_ids)
     missing = known.difference(images)
-    foreign = [i for i in images if i not in known]
+    foreign = [i for i in images if i is not None and i not in known]
+    if not_coco:
+        problems.append(f"{len(not_coco)} of its {len(images)} image ids are no COCO ids "
+                        f"(e.g. {_examples(not_coco)})")
     if missing or foreign:
-        raise ValueError(f"{need} score the COCO 5K test split (Karpathy's), and this "
-                         f"gallery of {len(images)} images is not it: it lacks "
-                         f"{len(missing)} of the 5,000 test images"
-                         + (f" (e.g. {_examples(sorted(missing))})" if missing else "")
-                         + f" and holds {len(foreign)} others"
-                         + (f" (e.g. {_examples(foreign)})" if foreign else "")
-                         + "; evaluate the test split, or leave these protocols out "
-                           "(--protocols coco)")
+        problems.append(f"it is not the COCO 5K test split (Karpathy's): it lacks "
+                        f"{len(missing)} of the 5,000 test images"
+                        + (f" (e.g. {_examples(sorted(missing))})" if missing else "")
+                        + f" and holds {len(foreign)} others"
+                        + (f" (e.g. {_examples(foreign)})" if foreign else ""))
     if all(c is None for c in caption_ids):
-        raise ValueError(f"{need} need the COCO caption id of every caption, and this "
-                         f"gallery's captions have none: {remake}")
+        problems.append("its captions have no COCO caption ids")
+    if problems:
+        raise ValueError(f"{need} score COCO 5K test by COCO image and caption ids, and this "
+                         f"gallery of {len(images)} images and {len(caption_ids)} captions "
+                         f"cannot be scored: {'; '.join(problems)}. Evaluate the COCO test "
+                         f"split made with COCO ids ({remake}), or leave these protocols out "
+                         f"(--protocols coco)")
     row_of = {image: row for row, image in enumerate(images)}
     column_of = {}
     for column, caption in enumerate(caption_ids):

@@ -120,4 +120,25 @@ def metrics_table(metrics: dict[str, float]) -> str:
             f"{metrics[f'{direction}_r{k}']:>7.2f}" for k in (1, 5, 10))
             + f" {metrics[f'{direction}_medr']:>6.0f} {metrics[f'{direction}_meanr']:>7.2f}")
     rows.append(f"  rsum {metrics['rsum']:.2f}")
-    return "\n".join(rows)
+    return "\n".join(rows + protocol_rows(metrics))
+
+
+# protocol -> its title and (metric key, column header) (mmgoal/evaluation/protocols.py)
+PROTOCOL_COLUMNS = {
+    "eccv": ("ECCV Caption", (("map_at_r", "mAP@R"), ("rprecision", "R-P"), ("r1", "R@1"))),
+    "cxc": ("CxC", (("r1", "R@1"), ("r5", "R@5"), ("r10", "R@10"))),
+    "pm": ("PM-COCO", (("rprecision", "PMRP"),)),
+}
+
+
+def protocol_rows(metrics: dict[str, float]) -> list[str]:
+    """The table rows of the extended COCO protocols in ``metrics`` (none when absent)."""
+    rows = []
+    for protocol, (title, columns) in PROTOCOL_COLUMNS.items():
+        if f"{protocol}_i2t_{columns[0][0]}" not in metrics:
+            continue
+        rows.append(f"{title:>14} " + " ".join(f"{header:>7}" for _, header in columns))
+        for direction in ("i2t", "t2i"):
+            rows.append(f"{direction:>14} " + " ".join(
+                f"{metrics[f'{protocol}_{direction}_{key}']:>7.2f}" for key, _ in columns))
+    return rows

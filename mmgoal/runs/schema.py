@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
+# what a test gallery reports (mmgoal/evaluation/protocols.py, docs/reference/retrieval.md)
+PROTOCOLS = ("coco", "eccv", "cxc", "pm")
 
 
 @dataclass
@@ -69,6 +71,9 @@ class ScoringConfig(ConfigSection):
         matmul_precision: float32 matmul precision while scoring.
         rerank_k: re-rank every query's top k by the ITM head (0: off).
         rerank_batch_size: pairs the ITM head scores at a time.
+        protocols: what the test split reports: ``coco`` (R@K, always computed), and on
+            COCO 5K test ``eccv`` (ECCV Caption), ``cxc`` (CxC), ``pm`` (PM-COCO).
+        pm_dir: the folder of PM-COCO's ``pm_*.json`` (for ``pm``).
     """
 
     MINIMUM: ClassVar[dict[str, float]] = {"block_images": 1, "rerank_k": 0,
@@ -79,8 +84,20 @@ class ScoringConfig(ConfigSection):
     matmul_precision: str = "highest"
     rerank_k: int = 0
     rerank_batch_size: int = 128
+    protocols: list[str] = field(default_factory=lambda: ["coco"])
+    pm_dir: str | None = None
 
     def __post_init__(self) -> None:
+        unknown = [p for p in self.protocols if p not in PROTOCOLS]
+        if unknown or not isinstance(self.protocols, list):
+            raise ValueError(f"evaluation.protocols must be a list of {', '.join(PROTOCOLS)}; "
+                             f"got {self.protocols!r}")
+        if "pm" in self.protocols and not self.pm_dir:
+            raise ValueError("evaluation.protocols lists pm, whose positives (over 140 MB) do "
+                             "not ship with eccv_caption: download pm_image_to_caption.json "
+                             "and pm_caption_to_image.json (https://github.com/naver-ai/"
+                             "eccv-caption, 'Download the full data') and set "
+                             "evaluation.pm_dir to their folder")
         if self.max_block_mb is not None and self.max_block_mb <= 0:
             raise ValueError(f"evaluation.max_block_mb must be above 0, got {self.max_block_mb}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
