@@ -293,3 +293,58 @@ def test_entities_join_flickr30k_entities_files_into_existing_shards(tmp_path):
             assert got["phrase"].lower() == want["phrase"]  # the sentence keeps its capitals
             # the annotation files hold whole pixels
             np.testing.assert_allclose(got["boxes"], want["boxes"], atol=0.5)
+
+
+def test_coco_caption_ids_match_by_image_and_text(karpathy, tmp_path, caplog):
+    """--coco-captions: each Karpathy sentence gets its annotation's id, by its image and its
+    text (case, spaces, then punctuation ignored); a sentence an image has twice gets both
+    annotations in order; the same sentence on two images gets each image's own; a sentence
+    without an annotation gets null. The ids reach the gallery beside their captions."""
+    from mmgoal.cli.make_shards import main as make_shards
+    from mmgoal.evaluation.gallery import Gallery, _add_samples
+
+    json_path, root, images, _ = karpathy
+    entries = json.loads(json_path.read_text())["images"]
+    for entry in entries:  # image 100 says "a dog on a bench." twice; image 102 once
+        if entry["cocoid"] in (100, 102):
+            entry["sentences"][0]["raw"] = "A dog on a bench. "
+        if entry["cocoid"] == 100:
+            entry["sentences"][1]["raw"] = "a dog  on a bench."
+    json_path.write_text(json.dumps({"images": entries}))
+    annotations = []
+    for entry in entries:
+        for k, sentence in enumerate(entry["sentences"]):
+            if entry["cocoid"] == 104 and k == 4:
+                continue  # no annotation for this one
+            text = sentence["raw"].strip()
+            if entry["cocoid"] == 106 and k == 2:
+                text = text.upper().replace(",", " ,")  # punctuation spaced out, upper case
+            annotations.append({"image_id": entry["cocoid"], "id": 1000 * entry["cocoid"] + k,
+                                "caption": text})
+    annotations.reverse()  # file order is not sentence order ...
+    # ... but an image's two identical annotations keep theirs: 100000 before 100001
+    first, second = (next(i for i, a in enumerate(annotations) if a["id"] == n)
+                     for n in (100000, 100001))
+    annotations[first], annotations[second] = annotations[second], annotations[first]
+    (tmp_path / "captions_val2014.json").write_text(json.dumps({"annotations": annotations}))
+    assert make_shards(["karpathy", "--out", str(tmp_path / "out"), "--no-progress",
+                        "--json", str(json_path), "--image-root", str(root),
+                        "--coco-captions", str(tmp_path / "captions_val2014.json")]) == 0
+    assert "1 of 45 sentences match no COCO caption annotation" in caplog.text
+    metas = {int(k): json.loads(s["json"]) for k, s in shard_samples(tmp_path / "out").items()}
+    expected = {i: [1000 * i + k for k in range(5)] for i in metas}
+    expected[104][4] = None
+    assert {i: m["caption_ids"] for i, m in metas.items()} == expected
+    # through the evaluation pipeline into a gallery: ids beside their captions, and an
+    # image whose sample comes twice keeps each text once, with its first id
+    batches = list(iter_eval_batches(str(tmp_path / "out" / "*.tar"),
+                                     build_transforms(None, 16), batch_size=16))
+    batch = {key: value * 2 if isinstance(value, list) else value
+             for key, value in batches[0].items() if key != "images"}
+    gallery = Gallery(None, None, None, 0)
+    _add_samples(gallery, batch, {}, [])
+    assert gallery.duplicates == len(metas)  # every sample came twice: nothing new
+    assert gallery.caption_ids == [i for ids in batches[0]["caption_ids"] for i in ids]
+    assert len(gallery.captions) == 5 * len(metas)
+    with pytest.raises(FileNotFoundError, match="captions_train2014.json do not exist"):
+        karpathy_source(json_path, root, coco_captions=str(tmp_path / "captions_train2014.json"))
