@@ -67,8 +67,9 @@ def test_eval_reports_eccv_and_cxc_equal_to_the_package(tiny_quickstart_run, tmp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from eccv_caption import Metrics
+    i2t, t2i = ({int(k): v for k, v in ranked[d].items()} for d in ("i2t", "t2i"))
     theirs = Metrics().compute_all_metrics(
-        {int(k): v for k, v in ranked["i2t"].items()}, {int(k): v for k, v in ranked["t2i"].items()},
+        i2t, t2i,
         target_metrics=("eccv_r1", "eccv_map_at_r", "eccv_rprecision", "coco_5k_recalls",
                         "cxc_recalls"), Ks=(1, 5, 10))
     for direction in ("i2t", "t2i"):
