@@ -31,6 +31,7 @@ from mmgoal.config import load_config
 from mmgoal.data.pipeline import UnreadableShardsError
 from mmgoal.engine.loggers import LoggerError
 from mmgoal.engine.trainer import Trainer
+from mmgoal.evaluation.protocols import check_test_shards
 from mmgoal.evaluation.retrieval import metrics_table
 from mmgoal.runs.checkpoint import CheckpointWriteError
 from mmgoal.runs.run_dir import (
@@ -156,6 +157,7 @@ def train(args: argparse.Namespace, cfg: dict, work_dir: Path, main_rank: bool) 
         # a resumed run keeps its own config; only what may change on resume may differ
         changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
         check_data_paths(cfg)
+        check_test_shards(cfg)  # the COCO protocols' ids, before the epochs, not after
         trainer = Trainer(cfg, work_dir, resume=resume)
     # ImportError: a missing extra; LoggerError: a logger that cannot write where it is told
     except (FileNotFoundError, ValueError, ImportError, LoggerError) as error:

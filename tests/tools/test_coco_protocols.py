@@ -7,6 +7,7 @@ import json
 import random
 import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,3 +89,30 @@ def test_eval_reports_eccv_and_cxc_equal_to_the_package(tiny_quickstart_run, tmp
     assert "its captions have no COCO caption ids" in error
     assert "it is not the COCO 5K test split (Karpathy's): it lacks 5000" in error
     assert "--coco-captions captions_val2014.json" in error
+
+
+def test_train_stops_before_its_epochs_when_the_test_shards_lack_coco_ids(tiny_benchmark,
+                                                                         tmp_path, capsys):
+    import yaml
+
+    from mmgoal.evaluation.protocols import check_test_shards
+
+    out, _ = tiny_benchmark
+    test = {"shards": str(out / "test-{000000..000001}.tar")}
+    with pytest.raises(ValueError, match=r"test-000000\.tar has none: make the shards with "
+                                         r"mmgoal make-shards karpathy \.\.\. --coco-captions"):
+        check_test_shards({"data": {"test": test}, "evaluation": {"protocols": ["coco", "cxc"]}})
+    check_test_shards({"data": {"test": test}})  # [coco]: nothing to check
+    shards = coco_fixture(tmp_path / "coco", ["a", "dog"], shard_size=5000)
+    check_test_shards({"data": {"test": {"shards": shards.replace("{000000..000004}",
+                                                                  "000000")}},
+                       "evaluation": {"protocols": ["eccv"]}})
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "_base_": str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"),
+        "data": {"train": {"shards": str(out / "train-000000.tar")}, "val": None,
+                 "test": test},
+        "evaluation": {"protocols": ["coco", "eccv"]}}))
+    assert load_tool("train").main([str(config), "--work-dir", str(tmp_path / "run")]) == 2
+    assert "--coco-captions" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
