@@ -12,13 +12,14 @@ protocols"): ``evaluation.protocols``.
   downloads (``evaluation.pm_dir``).
 
 The positives of ``eccv`` and ``cxc`` and the test ids are those the ``eccv_caption``
-package ships (``pip install 'mmgoal[coco]'``; imported, its data read, only when a protocol
-asks); they are keyed by COCO image ids and COCO caption annotation ids, so the gallery
-needs both (the shards of ``mmgoal make-shards karpathy --coco-captions``). The metrics are
-computed here from mmgoal's score matrix, for each query only its top ``k`` items (``k``: its
-most positives, at least 10), a block of queries at a time; they equal the package's on the
-same rankings (tests/evaluation/test_protocols.py calls it). Ties count against the query,
-as in :func:`~mmgoal.evaluation.retrieval.retrieval_metrics`: a positive scoring exactly as a
+package ships (``pip install 'mmgoal[coco]'``; its data files are read when a protocol
+asks, its code is never imported). They are keyed by COCO image ids and COCO caption
+annotation ids, so the gallery needs both (the shards of ``mmgoal make-shards karpathy
+--coco-captions``). The metrics are computed here from mmgoal's score matrix, for each
+query only its top ``k`` items (``k``: its most positives, at least 10), a block of
+queries at a time; they equal the package's on the same rankings
+(tests/evaluation/test_protocols.py calls it). Ties count against the query, as in
+:func:`~mmgoal.evaluation.retrieval.retrieval_metrics`: a positive scoring exactly as a
 negative is ranked below it.
 """
 
@@ -102,7 +103,13 @@ def load_reference(protocols: tuple[str, ...], pm_dir: str | None = None) -> Coc
     positives = {}
     for protocol in protocols:
         if protocol == "pm":
-            positives["pm"] = _read_positives(*(Path(pm_dir) / name for name in PM_FILES))
+            files = [Path(pm_dir) / name for name in PM_FILES]
+            absent = [f.name for f in files if not f.is_file()]
+            if absent:
+                raise FileNotFoundError(f"evaluation.pm_dir {pm_dir} lacks {', '.join(absent)}:"
+                                        f" download PM-COCO's files there (https://github.com/"
+                                        f"naver-ai/eccv-caption, 'Download the full data')")
+            positives["pm"] = _read_positives(*files)
         elif protocol in METRICS:
             positives[protocol] = _read_positives(data / f"{protocol}_image_to_caption.json",
                                                   data / f"{protocol}_caption_to_image.json")
@@ -188,8 +195,8 @@ def gallery_positions(reference: CocoReference, image_ids: Sequence, caption_ids
         logger.info("%d of the gallery's captions are not among COCO 5K test's 25,000 "
                     "(e.g. Karpathy's sixth captions): the COCO protocols leave them out",
                     extra)
-    return (torch.tensor([row_of[i] for i in reference.image_ids]),
-            torch.tensor([column_of[c] for c in reference.caption_ids]))
+    return (torch.tensor([row_of[i] for i in reference.image_ids], device="cpu"),
+            torch.tensor([column_of[c] for c in reference.caption_ids], device="cpu"))
 
 
 def ranked_hits(scores: torch.Tensor, queries: torch.Tensor, positives: Sequence[Sequence[int]],
@@ -213,8 +220,8 @@ def ranked_hits(scores: torch.Tensor, queries: torch.Tensor, positives: Sequence
     block = max(1, min(len(queries), int(_BLOCK_MB * 2**20 // (4 * n_items))))
     buffer = scores.new_empty((block, n_items), dtype=torch.float32)
     order = queries.sort().indices  # in gallery order: the gathers read ahead
-    tops = torch.empty((len(queries), k), dtype=torch.long)
-    hits = torch.empty((len(queries), k), dtype=torch.bool)
+    tops = torch.empty((len(queries), k), dtype=torch.long, device="cpu")
+    hits = torch.empty((len(queries), k), dtype=torch.bool, device="cpu")
     for start in range(0, len(queries), block):
         chosen = order[start:start + block]
         rows = queries[chosen].to(scores.device)
@@ -228,8 +235,10 @@ def ranked_hits(scores: torch.Tensor, queries: torch.Tensor, positives: Sequence
             view.index_fill_(1, excluded.to(view.device), -torch.inf)
         mask = torch.zeros(view.shape, dtype=torch.bool, device=view.device)
         wanted = [positives[q] for q in chosen.tolist()]
-        at = (torch.tensor([r for r, items in enumerate(wanted) for _ in items], dtype=torch.long),
-              torch.tensor([i for items in wanted for i in items], dtype=torch.long))
+        at = (torch.tensor([r for r, items in enumerate(wanted) for _ in items],
+                           dtype=torch.long, device=view.device),
+              torch.tensor([i for items in wanted for i in items], dtype=torch.long,
+                           device=view.device))
         if len(at[1]):
             mask[at] = True
             # just below its score: under every negative with the same score, above any lower
@@ -251,8 +260,9 @@ def ranking_metrics(hits: torch.Tensor, positives: torch.Tensor) -> dict[str, fl
     """
     hits = hits.double()
     r = positives.double()
-    within = torch.arange(1, hits.shape[1] + 1, dtype=torch.float64)[None, :] <= r[:, None]
-    precision_at = hits.cumsum(dim=1) / torch.arange(1, hits.shape[1] + 1)
+    ranks = torch.arange(1, hits.shape[1] + 1, dtype=torch.float64, device=hits.device)
+    within = ranks[None, :] <= r[:, None]
+    precision_at = hits.cumsum(dim=1) / ranks
     out = {f"r{k}": 100.0 * (hits[:, :k].sum(dim=1) > 0).double().mean().item()
            for k in RECALL_KS}
     out["rprecision"] = 100.0 * ((hits * within).sum(dim=1) / r).mean().item()
@@ -288,7 +298,7 @@ def _directions(sims: torch.Tensor, sims_t2i: torch.Tensor | None, reference: Co
     excluded = torch.from_numpy(np.flatnonzero(caption_of < 0))
     return {"i2t": _Direction(sims, False, images, captions, caption_of, excluded),
             "t2i": _Direction(sims if sims_t2i is None else sims_t2i, True, captions, images,
-                              image_of, torch.empty(0, dtype=torch.long))}
+                              image_of, torch.empty(0, dtype=torch.long, device="cpu"))}
 
 
 def _extended(protocols: Sequence[str], pm_dir: str | None) -> tuple[str, ...]:
@@ -322,10 +332,10 @@ def protocol_metrics(sims: torch.Tensor, image_ids: Sequence, caption_ids: Seque
         for name, direction in directions.items():
             gts = reference.positives[protocol][name]
             asked = [q for q in gts if q in direction.query_position]
-            queries = torch.tensor([direction.query_position[q] for q in asked])
+            queries = torch.tensor([direction.query_position[q] for q in asked], device="cpu")
             found = [[direction.item_position[i] for i in dict.fromkeys(gts[q])
                       if i in direction.item_position] for q in asked]
-            counts = torch.tensor([len(set(gts[q])) for q in asked])
+            counts = torch.tensor([len(set(gts[q])) for q in asked], device="cpu")
             _, hits = ranked_hits(direction.scores, queries, found,
                                   max(int(counts.max()), max(RECALL_KS)),
                                   direction.by_columns, direction.excluded)
@@ -350,7 +360,7 @@ def protocol_rankings(sims: torch.Tensor, image_ids: Sequence, caption_ids: Sequ
         k = max([max(RECALL_KS)] + [len(set(v)) for p in extended
                                     for v in reference.positives[p][name].values()])
         asked = list(direction.query_position)
-        queries = torch.tensor([direction.query_position[q] for q in asked])
+        queries = torch.tensor([direction.query_position[q] for q in asked], device="cpu")
         top, _ = ranked_hits(direction.scores, queries, [[]] * len(asked), k,
                              direction.by_columns, direction.excluded)
         ids = direction.item_ids[top.numpy()]

@@ -175,6 +175,10 @@ def test_pm_reads_the_files_the_user_points_at(reference, tmp_path):
     assert ours["pm_i2t_rprecision"] == pytest.approx(100 * np.mean(precisions), abs=1e-9)
     with pytest.raises(ValueError, match="set evaluation.pm_dir"):
         protocol_metrics(sims, images, captions, text_to_image, ["pm"])
+    with pytest.raises(FileNotFoundError, match=r"lacks pm_image_to_caption\.json, "
+                                                r"pm_caption_to_image\.json: download"):
+        protocol_metrics(sims, images, captions, text_to_image, ["pm"],
+                         pm_dir=str(tmp_path / "elsewhere"))
 
 
 def test_a_gallery_that_is_not_coco_5k_test_gets_a_message(reference):
