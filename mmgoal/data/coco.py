@@ -83,12 +83,20 @@ class CaptionIds:
             ids.append(None if found is None else annotations[found][0])
         return ids
 
-
-def report_unmatched(where: str, sentences: int, unmatched: list[str]) -> None:
-    """Log how many sentences found no caption annotation, with a few examples."""
-    if unmatched:
-        logger.warning("%s: %d of %d sentences match no COCO caption annotation of their "
-                       "image (their caption id is null), e.g. %s", where, len(unmatched),
-                       sentences, "; ".join(unmatched[:5]))
-    else:
-        logger.info("%s: every one of %d sentences has its COCO caption id", where, sentences)
+    def match_images(self, images: Iterable[tuple], where: str) -> list[list[int | None]]:
+        """:meth:`match` for each ``(image_id, sentences)`` of ``images``; a warning gives
+        how many sentences of ``where`` found no annotation, with examples."""
+        matched, unmatched, sentences = [], [], 0
+        for image_id, texts in images:
+            matched.append(self.match(image_id, texts))
+            sentences += len(texts)
+            unmatched += [f"{image_id}: {text!r}"
+                          for text, found in zip(texts, matched[-1]) if found is None]
+        if unmatched:
+            logger.warning("%s: %d of %d sentences match no COCO caption annotation of their "
+                           "image (their caption id is null), e.g. %s", where, len(unmatched),
+                           sentences, "; ".join(unmatched[:5]))
+        else:
+            logger.info("%s: every one of %d sentences has its COCO caption id", where,
+                        sentences)
+        return matched

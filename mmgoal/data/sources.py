@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mmgoal.data.coco import CaptionIds, report_unmatched
+from mmgoal.data.coco import CaptionIds
 from mmgoal.data.conversion import MAX_EXAMPLES, ShardSource, SkippedItem, image_member
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
 from mmgoal.data.pipeline import expand_shards
@@ -95,15 +95,12 @@ class KarpathySource(ShardSource):
 
     def _match_caption_ids(self, annotations: CaptionIds, path: Path) -> None:
         """Give every entry ``caption_ids``, its sentences' COCO caption ids."""
-        unmatched, sentences = [], 0
-        for split in self.splits():
-            for image in self.by_split[split]:
-                raw = [s["raw"] for s in image.get("sentences", [])]
-                image["caption_ids"] = annotations.match(karpathy_image_id(image), raw)
-                sentences += len(raw)
-                unmatched += [f"{karpathy_image_id(image)}: {text!r}"
-                              for text, found in zip(raw, image["caption_ids"]) if found is None]
-        report_unmatched(str(path), sentences, unmatched)
+        entries = [image for split in self.splits() for image in self.by_split[split]]
+        matched = annotations.match_images(
+            ((karpathy_image_id(image), [s["raw"] for s in image.get("sentences", [])])
+             for image in entries), str(path))
+        for image, ids in zip(entries, matched):
+            image["caption_ids"] = ids
 
     def splits(self) -> list[str]:
         return [s for s in KARPATHY_SPLITS if s in self.by_split] + sorted(
@@ -199,13 +196,8 @@ class PrecomputedSource(ShardSource):
             captions = self._captions(split)
             per_image = [captions[i * self.per_image:(i + 1) * self.per_image]
                          for i in range(len(ids))]
-            self.caption_ids[split] = [annotations.match(image_id, texts)
-                                       for image_id, texts in zip(ids, per_image)]
-            unmatched = [f"{image_id}: {text!r}" for image_id, texts, found in
-                         zip(ids, per_image, self.caption_ids[split])
-                         for text, one in zip(texts, found) if one is None]
-            report_unmatched(str(self.data_dir / f"{split}_caps.txt"),
-                             sum(map(len, per_image)), unmatched)
+            self.caption_ids[split] = annotations.match_images(
+                zip(ids, per_image), str(self.data_dir / f"{split}_caps.txt"))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_arrays": {}}  # memory maps are reopened in each worker

@@ -228,9 +228,10 @@ def ranked_hits(scores: torch.Tensor, queries: torch.Tensor, positives: Sequence
         view = buffer[:len(chosen)]
         if by_columns:
             view.copy_(scores.index_select(1, rows).T)
+        elif scores.dtype == view.dtype:  # straight into the buffer
+            torch.index_select(scores, 0, rows, out=view)
         else:
-            torch.index_select(scores, 0, rows, out=view) if scores.dtype == view.dtype \
-                else view.copy_(scores.index_select(0, rows))
+            view.copy_(scores.index_select(0, rows))
         if excluded is not None and len(excluded):
             view.index_fill_(1, excluded.to(view.device), -torch.inf)
         mask = torch.zeros(view.shape, dtype=torch.bool, device=view.device)

@@ -348,3 +348,19 @@ def test_coco_caption_ids_match_by_image_and_text(karpathy, tmp_path, caplog):
     assert len(gallery.captions) == 5 * len(metas)
     with pytest.raises(FileNotFoundError, match="captions_train2014.json do not exist"):
         karpathy_source(json_path, root, coco_captions=str(tmp_path / "captions_train2014.json"))
+
+
+def test_precomputed_captions_get_coco_ids_by_their_ids_file(precomputed, tmp_path):
+    folder, arrays = precomputed
+    _, _, captions = arrays["test"]
+    annotations = [{"image_id": 500 + i, "id": 10 * i + k, "caption": captions[5 * i + k]}
+                   for i in range(3) for k in range(5) if (i, k) != (1, 3)]
+    (tmp_path / "captions.json").write_text(json.dumps({"annotations": annotations}))
+    source = SHARD_SOURCES.build({"type": "precomputed", "data_dir": str(folder), "splits": "test",
+                                  "coco_captions": str(tmp_path / "captions.json")})
+    assert source.caption_ids["test"] == [[0, 1, 2, 3, 4], [10, 11, 12, None, 14],
+                                          [20, 21, 22]]  # its last two lines are missing
+    (folder / "test_ids.txt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"test_ids\.txt is missing"):
+        SHARD_SOURCES.build({"type": "precomputed", "data_dir": str(folder), "splits": "test",
+                             "coco_captions": str(tmp_path / "captions.json")})
