@@ -34,7 +34,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 
@@ -258,6 +258,11 @@ def parse_value(text: str) -> Any:
 KnownKeys = Callable[[list[str], dict], Iterable[str]]
 
 
+def override_key(override: str) -> str:
+    """The dotted key a ``dotted.key=value`` override sets (``data.test.shards``)."""
+    return override.split("=", 1)[0].strip()
+
+
 def apply_override(cfg: dict, override: str, known_keys: KnownKeys | None = None) -> None:
     """Apply one ``dotted.key=value`` override in place.
 
@@ -266,8 +271,8 @@ def apply_override(cfg: dict, override: str, known_keys: KnownKeys | None = None
     """
     if "=" not in override:
         raise ValueError(f"override {override!r} must look like key.subkey=value")
-    dotted, text = override.split("=", 1)
-    keys = dotted.strip().split(".")
+    dotted, text = override_key(override), override.split("=", 1)[1]
+    keys = dotted.split(".")
     node: Any = cfg
     for depth, key in enumerate(keys):
         where = ".".join(keys[:depth]) or "the top level"
@@ -353,6 +358,20 @@ def unknown_key_error(where: str, unknown: Iterable[str], known: Iterable[str]) 
                       f"'{where}'; known keys: {', '.join(known)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class AtLeast:
+    """The least value a number may take, said in its type hint: ``Annotated[int,
+    AtLeast(1)]``, which :func:`check_value` enforces; a component's config is checked
+    against its constructor's hints (:meth:`mmgoal.registry.Registry.check`)."""
+
+    minimum: float
+
+
+# A width, a length, a count of layers or heads: a size that zero or less would not mean,
+# which a config (or a checkpoint's stored config) setting -1 would otherwise turn into a
+# "negative dimension" deep inside torch, or a silently shorter caption (``[:-1]``).
+PositiveInt = Annotated[int, AtLeast(1)]
+
 _KINDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
 
 
@@ -360,15 +379,19 @@ def check_value(where: str, value: Any, hint: Any) -> None:
     """A ``ValueError`` when a config value (plain data) cannot be of the type ``hint``.
 
     Simple types are checked exactly (an int is a number, a bool is neither a
-    number nor an integer); a list suits sequence types, a mapping suits mapping
-    types, and a class (``torch.Tensor``) only its instances, which config data
-    never is; a hint this cannot read (``Any``, callables, forward references)
-    allows anything.
+    number nor an integer); a list suits sequence types, each item checked against
+    the item type (``list[str]``), a mapping suits mapping types, and a class
+    (``torch.Tensor``) only its instances, which config data never is; a hint this
+    cannot read (``Any``, callables, forward references) allows anything.
+    ``Annotated[int, AtLeast(1)]`` (:data:`PositiveInt`) is an int of at least 1, in
+    a union (``PositiveInt | None``) or a list (``list[PositiveInt]``) too.
     """
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) \
-        else (hint,)
-    if any(suits(value, option) for option in options):
+    members = _union_members(hint)
+    fitting = next((member for member in members if suits(value, member)), None)
+    if fitting is not None:
+        _check_within(where, value, fitting)
         return
+    options = [_unannotated(member) for member in members]
     choices = [str(c) for option in options if typing.get_origin(option) is typing.Literal
                for c in typing.get_args(option)]
     named = [_KINDS[t] for t in options if t in _KINDS] + choices or [
@@ -382,7 +405,9 @@ def check_value(where: str, value: Any, hint: Any) -> None:
 
 def suits(value: Any, hint: Any) -> bool:
     """Whether plain config data ``value`` can be of the type ``hint`` (one member of a
-    union): ``float`` takes any number, ``int`` a whole number, neither a bool."""
+    union): ``float`` takes any number, ``int`` a whole number, neither a bool. Only the
+    type: bounds and items are :func:`check_value`'s."""
+    hint = _unannotated(hint)
     if hint is type(None):
         return value is None
     if hint is float:
@@ -409,6 +434,34 @@ def check_minimum(where: str, value: Any, minimum: float) -> None:
     """A ``ValueError`` when a number is below ``minimum`` (``None`` passes)."""
     if value is not None and value < minimum:
         raise ValueError(f"{where} must be at least {minimum}, got {value!r}")
+
+
+def _union_members(hint: Any) -> tuple:
+    """The members of a union hint (``int | None``: ``int``, ``None``); another hint alone."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _unannotated(hint: Any) -> Any:
+    """``T`` of ``Annotated[T, ...]``; any other hint as it is."""
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+
+
+def _check_within(where: str, value: Any, hint: Any) -> None:
+    """What a value of the right type must also be: within the bounds of an ``Annotated``
+    hint, and, for a list, each item of the item type of a sequence hint."""
+    if typing.get_origin(hint) is Annotated:
+        hint, *marks = typing.get_args(hint)
+        for mark in marks:
+            if isinstance(mark, AtLeast):
+                check_minimum(where, value, mark.minimum)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    homogeneous = origin in (list, collections.abc.Sequence, collections.abc.Iterable) or \
+        (origin is tuple and len(args) == 2 and args[1] is Ellipsis)
+    if homogeneous and args and isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_value(f"{where}[{index}]", item, args[0])
 
 
 @dataclasses.dataclass
@@ -440,7 +493,7 @@ class ConfigSection:
         if unknown:
             raise unknown_key_error(where or "the top level", unknown, fields)
         prefix = f"{where}." if where else ""
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)  # PositiveInt keeps its bound
         values = {}
         for name, value in given.items():
             section = _section_type(hints[name])

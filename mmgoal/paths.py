@@ -14,6 +14,7 @@ hub").
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -79,15 +80,48 @@ def from_pretrained(loader: Any, path: str, what: str, **options: Any) -> Any:
 
     Raises:
         FileNotFoundError: neither a folder nor a name the hub (or, offline, the cache) has.
+        ValueError: a file of the folder cannot be read (a JSON or safetensors file cut
+            short or corrupt), named where it can be told.
     """
+    from safetensors import SafetensorError
+
+    location = resolve_path(path)
     try:
-        return loader.from_pretrained(resolve_path(path), local_files_only=offline(),
+        return loader.from_pretrained(location, local_files_only=offline(),
                                       trust_remote_code=False, **options)
-    except OSError as error:  # transformers' "not a folder, not on the hub, not cached"
+    except (OSError, ValueError, SafetensorError) as error:
         reason = first_line(error)
+        # json's and safetensors' errors name no file: the folder's files are read to say which
+        broken = unreadable_files(location) if Path(location).is_dir() else []
+        if broken or isinstance(error, (json.JSONDecodeError, SafetensorError)):
+            files = " and ".join(broken) or "a file"
+            raise ValueError(f"{what} {path!r}: {files} in {location} cannot be read "
+                             f"({reason}); it may be truncated or corrupt (a copy or download "
+                             f"cut short): copy or download the folder again") from error
+        if not isinstance(error, OSError):
+            raise
+        # transformers' "not a folder, not on the hub, not cached"
         then = offline_hint() if offline() else "check the name, or the network"
         raise FileNotFoundError(f"{what} {path!r} is neither a local folder nor a model the "
                                 f"Hugging Face hub gave ({reason}); {then}") from error
+
+
+def unreadable_files(folder: str | Path) -> list[str]:
+    """The names of the JSON and safetensors files directly in ``folder`` that do not parse
+    (of a safetensors file only its header is read, which covers the file's length)."""
+    from safetensors import SafetensorError, safe_open
+
+    broken = []
+    for file in sorted(Path(folder).iterdir()):
+        try:
+            if file.suffix == ".json":
+                json.loads(file.read_bytes())
+            elif file.suffix == ".safetensors":
+                with safe_open(str(file), "pt"):
+                    pass
+        except (OSError, ValueError, SafetensorError):  # UnicodeDecodeError is a ValueError
+            broken.append(file.name)
+    return broken
 
 
 # An open_clip model in its folder layout (local-dir:, hf-hub:): its config file

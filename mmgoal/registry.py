@@ -171,14 +171,11 @@ class Registry:
             takes = f"it accepts: {', '.join(accepted)}" if accepted else "it takes none"
             raise ConfigError(f"{prefix}{self.name} {type_name!r} got unknown config key(s) "
                               f"{close_match_hints(unknown, accepted)}; {takes}")
-        hints = _parameter_hints(target)
-        for key in keys:
-            if key in hints:
-                try:
-                    check_value(f"{where}.{key}" if where else key, cfg[key], hints[key])
-                except ValueError as error:
-                    raise ConfigError(str(error) if where else
-                                      f"{self.name} {type_name!r}: {error}") from None
+        try:
+            check_arguments(target, {key: cfg[key] for key in keys}, where)
+        except ValueError as error:
+            raise ConfigError(str(error) if where else
+                              f"{self.name} {type_name!r}: {error}") from None
         missing = [] if takes_any else [n for n in self.required(type_name)
                                         if n not in keys and n not in provided]
         if missing:
@@ -209,6 +206,19 @@ def _initialisers(target: Callable[..., Any]) -> list[Callable[..., Any]]:
         return [target]
     return [cls.__dict__["__init__"] for cls in target.__mro__
             if cls is not object and "__init__" in cls.__dict__]
+
+
+def check_arguments(target: Callable[..., Any], arguments: Mapping[str, Any],
+                    where: str | None = None) -> None:
+    """A ``ValueError`` for the first of ``arguments`` (plain config data) that its keyword
+    parameter's type hint refuses (:func:`mmgoal.config.check_value`: a type, a bound such
+    as :data:`~mmgoal.config.PositiveInt`); ``where`` prefixes the names in messages. What
+    :meth:`Registry.check` does for a component, for code that another library calls with
+    a config's values (a timm model's ``model_kwargs``)."""
+    hints = _parameter_hints(target)
+    for key, value in arguments.items():
+        if key in hints:
+            check_value(f"{where}.{key}" if where else key, value, hints[key])
 
 
 def _parameter_hints(target: Callable[..., Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from mmgoal.config import PositiveInt
 from mmgoal.paths import from_pretrained, offline, offline_hint, open_clip_source
 from mmgoal.registry import TEXT_AUGMENTS, TOKENIZERS
 from mmgoal.sequences import length_mask, pack_kept
@@ -56,7 +57,7 @@ class WordTokenizer:
     PAD, UNK = "<pad>", "<unk>"
 
     def __init__(self, vocab: list[str] | None = None, min_count: int = 1,
-                 max_length: int = 40) -> None:
+                 max_length: PositiveInt = 40) -> None:
         self.min_count = min_count
         self.max_length = max_length
         self.words: list[str] = []
@@ -164,7 +165,7 @@ class HFTokenizer:
 
     PADDINGS = ("longest", "max_length")
 
-    def __init__(self, path: str, max_length: int = 40, padding: str = "longest") -> None:
+    def __init__(self, path: str, max_length: PositiveInt = 40, padding: str = "longest") -> None:
         from transformers import AutoTokenizer
 
         if padding not in self.PADDINGS:
@@ -243,7 +244,7 @@ class OpenCLIPTokenizer:
 
     fitted = True  # a fixed vocabulary
 
-    def __init__(self, model_name: str, context_length: int | None = None) -> None:
+    def __init__(self, model_name: str, context_length: PositiveInt | None = None) -> None:
         import open_clip
 
         self.model_name = model_name

@@ -37,8 +37,9 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from mmgoal.config import close_match_hints, first_line
+from mmgoal.config import PositiveInt, close_match_hints, first_line
 from mmgoal.models.efficiency import enable_grad_checkpointing
+from mmgoal.models.pretrained import check_weights_fit, load_hf_model, weights_file_shapes
 from mmgoal.paths import (
     OPEN_CLIP_CONFIG,
     from_pretrained,
@@ -242,9 +243,41 @@ def open_clip_weights(model_name: str, pretrained: str) -> str:
                             f"nor one of its tags ({', '.join(tags) or 'none'})")
 
 
+def check_open_clip_fits(model_name: str, weights: str | None,
+                         model_kwargs: dict | None) -> None:
+    """Refuse weights that the architecture does not describe before open_clip allocates
+    the architecture (:func:`mmgoal.models.pretrained.check_weights_fit`): ``weights``, the
+    ``pretrained`` file, or the weights file of a ``local-dir:`` folder (an ``hf-hub:``
+    entry's too offline, read from its cached folder), whose ``open_clip_config.json`` may
+    claim any size. The architecture is built on the meta device, with nothing loaded.
+    Nothing to compare: no weights, or a file whose tensors cannot be listed unread."""
+    import open_clip
+
+    source = open_clip_source(model_name)
+    if weights is None and source.startswith("local-dir:"):
+        # the file create_model picks from the folder (its order of preferred names)
+        from open_clip.factory import _find_checkpoint_in_dir
+
+        weights = _find_checkpoint_in_dir(Path(source.removeprefix("local-dir:")))
+    shapes = None if weights is None else weights_file_shapes(weights)
+    if shapes is None:
+        return
+    try:
+        with torch.device("meta"):
+            skeleton = open_clip.create_model(source, load_weights=False, device="meta",
+                                              pretrained_text=False, weights_only=True,
+                                              **(model_kwargs or {}))
+    except Exception as error:  # a bad architecture: the real create_model then says what
+        logger.debug("OpenCLIP %s cannot be built on the meta device (%s)", model_name, error)
+        return
+    config = (f"its {OPEN_CLIP_CONFIG}" if model_name.startswith(SCHEMES) else
+              f"architecture {model_name}{' with its model_kwargs' if model_kwargs else ''}")
+    check_weights_fit(skeleton, shapes, f"OpenCLIP {model_name}: {config}", weights)
+
+
 @TRANSFORMS.register(name="OpenCLIPTransform")
-def open_clip_transform(model_name: str, tag: str | None = None, image_size: int | None = None,
-                        training: bool = False) -> Callable:
+def open_clip_transform(model_name: str, tag: str | None = None,
+                        image_size: PositiveInt | None = None, training: bool = False) -> Callable:
     """open_clip's own image preprocessing of a model, as ``create_model_and_transforms``
     builds it (``open_clip.image_transform_v2``).
 
@@ -315,6 +348,7 @@ class OpenCLIP(nn.Module):
                            "plain one) to match", model_name, pretrained,
                            tag_cfg.get("quick_gelu", False), architecture.get("quick_gelu", False),
                            model_name.removesuffix("-quickgelu"))
+        check_open_clip_fits(model_name, weights, model_kwargs)
         try:
             # weights_only by name: only architecture keys come from the config
             self.model = open_clip.create_model(open_clip_source(model_name), pretrained=weights,
@@ -476,7 +510,7 @@ class HFCLIP(nn.Module):
         if (path is None) == (config is None):
             raise ValueError("HFCLIP needs exactly one of path or config")
         if path is not None:
-            self.model = from_pretrained(AutoModel, path, "HFCLIP path")
+            self.model = load_hf_model(path, "HFCLIP path")
         else:
             config = dict(config)
             model_type = config.pop("model_type", None)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.config import PositiveInt
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
@@ -73,7 +74,7 @@ class DualEncoder(nn.Module):
         tokenizer: passed to the text encoder (vocabulary size, padding id).
     """
 
-    def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: int = 1024,
+    def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: PositiveInt = 1024,
                  image_pooler: dict | None = None, text_pooler: dict | None = None,
                  image_projection: str = "linear", text_projection: str = "linear",
                  grad_checkpointing: bool = False, tokenizer=None) -> None:

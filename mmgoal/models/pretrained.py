@@ -15,21 +15,38 @@ Add a family::
     def remap_my_family(state_dict, model):
         return {key.replace("backbone.", ""): value for key, value in state_dict.items()}
     remap_my_family.detects = lambda state_dict: any(k.startswith("backbone.") for k in state_dict)
+
+A folder or file that pairs a config with weights (a Hugging Face folder, an open_clip
+``local-dir:``) is checked before its library builds the model: the model the config
+describes is built on the meta device (shapes, no memory) and compared with the header of
+the weights file (:func:`check_weights_fit`), so a config claiming a model far larger than
+its weights is refused before any memory is taken for it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import pickle
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from mmgoal.paths import resolve_path
+from mmgoal.paths import from_pretrained, resolve_path
 from mmgoal.registry import CHECKPOINT_REMAPS
 
 logger = logging.getLogger(__name__)
+
+# How many times the values its weights file holds a model may need: a library fills in what
+# a file lacks (a pooler, a position table resized to another image size, a zero
+# logit_bias), never most of a model; more is a config that does not describe the file.
+WEIGHTS_FILE_SLACK = 2
+# transformers' weights files of a save_pretrained folder, in the order it prefers them;
+# each may be sharded (NAME.index.json)
+HF_WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def unwrap_state_dict(state: dict) -> dict[str, torch.Tensor]:
@@ -152,6 +169,104 @@ def load_pretrained(model: nn.Module, path: str | Path, remap: str = "auto") -> 
         logger.info("%s: ignored %d checkpoint key(s) the model does not have: %s",
                     path.name, len(ignored), ", ".join(ignored[:10]))
     return {"remap": name, "ignored": ignored}
+
+
+def weights_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """Name -> shape of each tensor of a weights file, none of its values read: the header
+    of a safetensors file, or a torch file mapped into memory (``mmap``) whose pages are
+    never touched, unwrapped as :func:`unwrap_state_dict` does. None where the file cannot
+    be read so (an older torch format, numpy weights, no weights file): its library reads
+    it then, and says what is wrong."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), "pt") as weights:
+                return {k: tuple(weights.get_slice(k).get_shape()) for k in weights.keys()}
+        if path.suffix in (".bin", ".pt", ".pth"):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            if isinstance(state, dict):
+                return {k: tuple(v.shape) for k, v in unwrap_state_dict(state).items()}
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, SafetensorError) as error:
+        logger.debug("the tensors of %s cannot be listed without reading it (%s)", path, error)
+    return None
+
+
+def check_weights_fit(model: nn.Module, shapes: dict[str, tuple[int, ...]], config: str,
+                      weights: str) -> None:
+    """Refuse a model that needs more than ``WEIGHTS_FILE_SLACK`` times the values its
+    weights file holds, before its library allocates it.
+
+    Args:
+        model: the model the config describes, built on the meta device.
+        shapes: the file's tensors (:func:`weights_file_shapes`).
+        config: what describes the model, for the message (``OpenCLIP local-dir:x: its
+            open_clip_config.json``).
+        weights: the weights file(s), for the message.
+
+    Raises:
+        ValueError: naming both, the two counts and the first tensors whose shapes differ.
+    """
+    own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    needed = sum(math.prod(shape) for shape in own.values())
+    held = sum(math.prod(shape) for shape in shapes.values())
+    if needed <= WEIGHTS_FILE_SLACK * held:
+        return
+    differ = [f"{name} {shape} in the file vs {own[name]}" for name, shape in shapes.items()
+              if name in own and own[name] != shape]
+    details = f" (shapes differ: {'; '.join(differ[:3])})" if differ else ""
+    raise ValueError(f"{config} describes a model of {needed:,} values, more than "
+                     f"{WEIGHTS_FILE_SLACK} times the {held:,} that {weights} holds{details}: "
+                     f"they do not belong together, and building that model would take memory "
+                     f"for values the file does not have; use the config the weights were "
+                     f"saved with")
+
+
+def hf_weights_files(folder: Path) -> list[Path]:
+    """The weights files transformers loads from a ``save_pretrained`` folder (every shard
+    of a sharded one); ``[]`` where it holds none this can name."""
+    for name in HF_WEIGHTS_FILES:
+        if (folder / name).is_file():
+            return [folder / name]
+        index = folder / f"{name}.index.json"
+        if index.is_file():
+            try:
+                shards = set(json.loads(index.read_bytes())["weight_map"].values())
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return []  # from_pretrained reads it next, and says what is wrong
+            return [folder / shard for shard in sorted(shards)]
+    return []
+
+
+def load_hf_model(path: str, what: str) -> nn.Module:
+    """``AutoModel.from_pretrained`` of a local folder (``pkg://`` too) or a hub name
+    (:func:`mmgoal.paths.from_pretrained`); a local folder's ``config.json`` is checked
+    against its weights first (:func:`check_weights_fit`): transformers builds the model
+    the config describes and allocates every tensor the file does not fill, so a
+    config.json claiming a huge hidden size would take gigabytes before the load failed.
+
+    Raises:
+        ValueError: a config that does not describe the folder's weights; a file that
+            cannot be read. FileNotFoundError: no such folder or hub model.
+    """
+    from transformers import AutoConfig, AutoModel
+
+    folder = Path(resolve_path(path))
+    files = hf_weights_files(folder) if folder.is_dir() else []
+    listed = [weights_file_shapes(file) for file in files]
+    if files and None not in listed:
+        config = from_pretrained(AutoConfig, str(folder), what)
+        try:
+            with torch.device("meta"):
+                skeleton = AutoModel.from_config(config)
+        except Exception as error:  # a config transformers cannot build: from_pretrained says
+            logger.debug("%s %s cannot be built on the meta device (%s)", what, path, error)
+        else:
+            check_weights_fit(skeleton, {k: v for found in listed for k, v in found.items()},
+                              f"{what} {path!r}: its config.json",
+                              " and ".join(file.name for file in files))
+    return from_pretrained(AutoModel, path, what)
 
 
 def tower_weights(*towers: dict | None) -> str | None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.config import PositiveInt
 from mmgoal.models.dual_encoder import DualEncoder, build_projection
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.layers.cross_attention import (
@@ -75,7 +76,7 @@ class SCAN(nn.Module):
         """The towers' weights files and hub names (zero-shot evaluation asks)."""
         return tower_weights(cfg.get("image_encoder"), cfg.get("text_encoder"))
 
-    def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: int = 1024,
+    def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: PositiveInt = 1024,
                  image_projection: str = "linear", text_projection: str = "none",
                  direction: str = "t2i", lambda_softmax: float = 9.0, pooling: str = "avg",
                  lambda_lse: float = 6.0, grad_checkpointing: bool = False,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.config import PositiveInt
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.encoders.hf_text import HFTextEncoder
 from mmgoal.models.encoders.timm_image import create_timm_backbone
@@ -52,7 +53,8 @@ class XVLM(nn.Module):
         """The towers' weights files and hub names (zero-shot evaluation asks)."""
         return tower_weights(cfg.get("vision"), cfg.get("text"))
 
-    def __init__(self, vision: dict, text: dict, fusion_layers: int = 6, embed_dim: int = 256,
+    def __init__(self, vision: dict, text: dict, fusion_layers: PositiveInt = 6,
+                 embed_dim: PositiveInt = 256,
                  mlm_head: str | None = None, box_head: bool = False,
                  grad_checkpointing: bool = False, tokenizer=None) -> None:
         super().__init__()

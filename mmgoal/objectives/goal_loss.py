@@ -11,6 +11,7 @@ loop").
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,10 +28,13 @@ from mmgoal.structures import ObjectiveInputs
 NORM_TOLERANCE = 1e-2
 WHAT_IT_TAKES = ("GoalLoss takes image_embeds and text_embeds ((N, D) each, L2-normalised, row "
                  "i of each is pair i) or scores=(N, N)")
+SKIP_CHECK = ("GoalLoss(check_values=False) leaves this check out, where a loop must not wait "
+              "for the GPU (the loss is then NaN)")
 
 
-def _check_embeddings(image_embeds: Any, text_embeds: Any) -> None:
-    """Two (N, D) tensors of one dtype and device whose rows are L2-normalised."""
+def _check_embeddings(image_embeds: Any, text_embeds: Any, check_values: bool) -> None:
+    """Two (N, D) tensors of one dtype and device; with ``check_values``, finite rows that
+    are L2-normalised."""
     for name, embeds in (("image_embeds", image_embeds), ("text_embeds", text_embeds)):
         if not isinstance(embeds, torch.Tensor):
             raise TypeError(f"{name} must be a tensor (N, D), got {type(embeds).__name__}")
@@ -50,23 +54,68 @@ def _check_embeddings(image_embeds: Any, text_embeds: Any) -> None:
         raise ValueError(f"image_embeds are {image_embeds.dtype} on {image_embeds.device}, "
                          f"text_embeds {text_embeds.dtype} on {text_embeds.device}; cast or "
                          f"move one to match the other")
+    if not check_values:
+        return
     for name, embeds in (("image_embeds", image_embeds), ("text_embeds", text_embeds)):
         norms = embeds.detach().float().norm(dim=-1)
-        if (norms - 1).abs().max() > NORM_TOLERANCE:
-            # GOAL's weights (margins, lam) are set for cosine scores in [-1, 1]
-            raise ValueError(f"{name} must be L2-normalised (GOAL's weights are set for cosine "
-                             f"scores); its row norms lie in [{norms.min():.4g}, "
-                             f"{norms.max():.4g}]: pass F.normalize({name}, dim=-1), or "
-                             f"scores= of your own")
+        # one reduction, so one wait for the GPU: a row holding NaN or inf has a norm that is
+        # not within the tolerance of 1 either (NaN compares false)
+        if bool(((norms - 1).abs() <= NORM_TOLERANCE).all()):
+            continue
+        bad_rows = (~torch.isfinite(embeds).all(dim=-1)).nonzero().flatten().tolist()
+        if bad_rows:
+            raise ValueError(f"{name} holds NaN or inf in {len(bad_rows)} of its {len(embeds)} "
+                             f"rows (row {bad_rows[0]} first), which would make the loss NaN: "
+                             f"the model's outputs are not finite; check the model and its "
+                             f"loss scale (learning rate, fp16 overflow), or skip the batch. "
+                             f"{SKIP_CHECK}")
+        # GOAL's weights (margins, lam) are set for cosine scores in [-1, 1]
+        raise ValueError(f"{name} must be L2-normalised (GOAL's weights are set for cosine "
+                         f"scores); its row norms lie in [{norms.min():.4g}, "
+                         f"{norms.max():.4g}]: pass F.normalize({name}, dim=-1), or "
+                         f"scores= of your own")
 
 
-def _check_scores(scores: Any) -> None:
+def _check_scores(scores: Any, check_values: bool) -> None:
+    """An (N, N) tensor; with ``check_values``, finite."""
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"scores must be a tensor (N, N), got {type(scores).__name__}")
     if scores.dim() != 2 or scores.shape[0] != scores.shape[1] or not len(scores):
         raise ValueError(f"scores must be square, (N, N) with N >= 1: image i and text j scored, "
                          f"image i and text i a pair (others with image_ids); got shape "
                          f"{tuple(scores.shape)}")
+    if check_values and not bool(torch.isfinite(scores).all()):
+        bad = int((~torch.isfinite(scores)).sum())
+        raise ValueError(f"scores hold NaN or inf in {bad} of their {scores.numel()} entries, "
+                         f"which would make the loss NaN: check the model that scored them and "
+                         f"its loss scale, or skip the batch. {SKIP_CHECK}")
+
+
+def _id_kind(image_id: Any) -> str | None:
+    """``an integer`` (a Python or numpy integer, not a bool), ``a string``, or None: not an
+    id."""
+    if isinstance(image_id, str):
+        return "a string"
+    if isinstance(image_id, numbers.Integral) and not isinstance(image_id, bool):
+        return "an integer"
+    return None
+
+
+def _check_id_list(image_ids: list) -> None:
+    """A list of image ids is all integers or all strings: ids are compared by their text
+    (:func:`mmgoal.distributed.id_hashes`), so 1, '1', 1.0 and True would be one image,
+    and two Nones would be positives of each other."""
+    first = _id_kind(image_ids[0]) if image_ids else None
+    for index, image_id in enumerate(image_ids):
+        kind = _id_kind(image_id)
+        if kind is None or kind != first:
+            what = (f"{image_id!r} ({type(image_id).__name__}), which is no image id" if
+                    kind is None else f"{image_id!r}, {kind}, while image_ids[0] is "
+                                      f"{image_ids[0]!r}, {first}")
+            raise ValueError(f"image_ids[{index}] is {what}; a list of image ids must be all "
+                             f"integers or all strings (not None, bool or float, and not both "
+                             f"kinds: 1 and '1' would name one image): give every pair the id "
+                             f"of its image, or pass a 1-D integer tensor")
 
 
 def _ids_tensor(image_ids: torch.Tensor | Sequence, n_pairs: int,
@@ -78,7 +127,9 @@ def _ids_tensor(image_ids: torch.Tensor | Sequence, n_pairs: int,
                              f"{image_ids.dtype} tensor of shape {tuple(image_ids.shape)}")
         ids = image_ids.to(device=device, dtype=torch.long)
     elif hasattr(image_ids, "__len__") and not isinstance(image_ids, (str, bytes)):
-        ids = id_hashes(list(image_ids), device)
+        image_ids = list(image_ids)
+        _check_id_list(image_ids)
+        ids = id_hashes(image_ids, device)
     else:
         raise ValueError(f"image_ids must be a 1-D integer tensor or a list of ids (ints, "
                          f"strings), got {type(image_ids).__name__}")
@@ -118,6 +169,12 @@ class GoalLoss(nn.Module):
             skipped step). ``False`` (gradient accumulation, a ``GradScaler`` that
             may skip steps): call :meth:`step` after each optimizer step instead,
             or ``lam`` never moves. Nothing to do for a fixed ``lam``.
+        check_values: refuse embeddings whose rows are not L2-normalised or hold NaN
+            or inf, and scores that hold NaN or inf (a ``ValueError`` saying how many).
+            Each check is one reduction that the call waits for on a GPU (one per
+            tensor); ``False`` leaves them out, for a loop that must never wait: a
+            non-finite input then gives a NaN loss, and unnormalised embeddings go
+            unnoticed. Shapes, dtypes and image ids are checked either way.
 
     Attributes:
         objective: the ``GoalObjective`` that computes ``G``; with ``lam: auto`` its
@@ -138,15 +195,18 @@ class GoalLoss(nn.Module):
 
     def __init__(self, triplet: str | Mapping[str, Any] = "con",
                  pair: str | Mapping[str, Any] = "con", reduction: str = "sum", *,
-                 gather: bool = False, step_each_call: bool = True) -> None:
+                 gather: bool = False, step_each_call: bool = True,
+                 check_values: bool = True) -> None:
         super().__init__()
         self.objective = GoalObjective(triplet, pair, reduction)
         self.gather = gather
         self.step_each_call = step_each_call
+        self.check_values = check_values
         self._stats: dict[str, torch.Tensor] = {}
 
     def extra_repr(self) -> str:
-        return f"gather={self.gather}, step_each_call={self.step_each_call}"
+        return (f"gather={self.gather}, step_each_call={self.step_each_call}, "
+                f"check_values={self.check_values}")
 
     @property
     def last_stats(self) -> dict[str, float]:
@@ -165,17 +225,18 @@ class GoalLoss(nn.Module):
             text_embeds: (N, D) L2-normalised text embeddings.
             scores: (N, N) a ready score matrix (image ``i``, text ``j``) instead of
                 the embeddings; not with ``gather``.
-            image_ids: (N,) integer tensor or list of ids (ints, strings): pairs with
-                equal ids are positives of each other, never negatives (several
-                captions of one image in a batch); ``None``: pair ``i`` only. With
-                ``gather``, ids must name the same image on every rank (dataset ids,
-                not positions in the batch).
+            image_ids: (N,) integer tensor, or a list of ids, all integers or all
+                strings (not None, bool or float): pairs with equal ids are positives
+                of each other, never negatives (several captions of one image in a
+                batch); ``None``: pair ``i`` only. With ``gather``, ids must name the
+                same image on every rank (dataset ids, not positions in the batch).
 
         Raises:
             TypeError: embeddings or scores that are not tensors.
             ValueError: embeddings and scores both or neither given; shapes that do
-                not match; embeddings that are not L2-normalised; image ids of the
-                wrong length or kind; ``gather`` with ``scores``.
+                not match; embeddings that are not L2-normalised, or embeddings or
+                scores holding NaN or inf (unless ``check_values=False``); image ids of
+                the wrong length or kind; ``gather`` with ``scores``.
         """
         if scores is not None:
             if image_embeds is not None or text_embeds is not None:
@@ -187,13 +248,13 @@ class GoalLoss(nn.Module):
                                  "gather: pass the embeddings, or gather them yourself "
                                  "(mmgoal.distributed.gather_with_grad) and build "
                                  "GoalLoss(gather=False)")
-            _check_scores(scores)
+            _check_scores(scores, self.check_values)
         else:
             if image_embeds is None or text_embeds is None:
                 given = ("neither" if image_embeds is None and text_embeds is None else
                          "only image_embeds" if text_embeds is None else "only text_embeds")
                 raise ValueError(f"{WHAT_IT_TAKES}; got {given}")
-            _check_embeddings(image_embeds, text_embeds)
+            _check_embeddings(image_embeds, text_embeds, self.check_values)
         n_pairs = len(scores if scores is not None else image_embeds)
         device = (scores if scores is not None else image_embeds).device
         ids = None if image_ids is None else _ids_tensor(image_ids, n_pairs, device)

@@ -19,14 +19,15 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from mmgoal import strict_json
 from mmgoal.config import config_changes, first_line
-from mmgoal.registry import MODELS, TOKENIZERS
+from mmgoal.registry import MODELS, TOKENIZERS, UnknownNameError
 from mmgoal.runs.preprocessing import resolve_preprocessing
 
 logger = logging.getLogger(__name__)
@@ -381,18 +382,41 @@ def model_from_checkpoint(cfg: dict, state: dict[str, Any],
 
     Raises:
         ValueError: the weights hold NaN/inf or belong to another model (see
-            :func:`check_same_model`).
+            :func:`check_same_model`), or the config cannot build the tokenizer or the
+            model (a size torch refuses, a bad value of a nested component), naming
+            ``source``.
     """
     check_finite_weights(state["model"], source)
-    tokenizer = TOKENIZERS.build(resolve_preprocessing(cfg).tokenizer)
+    tokenizer = built_from_config(lambda: TOKENIZERS.build(resolve_preprocessing(cfg).tokenizer),
+                                  "tokenizer", source)
     tokenizer.load_state_dict(state["tokenizer"])
     skeleton = meta_model(cfg["model"], tokenizer)
     if skeleton is not None:
         check_same_model(skeleton, state, cfg["model"], source)
-    model = MODELS.build(cfg["model"], tokenizer=tokenizer)
+    model = built_from_config(lambda: MODELS.build(cfg["model"], tokenizer=tokenizer), "model",
+                              source)
     check_same_model(model, state, cfg["model"], source)
     model.load_state_dict(state["model"])
     return model.eval(), tokenizer
+
+
+Built = TypeVar("Built")
+
+
+def built_from_config(build: Callable[[], Built], what: str, source: str) -> Built:
+    """``build()``, the ``what`` (``model``, ``tokenizer``) of the config loaded with
+    ``source``; what it raises (torch's ``negative dimension`` deep inside a layer, a
+    nested component's bad value) becomes a ``ValueError`` that names ``source``, as the
+    config may be anyone's (a checkpoint's stored config). An unknown component name
+    stays the registry's error, which lists the names it knows."""
+    try:
+        return build()
+    except UnknownNameError:
+        raise
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(f"{source}: the config it is loaded with cannot build the {what} "
+                         f"({type(error).__name__}: {first_line(error)}); correct that value "
+                         f"(--cfg-options), or give the config it was trained with") from error
 
 
 def meta_model(model_cfg: dict, tokenizer: Any) -> torch.nn.Module | None:

@@ -289,3 +289,83 @@ def test_goal_loss_is_exported_and_not_a_config_objective():
     assert "GoalLoss" not in OBJECTIVES.names()
     assert not list(GoalLoss("cir", "sig_ms").parameters())
 
+
+
+def with_value(rows, value, at):
+    """``rows`` with ``value`` written at each ``(row, column)`` of ``at``."""
+    rows = rows.clone()
+    for row, column in at:
+        rows[row, column] = value
+    return rows
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda goal: goal(with_value(unit_rows(4), float("nan"), [(2, 0)]), unit_rows(4)),
+     r"image_embeds holds NaN or inf in 1 of its 4 rows \(row 2 first\), which would make the "
+     r"loss NaN: the model's outputs are not finite; check the model and its loss scale .*"
+     r"GoalLoss\(check_values=False\) leaves this check out"),
+    (lambda goal: goal(unit_rows(4), with_value(unit_rows(4), float("inf"), [(1, 0), (3, 2)])),
+     r"text_embeds holds NaN or inf in 2 of its 4 rows \(row 1 first\)"),
+    (lambda goal: goal(scores=with_value(torch.zeros(4, 4), float("nan"), [(0, 1), (2, 2)]),
+                       image_ids=[0, 1, 2, 3]),
+     r"scores hold NaN or inf in 2 of their 16 entries, which would make the loss NaN: check "
+     r"the model that scored them and its loss scale, or skip the batch. "
+     r"GoalLoss\(check_values=False\)"),
+], ids=["nan_image_row", "inf_text_rows", "nan_scores"])
+def test_non_finite_inputs_are_refused_naming_the_argument(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(GoalLoss())
+
+
+def count_waits(monkeypatch):
+    """A list that grows by one at each ``bool(tensor)``: where a call waits for the GPU."""
+    waits = []
+    to_bool = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: waits.append(1) or to_bool(t))
+    return waits
+
+
+def test_the_value_checks_cost_one_wait_per_tensor_and_can_be_left_out(monkeypatch):
+    images, texts = unit_rows(4), unit_rows(4)
+    waits = count_waits(monkeypatch)
+    GoalLoss("cir", "sig_ms")(images, texts)
+    checked = len(waits)
+    GoalLoss("cir", "sig_ms", check_values=False)(images, texts)
+    assert checked - (len(waits) - checked) == 2  # one for each tower's norms and finiteness
+    waits.clear()
+    GoalLoss()(scores=images @ texts.T)
+    checked = len(waits)
+    GoalLoss(check_values=False)(scores=images @ texts.T)
+    assert checked - (len(waits) - checked) == 1
+    monkeypatch.undo()
+    # left out, a NaN gives a NaN loss, as documented, and unnormalised rows pass
+    unchecked = GoalLoss(check_values=False)
+    assert torch.isnan(unchecked(with_value(images, float("nan"), [(0, 0)]), texts))
+    assert torch.isfinite(unchecked(3 * images, texts))
+    assert "check_values=False" in repr(unchecked)
+
+
+@pytest.mark.parametrize("ids,message", [
+    ([1, "1", 2, 3], r"image_ids\[1\] is '1', a string, while image_ids\[0\] is 1, an integer; "
+                     r"a list of image ids must be all integers or all strings \(not None, bool "
+                     r"or float, and not both kinds: 1 and '1' would name one image\)"),
+    ([1, 2, 1.0, 3], r"image_ids\[2\] is 1.0 \(float\), which is no image id"),
+    ([1, 2, 3, True], r"image_ids\[3\] is True \(bool\), which is no image id"),
+    ([1, None, 2, None], r"image_ids\[1\] is None \(NoneType\), which is no image id; .* pass "
+                         r"a 1-D integer tensor"),
+], ids=["int_and_str", "float", "bool", "none"])
+def test_a_list_of_ids_is_all_integers_or_all_strings(ids, message):
+    # hashed by their text, these would make 1, '1', 1.0 and True one image, and two Nones
+    # positives of each other
+    with pytest.raises(ValueError, match=message):
+        GoalLoss()(unit_rows(4), unit_rows(4), image_ids=ids)
+
+
+def test_integer_string_and_numpy_ids_name_the_same_groups():
+    np = pytest.importorskip("numpy")
+    images, texts = unit_rows(4), unit_rows(4)
+    expected = GoalLoss()(images, texts, image_ids=torch.tensor([7, 7, 8, 9]))
+    for ids in ([7, 7, 8, 9], ["a", "a", "b", "c"], list(np.array([7, 7, 8, 9])),
+                (7, 7, 8, 9)):
+        assert GoalLoss()(images, texts, image_ids=ids) == expected
+    assert GoalLoss()(images, texts, image_ids=[7, 8, 9, 10]) != expected

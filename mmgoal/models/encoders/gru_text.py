@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from mmgoal.config import PositiveInt
 from mmgoal.registry import ENCODERS
 
 
@@ -23,8 +24,9 @@ class GRUTextEncoder(nn.Module):
             ``mean`` (mean of the word states over real words).
     """
 
-    def __init__(self, tokenizer, word_dim: int = 300, hidden_size: int = 1024,
-                 num_layers: int = 1, bidirectional: bool = False, pooling: str = "last") -> None:
+    def __init__(self, tokenizer, word_dim: PositiveInt = 300, hidden_size: PositiveInt = 1024,
+                 num_layers: PositiveInt = 1, bidirectional: bool = False,
+                 pooling: str = "last") -> None:
         super().__init__()
         if pooling not in ("last", "mean"):
             raise ValueError(f"GRUTextEncoder pooling must be 'last' or 'mean', got {pooling!r}")

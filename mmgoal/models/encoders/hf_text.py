@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmgoal.paths import from_pretrained
+from mmgoal.models.pretrained import load_hf_model
 from mmgoal.registry import ENCODERS
 from mmgoal.sequences import length_mask
 
@@ -38,7 +38,7 @@ class HFTextEncoder(nn.Module):
         if pooling not in ("cls", "mean"):
             raise ValueError(f"HFTextEncoder pooling must be 'cls' or 'mean', got {pooling!r}")
         if model_path is not None:
-            self.model = from_pretrained(AutoModel, model_path, "HFTextEncoder model_path")
+            self.model = load_hf_model(model_path, "HFTextEncoder model_path")
         else:
             config = dict(config)
             model_type = config.pop("model_type", None)

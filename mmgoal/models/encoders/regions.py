@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torchvision.ops import roi_align
 
+from mmgoal.config import PositiveInt
 from mmgoal.models.encoders.timm_image import create_timm_backbone, drop_tokens
 from mmgoal.registry import ENCODERS
 from mmgoal.sequences import length_mask
@@ -37,7 +38,7 @@ class PrecomputedRegionEncoder(nn.Module):
 
     returns_tokens = True
 
-    def __init__(self, feature_dim: int = 2048, token_dropout: float = 0.0) -> None:
+    def __init__(self, feature_dim: PositiveInt = 2048, token_dropout: float = 0.0) -> None:
         super().__init__()
         self.out_dim = feature_dim
         self.token_dropout = token_dropout
@@ -85,7 +86,7 @@ class RoIRegionEncoder(nn.Module):
 
     def __init__(self, model_name: str, pretrained: str | bool | None = None,
                  checkpoint_remap: str = "auto", model_kwargs: dict | None = None,
-                 output_size: int = 2, whole_image: bool = True,
+                 output_size: PositiveInt = 2, whole_image: bool = True,
                  token_dropout: float = 0.0) -> None:
         super().__init__()
         self.model = create_timm_backbone(model_name, pretrained, checkpoint_remap, model_kwargs,

@@ -17,6 +17,9 @@ from timm.layers import SelectAdaptivePool2d
 from timm.models import register_model
 from torch import nn
 
+from mmgoal.config import PositiveInt
+from mmgoal.registry import check_arguments
+
 
 class SmallCNN(nn.Module):
     """Stages of (3x3 conv stride 2, 3x3 conv) with a norm and ReLU, then global pooling.
@@ -32,9 +35,9 @@ class SmallCNN(nn.Module):
             batch split over processes trains exactly as the whole batch in one).
     """
 
-    def __init__(self, widths: Sequence[int] = (32, 64, 128, 256), coord_channels: bool = True,
-                 in_chans: int = 3, num_classes: int = 0, global_pool: str = "avg",
-                 drop_rate: float = 0.0, norm: str = "batch") -> None:
+    def __init__(self, widths: Sequence[PositiveInt] = (32, 64, 128, 256),
+                 coord_channels: bool = True, in_chans: PositiveInt = 3, num_classes: int = 0,
+                 global_pool: str = "avg", drop_rate: float = 0.0, norm: str = "batch") -> None:
         super().__init__()
         if norm not in ("batch", "group"):
             raise ValueError(f"norm must be 'batch' or 'group', got {norm!r}")
@@ -90,9 +93,12 @@ class SmallCNN(nn.Module):
 
 @register_model
 def mmgoal_small_cnn(pretrained: bool = False, **kwargs) -> SmallCNN:
-    """timm entry point; ``pretrained`` is refused (there are no released weights)."""
+    """timm entry point; ``pretrained`` is refused (there are no released weights). A
+    config's ``model_kwargs`` reach it through timm, past the registry's check, so their
+    values are checked against ``SmallCNN``'s hints here (``widths: [8, -1]``)."""
     if pretrained:
         raise ValueError("mmgoal_small_cnn has no pretrained weights; set pretrained: false")
     for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
         kwargs.pop(key, None)
+    check_arguments(SmallCNN, kwargs, "mmgoal_small_cnn")
     return SmallCNN(**kwargs)

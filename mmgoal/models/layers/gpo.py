@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from mmgoal.config import PositiveInt
 from mmgoal.registry import POOLERS
 from mmgoal.sequences import length_mask
 
@@ -96,7 +97,8 @@ class GPO(nn.Module):
         temperature: softmax temperature of the scores (0.1).
     """
 
-    def __init__(self, d_pe: int = 32, d_hidden: int = 32, temperature: float = 0.1) -> None:
+    def __init__(self, d_pe: PositiveInt = 32, d_hidden: PositiveInt = 32,
+                 temperature: float = 0.1) -> None:
         super().__init__()
         if d_pe % 2:
             raise ValueError(f"GPO d_pe must be even (sine/cosine pairs), got {d_pe}")
