@@ -185,6 +185,28 @@ def find_config(text: str | os.PathLike) -> Path:
                             f"{name!r}{hint}; `mmgoal configs` lists the shipped ones")
 
 
+# A config is a few KB (the largest shipped one is under 4 KB); a file far larger is not one,
+# and is refused before it is read (a received _base_ of 1 GB would take 3 GB to parse).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_config_text(path: Path, where: str = "") -> str:
+    """The text of the config file ``path``, refused unread past :data:`MAX_CONFIG_BYTES`.
+
+    Raises:
+        ValueError: the file is larger, or is not UTF-8 text.
+    """
+    with open(path, "rb") as stream:
+        data = stream.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"config {path}{where} is larger than {MAX_CONFIG_BYTES:,} bytes, "
+                         f"and a config is a few KB: it is not read (is it the right file?)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config {path}{where} is not UTF-8 text ({error})") from None
+
+
 def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict:
     path = path.resolve()
     if path in chain:
@@ -197,7 +219,7 @@ def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist{where}")
     try:
-        data = read_yaml(path.read_text(), f"config {path}") or {}
+        data = read_yaml(read_config_text(path, where), f"config {path}") or {}
     except yaml.YAMLError as error:
         raise ValueError(f"config {path} is not valid YAML: {error}") from error
     if not isinstance(data, dict):
@@ -304,9 +326,9 @@ def apply_override(cfg: dict, override: str, known_keys: KnownKeys | None = None
             node = node[key]
 
 
-def dump_config(cfg: Mapping, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (what was run, reloadable with load_config)."""
-    Path(path).write_text(yaml.safe_dump(dict(cfg), sort_keys=False))
+def config_text(cfg: Mapping) -> str:
+    """The resolved config as YAML: what was run, which :func:`load_config` reads back."""
+    return yaml.safe_dump(dict(cfg), sort_keys=False)
 
 
 def config_changes(old: Any, new: Any, prefix: str = "") -> dict[str, list]:

@@ -30,9 +30,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.respond(body=True)
 
     def respond(self, body: bool) -> None:
+        try:
+            self.answer(body)
+        except (BrokenPipeError, ConnectionResetError):  # the reader left (a slow or endless
+            pass                                          # body, given up on)
+
+    def answer(self, body: bool) -> None:
         self.server.requests.append((self.command, self.path))
         if self.path in self.server.hang:
             time.sleep(3600)  # a server that never answers
+        if self.path in self.server.fail:  # a store that fails this file every time
+            self.send_response(self.server.fail[self.path])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path in self.server.endless:  # a body that never ends (no length said)
+            self.send_response(200)
+            self.end_headers()
+            while body:
+                self.wfile.write(self.server.endless[self.path])
         found = self.server.find(self.path)
         if found is None:
             self.send_response(404)
@@ -44,7 +60,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         cut = self.server.cut_once.pop(self.path, None) if body else None
         etag = hashlib.sha256(data).hexdigest()
         asked = self.headers.get("Range", "")
-        if asked.startswith("bytes=") and asked.endswith("-") and self.server.ranges:
+        if asked and self.path in self.server.replaced_on_range:
+            # a resumed read answered with the whole of another object, as 200
+            data = self.server.replaced_on_range[self.path]
+            etag = hashlib.sha256(data).hexdigest()
+        elif asked.startswith("bytes=") and asked.endswith("-") and self.server.ranges:
             start = int(asked[len("bytes="):-1])
             self.server.ranges_served.append((self.path, start))
             data, status = data[start:], 206
@@ -54,7 +74,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("X-Repo-Commit", COMMIT)
         self.send_header("Content-Type", "application/octet-stream")
         self.end_headers()
-        if body:
+        if body and self.path in self.server.drip:  # a byte at a time, for ever or nearly
+            for position in range(len(data)):
+                self.wfile.write(data[position:position + 1])
+                self.wfile.flush()
+                time.sleep(self.server.drip[self.path])
+        elif body:
             self.wfile.write(data if cut is None else data[:cut])
             self.wfile.flush()
             if cut is not None:
@@ -70,6 +95,10 @@ class _Server(http.server.ThreadingHTTPServer):
         self.folder: Path | None = None  # served at /files/<name>
         self.cut_once: dict[str, int] = {}  # path -> bytes sent before the connection drops
         self.hang: set[str] = set()
+        self.fail: dict[str, int] = {}  # path -> the HTTP status it always gets
+        self.drip: dict[str, float] = {}  # path -> seconds between its body's bytes
+        self.endless: dict[str, bytes] = {}  # path -> a chunk its body repeats for ever
+        self.replaced_on_range: dict[str, bytes] = {}  # path -> the body a Range request gets
         self.ranges = True  # honour "Range: bytes=N-" (a resumed read)
         self.ranges_served: list[tuple[str, int]] = []
         self.requests: list[tuple[str, str]] = []

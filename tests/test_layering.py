@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "mmgoal"
 
 CORE = {"config", "registry", "paths", "sequences", "extras", "devices", "distributed",
-        "deprecation", "strict_json"}
+        "deprecation", "strict_json", "files"}
 # layer -> the layers its modules may import (besides their own)
 MAY_IMPORT = {
     "config": set(),  # config and registry import nothing of mmgoal but each other

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mmgoal.config import SHIPPED_CONFIGS, find_config
+from mmgoal.files import refuse_link
 from mmgoal.paths import go_offline
 
 
@@ -63,6 +64,18 @@ def add_loading_options(parser: argparse.ArgumentParser, trust_what: str = "the 
     add_offline_option(parser)
 
 
+def add_data_options(parser: argparse.ArgumentParser) -> None:
+    """``--shards`` and ``--trust-data-paths``, for a tool that reads a split of the config
+    (:meth:`mmgoal.runs.loading.LoadedModel.split`)."""
+    parser.add_argument("--shards", nargs="+", metavar="PATTERN",
+                        help="the split's shards instead of the config's: files, globs, brace "
+                             "patterns, URLs or pipe: commands, read as given (they are yours)")
+    parser.add_argument("--trust-data-paths", action="store_true",
+                        help="read the config's or checkpoint's shards even where they run a "
+                             "command (pipe:) or fetch a URL; refused otherwise, since a file "
+                             "you received must not run commands or send requests")
+
+
 def add_offline_option(parser: argparse.ArgumentParser) -> None:
     """``--offline``: nothing downloaded (:func:`apply_loading_options` applies it)."""
     parser.add_argument("--offline", action="store_true",
@@ -86,8 +99,10 @@ def check_out_file(out: Path, is_earlier: Callable[[Path], bool], earlier: str,
         example: a file name to suggest inside a folder given by mistake.
 
     Raises:
-        ValueError: saying what ``out`` is and what to give instead.
+        ValueError: saying what ``out`` is and what to give instead (a
+            :class:`~mmgoal.files.LinkedPathError` for a symbolic link).
     """
+    refuse_link(out)  # before anything reads what it points at
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; give a file name, e.g. {out / example}")
     if out.exists() and not is_earlier(out):

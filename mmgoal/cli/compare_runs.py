@@ -29,6 +29,7 @@ from pathlib import Path
 
 from mmgoal.cli.arguments import tool_parser
 from mmgoal.config import load_config
+from mmgoal.files import write_text
 
 SCORE_KEYS = ("positive_median", "negative_median", "lam")
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.out:
-        Path(args.out).write_text(table)
+        write_text(args.out, table)
     print(table, end="")
     return 0
 

@@ -15,11 +15,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import yaml
-
 import mmgoal
 from mmgoal.cli.arguments import tool_parser
-from mmgoal.config import SHIPPED_CONFIGS, load_config, shipped_config_name, shipped_configs
+from mmgoal.config import (
+    SHIPPED_CONFIGS,
+    config_text,
+    load_config,
+    shipped_config_name,
+    shipped_configs,
+)
+from mmgoal.files import write_text
 
 
 def first_comment_line(path: Path) -> str:
@@ -69,9 +74,7 @@ def copy_config(name: str, dest: Path, force: bool = False) -> Path:
     header = [*leading_comments(source),
               f"# Copied from mmgoal {mmgoal.__version__}'s configs/{key}.yaml by `mmgoal configs "
               f"--copy`,", "# its _base_ files merged in: it stands alone."]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(header) + "\n" + yaml.safe_dump(load_config(source),
-                                                              sort_keys=False))
+    write_text(out, "\n".join(header) + "\n" + config_text(load_config(source)))
     return out
 
 

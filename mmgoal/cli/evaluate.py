@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
+    add_data_options,
     add_loading_options,
     apply_loading_options,
     check_out_file,
@@ -41,12 +42,14 @@ from mmgoal.cli.arguments import (
     names_shipped_config,
     tool_parser,
 )
+from mmgoal.data.pipeline import IncompleteSplitError
 from mmgoal.devices import resolve_device
 from mmgoal.distributed import world_info
 from mmgoal.engine.strategies.base import init_process_group
 from mmgoal.evaluation.gallery import evaluate_retrieval
 from mmgoal.evaluation.retrieval import metrics_table
 from mmgoal.extras import pyplot
+from mmgoal.files import save_figure, write_text
 from mmgoal.runs.loading import load_for_evaluation, load_zero_shot
 from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
 from mmgoal.structures import Member
@@ -69,7 +72,7 @@ def plot_curve(report, path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "(default: <checkpoint>.<split>.json)")
     parser.add_argument("--device", default="auto",
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
+    add_data_options(parser)
     add_loading_options(parser)
     args = parser.parse_args(argv)
     apply_loading_options(args)
@@ -152,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.config is not None:
             args.config = config_argument(args.config)
         return evaluate(args)
+    except IncompleteSplitError as error:  # a shard failed: no metrics over part of the split
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: custom_imports
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -209,9 +216,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     members = [first] + [load_for_evaluation(path, device=device, trust_custom_imports=trust)
                          for path in args.ensemble]
     cfg = first.config
-    split_cfg = cfg["data"].get(args.split)
-    if not split_cfg:
-        raise ValueError(f"the config has no data.{args.split} section")
+    split_cfg = first.split(args.split, args.shards, args.trust_data_paths)
     # a run directory's checkpoint file; zero-shot: the config
     args.checkpoint = str(first.checkpoint or args.config)
     folds = args.folds or split_cfg["folds"]
@@ -239,7 +244,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
               "ensemble": list(args.ensemble), "protocols": scoring.protocols,
               "metrics": metrics}
     if rankings is not None and main_rank:
-        Path(args.rankings).write_text(json.dumps(rankings))
+        write_text(args.rankings, json.dumps(rankings))
         say(f"rankings of {len(rankings['i2t'])} images and {len(rankings['t2i'])} captions "
             f"written to {args.rankings}")
     if args.attention and main_rank:  # one process: the metrics need no gallery scoring
@@ -260,7 +265,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
         return 0                                                       # beside a config
     out = Path(args.out or f"{args.checkpoint}.{args.split}.json")
     check_out(out)
-    out.write_text(strict_json.dumps(result, indent=2))
+    write_text(out, strict_json.dumps(result, indent=2))
     say(f"metrics written to {out}")
     return 0
 

@@ -23,8 +23,9 @@ the config, tokenizer, source and format version (``mmgoal-safetensors/1``) as
 JSON in the file's metadata.
 
 ``--out`` is a new file or an earlier export: a run's own checkpoints (best.pt,
-last.pt) and other files are never overwritten, and weights holding NaN/inf
-(written by an older mmgoal as its run diverged) are refused.
+last.pt) and other files are never overwritten, nothing is written through a symbolic
+link, and weights holding NaN/inf (written by an older mmgoal as its run diverged) are
+refused.
 
 ``--format open_clip`` (``OpenCLIP`` runs) writes open_clip's own folder:
 ``open_clip_config.json`` (the run's ``model_cfg``, ``model_kwargs`` included, and its
@@ -41,6 +42,7 @@ import sys
 from pathlib import Path
 
 from mmgoal.cli.arguments import check_out_file, tool_parser
+from mmgoal.files import staged_folder
 from mmgoal.runs.checkpoint import (
     CheckpointWriteError,
     check_finite_weights,
@@ -118,7 +120,10 @@ def export_folder(source: Path, out: Path, fmt: str, best: bool = False,
         raise ValueError(f"a {type(loaded.model).__name__} model has no {fmt} format: it is "
                          f"exported as {others} (--format); open_clip's layout is for "
                          f"OpenCLIP runs, Hugging Face's for HFCLIP runs")
-    written = loaded.model.export_to(fmt, out, loaded.tokenizer, loaded.transform)
+    # the family's writer (a library's save_pretrained among them) writes into a new folder;
+    # its files then move into --out, never through a link there
+    with staged_folder(out) as staging:
+        written = loaded.model.export_to(fmt, staging, loaded.tokenizer, loaded.transform)
     return {"source": str(path), "files": written}
 
 

@@ -6,8 +6,11 @@
 Every sample of every shard is read: images decoded whole, JSON parsed,
 ``regions.npy``/``boxes.npy`` loaded. Reported per shard: unreadable images or
 members, samples without captions or without an image/regions, image ids that
-appear twice (in the shard or in an earlier one), a damaged tar, a shard without
-samples. Exits 1 when anything is wrong, 2 when the arguments are, 0 otherwise.
+appear twice (in the shard or in an earlier one), samples larger than
+``--max-sample-bytes`` (not read), a damaged tar (cut short, a zeroed header, data
+after its end: mmgoal/data/tars.py), a shard without samples. Shards may be local
+files, URLs or ``pipe:`` commands, as in a config. Exits 1 when anything is wrong, 2
+when the arguments are, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import io
 import json
 import sys
-import tarfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,35 +29,26 @@ from tqdm import tqdm
 from mmgoal import strict_json
 from mmgoal.cli.arguments import tool_parser
 from mmgoal.data.pipeline import IMAGE_EXTENSIONS, expand_shards
+from mmgoal.data.remote import open_shard
+from mmgoal.data.tars import MAX_SAMPLE_BYTES, TarDamageError, tar_stream_samples
+from mmgoal.files import write_text
 
 
-def samples_of(url: str, damage: list[str]) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """The shard's samples (key, members) one at a time (a shard can be gigabytes);
-    what cut the shard short is appended to ``damage``."""
-    key, members, end = None, {}, None
-    archive = None
-    try:
-        archive = tarfile.open(url)
-        for member in archive:
-            if not member.isfile():
-                continue
-            name_key, _, ext = Path(member.name).name.partition(".")
-            if name_key != key and key is not None:
-                yield key, members
-                members = {}
-            key = name_key
-            members[ext] = archive.extractfile(member).read()
-        end = archive.offset
-    except (tarfile.TarError, OSError, EOFError) as error:  # EOFError: a cut .tar.gz
-        damage.append(str(error) or type(error).__name__)
-    finally:
-        if archive is not None:
-            archive.close()
-    if key is not None:
-        yield key, members
-    if end is not None and Path(url).stat().st_size - end < 2 * tarfile.BLOCKSIZE:
-        # A tar cut at a member boundary reads as a shorter tar; only the end marker tells.
-        damage.append("no end-of-archive marker: truncated?")
+def samples_of(url: str, problems: list[str], max_sample_bytes: int
+               ) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """The shard's samples (key, members) one at a time (a shard can be gigabytes); what
+    the reader met (an oversized sample, a damaged tar) is appended to ``problems``."""
+    def met(error: Exception) -> None:
+        if isinstance(error, TarDamageError):
+            problems.append(f"damaged tar after {error.samples} samples ({error.reason})")
+        else:
+            problems.append(str(error))
+
+    with open_shard(url) as stream:
+        for sample in tar_stream_samples(stream, url, met, max_sample_bytes=max_sample_bytes):
+            key = sample.pop("__key__")
+            del sample["__url__"]
+            yield key, sample
 
 
 def check_sample(key: str, members: dict[str, bytes], caption_key: str | None,
@@ -98,28 +91,29 @@ def check_sample(key: str, members: dict[str, bytes], caption_key: str | None,
     return meta.get("image_id", key), problems
 
 
-def inspect(urls: list[str], caption_key: str | None = None, progress: bool = True) -> dict:
+def inspect(urls: list[str], caption_key: str | None = None, progress: bool = True,
+            max_sample_bytes: int = MAX_SAMPLE_BYTES) -> dict:
     """Statistics and problems of ``urls`` (see the module docstring)."""
     stats = {"samples": 0, "captions": 0, "caption_words": [], "widths": [], "heights": [],
              "keys": Counter()}
     shards = []
     first_shard: dict[str, str] = {}  # image id -> the shard it first appeared in
     for url in tqdm(urls, unit="shard", disable=not progress):
-        damage: list[str] = []
+        read: list[str] = []  # what the reader met: oversized samples, damage
         problems: list[str] = []
         ids: Counter = Counter()
-        for key, members in samples_of(url, damage):
+        for key, members in samples_of(url, read, max_sample_bytes):
             image_id, found = check_sample(key, members, caption_key, stats)
             problems.extend(found)
             ids[str(image_id)] += 1
         count = sum(ids.values())
-        problems.extend(f"damaged tar after {count} samples ({d})" for d in damage)
+        problems.extend(read)
         problems.extend(f"image id {i!r} appears {n} times" for i, n in ids.items() if n > 1)
         problems.extend(f"image id {i!r} is also in {first_shard[i]}" for i in ids
                         if i in first_shard)
         for image_id in ids:
             first_shard.setdefault(image_id, url)
-        if not count and not damage:
+        if not count and not read:
             problems.append("no samples")
         stats["samples"] += count
         shards.append({"shard": url, "samples": count, "problems": problems})
@@ -171,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caption-key", help="captions from this member (txt), not the JSON")
     parser.add_argument("--json", type=Path, help="write the whole report here")
     parser.add_argument("--max-problems", type=int, default=20, help="problems printed")
+    parser.add_argument("--max-sample-bytes", type=int, default=MAX_SAMPLE_BYTES,
+                        help="a sample whose members hold more is a problem, and is not read "
+                             "(data.max_sample_bytes; default %(default)s)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -184,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:  # braceexpand: ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
-    report = inspect(urls, args.caption_key, progress=not args.no_progress)
+    report = inspect(urls, args.caption_key, progress=not args.no_progress,
+                     max_sample_bytes=args.max_sample_bytes)
     print(format_report(report, args.max_problems))
     if args.json:
         try:
-            args.json.write_text(strict_json.dumps(report, indent=2))
+            write_text(args.json, strict_json.dumps(report, indent=2))
         except OSError as error:
             print(f"error: cannot write --json {args.json} ({error.strerror})", file=sys.stderr)
             return 2

@@ -20,6 +20,7 @@ import torch
 import webdataset as wds
 
 from mmgoal.cli.arguments import (
+    add_data_options,
     add_loading_options,
     apply_loading_options,
     config_argument,
@@ -27,19 +28,23 @@ from mmgoal.cli.arguments import (
 )
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.pipeline import (
+    SkipCounter,
     collate_visual,
     decode_sample,
     expand_shards,
     transform_image,
 )
+from mmgoal.data.remote import tar_samples
 from mmgoal.extras import pyplot
+from mmgoal.files import save_figure
 from mmgoal.runs.loading import load_for_evaluation
 
 
 def nth_sample(shards, index: int) -> dict:
     """The ``index``-th readable sample of the shards, decoded."""
+    counter = SkipCounter()
     pipeline = wds.DataPipeline(wds.SimpleShardList(expand_shards(shards)),
-                                wds.tarfile_to_samples(), wds.map(decode_sample))
+                                tar_samples(counter), wds.map(decode_sample, handler=counter))
     for position, sample in enumerate(pipeline):
         if position == index:
             return sample
@@ -86,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--word", required=True, help="a word of the caption, or its position")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", help="PNG (default: <checkpoint>.attention_<index>_<word>.png)")
+    add_data_options(parser)
     add_loading_options(parser)
     args = parser.parse_args(argv)
     apply_loading_options(args)
@@ -95,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_for_evaluation(args.checkpoint, args.config, args.cfg_options, device="cpu",
                                      trust_custom_imports=args.trust_custom_imports)
         model, tokenizer, transform = loaded.model, loaded.tokenizer, loaded.transform
-        split = loaded.config["data"][args.split]
-        if not split:
-            raise ValueError(f"the config has no data.{args.split} section")
+        split = loaded.split(args.split, args.shards, args.trust_data_paths)
         sample = nth_sample(split["shards"], args.index)
         if "image" not in sample:
             raise ValueError("the sample has no image to draw (regions only)")
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.axis("off")
     fig.tight_layout()
     out = Path(args.out or f"{args.checkpoint}.attention_{args.index}_{args.word}.png")
-    fig.savefig(out, dpi=120)
+    save_figure(fig, out, dpi=120)
     print(f"attention of {words[position]!r} over {len(boxes)} regions "
           f"(max {top:.3f}) written to {out}")
     return 0

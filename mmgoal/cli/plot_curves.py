@@ -19,6 +19,7 @@ from pathlib import Path
 
 from mmgoal.cli.arguments import tool_parser
 from mmgoal.extras import pyplot
+from mmgoal.files import save_figure
 
 
 def read_curves(run: Path) -> dict[str, dict[str, list]]:
@@ -60,7 +61,7 @@ def plot_curves(runs: list[Path], labels: list[str], out: Path) -> None:
         if ax.lines:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, dpi=110)
     plt.close(fig)
 
 

@@ -25,6 +25,7 @@ import torch
 from mmgoal.cli.arguments import config_argument, tool_parser
 from mmgoal.config import load_config, parse_value
 from mmgoal.extras import pyplot, require_extra
+from mmgoal.files import save_figure
 from mmgoal.objectives.goal import WEIGHT_REGISTRIES, BoundWeight, bind_weight
 from mmgoal.registry import OBJECTIVES
 
@@ -112,8 +113,7 @@ def draw(weights: dict[str, list[BoundWeight]], out: Path, resolution: int = 201
     legend_ax.legend(*positive_ax.get_legend_handles_labels(), loc="center", title="pair weight")
     fig.suptitle("GOAL weights (options in brackets); dashed: multi-similarity weights, "
                  "drawn with empty comparison sets")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, dpi=110)
     plt.close(fig)
 
 

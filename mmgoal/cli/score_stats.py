@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from mmgoal.cli.arguments import (
+    add_data_options,
     add_loading_options,
     apply_loading_options,
     config_argument,
@@ -41,16 +42,16 @@ def load_model(source: Path, trust_custom_imports: bool = False) -> LoadedModel:
     return load_for_evaluation(source, device="cpu", trust_custom_imports=trust_custom_imports)
 
 
-def score_stats(source: Path, split: str, pairs: int,
-                trust_custom_imports: bool = False) -> dict[str, float]:
+def score_stats(source: Path, split: str, pairs: int, trust_custom_imports: bool = False,
+                shards: list[str] | None = None, trust_data_paths: bool = False
+                ) -> dict[str, float]:
+    """The statistics the module docstring names, of ``pairs`` pairs of ``split`` (or of
+    ``shards``; the config's are read as :meth:`LoadedModel.split` allows)."""
     loaded = load_model(source, trust_custom_imports)
-    model, tokenizer, transform, cfg = (loaded.model, loaded.tokenizer, loaded.transform,
-                                        loaded.config)
+    model, tokenizer, transform = loaded.model, loaded.tokenizer, loaded.transform
+    split_cfg = loaded.split(split, shards, trust_data_paths)
     positive, negative = [], []
     with torch.no_grad():
-        split_cfg = cfg["data"].get(split)
-        if not split_cfg:
-            raise ValueError(f"{source}: its config has no data.{split} to score")
         for batch in iter_eval_batches(split_cfg["shards"], transform, 128):
             captions = [c[0] for c in batch["captions"]]
             texts = model.encode_text(tokenizer(captions))
@@ -73,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
                                                 "model loads pretrained weights")
     parser.add_argument("--split", default="test", choices=("val", "test"))
     parser.add_argument("--pairs", type=int, default=512)
+    add_data_options(parser)
     add_loading_options(parser)
     args = parser.parse_args(argv)
     apply_loading_options(args)
     for run in args.runs:
         try:
             s = score_stats(Path(config_argument(run) if names_shipped_config(run) else run),
-                            args.split, args.pairs, args.trust_custom_imports)
+                            args.split, args.pairs, args.trust_custom_imports, args.shards,
+                            args.trust_data_paths)
         except (FileNotFoundError, ValueError, KeyError, ImportError) as error:
             print(f"error: {run}: {error}", file=sys.stderr)
             return 2

@@ -42,8 +42,10 @@ from mmgoal.data.pipeline import (
     expand_shards,
     read_captions,
 )
+from mmgoal.data.remote import tar_samples
 from mmgoal.evaluation.gallery import encode_gallery
 from mmgoal.extras import pyplot
+from mmgoal.files import save_figure
 from mmgoal.structures import cat_features
 
 MAX_COLUMNS = 8  # hits per row of the picture; a query with more hits takes several rows
@@ -80,7 +82,7 @@ class ImageGallery:
         found: dict[int, Image.Image] = {}
         counter = SkipCounter()  # the samples encode_gallery skipped, skipped again
         for sample in wds.DataPipeline(wds.SimpleShardList(self.shards),
-                                       wds.tarfile_to_samples(handler=counter),
+                                       tar_samples(counter),
                                        wds.map(decode_sample, handler=counter)):
             position = wanted.get(sample["image_id"])
             if position is None or position in found:  # a later copy of an image id
@@ -271,7 +273,7 @@ def search(args: argparse.Namespace) -> int:
                              f"({', '.join(shards)}); give them with --texts FILE, one a line")
         fig = rank_captions(retriever, args.image, args.top_k, rerank_k, captions, plt)
     if fig is not None:
-        fig.savefig(args.out, dpi=DPI)
+        save_figure(fig, args.out, dpi=DPI)
         plt.close(fig)
         print(f"written to {args.out}")
     return 0

@@ -45,6 +45,7 @@ from mmgoal.cli.arguments import (
 )
 from mmgoal.config import config_changes, describe_changes, parse_value
 from mmgoal.engine.trainer import Trainer
+from mmgoal.files import write_text
 from mmgoal.registry import OBJECTIVES
 from mmgoal.runs.run_dir import (
     has_checkpoint,
@@ -276,7 +277,7 @@ def sweep(args: argparse.Namespace, points: list[dict], out: Path,
                      "val_rsum": report["best"]["rsum"] if report["best"]["rsum"] is not None
                      else -math.inf, "test": report["test"],
                      "train_seconds": report["train_seconds"], "dir": str(work_dir)})
-        (out / "runs.json").write_text(strict_json.dumps(runs, indent=2))
+        write_text(out / "runs.json", strict_json.dumps(runs, indent=2))
         print(f"[{index}/{len(settings)}] {triplet}x{pair} {slug(point)} seed {seed}: "
               f"test R@1 {report['test']['i2t_r1']:.1f}/{report['test']['t2i_r1']:.1f}, "
               f"rsum {report['test']['rsum']:.1f} ({time.perf_counter() - start:.0f}s)",
@@ -285,7 +286,7 @@ def sweep(args: argparse.Namespace, points: list[dict], out: Path,
     table = summarise(runs, args.triplet, args.pair)
     header = (f"Test R@1 image-to-text / text-to-image (mean ± std over {args.seeds} seeds); "
               f"best grid point per cell by mean validation rsum.\n\n`{command}`\n\n")
-    (out / "table.md").write_text(header + table)
+    write_text(out / "table.md", header + table)
     print(table)
     return 0
 

@@ -28,7 +28,7 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.config import load_config
-from mmgoal.data.pipeline import UnreadableShardsError
+from mmgoal.data.pipeline import IncompleteSplitError, UnreadableShardsError
 from mmgoal.engine.loggers import LoggerError
 from mmgoal.engine.trainer import Trainer
 from mmgoal.evaluation.protocols import check_test_shards
@@ -168,6 +168,12 @@ def train(args: argparse.Namespace, cfg: dict, work_dir: Path, main_rank: bool) 
     with trainer:  # closes the strategy (the process group) when the run ends
         try:
             report = trainer.fit()
+        except IncompleteSplitError as error:  # every rank read the split, every rank failed
+            if trainer.is_main:
+                print(f"error: {last_line(error)}\nThe run stopped with its checkpoint; once "
+                      f"the split reads whole, --resume --work-dir {work_dir} evaluates again "
+                      f"and goes on.", file=sys.stderr)
+            return 1
         except (FloatingPointError, UnreadableShardsError, LoggerError,
                 CheckpointWriteError) as error:
             # a divergence stops every rank with one message; unreadable shards are a rank's

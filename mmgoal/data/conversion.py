@@ -35,6 +35,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from mmgoal.data.shards import ShardWriter
+from mmgoal.files import write_text
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +145,7 @@ def convert_shard(task: tuple[ShardSource, Path, str, int, Sequence[Any]]) -> di
     stats = {"split": split, "index": index, "items": len(items), "samples": samples,
              "captions": captions, "skipped": dict(skipped), "examples": examples}
     path = stats_path(out_dir, split, index)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(stats))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(stats))
     return stats
 
 
@@ -177,8 +176,8 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
     elif any(out_dir.glob("*.tar")):
         raise FileExistsError(f"{out_dir} already holds shards; pass --resume to finish an "
                               f"interrupted conversion, or choose an empty --out folder")
-    (out_dir / "summary.json").write_text(json.dumps({"options": options, "splits": {}},
-                                                     indent=2))
+    write_text(out_dir / "summary.json", json.dumps({"options": options, "splits": {}},
+                                                    indent=2))
     tasks = [(source, out_dir, split, index, items)
              for split in source.splits()
              for index, items in enumerate(source.plan(split, shard_size))]
@@ -198,7 +197,7 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
         bar.update(1)
     bar.close()
     summary = {"options": options, "splits": summarise(results)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 

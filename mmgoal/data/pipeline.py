@@ -30,13 +30,20 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import braceexpand
 import numpy as np
 import torch
 import webdataset as wds
 from PIL import Image
 
-from mmgoal.data.remote import RETRIES, TIMEOUT, is_remote, shard_sizes, tar_samples
+from mmgoal.data.remote import (
+    RETRIES,
+    TIMEOUT,
+    brace_expanded,
+    is_remote,
+    shard_sizes,
+    tar_samples,
+)
+from mmgoal.data.tars import MAX_SAMPLE_BYTES, ShardError
 from mmgoal.registry import DATASETS, TEXT_AUGMENTS
 
 logger = logging.getLogger(__name__)
@@ -55,6 +62,11 @@ class CorruptSampleError(ValueError):
 
 class UnreadableShardsError(RuntimeError):
     """A training reader went through a whole pass of its shards without a readable sample."""
+
+
+class IncompleteSplitError(ValueError):
+    """An evaluation split with a shard that could not be read to its end (it failed, or its
+    tar is damaged): metrics over part of its gallery would pass for the split's."""
 
 
 class SkipCounter:
@@ -98,6 +110,21 @@ class SkipCounter:
         kinds = "; ".join(f"{count} {kind}, the last: {self.last[kind]}"
                           for kind, count in self.counts.most_common())
         return f"{self.total} samples skipped" + (f": {kinds}" if kinds else "")
+
+
+def whole_split(counter: SkipCounter) -> Callable[[Exception], bool]:
+    """A handler for an evaluation split's reader: a bad sample is counted and skipped
+    (``counter``), a shard that could not be read whole is an :class:`IncompleteSplitError`."""
+    def handle(error: Exception) -> bool:
+        if isinstance(error, ShardError):
+            raise IncompleteSplitError(
+                f"{error}. An evaluation reads its split whole: metrics over part of the "
+                f"gallery would not be the split's, so none are given; repair or replace the "
+                f"shard (mmgoal inspect-shards names what is wrong), or leave it out of the "
+                f"split") from error
+        return counter(error)
+
+    return handle
 
 
 def shuffle_within_passes(samples: Iterator[dict], size: int, rng: random.Random
@@ -205,31 +232,111 @@ def expand_shards(shards: str | Sequence[str]) -> list[str]:
         FileNotFoundError: a pattern matches no file, or a listed shard is missing.
         ValueError: a glob in a URL or command (a store cannot be listed: use braces).
     """
-    patterns = [shards] if isinstance(shards, str) else list(shards)
     paths: list[str] = []
-    for pattern in patterns:
-        for expanded in braceexpand.braceexpand(str(pattern)):
-            if is_remote(expanded):
-                if any(c in expanded for c in "*?[") and not expanded.startswith("pipe:"):
-                    raise ValueError(f"shard URL {expanded!r} holds a glob, which a remote "
-                                     f"store cannot expand; name the shards with a brace "
-                                     f"pattern (train-{{000000..000099}}.tar)")
-                paths.append(expanded)
-            elif any(c in expanded for c in "*?["):
-                matches = sorted(glob.glob(expanded))
-                if not matches:
-                    raise FileNotFoundError(f"shard pattern {expanded!r} matches no file")
-                paths.extend(matches)
-            elif not Path(expanded).is_file():
-                raise FileNotFoundError(
-                    f"shard {expanded!r} does not exist (from {pattern!r}); generate the "
-                    f"data first, e.g. mmgoal make-synthetic --out data/synthetic"
-                )
-            else:
-                paths.append(expanded)
+    for pattern, expanded in brace_expanded(shards):
+        if is_remote(expanded):
+            if any(c in expanded for c in "*?[") and not expanded.startswith("pipe:"):
+                raise ValueError(f"shard URL {expanded!r} holds a glob, which a remote "
+                                 f"store cannot expand; name the shards with a brace "
+                                 f"pattern (train-{{000000..000099}}.tar)")
+            paths.append(expanded)
+        elif any(c in expanded for c in "*?["):
+            matches = sorted(glob.glob(expanded))
+            if not matches:
+                raise FileNotFoundError(f"shard pattern {expanded!r} matches no file")
+            # a file that a glob matched is a file, whatever its name: one named
+            # 'pipe:...' or 'http:...' must not become a command or a request
+            paths.extend(f"./{m}" if is_remote(m) else m for m in matches)
+        elif not Path(expanded).is_file():
+            raise FileNotFoundError(
+                f"shard {expanded!r} does not exist (from {pattern!r}); generate the "
+                f"data first, e.g. mmgoal make-synthetic --out data/synthetic"
+            )
+        else:
+            paths.append(expanded)
     if not paths:
         raise FileNotFoundError(f"no shards given by {shards!r}")
     return paths
+
+
+def shard_keys(url: str) -> frozenset[str]:
+    """The sample keys of the local shard ``url``, from its tar headers (no member is read);
+    a damaged shard's keys before the damage, with a warning. Read once per version of
+    the file in a process (the trainer counts them, then compares the splits')."""
+    stat = Path(url).stat()
+    return _shard_keys(url, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_keys(url: str, _mtime_ns: int, _size: int) -> frozenset[str]:
+    keys: set[str] = set()
+    try:
+        with tarfile.open(url) as archive:
+            for member in archive:
+                if member.isfile():
+                    keys.add(Path(member.name).name.split(".", 1)[0])
+    # what precedes the damage (EOFError: a cut .tar.gz's gzip stream)
+    except (tarfile.TarError, OSError, EOFError) as error:
+        logger.warning("shard %s is damaged (%s); counting its %d readable samples",
+                       url, error, len(keys))
+    return frozenset(keys)
+
+
+# Image keys a split-overlap warning shows; bytes compared at a time
+SHOWN_KEYS = 5
+CHUNK_BYTES = 1 << 20
+
+
+def split_overlaps(train: Sequence[str], splits: dict[str, Sequence[str]]) -> list[str]:
+    """What each evaluation split shares with the training split, as sentences: its shards
+    that are training shards (the same file, or the same bytes) and the sample keys it
+    shares with the training shards. Metrics over samples trained on are no test of the
+    model. Only local shards are compared: a remote shard's keys are not known before it is
+    read.
+
+    Args:
+        train: the training split's shards (expanded: :func:`expand_shards`).
+        splits: the evaluation splits' shards by name (``data.val``, ``data.test``).
+    """
+    train = [url for url in train if not is_remote(url)]
+    by_size: dict[int, list[str]] = {}
+    for url in train:
+        by_size.setdefault(Path(url).stat().st_size, []).append(url)
+    train_keys = frozenset().union(*map(shard_keys, train)) if train else frozenset()
+    found = []
+    for name, urls in splits.items():
+        local = []  # those that are not a training shard: their keys are compared
+        for url in (url for url in urls if not is_remote(url)):
+            same = next((other for other in by_size.get(Path(url).stat().st_size, [])
+                         if _same_bytes(url, other)), None)
+            if same is None:
+                local.append(url)
+            else:
+                found.append(f"{name}'s shard {url} is the training shard {same}: its "
+                             f"metrics measure samples the model trained on, not a test")
+        shared = sorted(frozenset().union(*map(shard_keys, local)) & train_keys) \
+            if local else []
+        if shared:
+            shown = ", ".join(shared[:SHOWN_KEYS]) + (" ..." if len(shared) > SHOWN_KEYS
+                                                       else "")
+            found.append(f"{name} shares {len(shared)} sample keys with the training split "
+                         f"({shown}): metrics over samples trained on are no test; take them "
+                         f"out of one of the splits")
+    return found
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    """Whether files ``a`` and ``b`` (of one size) are the same file or hold the same bytes."""
+    if Path(a).samefile(b):
+        return True
+    with open(a, "rb") as first, open(b, "rb") as second:
+        while True:
+            chunk = first.read(CHUNK_BYTES)
+            if chunk != second.read(CHUNK_BYTES):
+                return False
+            if not chunk:
+                return True
+
 
 
 def shard_listing(shards: str | Sequence[str]) -> list[list]:
@@ -480,6 +587,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
             passes, so an epoch's last batches already hold samples of the next pass and
             about a buffer's worth of this one is left for later (docs/data.md, "What an
             epoch is"). Not with ``resampled``.
+        max_sample_bytes: a sample whose members hold more bytes is skipped and counted
+            without being read (``data.max_sample_bytes``, which the trainer passes).
     """
 
     def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
@@ -487,9 +596,11 @@ class ShardDataset(torch.utils.data.IterableDataset):
                  shuffle_buffer: int = 2000, seed: int = 0,
                  text_augment: dict | None = None, resampled: bool = False,
                  caption_key: str | None = None, retries: int = RETRIES,
-                 timeout: float = TIMEOUT, exact_passes: bool = False) -> None:
+                 timeout: float = TIMEOUT, exact_passes: bool = False,
+                 max_sample_bytes: int = MAX_SAMPLE_BYTES) -> None:
         super().__init__()
         self.shards = shards
+        self.max_sample_bytes = max_sample_bytes
         if batch_size < 1:
             raise ValueError(f"data.train.batch_size must be at least 1, got {batch_size}")
         if exact_passes and resampled:
@@ -510,6 +621,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.caption_key = caption_key
         self.epoch = 0
         self.counter = SkipCounter()
+        # remote shards' samples as sizes.json claims them (num_samples); a shard that holds
+        # fewer is warned of as it is read
+        self.claimed: dict[str, int] | None = None
         self.text_augment = (TEXT_AUGMENTS.build(text_augment, tokenizer=tokenizer)
                              if text_augment and training else None)
 
@@ -534,23 +648,11 @@ class ShardDataset(torch.utils.data.IterableDataset):
                     f"({{\"train-000000.tar\": 10000, ...}}, as webdataset and open_clip "
                     f"read it), keep img2dataset's <shard>_stats.json beside them, or set "
                     f"train.samples_per_epoch")
+            self.claimed = dict(zip(self.urls, sizes))
             return sum(sizes)
         if self.expand_captions:
             return len(read_captions(self.urls, self.caption_key))
-        total = 0
-        for url in self.urls:
-            keys: set[str] = set()
-            try:
-                with tarfile.open(url) as archive:
-                    for member in archive:
-                        if member.isfile():
-                            keys.add(Path(member.name).name.split(".", 1)[0])
-            # count what precedes the damage (EOFError: a cut .tar.gz's gzip stream)
-            except (tarfile.TarError, OSError, EOFError) as error:
-                logger.warning("shard %s is damaged (%s); counting its %d readable samples",
-                               url, error, len(keys))
-            total += len(keys)
-        return total
+        return sum(len(shard_keys(url)) for url in self.urls)
 
     def check_readers(self, world_size: int, workers: int) -> None:
         """Fail early when the shards cannot give every rank and worker one of its own."""
@@ -618,11 +720,13 @@ class ShardDataset(torch.utils.data.IterableDataset):
                                          rng=self._rng(1)) if self.exact_passes else
                        wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
                                    rng=self._rng(1)))
-            stages += [tar_samples(handler, retries=self.retries, timeout=self.timeout),
+            stages += [tar_samples(handler, retries=self.retries, timeout=self.timeout,
+                                   max_sample_bytes=self.max_sample_bytes, claimed=self.claimed),
                        check.tag, shuffle, check.settle]
         else:
             stages = [wds.SimpleShardList(self.urls), wds.split_by_node, wds.split_by_worker,
-                      tar_samples(handler, retries=self.retries, timeout=self.timeout)]
+                      tar_samples(handler, retries=self.retries, timeout=self.timeout,
+                                  max_sample_bytes=self.max_sample_bytes)]
         stages += [
             wds.map(functools.partial(decode_sample, caption_key=self.caption_key),
                     handler=handler),
@@ -648,15 +752,17 @@ class EvalBatches(torch.utils.data.IterableDataset):
     so a DataLoader, which takes the next item of each worker in turn, yields the
     batches in shard order. A batch whose samples all failed is yielded empty, to keep
     the turns; every batch carries ``skipped``: its samples that could not be read
-    (tar-level damage counts where it surfaces, once).
+    (a sample over ``max_sample_bytes`` among them). A shard that cannot be read to its
+    end stops the reading with an :class:`IncompleteSplitError` (:func:`whole_split`).
     """
 
     def __init__(self, shards: str | list[str], transform: Callable, batch_size: int,
                  caption_key: str | None = None, part: tuple[int, int] = (0, 1),
-                 counter: SkipCounter | None = None) -> None:
+                 counter: SkipCounter | None = None,
+                 max_sample_bytes: int = MAX_SAMPLE_BYTES) -> None:
         self.urls = expand_shards(shards)
         self.transform, self.batch_size, self.caption_key = transform, batch_size, caption_key
-        self.part = part
+        self.part, self.max_sample_bytes = part, max_sample_bytes
         self.counter = counter  # in the process that iterates (a worker has its own copy)
 
     def __iter__(self) -> Iterator[dict]:
@@ -666,7 +772,9 @@ class EvalBatches(torch.utils.data.IterableDataset):
         mine, every = index * workers + worker, count * workers
         counter = self.counter if self.counter is not None else SkipCounter()
         counter.take()
-        samples = wds.DataPipeline(wds.SimpleShardList(self.urls), tar_samples(counter))
+        samples = wds.DataPipeline(wds.SimpleShardList(self.urls),
+                                   tar_samples(whole_split(counter),
+                                               max_sample_bytes=self.max_sample_bytes))
         for number, raw in enumerate(_chunks(iter(samples), self.batch_size)):
             if number % every != mine:
                 counter.take()  # tar-level skips surfaced here are another reader's
@@ -699,7 +807,8 @@ def eval_collate(samples: list[dict]) -> dict:
 def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: int,
                       counter: SkipCounter | None = None, caption_key: str | None = None,
                       num_workers: int = 0, part: tuple[int, int] = (0, 1),
-                      pin_memory: bool = False, numbered: bool = False) -> Iterator:
+                      pin_memory: bool = False, numbered: bool = False,
+                      max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Iterator:
     """Evaluation batches in shard order, one sample per image with all its captions
     (``caption_key``: its one caption from that member, as img2dataset's ``txt``).
 
@@ -708,7 +817,11 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
     batches and their order are the same. ``part=(rank, world)`` yields only a rank's
     share of the batches (:class:`EvalBatches`), and ``numbered`` yields ``(number,
     batch)``, the batch's place in the one-process stream. ``counter`` counts the
-    samples that could not be read (in workers: their number).
+    samples that could not be read (in workers: their number); ``max_sample_bytes``
+    bounds a sample (``data.max_sample_bytes``: a larger one is skipped unread).
+
+    Raises:
+        IncompleteSplitError: a shard failed, or its tar is damaged.
 
     Yields:
         ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...],
@@ -718,7 +831,7 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
     """
     counter = counter if counter is not None else SkipCounter()
     dataset = EvalBatches(shards, transform, batch_size, caption_key, part,
-                          counter if num_workers == 0 else None)
+                          counter if num_workers == 0 else None, max_sample_bytes)
     batches = dataset if num_workers == 0 else torch.utils.data.DataLoader(
         dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
     for batch in batches:
@@ -768,12 +881,14 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         sources: ``ShardDataset`` configs (without ``type`` and ``batch_size``), each
             with a ``name`` and a ``weight``, e.g. ``{name: web, weight: 3, shards:
             ..., caption_key: txt}``.
-        batch_size, tokenizer, transform, training, seed, text_augment: as ``ShardDataset``.
+        batch_size, tokenizer, transform, training, seed, text_augment, max_sample_bytes:
+            as ``ShardDataset``.
     """
 
     def __init__(self, sources: list[dict], batch_size: int, tokenizer: Callable,
                  transform: Callable, training: bool = True, seed: int = 0,
-                 text_augment: dict | None = None) -> None:
+                 text_augment: dict | None = None,
+                 max_sample_bytes: int = MAX_SAMPLE_BYTES) -> None:
         super().__init__()
         if not sources:
             raise ValueError("MixtureDataset needs at least one source")
@@ -790,7 +905,8 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             # Through the registry: a wrong key in a source gets its message and hint.
             self.sources.append(DATASETS.build(
                 {"type": "ShardDataset", **source}, batch_size=1, tokenizer=tokenizer,
-                transform=transform, training=training, seed=seed + 7919 * index))
+                transform=transform, training=training, seed=seed + 7919 * index,
+                max_sample_bytes=max_sample_bytes))
         if len(set(self.names)) < len(self.names):
             raise ValueError(f"MixtureDataset source names must differ, got {self.names}")
         self.batch_size, self.tokenizer, self.training = batch_size, tokenizer, training

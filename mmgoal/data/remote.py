@@ -33,40 +33,168 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from webdataset.tariterators import group_by_keys, tar_file_expander
+import braceexpand
+
+from mmgoal.data.tars import (
+    MAX_SAMPLE_BYTES,
+    OversizedSampleError,
+    ShardError,
+    tar_stream_samples,
+)
 
 logger = logging.getLogger(__name__)
 
 REMOTE_PREFIXES = ("http://", "https://", "pipe:")
 RETRIES = 3  # reads of a remote shard after the first one fails
 TIMEOUT = 60.0  # seconds a remote read may wait for a byte
+MIN_RATE = 1024.0  # bytes/s a remote shard must send, averaged over TIMEOUT seconds
 BACKOFF = 1.0  # seconds before the first retry, doubled each time
 SIZES_FILE = "sizes.json"
 CHUNK = 1 << 20
 
 
-class ShardReadError(OSError):
+class ShardReadError(ShardError):
     """A remote shard could not be read, after its retries (counted as a skipped sample)."""
+
+
+class SlowShardError(OSError):
+    """A remote shard that sends its bytes slower than the reader's ``min_rate`` (retried)."""
+
+
+class RateFloor:
+    """Fails a transfer whose bytes come slower than ``min_rate`` bytes/s, averaged over
+    each window of ``window`` seconds: a server that drips a byte a second never lets a
+    per-read timeout expire, and would hold a reader for ever."""
+
+    def __init__(self, min_rate: float, window: float) -> None:
+        self.min_rate, self.window = min_rate, window
+        self.start, self.count = time.monotonic(), 0
+
+    def received(self, size: int) -> None:
+        """Count ``size`` bytes just received.
+
+        Raises:
+            SlowShardError: the window that just ended brought too few.
+        """
+        self.count += size
+        elapsed = time.monotonic() - self.start
+        if elapsed < self.window:
+            return
+        if self.count < self.min_rate * elapsed:
+            raise SlowShardError(f"{self.count} bytes came in {elapsed:.1f} s, slower than "
+                                 f"{self.min_rate:g} bytes/s (the reader's min_rate)")
+        self.start, self.count = time.monotonic(), 0
 
 
 def is_remote(url: str) -> bool:
     return str(url).startswith(REMOTE_PREFIXES)
 
 
-def _opened_http(url: str, position: int, timeout: float) -> tuple[Any, int | None]:
-    """An HTTP response from byte ``position`` on, and the shard's length where known."""
+TRUST_FLAG = "--trust-data-paths"
+
+
+class UntrustedDataPathError(ValueError):
+    """A ``pipe:`` command or a remote URL that a file named, not the user (see
+    :func:`check_trusted_locations`)."""
+
+
+def check_trusted_locations(shards: str | Sequence[str], key: str, source: str) -> None:
+    """Refuse shards that would run a command or fetch a URL when they came from a file
+    that may be anyone's (a checkpoint's stored config, an export, a run folder, a config
+    someone sent), not from the command line: its ``pipe:`` command would run, its URL
+    would be requested (a beacon, or a request into the user's network). Local files
+    are read as they are. docs/received_files.md says when mmgoal trusts a location.
+
+    Args:
+        key: the dotted config key that holds them (``data.test.shards``).
+        source: where the config came from (``the config stored in best.pt``).
+
+    Raises:
+        UntrustedDataPathError: the first such location, what it would have done, and
+            the two ways to allow it.
+    """
+    for _, location in brace_expanded(shards):
+        if is_remote(location):
+            would = (f"run the command {location.removeprefix('pipe:')!r}"
+                     if location.startswith("pipe:") else f"fetch {location}")
+            raise UntrustedDataPathError(
+                f"{key} of {source} would {would}; mmgoal runs no command and fetches no URL "
+                f"that a received file names. If you trust the file, pass {TRUST_FLAG}; or "
+                f"give the shards yourself (--shards PATTERN, or --cfg-options {key}=...)")
+
+
+# Shards a pattern may stand for: LAION-5B is about 600,000; a few bytes of braces
+# ({0..999999999}) would otherwise list a billion names.
+MAX_SHARDS = 1_000_000
+
+
+def brace_expanded(shards: str | Sequence[str]) -> Iterator[tuple[str, str]]:
+    """``(pattern, name)`` for every name the brace patterns of ``shards`` stand for
+    (``train-{000..009}.tar``), in order.
+
+    Raises:
+        ValueError: more than :data:`MAX_SHARDS` names.
+    """
+    patterns = [shards] if isinstance(shards, str) else list(shards)
+    count = 0
+    for pattern in patterns:
+        for name in braceexpand.braceexpand(str(pattern)):
+            count += 1
+            if count > MAX_SHARDS:
+                raise ValueError(f"the shard patterns {shards!r} stand for more than "
+                                 f"{MAX_SHARDS:,} shards; write fewer, larger shards")
+            yield str(pattern), name
+
+
+class ShardChangedError(ShardError):
+    """A resumed read of an HTTP shard that is not the object the first read began: the
+    bytes already read and the rest do not belong together (:func:`tar_samples` reads
+    the shard again from its start)."""
+
+
+def _identity(response: Any, position: int) -> tuple[int | None, str | None]:
+    """``(length of the whole object, ETag)`` of an HTTP answer from byte ``position``,
+    each None where the answer does not say (``Content-Range`` of a 206, ``Content-Length``
+    of a 200)."""
+    etag = response.headers.get("ETag")
+    if response.status == 206:
+        total = (response.headers.get("Content-Range") or "").rpartition("/")[2]
+        return (int(total) if total.isdigit() else None), etag
+    length = response.headers.get("Content-Length")
+    return (int(length) if length is not None and length.isdigit() else None), etag
+
+
+def _opened_http(url: str, position: int, timeout: float,
+                 identity: tuple[int | None, str | None] | None
+                 ) -> tuple[Any, tuple[int | None, str | None]]:
+    """An HTTP response from byte ``position`` on, and the object's identity (length,
+    ETag: :func:`_identity`). A read resumed at ``position`` > 0 must be of the object
+    whose ``identity`` the first read gave: an answer whose length or ETag differs, or
+    that says neither, raises :class:`ShardChangedError` (a 200 to a ``Range`` request
+    with another body would otherwise be cut at the byte and read on as the same tar).
+    """
     request = urllib.request.Request(url, headers={"Range": f"bytes={position}-"}
                                      if position else {})
     response = urllib.request.urlopen(request, timeout=timeout)  # noqa: S310 (the user's URL)
-    length = response.headers.get("Content-Length")
-    if position and response.status == 206:  # resumed at the byte
-        return response, position + int(length) if length is not None else None
-    total = int(length) if length is not None else None
-    _skip(response, position)  # no Range: read again up to where it broke
-    return response, total
+    found = _identity(response, position)
+    if position:
+        starts = (response.headers.get("Content-Range") or "").removeprefix("bytes ")
+        resumed_at = int(starts.split("-", 1)[0]) if starts[:1].isdigit() else None
+        known = [(was, now) for was, now in zip(identity or (None, None), found)
+                 if was is not None or now is not None]
+        if (response.status == 206 and resumed_at != position) or not known or any(
+                was != now for was, now in known):
+            response.close()
+            raise ShardChangedError(
+                f"shard {url} was read again from byte {position}, and the answer is not "
+                f"the object the first read began (length, ETag: {identity} then {found}; "
+                f"HTTP {response.status})")
+        if response.status != 206:
+            _skip(response, position)  # no Range: read again up to where it broke
+    return response, found
 
 
 def _skip(stream: Any, count: int) -> None:
@@ -110,25 +238,38 @@ class _Pipe:
 class ResilientStream(io.RawIOBase):
     """The bytes of one remote shard, reopened where a read fails (see the module docstring).
 
+    A read fails when no byte comes for ``timeout`` seconds, and also when bytes come
+    slower than ``min_rate`` bytes/s over a ``timeout``-second window: a server that
+    drips a byte a second would otherwise hold a reader for ever.
+
     Args:
         url: an ``http(s)://`` URL or ``pipe:COMMAND``.
         retries: reads after the first one fails.
-        timeout: seconds a read may wait for data.
+        timeout: seconds a read may wait for data, and the window of ``min_rate``.
         backoff: seconds before the first retry, doubled for each later one.
+        min_rate: bytes per second a shard must send, on average over each window.
 
     Raises:
         ShardReadError: (from ``read``) the shard failed ``retries + 1`` times.
+        ShardChangedError: (from ``read``) a resumed HTTP read is of another object.
     """
 
     def __init__(self, url: str, retries: int = RETRIES, timeout: float = TIMEOUT,
-                 backoff: float = BACKOFF) -> None:
+                 backoff: float = BACKOFF, min_rate: float = MIN_RATE) -> None:
         super().__init__()
         self.url, self.retries, self.timeout, self.backoff = url, retries, timeout, backoff
+        self.min_rate = min_rate
         self.position = 0
         self.failures = 0
-        self.length: int | None = None
+        self.identity: tuple[int | None, str | None] | None = None  # the first answer's
         self._stream: Any = None
+        self._rate = RateFloor(min_rate, timeout)
         self._open()
+
+    @property
+    def length(self) -> int | None:
+        """The shard's bytes, where the server said."""
+        return None if self.identity is None else self.identity[0]
 
     def _open(self) -> None:
         while True:
@@ -137,9 +278,13 @@ class ResilientStream(io.RawIOBase):
                     self._stream = _Pipe(self.url.removeprefix("pipe:"), self.timeout)
                     _skip(self._stream, self.position)
                 else:
-                    self._stream, self.length = _opened_http(self.url, self.position,
-                                                             self.timeout)
+                    self._stream, found = _opened_http(self.url, self.position, self.timeout,
+                                                       self.identity)
+                    self.identity = self.identity or found
+                self._rate = RateFloor(self.min_rate, self.timeout)
                 return
+            except ShardChangedError:
+                raise
             except Exception as error:  # noqa: BLE001 (every way a store can fail)
                 self._failed(error)
 
@@ -174,10 +319,13 @@ class ResilientStream(io.RawIOBase):
             if self._stream is None:
                 self._open()
             try:
-                data = self._stream.read(len(buffer))
+                # what has come (read1), not the whole buffer: a slow server is then seen
+                data = getattr(self._stream, "read1", self._stream.read)(len(buffer))
                 if not data and self.length is not None and self.position < self.length:
                     raise OSError(f"the connection ended at byte {self.position} of "
                                   f"{self.length}")
+                if data:  # at the end, the last window is a part: not judged
+                    self._rate.received(len(data))
             except Exception as error:  # noqa: BLE001 (a dropped connection, a timeout...)
                 self._failed(error)
                 continue
@@ -192,72 +340,224 @@ class ResilientStream(io.RawIOBase):
         super().close()
 
 
-def open_shard(url: str, retries: int = RETRIES, timeout: float = TIMEOUT) -> Any:
+def open_shard(url: str, retries: int = RETRIES, timeout: float = TIMEOUT,
+               min_rate: float = MIN_RATE) -> Any:
     """A readable binary stream of a shard: a local file as webdataset opens it, a remote
     one as a buffered :class:`ResilientStream`."""
     if is_remote(url):
-        return io.BufferedReader(ResilientStream(url, retries, timeout), buffer_size=CHUNK)
+        return io.BufferedReader(ResilientStream(url, retries, timeout, min_rate=min_rate),
+                                 buffer_size=CHUNK)
     return open(url.removeprefix("file://"), "rb")
 
 
 def _opened_shards(sources: Iterable[dict], handler: Callable[[Exception], bool],
-                   retries: int, timeout: float) -> Iterator[dict]:
+                   opener: Callable[[str], Any]) -> Iterator[dict]:
     for source in sources:
         url = source["url"]
         try:
-            yield {**source, "stream": open_shard(url, retries, timeout)}
+            stream = opener(url)
+        except ShardError as error:  # a ShardReadError, which names the shard itself
+            failure = error
         except Exception as error:  # noqa: BLE001 (counted and skipped, as webdataset does)
-            if not isinstance(error, ShardReadError):  # which names the shard itself
-                error.args = (*error.args, url)
-            if not handler(error):
-                break
+            failure = ShardError(f"shard {url} could not be opened ({type(error).__name__}: "
+                                 f"{error})")
+        else:
+            yield {**source, "stream": stream}
+            continue
+        if not handler(failure):
+            break
+
+
+# Shards a reader names whose samples fall short of what sizes.json claims; then it
+# stops naming them (a sizes.json of thousands of shards, all wrong, is said enough).
+MAX_SHORT_SHARDS_SAID = 5
 
 
 def tar_samples(handler: Callable[[Exception], bool],
                 select_files: Callable[[str], bool] | None = None, retries: int = RETRIES,
-                timeout: float = TIMEOUT) -> Callable[[Iterable[dict]], Iterator[dict]]:
+                timeout: float = TIMEOUT, max_sample_bytes: int = MAX_SAMPLE_BYTES,
+                min_rate: float = MIN_RATE, claimed: Mapping[str, int] | None = None
+                ) -> Callable[[Iterable[dict]], Iterator[dict]]:
     """The pipeline stage from ``{"url": ...}`` items to samples (``webdataset``'s
-    ``tarfile_to_samples``, with :func:`open_shard` opening each shard)."""
+    ``tarfile_to_samples``, with :func:`open_shard` opening each shard and
+    :func:`mmgoal.data.tars.tar_stream_samples` reading it).
+
+    An HTTP shard that changes under a resumed read (:class:`ShardChangedError`) is read
+    again from its start, once, its samples already given left out. ``claimed``: the
+    samples that ``sizes.json`` (:func:`shard_sizes`) says each URL holds; a shard read
+    to its sound end with fewer is warned of, naming the file (an epoch planned from
+    the claim repeats samples).
+    """
+    said: set[str] = set()  # the short shards named, each once (a pass reads it again)
+
     def stage(sources: Iterable[dict]) -> Iterator[dict]:
-        files = tar_file_expander(_opened_shards(sources, handler, retries, timeout),
-                                  handler=handler, select_files=select_files)
-        return group_by_keys(files, handler=handler)
+        def opener(url: str) -> Any:
+            return open_shard(url, retries, timeout, min_rate)
+
+        for source in _opened_shards(sources, handler, opener):
+            url = source["url"]
+            held = yield from _shard_samples(url, source["stream"], handler, opener,
+                                             select_files, max_sample_bytes)
+            if claimed and held is not None and held < claimed.get(url, 0) and url not in said:
+                said.add(url)
+                if len(said) <= MAX_SHORT_SHARDS_SAID:
+                    logger.warning(
+                        "shard %s holds %d samples, and %s beside it claims %d: an epoch "
+                        "planned from it is longer than the data, so samples repeat within "
+                        "it; correct %s or set train.samples_per_epoch%s", url, held,
+                        SIZES_FILE, claimed[url], SIZES_FILE,
+                        " (further short shards are not named)"
+                        if len(said) == MAX_SHORT_SHARDS_SAID else "")
 
     return stage
 
 
-def _json_beside(url: str, name: str, timeout: float) -> Any:
-    """``name`` in the folder of the shard ``url`` as JSON, or None where there is none."""
+def _shard_samples(url: str, stream: Any, handler: Callable[[Exception], bool],
+                   opener: Callable[[str], Any], select_files: Callable[[str], bool] | None,
+                   max_sample_bytes: int) -> Iterator[dict]:
+    """The samples of one opened shard (see :func:`tar_samples`); returns how many it
+    holds, or None where it could not be read to a sound end."""
+    given: set[str] = set()
+    met: dict[str, list[Exception]] = {"changed": [], "failed": [], "oversized": []}
+
+    def meet(error: Exception) -> None:
+        if isinstance(error, ShardChangedError) and not given_twice:
+            met["changed"].append(error)  # read again below, once
+            return
+        if isinstance(error, (ShardError, OversizedSampleError)):
+            met["failed" if isinstance(error, ShardError) else "oversized"].append(error)
+        handler(error)
+
+    given_twice = False
+    while True:
+        with stream:  # a pipe: command ends with its shard
+            for sample in tar_stream_samples(stream, url, meet, select_files, max_sample_bytes):
+                if sample["__key__"] not in given:
+                    given.add(sample["__key__"])
+                    yield sample
+        if not met["changed"] or given_twice:
+            return None if met["failed"] else len(given) + len(met["oversized"])
+        logger.warning("%s; reading it again from its start (the %d samples already read "
+                       "are not given twice)", met["changed"][0], len(given))
+        given_twice = True
+        try:
+            stream = opener(url)
+        except ShardError as error:
+            handler(error)
+            return None
+
+
+# sizes.json of LAION-5B's ~600,000 shards is about 20 MB; a file beside the shards larger
+# than this is not one, and is not read further (an endless body would fill the memory).
+MAX_JSON_BESIDE = 64 << 20
+# A sample is at least one tar member, and a member at least its 512-byte header: a shard of
+# L bytes holds at most L / 512 samples.
+MIN_SAMPLE_BYTES = 512
+# Shards whose length is asked for (HEAD) to check sizes.json: those with the largest claims.
+CHECKED_CLAIMS = 8
+
+
+def _json_beside(url: str, name: str, timeout: float, min_rate: float = MIN_RATE) -> Any:
+    """``name`` in the folder of the shard ``url`` as JSON, or None where there is none; read
+    to at most :data:`MAX_JSON_BESIDE` bytes, at ``min_rate`` (:class:`RateFloor`).
+
+    Raises:
+        ValueError: the file is larger, not JSON, or slower than ``min_rate``.
+    """
     if url.startswith("pipe:"):
         return None
     location = posixpath.join(posixpath.dirname(url), name)
+    body = bytearray()
     try:
         with urllib.request.urlopen(location, timeout=timeout) as response:  # noqa: S310
-            return json.loads(response.read())
+            rate = RateFloor(min_rate, timeout)
+            while chunk := response.read1(CHUNK):
+                rate.received(len(chunk))
+                body += chunk
+                if len(body) > MAX_JSON_BESIDE:
+                    raise ValueError(f"{location} is larger than {MAX_JSON_BESIDE:,} bytes, "
+                                     f"which no {name} of shards is; it is not read further")
     except urllib.error.HTTPError as error:
         if error.code == 404:
             return None
         raise
+    except SlowShardError as error:
+        raise ValueError(f"{location} came too slowly ({error})") from None
+    try:
+        return json.loads(body)
     except ValueError as error:
         raise ValueError(f"{location} is not JSON ({error})") from None
+
+
+def _claim(value: Any, what: str) -> int:
+    """A shard's claimed number of samples: a non-negative integer (``true``, ``64.9`` and
+    ``-936`` are none)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{what} is {json.dumps(value)[:80]}, which is no number of samples: "
+                         f"it must be a non-negative integer; correct the file (or set "
+                         f"train.samples_per_epoch)")
+    return value
 
 
 def shard_sizes(urls: Sequence[str], timeout: float = TIMEOUT) -> list[int] | None:
     """The samples of each remote shard, from ``sizes.json`` beside them or each shard's
     img2dataset ``<name>_stats.json`` (``successes``); None where neither says (a
-    ``pipe:`` command's shards never say)."""
+    ``pipe:`` command's shards never say).
+
+    The files are someone's claims: each count must be a non-negative integer, and the
+    :data:`CHECKED_CLAIMS` largest are checked against their shard's length (a HEAD
+    request): a shard of L bytes holds at most L / 512 samples.
+
+    Raises:
+        ValueError: a file that is not a JSON object of counts, a count that is none, or a
+            claim its shard cannot hold, each naming the file and the shard.
+    """
     sizes: dict[str, dict] = {}
     counts = []
+    sources = []  # where each count came from, for messages
     for url in urls:
         folder = posixpath.dirname(url)
         if folder not in sizes:
-            sizes[folder] = _json_beside(url, SIZES_FILE, timeout) or {}
+            found = _json_beside(url, SIZES_FILE, timeout)
+            if found is not None and not isinstance(found, dict):
+                raise ValueError(f"{posixpath.join(folder, SIZES_FILE)} holds a JSON "
+                                 f"{type(found).__name__}; it must map each shard's file name "
+                                 f'to its samples ({{"train-000000.tar": 10000, ...}})')
+            sizes[folder] = found or {}
         name = posixpath.basename(url)
         if name in sizes[folder]:
-            counts.append(int(sizes[folder][name]))
-            continue
-        stats = _json_beside(url, posixpath.splitext(name)[0] + "_stats.json", timeout)
-        if not isinstance(stats, dict) or "successes" not in stats:
-            return None
-        counts.append(int(stats["successes"]))
+            source = f"{posixpath.join(folder, SIZES_FILE)}'s size of {name}"
+            counts.append(_claim(sizes[folder][name], source))
+        else:
+            stats_name = posixpath.splitext(name)[0] + "_stats.json"
+            stats = _json_beside(url, stats_name, timeout)
+            if not isinstance(stats, dict) or "successes" not in stats:
+                return None
+            source = f"'successes' of {posixpath.join(folder, stats_name)}"
+            counts.append(_claim(stats["successes"], source))
+        sources.append(source)
+    _check_claims(urls, counts, sources, timeout)
     return counts
+
+
+def _check_claims(urls: Sequence[str], counts: list[int], sources: list[str],
+                  timeout: float) -> None:
+    """Refuse a claimed count that its shard's bytes cannot hold, for the
+    :data:`CHECKED_CLAIMS` largest claims (a shard that does not say its length passes)."""
+    largest = sorted(range(len(urls)), key=counts.__getitem__, reverse=True)[:CHECKED_CLAIMS]
+    for index in largest:
+        if counts[index] == 0 or urls[index].startswith("pipe:"):
+            continue
+        try:
+            request = urllib.request.Request(urls[index], method="HEAD")
+            with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
+                length = response.headers.get("Content-Length")
+        except (OSError, ValueError):  # a store that refuses HEAD: the read will tell
+            continue
+        if length is not None and length.isdigit() and \
+                counts[index] * MIN_SAMPLE_BYTES > int(length):
+            raise ValueError(
+                f"{sources[index]} claims {counts[index]:,} samples, but the shard "
+                f"{urls[index]} is {int(length):,} bytes, which hold at most "
+                f"{int(length) // MIN_SAMPLE_BYTES:,} (each sample is at least a 512-byte "
+                f"tar header); correct the file (or set train.samples_per_epoch)")

@@ -2,17 +2,21 @@
 
 A shard is a tar of samples; each sample is a dict ``{"__key__": str, ext:
 bytes, ...}`` whose entries become ``<key>.<ext>`` members. Shards are written
-to a temporary name and renamed when complete, so an interrupted writer never
-leaves a truncated shard that looks finished.
+to a temporary file and renamed when complete (:func:`mmgoal.files.temporary_for`), so
+an interrupted writer never leaves a truncated shard that looks finished, and a link
+where a shard would go is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from types import TracebackType
 
 import webdataset as wds
+
+from mmgoal.files import temporary_for
 
 
 class ShardWriter:
@@ -39,13 +43,14 @@ class ShardWriter:
         self.first_index = first_index
         self.paths: list[Path] = []
         self._stream = None
+        self._staged = contextlib.ExitStack()  # the shard's temporary file, renamed on close
         self._writer: wds.TarWriter | None = None
         self._count = 0
 
     def _open_next(self) -> None:
         self._close_current()
         path = self.out_dir / f"{self.prefix}-{self.first_index + len(self.paths):06d}.tar"
-        self._stream = open(path.with_suffix(".tar.tmp"), "wb")
+        self._stream = open(self._staged.enter_context(temporary_for(path)), "wb")
         # A fixed mtime makes the bytes of a shard a function of its samples only; an int,
         # because a float one puts a PAX header before every member, which doubles the
         # header parsing of every reader (bench/data.py).
@@ -57,12 +62,9 @@ class ShardWriter:
         if self._writer is None:
             return
         self._writer.close()
-        self._stream.flush()
-        os.fsync(self._stream.fileno())
         self._stream.close()
-        path = self.paths[-1]
-        os.replace(path.with_suffix(".tar.tmp"), path)
         self._writer = self._stream = None
+        self._staged.close()  # fsynced and renamed
 
     def write(self, sample: dict) -> None:
         """Append one sample (``__key__`` plus ``ext: bytes`` entries)."""
@@ -86,6 +88,6 @@ class ShardWriter:
         elif self._writer is not None:  # leave no half-written shard behind
             self._writer.close()
             self._stream.close()
-            self.paths[-1].with_suffix(".tar.tmp").unlink(missing_ok=True)
+            self._staged.__exit__(exc_type, exc, tb)  # its temporary file removed
             self.paths.pop()
             self._writer = self._stream = None

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from mmgoal.files import write_text
+
 SHAPES = ("circle", "square", "triangle", "diamond", "cross", "star")
 COLOURS = {
     "red": (225, 35, 35),
@@ -329,7 +331,9 @@ def write_flickr_entities(scenes: list[Scene], out_dir: str | Path) -> None:
                 marked = f"[/EN#{entity['entity_id']}/{entity['type']} {inner}]{tail}"
                 words[start:end] = [marked]
             lines.append(" ".join(words))
-        (out_dir / "Sentences" / f"{scene.image_id}.txt").write_text("\n".join(lines) + "\n")
+        # two files a scene, thousands in a folder: not fsynced (make-synthetic writes them again)
+        write_text(out_dir / "Sentences" / f"{scene.image_id}.txt", "\n".join(lines) + "\n",
+                   durable=False)
         objects_xml = "".join(
             f"<object><name>{scene.image_id * 10 + k}</name><bndbox>"
             f"<xmin>{int(round(o.box[0]))}</xmin><ymin>{int(round(o.box[1]))}</ymin>"
@@ -337,11 +341,10 @@ def write_flickr_entities(scenes: list[Scene], out_dir: str | Path) -> None:
             f"</bndbox></object>"
             for k, o in enumerate(scene.objects)
         )
-        (out_dir / "Annotations" / f"{scene.image_id}.xml").write_text(
-            f"<annotation><filename>{scene.image_id}.png</filename><size>"
-            f"<width>{scene.image.width}</width><height>{scene.image.height}</height>"
-            f"<depth>3</depth></size>{objects_xml}</annotation>\n"
-        )
+        write_text(out_dir / "Annotations" / f"{scene.image_id}.xml",
+                   f"<annotation><filename>{scene.image_id}.png</filename><size>"
+                   f"<width>{scene.image.width}</width><height>{scene.image.height}</height>"
+                   f"<depth>3</depth></size>{objects_xml}</annotation>\n", durable=False)
 
 
 def write_benchmark(out_dir: str | Path, counts: dict[str, int] | None = None, seed: int = 0,
@@ -379,5 +382,5 @@ def write_benchmark(out_dir: str | Path, counts: dict[str, int] | None = None, s
             "shards": [p.name for p in writer.paths],
             "pattern": f"{split}-{{000000..{len(writer.paths) - 1:06d}}}.tar",
         }
-    (out_dir / "meta.json").write_text(json.dumps(summary, indent=2))
+    write_text(out_dir / "meta.json", json.dumps(summary, indent=2))
     return summary

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from mmgoal.extras import require_extra
+from mmgoal.files import write_text
 from mmgoal.registry import LOGGERS
 
 # Keys of a record that place it (the x axis, its kind) rather than measure anything.
@@ -227,7 +228,7 @@ class WandbLogger(Logger):
             raise LoggerError(f"WandbLogger could not start a W&B run ({error}); log in with "
                               f"`wandb login`, or set mode: offline in its config and upload "
                               f"the run later with `wandb sync`") from error
-        id_file.write_text(self.run.id + "\n")
+        write_text(id_file, self.run.id + "\n")
 
     def log_scalars(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from mmgoal import strict_json
 from mmgoal.engine.loggers import Logger
+from mmgoal.files import open_unlinked, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,8 @@ class MetricLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as stream:
+        with open_unlinked(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                           "the run's metrics log") as stream:
             stream.write(strict_json.dumps(record) + "\n")
         for sink in self.loggers:
             sink.log(record)
@@ -58,4 +61,4 @@ class MetricLog:
             return
         kept = [line for line in self.path.read_text().splitlines(keepends=True)
                 if json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(kept))
+        write_text(self.path, "".join(kept))

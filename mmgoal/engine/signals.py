@@ -5,7 +5,10 @@ SIGINT/SIGTERM on any rank stop every rank after the same step, with a checkpoin
 all ranks); a second SIGINT stops at once. In one process, a signal that comes
 while the trainer waits for data (a reader may be stuck) stops it there:
 :class:`StopWhileWaitingForData` leaves the wait, and the trainer checkpoints the
-steps done.
+steps done; one that comes during a validation ends it at its next batch
+(:meth:`StopSignals.validation`), and the trainer checkpoints the state before it, which
+``--resume`` validates again. Several ranks finish a validation, a collective, before
+they stop.
 
 Data workers ignore SIGINT/SIGTERM (the main process stops cleanly) and end when
 the main process sets their :class:`WorkerRelease`: one stuck in a read would sit
@@ -21,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -90,6 +93,7 @@ class StopSignals:
         self.alone = alone
         self.received: int | None = None
         self._waiting_for_data = False
+        self._validating = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -111,8 +115,24 @@ class StopSignals:
         self.received = signum
         if self._waiting_for_data:
             raise StopWhileWaitingForData(signal.Signals(signum).name)
-        logger.warning("received %s: stopping after this step with a checkpoint",
-                       signal.Signals(signum).name)
+        if self._validating:
+            logger.warning("received %s: stopping the validation at its next batch",
+                           signal.Signals(signum).name)
+        else:
+            logger.warning("received %s: stopping after this step with a checkpoint",
+                           signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def validation(self) -> Iterator[Callable[[], bool] | None]:
+        """Inside a validation; gives the ``stop`` it polls
+        (:func:`~mmgoal.evaluation.gallery.evaluate_retrieval`): in one process, whether a
+        stop signal came; ``None`` with several ranks, which must not leave its collectives
+        one by one (they stop after the next step)."""
+        self._validating = self.alone
+        try:
+            yield (lambda: self.received is not None) if self.alone else None
+        finally:
+            self._validating = False
 
     def next_batch(self, batches: Iterator[dict]) -> dict | None:
         """The next batch (None when the data ran out). In one process a stop signal ends

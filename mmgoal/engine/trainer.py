@@ -19,7 +19,8 @@ An optimisation step takes ``train.accumulate_steps`` micro-batches of
 ``train_step``): the global batch is their product with the number of
 processes, and an epoch is ``train.samples_per_epoch`` (default: the training
 split's size) divided by it. SIGINT/SIGTERM stop the run cleanly, with a
-checkpoint (:mod:`mmgoal.engine.signals`).
+checkpoint (:mod:`mmgoal.engine.signals`); in one process, one during a validation
+drops it, and ``--resume`` validates again.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import json
 import logging
 import math
 import random
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,15 @@ from tqdm import tqdm
 
 import mmgoal
 from mmgoal import strict_json
-from mmgoal.config import dump_config
+from mmgoal.config import config_text
 from mmgoal.contract import CrossAttentionModel, require
-from mmgoal.data.pipeline import read_captions, shard_listing
+from mmgoal.data.pipeline import (
+    IncompleteSplitError,
+    expand_shards,
+    read_captions,
+    shard_listing,
+    split_overlaps,
+)
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
 from mmgoal.engine.metric_log import MetricLog
@@ -52,9 +60,10 @@ from mmgoal.engine.signals import (
     start_data_worker,
 )
 from mmgoal.engine.step import TrainingStep
-from mmgoal.engine.strategies.base import Strategy
-from mmgoal.evaluation.gallery import evaluate_retrieval
+from mmgoal.engine.strategies.base import Strategy, rng_state, set_rng_state
+from mmgoal.evaluation.gallery import EvaluationStopped, evaluate_retrieval
 from mmgoal.evaluation.retrieval import format_metrics
+from mmgoal.files import write_text
 from mmgoal.models.efficiency import compile_model
 from mmgoal.registry import (
     CONSTRAINTS,
@@ -136,6 +145,8 @@ class Trainer:
         self.eval_transform = build_transforms(self.preprocessing.eval_transforms,
                                                data.image_size)
         self.train_set = self._build_train_set()
+        if self.is_main:
+            self._warn_split_overlaps()
         # One step takes accumulate_steps micro-batches on every rank.
         self.accumulate_steps = int(self.config.train.accumulate_steps)
         self.global_batch = (self.train_set.batch_size * self.accumulate_steps
@@ -161,6 +172,9 @@ class Trainer:
         self.epoch = 0
         self.step = 0
         self.batch_in_epoch = 0
+        # the epoch's steps are done, its end (validation ... checkpoint) is not: --resume
+        # goes on to that end without reading the epoch's data again
+        self.epoch_steps_done = False
         self.best = {"rsum": -math.inf, "epoch": -1}
         self.skipped_samples = 0
         self._samples_since_log = 0  # samples (all ranks) since the last logged step
@@ -178,7 +192,7 @@ class Trainer:
             sink.check(self.work_dir)
         config_file = self.work_dir / CONFIG_FILE
         if self.is_main and not (resume and config_file.is_file()):  # a resumed run keeps its own
-            dump_config(self.config.to_dict(), config_file)
+            write_text(config_file, config_text(self.config.to_dict()))
         self._log_setup()
 
     def __enter__(self) -> Trainer:
@@ -242,13 +256,25 @@ class Trainer:
             require(model, CrossAttentionModel, "the attention constraints (constraints:)")
         return model, objective, constraints
 
+    def _warn_split_overlaps(self) -> None:
+        """Warn of evaluation shards that are training shards, or share sample keys with
+        them (local shards: :func:`~mmgoal.data.pipeline.split_overlaps`)."""
+        data = self.config.data
+        train = [url for source in data.training_sources()
+                 for url in expand_shards(source["shards"])]
+        splits = {f"data.{name}": expand_shards(getattr(data, name).shards)
+                  for name in ("val", "test") if getattr(data, name)}
+        for sentence in split_overlaps(train, splits):
+            logger.warning(sentence)
+
     def _build_train_set(self) -> Any:
         """The training set (``data.train``), its readers checked against the ranks and
         data workers that will share them."""
         data = self.config.data
         train_set = DATASETS.build(data.train, tokenizer=self.tokenizer,
                                    transform=self.train_transform, training=True,
-                                   seed=self.config.train.seed)
+                                   seed=self.config.train.seed,
+                                   max_sample_bytes=data.max_sample_bytes)
         if hasattr(train_set, "check_readers"):
             train_set.check_readers(self.strategy.world_size, max(data.num_workers, 1))
         return train_set
@@ -298,6 +324,7 @@ class Trainer:
             "epoch": self.epoch,
             "step": self.step,
             "batch_in_epoch": self.batch_in_epoch,
+            "epoch_steps_done": self.epoch_steps_done,
             "best": dict(self.best),
             "skipped_samples": self.skipped_samples,
             "global_batch": self.global_batch,
@@ -322,6 +349,8 @@ class Trainer:
                 f"train.accumulate_steps so that the product is {saved_batch}")
         self.epoch, self.step = state["epoch"], state["step"]
         self.batch_in_epoch = state["batch_in_epoch"]
+        # older checkpoints lack it: they were never written between an epoch's steps and end
+        self.epoch_steps_done = state.get("epoch_steps_done", False)
         self.best = dict(state["best"])
         self.skipped_samples = state["skipped_samples"]
         self.seconds_before = state.get("train_seconds", 0.0)
@@ -411,6 +440,16 @@ class Trainer:
             logger.warning("received %s while waiting for data, before the first step: no "
                            "checkpoint written (nothing was trained)", signal_name)
 
+    def _stop_during_validation(self) -> None:
+        """After a stop signal ended a validation (one process): the checkpoint of the state
+        before it (the epoch's steps done, not its end), from which --resume validates again."""
+        self.save()
+        which = (f"epoch {self.epoch}'s validation" if self.epoch_steps_done
+                 else "the validation before training")
+        logger.warning("received %s during %s: dropped it and stopped at epoch %d, step %d "
+                       "with a checkpoint; --resume validates again and continues",
+                       signal.Signals(self.signals.received).name, which, self.epoch, self.step)
+
     def fit(self) -> dict:
         """Train for the configured epochs, then evaluate the best checkpoint on the test split.
 
@@ -439,7 +478,12 @@ class Trainer:
             self.log.close()
 
     def _train(self) -> bool:
-        """The epochs left, under the stop-signal handlers; False when a signal stopped them."""
+        """The epochs left, under the stop-signal handlers; False when a signal stopped them.
+
+        Raises:
+            IncompleteSplitError: a validation could not read its split whole; the run's
+                checkpoint is written first, and ``--resume`` validates again.
+        """
         self._segment_start = time.perf_counter()
         self._release_workers.clear()
         with self.signals.installed():
@@ -459,6 +503,14 @@ class Trainer:
                         return False
                 for hook in self.hooks:
                     hook.after_train(self)
+            except EvaluationStopped:
+                self._stop_during_validation()
+                return False
+            except IncompleteSplitError:
+                # no metrics over part of the split (they would pick best.pt); the state
+                # before the validation is kept, and --resume validates again
+                self.save()
+                raise
             finally:
                 self._release_workers.set()
         return True
@@ -477,10 +529,22 @@ class Trainer:
             yield batch
 
     def _train_epoch(self) -> bool:
-        """One epoch (or its rest, after a resume); False when stopped by a signal."""
+        """One epoch (or its rest, after a resume: the steps left, or only its end when a
+        stop came during its validation); False when stopped by a signal.
+
+        Raises:
+            EvaluationStopped: a stop signal ended its validation (in one process).
+        """
         self.model.train()  # before the hooks, which may put frozen parts in eval mode
         for hook in self.hooks:
             hook.before_epoch(self)
+        if not self.epoch_steps_done and not self._train_steps():
+            return False
+        self._end_of_epoch()
+        return True
+
+    def _train_steps(self) -> bool:
+        """The epoch's steps (those left, after a resume); False when stopped by a signal."""
         cfg = self.config.train
         micro_batches = self.steps_per_epoch * self.accumulate_steps
         bar = tqdm(total=self.steps_per_epoch, initial=self.step % self.steps_per_epoch,
@@ -502,6 +566,7 @@ class Trainer:
                 self.batch_in_epoch, self.skipped_samples = window_start
                 raise
             if not result.micro_batches:  # the data ran out before the epoch's steps
+                self.epoch_steps_done = True
                 break
             outputs = {**result.outputs, "nonfinite": result.nonfinite}
             if result.nonfinite:
@@ -517,6 +582,9 @@ class Trainer:
             else:
                 nonfinite_run = 0
             self.step += 1
+            # from the epoch's last step on, a checkpoint resumes at the epoch's end, without
+            # reading its data again
+            self.epoch_steps_done = self.batch_in_epoch == micro_batches
             for hook in self.hooks:
                 hook.after_step(self, outputs)
             if self.step % cfg.log_every == 0:
@@ -544,7 +612,6 @@ class Trainer:
                                self.epoch, self.step)
                 return False
         bar.close()
-        self._end_of_epoch()
         return True
 
     def evaluation_model(self, weights: dict[str, torch.Tensor] | None,
@@ -586,16 +653,29 @@ class Trainer:
             hook.after_epoch(self, metrics)
         self.epoch += 1
         self.batch_in_epoch = 0
+        self.epoch_steps_done = False
         self.save()
 
     def _validate(self, epoch: int, weights: dict[str, torch.Tensor] | None) -> dict[str, float]:
         """Every rank evaluates ``weights`` (every rank's ``full_state_dict()``: rank 0's,
         None elsewhere) on ``data.val``, each its share of the gallery, and rank 0 logs the
-        metrics as ``epoch``'s (-1: before training); every rank returns them (collective)."""
+        metrics as ``epoch``'s (-1: before training); every rank returns them (collective).
+
+        Raises:
+            EvaluationStopped: in one process, a stop signal came (nothing is logged, and
+                the random state is as it was before: the validation --resume redoes draws
+                what this one drew, such as its DataLoader's worker seed).
+        """
         self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
-        # the extended COCO protocols are the test split's (5K test), not validation's
-        metrics = self.evaluate("val", self.evaluation_model(weights, current=True),
-                                across_ranks=True, protocols=["coco"])
+        before = rng_state()
+        try:
+            with self.signals.validation() as stop:
+                # the extended COCO protocols are the test split's (5K test), not validation's
+                metrics = self.evaluate("val", self.evaluation_model(weights, current=True),
+                                        across_ranks=True, protocols=["coco"], stop=stop)
+        except EvaluationStopped:
+            set_rng_state(before)
+            raise
         if self.is_main:
             self.log.write({"type": "val", "epoch": epoch, "step": self.step, **metrics})
             logger.info("epoch %d val%s: %s", epoch, " (before training)" if epoch < 0 else "",
@@ -603,11 +683,12 @@ class Trainer:
         return metrics
 
     def evaluate(self, split: str, model: torch.nn.Module | None = None,
-                 across_ranks: bool = False, protocols: list[str] | None = None
-                 ) -> dict[str, float]:
+                 across_ranks: bool = False, protocols: list[str] | None = None,
+                 stop: Callable[[], bool] | None = None) -> dict[str, float]:
         """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``;
         ``across_ranks``: a collective, every rank evaluating its share of the gallery;
-        ``protocols``: what it reports (default: ``evaluation.protocols``)."""
+        ``protocols``: what it reports (default: ``evaluation.protocols``); ``stop``: ends
+        it early (:func:`~mmgoal.evaluation.gallery.evaluate_retrieval`)."""
         split_cfg = getattr(self.config.data, split)
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
@@ -617,7 +698,7 @@ class Trainer:
             folds=split_cfg.folds, progress=self.config.train.progress and self.is_main,
             scoring=self.config.evaluation, caption_key=split_cfg.caption_key,
             num_workers=self.config.data.num_workers, across_ranks=across_ranks,
-            protocols=protocols)
+            protocols=protocols, stop=stop)
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,
@@ -637,5 +718,5 @@ class Trainer:
                 report["test_set"] = shard_listing(self.config.data.test.shards)
                 self.log.write({"type": "test", "step": self.step, **report["test"]})
         if self.is_main:
-            (self.work_dir / "report.json").write_text(strict_json.dumps(report, indent=2))
+            write_text(self.work_dir / "report.json", strict_json.dumps(report, indent=2))
         return self.strategy.broadcast(report)

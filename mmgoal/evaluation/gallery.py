@@ -8,10 +8,16 @@ size follows a memory bound (on a GPU: half its free memory unless
 n_images x n_captions x regions x words tensor; a dual encoder's blocks are
 plain matrix products. ``evaluate_retrieval`` averages the score matrices of
 several models when given an ensemble (SCAN's t2i AVG + i2t LSE).
+
+Each of them takes a ``stop`` callable, polled between the gallery's batches, the
+caption batches and the score blocks: when it returns True the evaluation ends there
+with :class:`EvaluationStopped` (the trainer's stop signals, in one process).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -47,6 +53,34 @@ GPU_FREE_SHARE = 0.5  # ... and on a GPU, this share of its free memory
 # Tensors of the size of a block's query-key score array that the cross attention
 # keeps alive at its peak (raw scores, clipped scores, attention, products).
 _LIVE_COPIES = 6
+
+
+class EvaluationStopped(BaseException):
+    """The caller's ``stop`` asked an evaluation to end before it was done; nothing of it
+    is kept (the trainer drops a validation a stop signal ended, and --resume redoes it).
+
+    A BaseException, like KeyboardInterrupt: a request to stop, not an error, so code
+    that handles errors (``except Exception``) lets it through.
+    """
+
+
+def _stop_if_asked(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise EvaluationStopped("the evaluation was asked to stop and was dropped")
+
+
+def _in_eval_mode(encode: Callable) -> Callable:
+    """``encode(model, ...)`` with ``model`` in eval mode; the model gets its own mode back
+    however it ends (a stop, an error), so a stopped validation leaves training as it was."""
+    @functools.wraps(encode)
+    def wrapper(model: torch.nn.Module, *args, **kwargs):
+        was_training = model.training
+        model.eval()
+        try:
+            return encode(model, *args, **kwargs)
+        finally:
+            model.train(was_training)
+    return wrapper
 
 
 @dataclass
@@ -90,12 +124,14 @@ def _keep_tokens(model: torch.nn.Module, features, keep: bool):
     return type(features)(features.embedding.detach().float())
 
 
+@_in_eval_mode
 @torch.no_grad()
 def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: Callable,
                    tokenizer: Callable, batch_size: int = 256, progress: bool = True,
                    with_annotations: bool = False, keep_tokens: bool = False,
                    caption_key: str | None = None, num_workers: int = 0,
-                   across_ranks: bool = False, image_share: int | None = None) -> Gallery:
+                   across_ranks: bool = False, image_share: int | None = None,
+                   stop: Callable[[], bool] | None = None) -> Gallery:
     """Encode every image and caption of the shards, in shard order, on the model's device.
 
     Each image id is one image of the gallery, as in training's positives and the
@@ -117,9 +153,11 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     scoring's ``block_images``) a rank keeps the features of only its share of the images,
     the rows :func:`score_gallery` gives it (``gallery.image_rows``), and never holds the
     others': a cross-attention gallery's region features are spread over the ranks.
+
+    ``stop`` is polled before each image batch and caption batch: when it returns True,
+    :class:`EvaluationStopped` leaves here, the DataLoader workers ended. One process only:
+    a rank that left the collective alone would leave the others waiting.
     """
-    was_training = model.training
-    model.eval()
     device = module_device(model)
     rank, world = world_info() if across_ranks else (0, 1)
     counter = SkipCounter()
@@ -127,21 +165,23 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
     keep = with_annotations or keep_tokens
     pinned = device.type == "cuda"
-    batches = iter_eval_batches(shards, transform, batch_size, counter, caption_key,
-                                num_workers=num_workers, part=(rank, world), pin_memory=pinned,
-                                numbered=True)
     mine: list[dict] = []  # this rank's batches: their place, samples and region boxes
     encoded: list[ImageFeatures] = []
-    for number, batch in tqdm(batches, desc="encode images", unit="batch",
-                              disable=not progress, leave=False):
-        # the tensors only: walking the captions and entities costs more than the copy
-        on_device = {key: value.to(device, non_blocking=pinned)
-                     for key, value in batch.items() if isinstance(value, torch.Tensor)}
-        encoded.append(_keep_tokens(model, model.encode_image(on_device), keep))
-        boxes = [] if boxes_of is None else [b.float() for b in boxes_of(batch)]  # of the CPU batch
-        mine.append({"number": number, "image_ids": batch["image_ids"],
-                     "captions": batch["captions"], "caption_ids": batch["caption_ids"],
-                     "entities": batch["entities"], "boxes": boxes})
+    # closed however the loop ends: its DataLoader workers end then, not when collected
+    with contextlib.closing(iter_eval_batches(
+            shards, transform, batch_size, counter, caption_key, num_workers=num_workers,
+            part=(rank, world), pin_memory=pinned, numbered=True)) as batches:
+        for number, batch in tqdm(batches, desc="encode images", unit="batch",
+                                  disable=not progress, leave=False):
+            _stop_if_asked(stop)
+            # the tensors only: walking the captions and entities costs more than the copy
+            on_device = {key: value.to(device, non_blocking=pinned)
+                         for key, value in batch.items() if isinstance(value, torch.Tensor)}
+            encoded.append(_keep_tokens(model, model.encode_image(on_device), keep))
+            boxes = [] if boxes_of is None else [b.float() for b in boxes_of(batch)]  # CPU's
+            mine.append({"number": number, "image_ids": batch["image_ids"],
+                         "captions": batch["captions"], "caption_ids": batch["caption_ids"],
+                         "entities": batch["entities"], "boxes": boxes})
     images = cat_features(encoded) if encoded else None
     encoded.clear()  # the batches' copies: the concatenation holds them now
     if world > 1:  # every rank's batches, in the order of the one-process stream; the
@@ -182,8 +222,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
             features, torch.tensor(rows, device=features.embedding.device))
             for features, rows in kept])
     gallery.texts = _encode_captions(model, tokenizer, gallery.captions, batch_size, keep,
-                                     progress, device, rank, world)
-    model.train(was_training)
+                                     progress, device, rank, world, stop)
     gallery.text_to_image = torch.tensor(text_to_image, device=device)
     return gallery
 
@@ -199,13 +238,14 @@ def _with_offsets(batches: list[dict], images: ImageFeatures | int | None):
 
 def _encode_captions(model: torch.nn.Module, tokenizer: Callable, captions: list[str],
                      batch_size: int, keep: bool, progress: bool, device: torch.device,
-                     rank: int, world: int) -> TextFeatures:
+                     rank: int, world: int, stop: Callable[[], bool] | None) -> TextFeatures:
     """The captions' features; with several ranks each encodes a contiguous share of the
     batches (those one process forms) and every rank gets them all, in order."""
     share = captions[slice(*rank_share(len(captions), rank, world, batch_size))]
     texts = []
     for start in tqdm(range(0, len(share), batch_size), desc="encode texts",
                       unit="batch", disable=not progress, leave=False):
+        _stop_if_asked(stop)
         tokens = move_to_device(tokenizer(share[start:start + batch_size]), device)
         texts.append(_keep_tokens(model, model.encode_text(tokens), keep))
     mine = cat_features(texts) if texts else None
@@ -276,8 +316,8 @@ def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragment
 def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
                   block_images: int = 128, max_block_mb: float | None = None,
                   progress: bool = True, matmul_precision: str = "highest",
-                  across_ranks: bool = False, image_rows: tuple[int, int] | None = None
-                  ) -> torch.Tensor:
+                  across_ranks: bool = False, image_rows: tuple[int, int] | None = None,
+                  stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks.
 
     The scores are computed and returned on the features' device.
@@ -292,6 +332,9 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
     ``highest`` (exact float32, the default) or ``medium``, which lets float32
     matrix products run in bfloat16 where the hardware has it (about twice as fast
     on CPUs with AVX512-BF16; scores then differ by about 1e-3).
+
+    ``stop`` is polled before each block (:class:`EvaluationStopped` when it returns
+    True; one process only, as :func:`encode_gallery`'s).
     """
     if matmul_precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, "
@@ -302,7 +345,7 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
     try:
         with reuse_buffers():
             sims = _score_blocks(model, images, texts, block_images, max_block_mb, progress,
-                                 rank, world, image_rows)
+                                 rank, world, image_rows, stop)
     finally:
         torch.set_float32_matmul_precision(previous)
     return sims if world == 1 else torch.cat(gather_uneven(sims))
@@ -310,8 +353,8 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
 
 def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
                   block_images: int, max_block_mb: float | None, progress: bool,
-                  rank: int = 0, world: int = 1, image_rows: tuple[int, int] | None = None
-                  ) -> torch.Tensor:
+                  rank: int = 0, world: int = 1, image_rows: tuple[int, int] | None = None,
+                  stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """The rows of rank ``rank``'s share of the image blocks (all of them in one process);
     where a block fits, each block is the one a single process scores."""
     n_texts = len(texts.embedding)
@@ -331,6 +374,7 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
         for i in range(first, last, bi):
             image_block = slice_features(images, i, min(i + bi, last))
             for t in range(0, n_texts, bt):
+                _stop_if_asked(stop)
                 sims[i - first:i - first + bi, t:t + bt] = model.similarity(
                     image_block, slice_features(texts, t, t + bt)).float()
                 bar.update(1)
@@ -340,9 +384,11 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
 def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch_size: int = 256,
                        scoring: ScoringConfig | dict | None = None, progress: bool = True,
                        caption_key: str | None = None, num_workers: int = 0,
-                       across_ranks: bool = False) -> tuple[torch.Tensor, Gallery]:
+                       across_ranks: bool = False, stop: Callable[[], bool] | None = None
+                       ) -> tuple[torch.Tensor, Gallery]:
     """The mean score matrix of the members (one member: its own) and the first's gallery
-    (``across_ranks``: encoded and scored by every rank, :func:`encode_gallery`)."""
+    (``across_ranks``: encoded and scored by every rank, :func:`encode_gallery`; ``stop``:
+    polled as there and in :func:`score_gallery`)."""
     scoring = ScoringConfig.of(scoring)
     total, first = None, None
     for member in members:
@@ -354,10 +400,11 @@ def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch
                                  batch_size, progress, keep_tokens=scoring.rerank_k > 0,
                                  caption_key=caption_key, num_workers=num_workers,
                                  across_ranks=across_ranks,
-                                 image_share=scoring.block_images if spread else None)
+                                 image_share=scoring.block_images if spread else None,
+                                 stop=stop)
         sims = score_gallery(member.model, gallery.images, gallery.texts,
                              scoring.block_images, scoring.max_block_mb, progress,
-                             scoring.matmul_precision, across_ranks, gallery.image_rows)
+                             scoring.matmul_precision, across_ranks, gallery.image_rows, stop)
         if first is None:
             first, total = gallery, sims
         else:
@@ -373,7 +420,8 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
                        scoring: ScoringConfig | dict | None = None,
                        caption_key: str | None = None, num_workers: int = 0,
                        across_ranks: bool = False, protocols: Sequence[str] | None = None,
-                       rankings: dict | None = None) -> dict[str, float]:
+                       rankings: dict | None = None, stop: Callable[[], bool] | None = None
+                       ) -> dict[str, float]:
     """Retrieval metrics on a gallery of shards (plus ``skipped`` samples).
 
     Args:
@@ -392,12 +440,17 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
         rankings: a dict that receives every COCO test query's top items by COCO id
             (``i2t``, ``t2i``: :func:`~mmgoal.evaluation.protocols.protocol_rankings`), the
             lists the ``eccv_caption`` package reads; needs COCO 5K test too.
+        stop: polled between the gallery's image batches, its caption batches and the
+            score blocks (not inside the ITM re-ranking); when it returns True the
+            evaluation ends there with :class:`EvaluationStopped`. One process only: with
+            several ranks (``across_ranks``) a rank that left alone would leave the others
+            waiting in a collective.
     """
     scoring = ScoringConfig.of(scoring)
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
         else list(model)
     sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress,
-                                       caption_key, num_workers, across_ranks)
+                                       caption_key, num_workers, across_ranks, stop)
     protocols = scoring.protocols if protocols is None else list(protocols)
     if scoring.rerank_k <= 0:
         metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)

@@ -27,6 +27,7 @@ import torch
 
 from mmgoal import strict_json
 from mmgoal.config import config_changes, first_line
+from mmgoal.files import LinkedPathError, write_atomically
 from mmgoal.registry import MODELS, TOKENIZERS, UnknownNameError
 from mmgoal.runs.preprocessing import resolve_preprocessing
 
@@ -97,74 +98,27 @@ class CheckpointWriteError(RuntimeError):
     would have replaced is intact."""
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def remove_stale_temporaries(path: Path) -> list[Path]:
-    """Delete the temporary files of earlier writes of ``path`` whose process is gone (a
-    SIGKILLed save leaves a full-size ``.<name>.tmp-<pid>``); return them."""
-    stale = []
-    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
-            tmp.unlink(missing_ok=True)
-            stale.append(tmp)
-    return stale
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it where Linux shows it."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _write_atomically(path: str | os.PathLike, write: Any) -> None:
-    """``write(temporary_path)``, then rename it over ``path`` and make both durable. The
-    file gets the permissions the umask gives a new file (as ``open`` would), whatever
-    the writer chose; temporary files of writes a kill interrupted are removed first.
+    """``write(temporary_path)``, then renamed over ``path`` (:func:`mmgoal.files.write_atomically`:
+    durable, with the umask's permissions, never through a link); the temporary files of
+    earlier writes a kill interrupted are removed first.
 
     Raises:
         CheckpointWriteError: the write failed (no space left...); ``path`` is untouched.
+        LinkedPathError: ``path`` is a symbolic link.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600
-        with open(tmp, "rb+") as stream:
-            os.fsync(stream.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, write, remove_stale=True)
+    except LinkedPathError:
+        raise
     except Exception as error:  # torch's, safetensors' (a Rust error) and the OS's own
         reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
-        kept = "the file it would replace is intact" if path.exists() else "nothing was written"
+        kept = ("the file it would replace is intact" if Path(path).exists()
+                else "nothing was written")
         raise CheckpointWriteError(
             f"could not write {path} ({reason}); {kept}: a checkpoint is written to a "
             f"temporary file and renamed only once complete. Free space (or fix the folder), "
             f"then continue with --resume") from error
-    finally:
-        tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from mmgoal.config import config_changes, describe_changes
+from mmgoal.config import config_changes, describe_changes, override_key
+from mmgoal.data.remote import check_trusted_locations
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import resolve_device
 from mmgoal.registry import MODELS, TOKENIZERS
@@ -37,11 +38,41 @@ class LoadedModel(Member):
         config: the resolved run config it was built from.
         checkpoint: the file its weights came from (``None``: built from a config alone).
         epoch: the epoch the checkpoint was written after (``None`` when it does not say).
+        config_source: where ``config`` came from (``the config stored in best.pt``,
+            ``config x.yaml``), for messages.
+        given_keys: the dotted keys the caller's overrides set (``--cfg-options``): what
+            of ``config`` is the caller's own rather than the file's.
     """
 
     config: dict
     checkpoint: Path | None
     epoch: int | None = None
+    config_source: str = "the config"
+    given_keys: tuple[str, ...] = ()
+
+    def split(self, name: str, shards: str | list[str] | None = None,
+              trust_data_paths: bool = False) -> dict:
+        """The ``data.<name>`` section (``val``, ``test``) to evaluate on: with ``shards``,
+        those (the caller's own) in place of the config's; else the config's, whose
+        ``pipe:`` commands and remote URLs are refused unless the caller set them
+        (:attr:`given_keys`) or ``trust_data_paths``: the file that holds them may be
+        anyone's (docs/received_files.md).
+
+        Raises:
+            ValueError: the config has no such split and no ``shards`` are given; or an
+                :class:`~mmgoal.data.remote.UntrustedDataPathError`.
+        """
+        section = dict(self.config["data"].get(name) or {})
+        if shards is not None:
+            return {"folds": 1, "caption_key": None, **section, "shards": shards}
+        if not section:
+            raise ValueError(f"{self.config_source} has no data.{name} section to evaluate "
+                             f"on; give the shards with --shards PATTERN")
+        key = f"data.{name}.shards"
+        given = any(key == k or key.startswith(f"{k}.") for k in self.given_keys)
+        if not (given or trust_data_paths):
+            check_trusted_locations(section["shards"], key, self.config_source)
+        return section
 
 
 def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None,
@@ -84,7 +115,8 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
                          f"config it was trained with")
     warn_preprocessing_changes(state.get("config"), cfg, checkpoint)
     model, tokenizer = model_from_checkpoint(cfg, state, f"checkpoint {checkpoint}")
-    return _loaded(cfg, model, tokenizer, target, checkpoint, state.get("epoch"))
+    return _loaded(cfg, model, tokenizer, target, checkpoint, state.get("epoch"),
+                   _origin(config, overrides, checkpoint))
 
 
 # What turns captions and images into the model's inputs: evaluated otherwise than trained,
@@ -119,10 +151,10 @@ def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str]
     """
     target = resolve_device(device, name="device")
     cfg = load_model_config(config, overrides, trust_custom_imports=trust_custom_imports)
-    return _build_resolved(cfg, target)
+    return _build_resolved(cfg, target, _origin(config, overrides))
 
 
-def _build_resolved(cfg: dict, target: torch.device) -> LoadedModel:
+def _build_resolved(cfg: dict, target: torch.device, origin: dict) -> LoadedModel:
     """:func:`build_from_config` of a config already resolved (its imports done)."""
     tokenizer_cfg = resolve_preprocessing(cfg).tokenizer
     tokenizer = TOKENIZERS.build(tokenizer_cfg)
@@ -132,7 +164,7 @@ def _build_resolved(cfg: dict, target: torch.device) -> LoadedModel:
                          f"config alone has none; load a trained run's checkpoint with it "
                          f"(checkpoint=..., or mmgoal.load(RUN_DIR))")
     model = MODELS.build(cfg["model"], tokenizer=tokenizer).eval()
-    return _loaded(cfg, model, tokenizer, target, None, None)
+    return _loaded(cfg, model, tokenizer, target, None, None, origin)
 
 
 def pretrained_weights(cfg: dict) -> str | None:
@@ -161,12 +193,22 @@ def load_zero_shot(config: str | os.PathLike, overrides: Iterable[str] = (),
                          f"metrics mean nothing; give a checkpoint ([CONFIG] CHECKPOINT), or "
                          f"the weights the model should load (model.pretrained, a hub name, a "
                          f"tower's weights file)")
-    return _build_resolved(cfg, resolve_device(device, name="device")), source
+    return _build_resolved(cfg, resolve_device(device, name="device"),
+                           _origin(config, overrides)), source
+
+
+def _origin(config: str | os.PathLike | dict | None, overrides: Iterable[str],
+            checkpoint: Path | None = None) -> dict:
+    """Where a loaded model's config came from, and which of its keys the caller set:
+    :class:`LoadedModel`'s ``config_source`` and ``given_keys``."""
+    source = (f"the config stored in {checkpoint}" if config is None else
+              "the config given" if isinstance(config, dict) else f"config {config}")
+    return {"config_source": source, "given_keys": tuple(map(override_key, overrides))}
 
 
 def _loaded(cfg: dict, model: torch.nn.Module, tokenizer, device: torch.device,
-            checkpoint: Path | None, epoch: int | None) -> LoadedModel:
+            checkpoint: Path | None, epoch: int | None, origin: dict) -> LoadedModel:
     transform = build_transforms(resolve_preprocessing(cfg).eval_transforms,
                                  cfg["data"]["image_size"])
     return LoadedModel(model.to(device), transform, tokenizer, config=cfg,
-                       checkpoint=checkpoint, epoch=epoch)
+                       checkpoint=checkpoint, epoch=epoch, **origin)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mmgoal.config import config_changes, describe_changes, load_config
+from mmgoal.files import open_unlinked, refuse_link, write_text
 from mmgoal.registry import LOGGERS
 
 CONFIG_FILE = "config.yaml"
@@ -66,13 +67,8 @@ RESUMABLE = (
 
 
 def write_pointer(path: Path, value: str) -> None:
-    """Atomically point ``path`` at ``value`` (write a temporary file, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as stream:
-        stream.write(value)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
+    """Atomically point ``path`` at ``value`` (:func:`mmgoal.files.write_text`)."""
+    write_text(path, value)
 
 
 def read_pointer(path: Path) -> str | None:
@@ -144,15 +140,21 @@ def run_lock(work_dir: str | os.PathLike, wait_seconds: float = 0.0) -> Iterator
 
     Raises:
         RunFolderLocked: another process held it for all of ``wait_seconds``.
-        ValueError: ``work_dir`` is a file.
+        ValueError: ``work_dir`` is a file or cannot be created, or its lock file is a
+            folder or (:class:`~mmgoal.files.LinkedPathError`) a symbolic link.
     """
     import fcntl
 
     work_dir = Path(work_dir)
     check_is_folder(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--work-dir {work_dir} cannot be created ({error.strerror}); give a "
+                         f"folder you can write, or create it first") from error
     path = work_dir / LOCK_FILE
-    stream = open(path, "a+")
+    # a received run folder's lock may be a link to a file of yours: not followed
+    stream = open_unlinked(path, os.O_RDWR | os.O_CREAT, "the run lock")
     deadline = time.monotonic() + wait_seconds
     try:
         while True:
@@ -227,9 +229,13 @@ def prepare_work_dir(work_dir: str | os.PathLike, resume: bool,
     Raises:
         ValueError: ``work_dir`` is a file; or it holds a run and neither ``resume``
             nor ``overwrite`` is given.
+        LinkedPathError: a run file (or ``checkpoints/``) is a symbolic link, which the
+            run would write through.
     """
     work_dir = Path(work_dir)
     check_is_folder(work_dir)
+    for name in (CHECKPOINTS, *RUN_FILES):  # a received run folder's links: never followed
+        refuse_link(work_dir / name)
     if resume:
         return []
     written = run_written_files(work_dir)
@@ -302,7 +308,8 @@ def record_changes(work_dir: str | os.PathLike, changes: dict[str, list], epoch:
         return
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "epoch": epoch, "step": step,
               "changes": changes}
-    with open(Path(work_dir) / CHANGES_FILE, "a") as stream:
+    with open_unlinked(Path(work_dir) / CHANGES_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                       "the run's record of config changes") as stream:
         stream.write(json.dumps(record) + "\n")
 
 

@@ -25,8 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from mmgoal.config import ConfigSection, apply_override, component, load_config
+from mmgoal.config import (
+    ConfigSection,
+    apply_override,
+    component,
+    load_config,
+    override_key,
+)
 from mmgoal.data.pipeline import expand_shards
+from mmgoal.data.tars import MAX_SAMPLE_BYTES
 from mmgoal.devices import PRECISIONS
 from mmgoal.registry import (
     CONSTRAINTS,
@@ -166,7 +173,7 @@ class DataConfig(ConfigSection):
     ``image_size`` null its own size (:mod:`mmgoal.runs.preprocessing`)."""
 
     MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "num_workers": 0,
-                                           "eval_batch_size": 1}
+                                           "eval_batch_size": 1, "max_sample_bytes": 1}
     train: dict = component(DATASETS)  # ShardDataset, MixtureDataset
     tokenizer: dict | None = component(TOKENIZERS, default=None)
     val: SplitConfig | None = None
@@ -176,6 +183,8 @@ class DataConfig(ConfigSection):
     train_transforms: list | None = None
     eval_transforms: list | None = None
     eval_batch_size: int = 256
+    # a sample whose tar members hold more is skipped unread (mmgoal/data/tars.py)
+    max_sample_bytes: int = MAX_SAMPLE_BYTES
 
     def training_sources(self) -> list[dict]:
         """The shard sections of the training split: itself, or a mixture's sources."""
@@ -220,11 +229,13 @@ class ModelDataConfig(ConfigSection):
     """``data`` of a model used, not trained: its tokenizer and eval preprocessing (null:
     the model's own, as in :class:`DataConfig`)."""
 
-    MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "eval_batch_size": 1}
+    MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "eval_batch_size": 1,
+                                           "max_sample_bytes": 1}
     tokenizer: dict | None = component(TOKENIZERS, default=None)
     image_size: int | None = None
     eval_transforms: list | None = None
     eval_batch_size: int = 256
+    max_sample_bytes: int = MAX_SAMPLE_BYTES
 
 
 @dataclass
@@ -339,7 +350,7 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
     (also from ``beside``, the config's folder; each is logged with its file), so
     overrides may name the options of components registered there. Without, nothing
     the config names is imported: a config or checkpoint someone sent could run code
-    through them (docs/configs.md, "What a received file can make mmgoal do"); a
+    through them (docs/received_files.md); a
     warning names them, and a component only they register is an error that says how
     to allow them.
     """
@@ -358,7 +369,7 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
     try:
         check_components(cfg, not_imported)
     except ConfigError as error:
-        swapped = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0].endswith(".type")]
+        swapped = [k for k in map(override_key, overrides) if k.endswith(".type")]
         if not swapped or isinstance(error, UnknownNameError):
             raise
         section = swapped[0].removesuffix(".type")

@@ -47,7 +47,7 @@ def sample_images(out: Path) -> list:
 
 
 def test_an_open_clip_export_embeds_through_open_clip_as_through_mmgoal(tiny_benchmark,
-                                                                        tmp_path):
+                                                                        tmp_path, capsys):
     out, _ = tiny_benchmark
     model = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": MODEL_KWARGS}
     run = tiny_run(out, model, {"tokenizer": None}, tmp_path / "run")
@@ -77,6 +77,19 @@ def test_an_open_clip_export_embeds_through_open_clip_as_through_mmgoal(tiny_ben
     # an earlier export of the format is written over; any other folder is not
     assert export.main([str(run), "--format", "open_clip", "--out", str(folder)]) == 0
     assert export.main([str(run), "--format", "open_clip", "--out", str(run)]) == 2
+    # a link where the export would write (a received folder's) is refused, not followed,
+    # and nothing of the export reaches the folder (issue 39, item 4)
+    outside = tmp_path / "yours.json"
+    outside.write_text("yours")
+    weights = (folder / "open_clip_model.safetensors").stat().st_ino  # a rename changes it
+    (folder / "open_clip_config.json").unlink()
+    (folder / "open_clip_config.json").symlink_to(outside)
+    assert export.main([str(run), "--format", "open_clip", "--out", str(folder)]) == 2
+    assert (f"{folder / 'open_clip_config.json'} is a symbolic link (to {outside}); mmgoal "
+            f"writes no file through a link it did not make") in capsys.readouterr().err
+    assert outside.read_text() == "yours"
+    assert (folder / "open_clip_model.safetensors").stat().st_ino == weights
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
 def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchmark, tmp_path):

@@ -1,0 +1,203 @@
+"""Files mmgoal writes: whole or not at all, and never through a link it did not make.
+
+A folder mmgoal writes into may be someone else's: a received run folder resumed with
+``--resume``, whose ``.mmgoal-run.lock`` is a symbolic link to a file of yours; an export
+folder whose ``open_clip_config.json`` points outside it. So every file mmgoal writes goes
+through :func:`write_atomically`: a temporary file created new in the target's folder
+(``O_EXCL | O_NOFOLLOW``: never an existing file, never a link), written, flushed to
+disk, then renamed over the target. The target's old content is never opened, a reader
+never sees half a file, and a symbolic link where mmgoal would write is refused with a
+:class:`LinkedPathError` that names it. The files mmgoal appends to (``metrics.jsonl``,
+``config_changes.jsonl``) and the run lock are opened with ``O_NOFOLLOW``
+(:func:`open_unlinked`). docs/received_files.md is the whole set of receive-side rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+
+class LinkedPathError(ValueError):
+    """A symbolic link stands where mmgoal would write a file: refused, not followed."""
+
+
+def refuse_link(path: str | os.PathLike) -> None:
+    """Raise :class:`LinkedPathError` when ``path`` is a symbolic link (to anything, or to
+    nothing)."""
+    if os.path.islink(path):
+        raise LinkedPathError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); mmgoal writes no file "
+            f"through a link it did not make, since the folder may be someone else's and the "
+            f"link would send the write to a file of yours: remove the link, or write "
+            f"somewhere else")
+
+
+def open_unlinked(path: str | os.PathLike, flags: int, what: str) -> IO:
+    """``path`` opened with ``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC)`` (created with
+    the umask's permissions where ``flags`` has ``O_CREAT``) as a text stream.
+
+    Args:
+        what: what the file is, for messages (``the run lock``).
+
+    Raises:
+        LinkedPathError: ``path`` is a symbolic link.
+        ValueError: ``path`` is a folder.
+    """
+    mode = "a" if flags & os.O_APPEND else "r+" if flags & os.O_RDWR else "w"
+    try:
+        descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path} is a folder; mmgoal writes a file there: move the "
+                         f"folder away") from None
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            refuse_link(path)
+        raise
+    return os.fdopen(descriptor, mode)
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Delete the temporary files of earlier writes of ``path`` whose process is gone (a
+    SIGKILLed save leaves a full-size ``.<name>.tmp-<pid>``); return them."""
+    stale = []
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            stale.append(tmp)
+    return stale
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where Linux shows it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def temporary_for(path: str | os.PathLike, remove_stale: bool = False,
+                  durable: bool = True) -> Iterator[Path]:
+    """A new, empty temporary file beside ``path`` (``.<name>.tmp-<pid>``, created with
+    ``O_EXCL | O_NOFOLLOW``) for the block to write; afterwards it is fsynced, given the
+    permissions the umask gives a new file (whatever its writer chose: safetensors writes
+    0600) and renamed over ``path``, and the rename made durable. If the block raises, the
+    temporary file is removed and ``path`` is untouched.
+
+    Args:
+        durable: fsync the file and the folder (off: thousands of small files a generator
+            can write again, where two fsyncs would cost more than the writes).
+        remove_stale: first delete the temporary files that killed writes of ``path`` left
+            (:func:`remove_stale_temporaries`: for large files, such as checkpoints; it
+            lists the folder, too slow for thousands of small files in one).
+
+    Raises:
+        LinkedPathError: ``path`` is a symbolic link.
+    """
+    path = Path(path)
+    refuse_link(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if remove_stale:
+        remove_stale_temporaries(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if os.path.lexists(tmp):  # this process's own leftover, or a link someone placed there
+        tmp.unlink()
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~umask())
+        if durable:
+            with open(tmp, "rb+") as stream:
+                os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not durable:
+        return
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], object],
+                     remove_stale: bool = False, durable: bool = True) -> None:
+    """``write(temporary_path)``, then the temporary file renamed over ``path``
+    (:func:`temporary_for`, which says what ``remove_stale`` and ``durable`` do)."""
+    with temporary_for(path, remove_stale, durable) as tmp:
+        write(tmp)
+
+
+def write_text(path: str | os.PathLike, text: str, durable: bool = True) -> None:
+    """``path`` holds ``text`` afterwards, written as :func:`write_atomically` writes."""
+    write_atomically(path, lambda tmp: tmp.write_text(text), durable=durable)
+
+
+@contextlib.contextmanager
+def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """A new, empty folder beside ``folder`` for the block to write files into (a library's
+    ``save_pretrained``, which opens its own files); afterwards each file is renamed into
+    ``folder`` (created if missing), over a file of the same name but never through a
+    link. If the block raises, nothing reaches ``folder``.
+
+    Raises:
+        LinkedPathError: a symbolic link stands where one of the files would go (checked
+            for every file before any is moved).
+    """
+    folder = Path(folder)
+    refuse_link(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    if os.path.lexists(staging):
+        _remove(staging)
+    staging.mkdir()
+    try:
+        yield staging
+        files = sorted(p.relative_to(staging) for p in staging.rglob("*") if not p.is_dir())
+        for name in files:
+            for part in (*reversed(name.parents[:-1]), name):  # its folders too
+                refuse_link(folder / part)
+        for name in files:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / name, folder / name)
+    finally:
+        _remove(staging)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def save_figure(figure, path: str | os.PathLike, dpi: int) -> None:
+    """A matplotlib ``figure`` saved to ``path`` as :func:`write_atomically` writes, in the
+    format its suffix names (``.png``, ``.pdf``, ``.svg``; none: PNG)."""
+    suffix = Path(path).suffix.lstrip(".").lower()
+    write_atomically(path, lambda tmp: figure.savefig(tmp, format=suffix or "png", dpi=dpi))
