@@ -94,13 +94,15 @@ def is_placeholder(text: str) -> bool:
 
 def fenced_lines(page: Path) -> list[tuple[int, str]]:
     """(line number, logical line) of the page's fenced code blocks, ``\\`` continuations
-    joined onto the line where the command starts."""
-    lines, inside, pending, start = [], False, "", 0
+    joined onto the line where the command starts; a ```` ```text ```` block shows output
+    (an error message), not commands, and is left out."""
+    lines, inside, output, pending, start = [], False, False, "", 0
     for number, line in enumerate(page.read_text().splitlines(), 1):
         if FENCE.match(line):
             inside = not inside
+            output = inside and line.strip() == "```text"
             continue
-        if not inside:
+        if not inside or output:
             continue
         if not pending:
             start = number
