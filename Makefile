@@ -32,7 +32,7 @@ demo: $(STAMP) data/synthetic/meta.json
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check mmgoal tools tests bench
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mmgoal tools tests bench

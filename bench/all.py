@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# data pipeline, trainer, the race against open_clip's trainer, distributed ITM, the feature
-# gather, evaluation encoding, evaluation on 2 ranks, objectives, SCAN scoring, the COCO
-# protocols
-SCRIPTS = ("data", "trainer", "clip_train", "itm", "gather", "eval", "eval_ranks",
+# the front door, data pipeline, trainer, the race against open_clip's trainer, distributed
+# ITM, the feature gather, evaluation encoding, evaluation on 2 ranks, objectives, SCAN
+# scoring, the COCO protocols
+SCRIPTS = ("startup", "data", "trainer", "clip_train", "itm", "gather", "eval", "eval_ranks",
            "objectives", "scan_eval", "protocols")
 RATIO = re.compile(r"(ratio|overhead).*\d", re.IGNORECASE)  # not a table's header
 

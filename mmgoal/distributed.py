@@ -1,8 +1,10 @@
-"""Processes: which rank this is, and gathering features across ranks.
+"""Processes: how many a launcher started, joining their group, which rank this is, the
+random states, and gathering features across ranks.
 
 Below the engine, the objectives and the evaluation, which all ask it (the layering:
-docs/architecture.md). ``torch.distributed`` itself is joined by the strategy
-(:mod:`mmgoal.engine.strategies.base`); these functions work in one process too.
+docs/architecture.md): the one place that answers the world size. ``torch.distributed``
+is joined by :func:`init_process_group` (the strategies, ``mmgoal eval``); these functions
+work in one process too.
 
 Gathering features across ranks so objectives see the global batch:
 
@@ -32,8 +34,11 @@ The trainer logs rank 0's outputs: the local terms as rank 0 computed them.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import math
+import os
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +51,53 @@ def world_info() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def launched_world_size() -> int:
+    """The number of processes a launcher (torchrun, deepspeed, SLURM via them) started,
+    before their group is joined (:func:`world_info` once it is)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    """This process's rank as its launcher set it, before the group is joined."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(timeout_minutes: float, device: torch.device) -> None:
+    """Join the launcher's process group (gloo on CPU, NCCL on GPUs), once."""
+    if dist.is_initialized() or launched_world_size() == 1:
+        return
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} "
+                           f"unset; start the run with torchrun or deepspeed (docs/distributed.md)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(process_group_backend(device),
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def rng_state() -> dict:
+    """This process's random states: torch's, Python's and the current CUDA device's."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's generator
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _all_gather_single(out: torch.Tensor, local: torch.Tensor) -> None:

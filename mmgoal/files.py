@@ -161,9 +161,10 @@ def write_text(path: str | os.PathLike, text: str, durable: bool = True) -> None
 @contextlib.contextmanager
 def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
     """A new, empty folder beside ``folder`` for the block to write files into (a library's
-    ``save_pretrained``, which opens its own files); afterwards each file is renamed into
-    ``folder`` (created if missing), over a file of the same name but never through a
-    link. If the block raises, nothing reaches ``folder``.
+    ``save_pretrained``, which opens its own files); afterwards each file gets the
+    permissions the umask gives a new file (whatever its writer chose: safetensors writes
+    0600) and is renamed into ``folder`` (created if missing), over a file of the same
+    name but never through a link. If the block raises, nothing reaches ``folder``.
 
     Raises:
         LinkedPathError: a symbolic link stands where one of the files would go (checked
@@ -182,8 +183,10 @@ def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
         for name in files:
             for part in (*reversed(name.parents[:-1]), name):  # its folders too
                 refuse_link(folder / part)
+        mode = 0o666 & ~umask()
         for name in files:
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(staging / name, mode)
             os.replace(staging / name, folder / name)
     finally:
         _remove(staging)

@@ -2,10 +2,14 @@
 
 Every registry of the package lives in this module. ``@OBJECTIVES.register()``
 registers a class or function under its own name; ``OBJECTIVES.build({"type":
-"TripletLoss", "margin": 0.2})`` builds it. Importing :mod:`mmgoal` registers
-every built-in component, so a name is never missing because a module was not
-imported. Third-party components come from ``custom_imports`` in a config or
-from the ``mmgoal.plugins`` entry-point group; nothing else is ever imported.
+"TripletLoss", "margin": 0.2})`` builds it. Each registry knows where its built-in
+components are registered (``locations``, as mmengine's registries do): the first time
+a built-in name is asked for, its module is imported, so a name is never missing
+because a module was not imported, and ``import mmgoal`` imports none of them (a tool
+that evaluates a dual encoder never loads timm's other models, DeepSpeed or W&B).
+tests/test_registry.py checks the tables against what importing every module registers.
+Third-party components come from ``custom_imports`` in a config or from the
+``mmgoal.plugins`` entry-point group; nothing else is ever imported.
 """
 
 from __future__ import annotations
@@ -51,34 +55,61 @@ class Registry:
         name: what the registry holds, used in error messages (``"objective"``).
         inputs: parameters its entries receive when called (a weight's scores),
             which are never config keys.
+        locations: the module that registers each built-in name, imported the first time
+            the name is asked for.
+        builder: the module that declares :attr:`builder_keys` (imported when they are
+            asked for).
 
     Attributes:
         builder_keys: the schema (a :class:`~mmgoal.config.ConfigSection`) of keys
             that the code building this registry's components reads itself from
             their configs and does not pass on (``optimizer.paramwise``); ``None``:
             every key goes to the component. Declared by that code
-            (:meth:`read_by_builder`), so the run schema checks them without
-            importing it.
+            (:meth:`read_by_builder`), whose module (``builder``) asking for them imports.
+        locations: the module that registers each built-in name.
     """
 
-    def __init__(self, name: str, inputs: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, inputs: tuple[str, ...] = (),
+                 locations: Mapping[str, str] | None = None, builder: str | None = None
+                 ) -> None:
         self.name = name
         self.inputs = inputs  # call-time parameters of its entries, never config keys
-        self.builder_keys: type | None = None
+        self.locations = dict(locations or {})
+        self._builder = builder
+        self._builder_keys: type | None = None
         self._entries: dict[str, Callable[..., Any]] = {}
+        self._origins: dict[str, str] = {}  # name -> the module that registered it
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self.locations
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries.keys() | self.locations.keys())
 
     def __repr__(self) -> str:
-        return f"Registry({self.name!r}, {sorted(self._entries)})"
+        return f"Registry({self.name!r}, {self.names()})"
 
     def names(self) -> list[str]:
-        """Sorted names of every registered component."""
-        return sorted(self._entries)
+        """Sorted names of every component: the built-ins (imported or not) and those
+        registered."""
+        return sorted(self._entries.keys() | self.locations.keys())
+
+    def origin(self, name: str) -> str | None:
+        """The module that registered ``name`` (None: not registered yet)."""
+        return self._origins.get(name)
+
+    def _load(self, name: str) -> None:
+        """Import the module that registers the built-in ``name``, if it has not run yet."""
+        if name not in self._entries and name in self.locations:
+            importlib.import_module(self.locations[name])
+
+    @property
+    def builder_keys(self) -> type | None:
+        """The schema (a :class:`~mmgoal.config.ConfigSection`) of the keys that the code
+        building this registry's components reads itself (see :meth:`read_by_builder`)."""
+        if self._builder_keys is None and self._builder is not None:
+            importlib.import_module(self._builder)
+        return self._builder_keys
 
     def register(self, name: str | None = None, force: bool = False) -> Callable:
         """Decorator registering a class or function under ``name`` (default: its own name).
@@ -88,6 +119,9 @@ class Registry:
 
         def decorator(obj: Callable[..., Any]) -> Callable[..., Any]:
             key = name or obj.__name__
+            registering = sys._getframe(1).f_globals.get("__name__", "")
+            if registering != self.locations.get(key):
+                self._load(key)  # a built-in of that name registers first: taken is taken
             if key in self._entries and not force:
                 existing = self._entries[key]
                 raise KeyError(
@@ -96,6 +130,7 @@ class Registry:
                     f"name or pass force=True to replace it"
                 )
             self._entries[key] = obj
+            self._origins[key] = registering
             return obj
 
         return decorator
@@ -103,10 +138,12 @@ class Registry:
     def read_by_builder(self, section: type) -> None:
         """Declare the keys the builder of this registry's components reads itself
         (``section``: a ``ConfigSection`` of them; see :attr:`builder_keys`)."""
-        self.builder_keys = section
+        self._builder_keys = section
 
     def get(self, name: str) -> Callable[..., Any]:
-        """The component registered under ``name``; an unknown name lists the choices."""
+        """The component registered under ``name`` (a built-in's module imported the first
+        time); an unknown name lists the choices."""
+        self._load(name)
         if name not in self._entries:
             load_plugins()
         if name not in self._entries:
@@ -253,24 +290,65 @@ def _keyword_parameters(target: Callable[..., Any]) -> tuple[list[inspect.Parame
     return list(params.values()), bool(inits)
 
 
-MODELS = Registry("model")
-ENCODERS = Registry("encoder")
-POOLERS = Registry("pooler")
-OBJECTIVES = Registry("objective")
-CONSTRAINTS = Registry("constraint")
-DATASETS = Registry("dataset")
-TOKENIZERS = Registry("tokenizer")
-TRANSFORMS = Registry("transform")
-HOOKS = Registry("hook")
-LOGGERS = Registry("logger")
-STRATEGIES = Registry("strategy")
-OPTIMIZERS = Registry("optimizer")
-SCHEDULES = Registry("schedule")
-TRIPLET_WEIGHTS = Registry("triplet weight", inputs=("s_p", "s_n"))
-PAIR_WEIGHTS = Registry("pair weight", inputs=("s_p", "s_n", "relative"))
-CHECKPOINT_REMAPS = Registry("checkpoint remap")
-TEXT_AUGMENTS = Registry("text augment")
-SHARD_SOURCES = Registry("shard source")
+# Where each built-in component is registered: the module a lookup of its name imports.
+_MODELS, _ENCODERS = "mmgoal.models", "mmgoal.models.encoders"
+_OBJECTIVES, _ENGINE, _DATA = "mmgoal.objectives", "mmgoal.engine", "mmgoal.data"
+
+
+def _at(module: str, *names: str) -> dict[str, str]:
+    return dict.fromkeys(names, module)
+
+
+MODELS = Registry("model", locations={
+    **_at(f"{_MODELS}.dual_encoder", "DualEncoder"), **_at(f"{_MODELS}.scan", "SCAN"),
+    **_at(f"{_MODELS}.xvlm", "XVLM"), **_at(f"{_MODELS}.clip", "OpenCLIP", "HFCLIP")})
+ENCODERS = Registry("encoder", locations={
+    **_at(f"{_ENCODERS}.gru_text", "GRUTextEncoder"),
+    **_at(f"{_ENCODERS}.hf_text", "HFTextEncoder"),
+    **_at(f"{_ENCODERS}.regions", "PrecomputedRegionEncoder", "RoIRegionEncoder"),
+    **_at(f"{_ENCODERS}.timm_image", "TimmImageEncoder")})
+POOLERS = Registry("pooler", locations=_at(f"{_MODELS}.layers.gpo", "GPO", "MaxPool",
+                                           "MeanPool"))
+OBJECTIVES = Registry("objective", locations={
+    **_at(f"{_OBJECTIVES}.classic", "BinomialDevianceLoss", "CircleLoss", "InfoNCELoss",
+          "MultiSimilarityLoss", "NTXentHardLoss"),
+    **_at(f"{_OBJECTIVES}.goal", "GoalObjective"),
+    **_at(f"{_OBJECTIVES}.itm", "ITMLoss", "ObjectiveSum"),
+    **_at(f"{_OBJECTIVES}.pretraining", "BoxGroundingLoss", "MLMLoss"),
+    **_at(f"{_OBJECTIVES}.triplet", "TripletLoss")})
+CONSTRAINTS = Registry("constraint", locations=_at(f"{_OBJECTIVES}.constraints",
+                                                   "CCRConstraint", "CCSConstraint"))
+DATASETS = Registry("dataset", locations=_at(f"{_DATA}.pipeline", "ShardDataset",
+                                             "MixtureDataset"))
+TOKENIZERS = Registry("tokenizer", locations=_at(f"{_DATA}.tokenizers", "WordTokenizer",
+                                                 "HFTokenizer", "OpenCLIPTokenizer"))
+TRANSFORMS = Registry("transform", locations={
+    **_at(f"{_DATA}.transforms", "CenterCrop", "ColorJitter", "Normalize", "RandomErasing",
+          "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "TimmTransform", "ToTensor"),
+    **_at(f"{_MODELS}.clip", "HFImageProcessor", "OpenCLIPTransform")})
+HOOKS = Registry("hook", locations=_at(f"{_ENGINE}.hooks", "FreezeSchedule",
+                                       "ObjectiveWarmup"))
+LOGGERS = Registry("logger", locations=_at(f"{_ENGINE}.loggers", "TensorBoardLogger",
+                                           "WandbLogger"))
+STRATEGIES = Registry("strategy", locations={
+    **_at(f"{_ENGINE}.strategies.torch_native", "torch", "single", "ddp"),
+    **_at(f"{_ENGINE}.strategies.deepspeed", "deepspeed"),
+    **_at(f"{_ENGINE}.strategies.accelerate", "accelerate")})
+OPTIMIZERS = Registry("optimizer", locations=_at(f"{_ENGINE}.optimizers", "Adam", "AdamW",
+                                                 "SGD"),
+                      builder=f"{_ENGINE}.optimizers")
+SCHEDULES = Registry("schedule", locations=_at(f"{_ENGINE}.schedules", "constant", "cosine",
+                                               "linear", "step"))
+TRIPLET_WEIGHTS = Registry("triplet weight", inputs=("s_p", "s_n"),
+                           locations=_at(f"{_OBJECTIVES}.weights", "con", "nca", "cir"))
+PAIR_WEIGHTS = Registry("pair weight", inputs=("s_p", "s_n", "relative"),
+                        locations=_at(f"{_OBJECTIVES}.weights", "con", "lin", "sig", "lin_ms",
+                                      "sig_ms"))
+CHECKPOINT_REMAPS = Registry("checkpoint remap", locations=_at(
+    f"{_MODELS}.pretrained", "efficientnet_pytorch", "timm"))
+TEXT_AUGMENTS = Registry("text augment", locations=_at(f"{_DATA}.tokenizers", "TokenAugment"))
+SHARD_SOURCES = Registry("shard source", locations=_at(f"{_DATA}.sources", "entities",
+                                                       "karpathy", "precomputed"))
 
 _plugins_loaded = False
 

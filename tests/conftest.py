@@ -31,6 +31,7 @@ def tiny_quickstart_run(tiny_benchmark, tmp_path_factory):
         "model.embed_dim=16", "model.image_encoder.model_kwargs.widths=[8, 16]",
         "model.text_encoder.word_dim=8", "model.text_encoder.hidden_size=16",
         "data.image_size=32", "data.num_workers=0", "train.epochs=1", "train.progress=False",
+        "train.log_every=2",
         "hooks=[]", f"data.train.shards={out}/train-{{000000..000002}}.tar",
         "data.train.batch_size=16", f"data.val.shards={out}/val-000000.tar",
         f"data.test.shards={out}/test-{{000000..000001}}.tar"])

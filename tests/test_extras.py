@@ -127,7 +127,7 @@ def test_plot_tools_without_matplotlib_say_which_extra(tool, command, args):
 def test_finetune_with_deepspeed_missing_says_which_extra(tiny_benchmark, tmp_path,
                                                           monkeypatch):
     out, _ = tiny_benchmark
-    monkeypatch.syspath_prepend(str(ROOT / "tests" / "tools"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "cli"))
     from test_cli import tiny_overrides
 
     config = tmp_path / "tiny.yaml"

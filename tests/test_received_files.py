@@ -19,7 +19,7 @@ import mmgoal
 import mmgoal.runs.schema
 from mmgoal.config import MAX_EXPANDED_VALUES, load_config
 from mmgoal.registry import MODELS
-from mmgoal.runs import checkpoint
+from mmgoal.runs import checkpoint, loading
 from mmgoal.runs.checkpoint import load_checkpoint, save_safetensors
 
 
@@ -96,11 +96,15 @@ def test_a_component_only_an_untrusted_module_registers_says_how_to_allow_it(
         tiny_quickstart_run, tmp_path):
     run, _ = tiny_quickstart_run
     export = received_export(run, tmp_path, custom_imports=["somebodys_plugin"],
-                             objective={"type": "SomebodysLoss"})
-    with pytest.raises(KeyError, match=r"'SomebodysLoss' is not in the objective registry.*The "
+                             model={"type": "SomebodysModel"})
+    with pytest.raises(KeyError, match=r"'SomebodysModel' is not in the model registry.*The "
                                        r"config's custom_imports \(somebodys_plugin\) were not "
                                        r"imported: .*--trust-custom-imports"):
         mmgoal.load(export, device="cpu")
+    # a section evaluation never builds (the objective) is not checked, nor imported for
+    export = received_export(run, tmp_path, custom_imports=["somebodys_plugin"],
+                             objective={"type": "SomebodysLoss"})
+    assert mmgoal.load(export, device="cpu").model is not None
 
 
 def test_printing_a_received_config_imports_nothing(tmp_path, capsys):
@@ -149,8 +153,8 @@ def test_an_export_claiming_a_huge_model_is_refused_before_allocating_it(tiny_qu
                              model={**state["config"]["model"], "embed_dim": 20_000_000})
     assert export.stat().st_size < 2**20
     checked = []
-    check_same_model = checkpoint.check_same_model
-    monkeypatch.setattr(checkpoint, "check_same_model", lambda model, *args: checked.append(
+    check_same_model = loading.check_same_model
+    monkeypatch.setattr(loading, "check_same_model", lambda model, *args: checked.append(
         next(model.parameters()).device.type) or check_same_model(model, *args))
     with pytest.raises(ValueError, match=r"does not fit the model this config builds .*shapes "
                                          r"differ: image_proj.bias \(16,\) vs \(20000000,\)"):

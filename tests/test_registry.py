@@ -130,3 +130,62 @@ def test_context_reaches_named_parameters_only():
     assert reg.build({"type": "Named"}, tokenizer="tok").tokenizer == "tok"
     assert reg.build({"type": "Named", "tokenizer": "mine"}, tokenizer="tok").tokenizer == "mine"
     assert isinstance(reg.build({"type": "Inherited"}, tokenizer="tok"), Inherited)
+
+
+EAGER_REGISTRATION = """
+import importlib, json, pkgutil, sys, warnings
+import mmgoal
+from mmgoal import registry
+warnings.simplefilter("ignore")  # the old import paths' deprecation warnings
+for module in pkgutil.walk_packages(mmgoal.__path__, "mmgoal."):
+    importlib.import_module(module.name)
+tables = {}
+for name in dir(registry):
+    found = getattr(registry, name)
+    if isinstance(found, registry.Registry):
+        tables[name] = {"registered": {key: found.origin(key) for key in found._entries},
+                        "locations": found.locations}
+print(json.dumps(tables))
+"""
+
+
+def test_the_location_tables_are_what_importing_every_module_registers():
+    """Each registry's table of built-ins (the module a name's lookup imports) is exactly what
+    importing every module of mmgoal registers, and where."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", EAGER_REGISTRATION], capture_output=True,
+                         text=True, check=True).stdout
+    tables = json.loads(out)
+    assert len(tables) == 18
+    for name, table in tables.items():
+        assert table["registered"] == table["locations"], name
+
+
+FRONT_DOOR = """
+import sys
+import mmgoal
+heavy = ("torch", "timm", "wandb", "deepspeed", "accelerate", "torchvision.ops",
+         "torch._dynamo")
+print([m for m in heavy if m in sys.modules])
+from mmgoal.registry import OBJECTIVES
+print(sorted(m for m in sys.modules if m.startswith("mmgoal.objectives.")))
+OBJECTIVES.get("TripletLoss")
+print(sorted(m for m in sys.modules if m.startswith("mmgoal.objectives.")))
+print("TripletLoss" in OBJECTIVES, "GoalObjective" in OBJECTIVES, len(OBJECTIVES))
+"""
+
+
+def test_import_mmgoal_is_light_and_a_name_loads_its_module_when_asked():
+    import subprocess
+    import sys
+
+    lines = subprocess.run([sys.executable, "-c", FRONT_DOOR], capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    assert lines[0] == "[]"  # none of the heavy modules, not even torch
+    assert lines[1] == "[]"
+    assert "'mmgoal.objectives.triplet'" in lines[2]
+    assert "'mmgoal.objectives.goal'" not in lines[2]  # only what the name needed
+    assert lines[3] == "True True 11"  # built-ins not yet imported are known by name

@@ -28,9 +28,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
@@ -42,17 +40,14 @@ from mmgoal.cli.arguments import (
     names_shipped_config,
     tool_parser,
 )
-from mmgoal.data.pipeline import IncompleteSplitError
-from mmgoal.devices import resolve_device
-from mmgoal.distributed import world_info
-from mmgoal.engine.strategies.base import init_process_group
-from mmgoal.evaluation.gallery import evaluate_retrieval
-from mmgoal.evaluation.retrieval import metrics_table
 from mmgoal.extras import pyplot
 from mmgoal.files import save_figure, write_text
-from mmgoal.runs.loading import load_for_evaluation, load_zero_shot
 from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
-from mmgoal.structures import Member
+
+if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
+    import torch
+
+    from mmgoal.structures import Member
 
 
 def plot_curve(report, path: Path, title: str) -> None:
@@ -137,13 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rankings", help="JSON file for every COCO 5K test query's top "
                                            "items by COCO id, as eccv_caption's Metrics reads "
                                            "them ({\"i2t\": {image: [captions]}, \"t2i\": ...})")
-    parser.add_argument("--out", help="JSON file for the metrics "
-                                      "(default: <checkpoint>.<split>.json)")
+    parser.add_argument("--out", help="JSON file for the metrics (default: a run directory's "
+                                      "eval_<split>.json, beside its config.yaml; "
+                                      "<checkpoint>.<split>.json for a checkpoint file or "
+                                      "an export; none for a config alone)")
     parser.add_argument("--device", default="auto",
                         help="auto (the GPU where there is one), cpu, cuda or cuda:N")
     add_data_options(parser)
     add_loading_options(parser)
     args = parser.parse_args(argv)
+    from mmgoal.data.pipeline import IncompleteSplitError
+
     apply_loading_options(args)
     if len(args.paths) > 2:
         parser.error(f"give [CONFIG] CHECKPOINT, got {len(args.paths)} paths; more checkpoints "
@@ -187,6 +186,11 @@ def check_out(out: Path) -> None:
 def evaluate(args: argparse.Namespace) -> int:
     """Evaluate as ``args`` say; under a launcher (``torchrun ... -m mmgoal eval``) every
     rank takes its share of the gallery and rank 0 alone prints and writes."""
+    import torch.distributed as dist
+
+    from mmgoal.devices import resolve_device
+    from mmgoal.distributed import init_process_group
+
     if args.out:
         check_out(Path(args.out))  # before the evaluation's minutes, not after
     if args.entities and not Path(args.entities, "Sentences").is_dir():
@@ -201,6 +205,11 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
+    from mmgoal.distributed import world_info
+    from mmgoal.evaluation.gallery import evaluate_retrieval
+    from mmgoal.evaluation.retrieval import metrics_table
+    from mmgoal.runs.loading import load_for_evaluation, load_zero_shot
+
     main_rank = world_info()[0] == 0
     say = print if main_rank else lambda *args, **kwargs: None  # rank 0 reports
     trust = args.trust_custom_imports
@@ -217,8 +226,12 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
                          for path in args.ensemble]
     cfg = first.config
     split_cfg = first.split(args.split, args.shards, args.trust_data_paths)
+    # where the default outputs go: a run directory's own folder, else beside the file
+    beside = (Path(args.checkpoint) / f"eval_{args.split}" if args.checkpoint is not None
+              and Path(args.checkpoint, "checkpoints").is_dir() else None)
     # a run directory's checkpoint file; zero-shot: the config
     args.checkpoint = str(first.checkpoint or args.config)
+    beside = str(beside or f"{args.checkpoint}.{args.split}")
     folds = args.folds or split_cfg["folds"]
     scoring = dict(cfg["evaluation"])
     if args.rerank_k is not None:
@@ -253,7 +266,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
         say(f"attention ({report.phrases} phrases, T_IoU {args.t_iou}): best F1 "
             f"{best['f1']:.4f} at T_att {best['t_att']:g} (precision {best['precision']:.4f},"
             f" recall {best['recall']:.4f})")
-        curve = Path(args.curve or f"{args.checkpoint}.{args.split}.attention.png")
+        curve = Path(args.curve or f"{beside}.attention.png")
         try:
             plot_curve(report, curve,
                        f"attention PR, {Path(args.checkpoint).parent.parent.name}")
@@ -263,7 +276,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
         result["attention"] = report.as_dict()
     if (first.checkpoint is None and not args.out) or not main_rank:  # zero-shot: nothing
         return 0                                                       # beside a config
-    out = Path(args.out or f"{args.checkpoint}.{args.split}.json")
+    out = Path(args.out or f"{beside}.json")
     check_out(out)
     write_text(out, strict_json.dumps(result, indent=2))
     say(f"metrics written to {out}")

@@ -3,12 +3,12 @@
 One file that a single process loads (``.pt`` or ``.safetensors``), or the folder
 layout of open_clip or Hugging Face transformers, for the code and hubs that load those:
 
-    mmgoal export work_dirs/run1 --out run1.pt            # latest checkpoint
-    mmgoal export work_dirs/run1 --best --out run1_best.pt
-    mmgoal export work_dirs/run1 --best --out run1.safetensors
+    mmgoal export work_dirs/run1 --out run1.pt      # best.pt, else the latest (as mmgoal eval)
+    mmgoal export work_dirs/run1 --latest --out run1_last.pt
+    mmgoal export work_dirs/run1 --out run1.safetensors
     mmgoal eval run1.pt           # the config travels inside the file
-    mmgoal export work_dirs/clip --best --format open_clip --out clip_goal/
-    mmgoal export work_dirs/hfclip --best --format hf --out hfclip_goal/
+    mmgoal export work_dirs/clip --format open_clip --out clip_goal/
+    mmgoal export work_dirs/hfclip --format hf --out hfclip_goal/
 
 and from Python ``mmgoal.load("run1.safetensors")``; ``open_clip.create_model_and_transforms(
 "local-dir:clip_goal")``; ``transformers.AutoModel.from_pretrained("hfclip_goal")``
@@ -43,17 +43,12 @@ from pathlib import Path
 
 from mmgoal.cli.arguments import check_out_file, tool_parser
 from mmgoal.files import staged_folder
-from mmgoal.runs.checkpoint import (
-    CheckpointWriteError,
-    check_finite_weights,
-    load_checkpoint,
-    save_checkpoint,
-    save_safetensors,
-)
-from mmgoal.runs.run_dir import weights_file
+from mmgoal.runs.run_dir import EXPORT_FOLDERS, export_folder_format, weights_file
 
 
 def is_export(out: Path) -> bool:
+    from mmgoal.runs.checkpoint import load_checkpoint
+
     try:
         return "exported_from" in load_checkpoint(out)
     except ValueError:  # not an mmgoal checkpoint at all
@@ -65,7 +60,7 @@ def check_out(out: Path) -> None:
     check_out_file(out, is_export, "an earlier export", "model.pt")
 
 
-def export(source: Path, out: Path, best: bool = False) -> dict:
+def export(source: Path, out: Path, which: str = "best_or_latest") -> dict:
     """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``
     (safetensors when its name ends in ``.safetensors``).
 
@@ -73,8 +68,15 @@ def export(source: Path, out: Path, best: bool = False) -> dict:
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out`` (:func:`check_out`), or weights holding NaN/inf.
     """
+    from mmgoal.runs.checkpoint import (
+        check_finite_weights,
+        load_checkpoint,
+        save_checkpoint,
+        save_safetensors,
+    )
+
     check_out(out)
-    path = weights_file(source, "best" if best else "latest")
+    path = weights_file(source, which)
     state = load_checkpoint(path)
     check_finite_weights(state["model"], f"checkpoint {path}")
     weights = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
@@ -85,23 +87,19 @@ def export(source: Path, out: Path, best: bool = False) -> dict:
             "parameters": sum(v.numel() for v in weights.values())}
 
 
-# --format -> the file an earlier export of that format holds in its folder
-FOLDER_FORMATS = {"open_clip": "open_clip_config.json", "hf": "config.json"}
-
-
 def check_out_folder(out: Path, fmt: str) -> None:
     """Refuse an ``--out`` for a folder format that is a file, or a folder holding anything
     but an earlier export of that format."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; --format {fmt} writes a folder: give a new "
                          f"folder name")
-    if out.is_dir() and any(out.iterdir()) and not (out / FOLDER_FORMATS[fmt]).is_file():
+    if out.is_dir() and any(out.iterdir()) and export_folder_format(out) != fmt:
         raise ValueError(f"--out {out} is a folder holding other files, not an earlier "
                          f"--format {fmt} export, so nothing is written into it; give a new "
                          f"or empty folder")
 
 
-def export_folder(source: Path, out: Path, fmt: str, best: bool = False,
+def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_latest",
                   trust_custom_imports: bool = False) -> dict:
     """Write the model of ``source`` in ``fmt``'s folder layout (the family's ``export_to``).
 
@@ -112,7 +110,7 @@ def export_folder(source: Path, out: Path, fmt: str, best: bool = False,
     from mmgoal.runs.loading import load_for_evaluation
 
     check_out_folder(out, fmt)
-    path = weights_file(source, "best" if best else "latest")
+    path = weights_file(source, which)
     loaded = load_for_evaluation(path, device="cpu", trust_custom_imports=trust_custom_imports)
     formats = getattr(type(loaded.model), "EXPORT_FORMATS", ())
     if fmt not in formats:
@@ -133,22 +131,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True,
                         help="file to write (new, or an earlier export); a folder for "
                              "--format open_clip and hf")
-    parser.add_argument("--best", action="store_true", help="the best epoch, not the latest")
-    parser.add_argument("--format", default="mmgoal", choices=["mmgoal", *FOLDER_FORMATS],
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--best", dest="which", action="store_const", const="best",
+                        default="best_or_latest",
+                        help="the best epoch's best.pt only (an error where the run has none); "
+                             "by default best.pt where the run validated, else its latest "
+                             "checkpoint, as mmgoal eval picks")
+    chosen.add_argument("--latest", dest="which", action="store_const", const="latest",
+                        help="the latest checkpoint (last.pt, or DeepSpeed's newest tag)")
+    parser.add_argument("--format", default="mmgoal", choices=["mmgoal", *EXPORT_FOLDERS],
                         help="mmgoal's own file (default), open_clip's folder (OpenCLIP "
                              "runs) or a Hugging Face save_pretrained folder (HFCLIP runs)")
     parser.add_argument("--trust-custom-imports", action="store_true",
                         help="with --format open_clip/hf: import the custom_imports the run's "
                              "config names (the model is built)")
     args = parser.parse_args(argv)
+    from mmgoal.runs.checkpoint import CheckpointWriteError  # torch: past --help
+
     try:
         if args.format != "mmgoal":
-            summary = export_folder(args.source, args.out, args.format, args.best,
+            summary = export_folder(args.source, args.out, args.format, args.which,
                                     args.trust_custom_imports)
             print(f"{args.out}: {', '.join(summary['files'])} ({args.format}) from "
                   f"{summary['source']}")
             return 0
-        summary = export(args.source, args.out, args.best)
+        summary = export(args.source, args.out, args.which)
     except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a plug-in
         print(f"error: {error}", file=sys.stderr)
         return 2

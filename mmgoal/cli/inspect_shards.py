@@ -28,9 +28,13 @@ from tqdm import tqdm
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import tool_parser
-from mmgoal.data.pipeline import IMAGE_EXTENSIONS, expand_shards
-from mmgoal.data.remote import open_shard
-from mmgoal.data.tars import MAX_SAMPLE_BYTES, TarDamageError, tar_stream_samples
+from mmgoal.data.remote import expand_shards, open_shard
+from mmgoal.data.tars import (
+    IMAGE_EXTENSIONS,
+    MAX_SAMPLE_BYTES,
+    TarDamageError,
+    tar_stream_samples,
+)
 from mmgoal.files import write_text
 
 

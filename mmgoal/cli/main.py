@@ -8,7 +8,10 @@
     deepspeed --num_gpus 2 --module mmgoal train configs/quickstart.yaml --deepspeed
 
 Each command is a module of :mod:`mmgoal.cli` with a ``main(argv) -> int``; the
-repository's ``tools/*.py`` call the same ``main`` (docs/getting_started.md).
+repository's ``tools/*.py`` call the same ``main`` (docs/getting_started.md). The
+command list reads each module's first line with ``ast``, without importing it, and a
+command's module imports torch only once its arguments are read: ``mmgoal --help``,
+``COMMAND --help``, ``--version`` and ``configs`` answer without it (bench/startup.py).
 """
 
 from __future__ import annotations

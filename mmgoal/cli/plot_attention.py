@@ -16,9 +16,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-import webdataset as wds
-
 from mmgoal.cli.arguments import (
     add_data_options,
     add_loading_options,
@@ -26,22 +23,17 @@ from mmgoal.cli.arguments import (
     config_argument,
     tool_parser,
 )
-from mmgoal.contract import CrossAttentionModel, require
-from mmgoal.data.pipeline import (
-    SkipCounter,
-    collate_visual,
-    decode_sample,
-    expand_shards,
-    transform_image,
-)
-from mmgoal.data.remote import tar_samples
 from mmgoal.extras import pyplot
 from mmgoal.files import save_figure
-from mmgoal.runs.loading import load_for_evaluation
 
 
 def nth_sample(shards, index: int) -> dict:
     """The ``index``-th readable sample of the shards, decoded."""
+    import webdataset as wds
+
+    from mmgoal.data.pipeline import SkipCounter, decode_sample, expand_shards
+    from mmgoal.data.remote import tar_samples
+
     counter = SkipCounter()
     pipeline = wds.DataPipeline(wds.SimpleShardList(expand_shards(shards)),
                                 tar_samples(counter), wds.map(decode_sample, handler=counter))
@@ -63,9 +55,13 @@ def word_position(caption: str, word: str) -> int:
     return stripped.index(word.lower())
 
 
-@torch.no_grad()
 def word_attention(model, tokenizer, sample: dict, transform, caption: str, position: int):
     """(region boxes as xyxy fractions (R, 4), attention weights (R,)) of one word."""
+    import torch
+
+    from mmgoal.contract import CrossAttentionModel, require
+    from mmgoal.data.pipeline import collate_visual, transform_image
+
     batch = collate_visual([transform_image(sample, transform)])
     require(model, CrossAttentionModel, "mmgoal plot-attention")
     if not hasattr(model.image_encoder, "region_boxes"):
@@ -74,9 +70,10 @@ def word_attention(model, tokenizer, sample: dict, transform, caption: str, posi
     tokens = tokenizer.word_token_spans(caption)[position]
     if not tokens:
         raise ValueError("that word was cut by the tokenizer's max_length")
-    attention = model.attention(model.encode_image(batch), model.encode_text(tokenizer([caption])),
-                                direction="t2i")
-    boxes = model.image_encoder.region_boxes(batch)[0]
+    with torch.no_grad():
+        attention = model.attention(model.encode_image(batch),
+                                    model.encode_text(tokenizer([caption])), direction="t2i")
+        boxes = model.image_encoder.region_boxes(batch)[0]
     weights = attention.weights[0, tokens, :len(boxes)].mean(0)  # a word of several tokens
     return boxes, weights
 
@@ -94,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     add_data_options(parser)
     add_loading_options(parser)
     args = parser.parse_args(argv)
+    from mmgoal.runs.loading import load_for_evaluation  # torch: past --help
+
     apply_loading_options(args)
     try:
         plt = pyplot("mmgoal plot-attention")

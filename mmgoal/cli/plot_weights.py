@@ -19,15 +19,18 @@ from __future__ import annotations
 import difflib
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mmgoal.cli.arguments import config_argument, tool_parser
 from mmgoal.config import load_config, parse_value
 from mmgoal.extras import pyplot, require_extra
 from mmgoal.files import save_figure
-from mmgoal.objectives.goal import WEIGHT_REGISTRIES, BoundWeight, bind_weight
 from mmgoal.registry import OBJECTIVES
+
+if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
+    import torch
+
+    from mmgoal.objectives.goal import BoundWeight
 
 
 def configured_weights(config: str | None, overrides: list[str], sets: list[str]
@@ -37,6 +40,8 @@ def configured_weights(config: str | None, overrides: list[str], sets: list[str]
     Defaults, then the config's ``GoalObjective`` for the two weights it names,
     then ``--set`` on every weight that takes the option.
     """
+    from mmgoal.objectives.goal import WEIGHT_REGISTRIES, bind_weight
+
     weights = {slot: [bind_weight(slot, name) for name in registry.names()]
                for slot, registry in WEIGHT_REGISTRIES.items()}
     if config:
@@ -80,6 +85,8 @@ def call_weight(weight: BoundWeight, s_p: torch.Tensor, s_n: torch.Tensor):
 
 
 def draw(weights: dict[str, list[BoundWeight]], out: Path, resolution: int = 201) -> None:
+    import torch
+
     plt = pyplot("mmgoal plot-weights")
     grid = torch.linspace(-1, 1, resolution, dtype=torch.float64, device="cpu")
     s_p, s_n = torch.meshgrid(grid, grid, indexing="xy")

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mmgoal.cli.arguments import (
     add_data_options,
@@ -26,17 +25,15 @@ from mmgoal.cli.arguments import (
     names_shipped_config,
     tool_parser,
 )
-from mmgoal.data.pipeline import iter_eval_batches
-from mmgoal.objectives.mining import hardest_negatives
-from mmgoal.runs.loading import (
-    LoadedModel,
-    build_from_config,
-    load_for_evaluation,
-)
+
+if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
+    from mmgoal.runs.loading import LoadedModel
 
 
 def load_model(source: Path, trust_custom_imports: bool = False) -> LoadedModel:
     """A run directory or checkpoint with its weights, or a config with the weights it names."""
+    from mmgoal.runs.loading import build_from_config, load_for_evaluation
+
     if source.suffix in (".yaml", ".yml"):
         return build_from_config(source, device="cpu", trust_custom_imports=trust_custom_imports)
     return load_for_evaluation(source, device="cpu", trust_custom_imports=trust_custom_imports)
@@ -47,6 +44,11 @@ def score_stats(source: Path, split: str, pairs: int, trust_custom_imports: bool
                 ) -> dict[str, float]:
     """The statistics the module docstring names, of ``pairs`` pairs of ``split`` (or of
     ``shards``; the config's are read as :meth:`LoadedModel.split` allows)."""
+    import torch
+
+    from mmgoal.data.pipeline import iter_eval_batches
+    from mmgoal.objectives.mining import hardest_negatives
+
     loaded = load_model(source, trust_custom_imports)
     model, tokenizer, transform = loaded.model, loaded.tokenizer, loaded.transform
     split_cfg = loaded.split(split, shards, trust_data_paths)

@@ -27,26 +27,18 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import webdataset as wds
-from PIL import Image
-from tqdm import tqdm
-
-import mmgoal
-from mmgoal.api import Index, Retriever, rgb_image
 from mmgoal.cli.arguments import add_loading_options, apply_loading_options, tool_parser
-from mmgoal.data.pipeline import (
-    IMAGE_EXTENSIONS,
-    SkipCounter,
-    decode_sample,
-    expand_shards,
-    read_captions,
-)
-from mmgoal.data.remote import tar_samples
-from mmgoal.evaluation.gallery import encode_gallery
+from mmgoal.data.remote import expand_shards
+from mmgoal.data.tars import IMAGE_EXTENSIONS
 from mmgoal.extras import pyplot
 from mmgoal.files import save_figure
-from mmgoal.structures import cat_features
+
+if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
+    from PIL import Image
+
+    from mmgoal.api import Index, Retriever
 
 MAX_COLUMNS = 8  # hits per row of the picture; a query with more hits takes several rows
 MIN_COLUMNS = 3  # the picture is at least this many panels wide, for the query's title
@@ -76,6 +68,12 @@ class ImageGallery:
 
     def pictures(self, positions: list[int]) -> dict[int, Image.Image]:
         """The images at ``positions``, read again (the gallery keeps only their features)."""
+        import webdataset as wds
+
+        from mmgoal.api import rgb_image
+        from mmgoal.data.pipeline import SkipCounter, decode_sample
+        from mmgoal.data.remote import tar_samples
+
         if not self.shards:
             return {p: rgb_image(self.names[p]) for p in positions}
         wanted = {self.names[p]: p for p in positions}
@@ -136,6 +134,11 @@ def gallery_files(patterns: list[str]) -> tuple[list[str], list[str]]:
 
 def encoded_index(retriever: Retriever, items: list, kind: str) -> Index:
     """``retriever.index(items, kind)``, a batch at a time under a progress bar."""
+    from tqdm import tqdm
+
+    from mmgoal.api import Index
+    from mmgoal.structures import cat_features
+
     size = retriever.batch_size
     parts = [retriever.index(items[start:start + size], kind).features
              for start in tqdm(range(0, len(items), size), desc=f"encode {kind}", unit="batch",
@@ -145,6 +148,9 @@ def encoded_index(retriever: Retriever, items: list, kind: str) -> Index:
 
 def image_gallery(retriever: Retriever, shards: list[str], images: list[str],
                   rerank_k: int) -> ImageGallery:
+    from mmgoal.api import Index
+    from mmgoal.evaluation.gallery import encode_gallery
+
     if not shards:
         return ImageGallery(encoded_index(retriever, images, "images"), images, [])
     try:  # every token kept where the ITM head re-ranks (it reads them)
@@ -242,10 +248,15 @@ def rank_captions(retriever: Retriever, image: str, top_k: int, rerank_k: int,
     print_hits(f"image: {image}", hits, captions)
     if plt is None:
         return None
+    from mmgoal.api import rgb_image
+
     return draw_caption_hits(plt, rgb_image(image), Path(image).name, hits, captions)
 
 
 def search(args: argparse.Namespace) -> int:
+    import mmgoal
+    from mmgoal.data.pipeline import read_captions
+
     if args.image is not None and not Path(args.image).is_file():
         raise FileNotFoundError(f"--image {args.image} does not exist")
     if args.texts and args.query:

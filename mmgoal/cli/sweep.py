@@ -44,16 +44,9 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.config import config_changes, describe_changes, parse_value
-from mmgoal.engine.trainer import Trainer
 from mmgoal.files import write_text
 from mmgoal.registry import OBJECTIVES
-from mmgoal.runs.run_dir import (
-    has_checkpoint,
-    record_changes,
-    resume_changes,
-    run_lock,
-    stored_config,
-)
+from mmgoal.runs.run_dir import stored_config
 from mmgoal.runs.schema import check_data_paths, load_run_config, resolve_config
 
 TRIPLETS = ("con", "nca", "cir")
@@ -133,38 +126,51 @@ def run_one(config: str, overrides: list[str], seed: int, work_dir: Path) -> dic
     """Train (or resume, or reuse) one run, its folder locked; returns its report.
 
     A finished run is reused only when it was trained with exactly the config asked
-    for; an unfinished one resumes under ``finetune.py --resume``'s rules (only what
-    may change on resume may differ, recorded in config_changes.jsonl).
+    for (:func:`finished_report`); an unfinished one resumes under ``mmgoal train
+    --resume``'s rules, and a cell starts as a run of ``mmgoal train`` does
+    (:func:`~mmgoal.runs.start.started_run`: it refuses what train refuses).
 
     Raises:
-        ValueError: the folder holds a run of another config, or is in use.
+        ValueError: the folder holds a run of another config, or is in use, or what
+            ``started_run`` refuses.
     """
+    from mmgoal.engine.trainer import Trainer
+    from mmgoal.runs.start import started_run
+
     cfg = seeded_config(config, overrides, seed)
     cfg.setdefault("train", {})["progress"] = False
-    with run_lock(work_dir):
-        report_path = work_dir / "report.json"
-        if report_path.is_file():
-            stored = stored_config(work_dir)
-            if stored is None:
-                raise ValueError(f"{work_dir} holds a report.json but no config.yaml, so "
-                                 f"whether it ran this config is unknown and its result is "
-                                 f"not reused: give the sweep another --out, or remove that "
-                                 f"run folder")
-            differ = config_changes(resolve_config(stored), cfg)
-            if not differ:
-                return json.loads(report_path.read_text())
-            raise ValueError(f"{work_dir} holds a finished run of another config "
-                             f"({describe_changes(differ, 5)}); its result is not reused for "
-                             f"this one: give the sweep another --out, or remove that run "
-                             f"folder")
-        resume = has_checkpoint(work_dir / "checkpoints")
-        changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
-        trainer = Trainer(cfg, work_dir, resume=resume)
-        record_changes(work_dir, changes, trainer.epoch, trainer.step)
+    with started_run(work_dir, cfg, auto_resume=True, reuse=finished_report) as start:
+        if start.finished is not None:
+            return start.finished
+        trainer = Trainer(cfg, work_dir, resume=start.resume)
+        start.record(trainer.epoch, trainer.step)
         report = trainer.fit()
     if report.get("interrupted"):
         raise KeyboardInterrupt
     return report
+
+
+def finished_report(work_dir: Path, cfg: dict) -> dict | None:
+    """The report of the finished run in ``work_dir`` when it ran exactly ``cfg`` (a sweep
+    cell done earlier); None when there is none.
+
+    Raises:
+        ValueError: the finished run is of another config, or says not which.
+    """
+    report_path = work_dir / "report.json"
+    if not report_path.is_file():
+        return None
+    stored = stored_config(work_dir)
+    if stored is None:
+        raise ValueError(f"{work_dir} holds a report.json but no config.yaml, so whether it "
+                         f"ran this config is unknown and its result is not reused: give the "
+                         f"sweep another --out, or remove that run folder")
+    differ = config_changes(resolve_config(stored), cfg)
+    if differ:
+        raise ValueError(f"{work_dir} holds a finished run of another config "
+                         f"({describe_changes(differ, 5)}); its result is not reused for this "
+                         f"one: give the sweep another --out, or remove that run folder")
+    return json.loads(report_path.read_text())
 
 
 def mean_std(values: list[float]) -> str:

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import yaml
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from mmgoal.cli.arguments import (
     add_offline_option,
@@ -28,20 +27,7 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.config import load_config
-from mmgoal.data.pipeline import IncompleteSplitError, UnreadableShardsError
-from mmgoal.engine.loggers import LoggerError
-from mmgoal.engine.trainer import Trainer
-from mmgoal.evaluation.protocols import check_test_shards
-from mmgoal.evaluation.retrieval import metrics_table
-from mmgoal.runs.checkpoint import CheckpointWriteError
-from mmgoal.runs.run_dir import (
-    has_checkpoint,
-    prepare_work_dir,
-    record_changes,
-    resume_changes,
-    run_lock,
-)
-from mmgoal.runs.schema import check_data_paths, resolve_config, with_overrides
+from mmgoal.runs.schema import with_overrides
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,21 +86,28 @@ def last_line(error: Exception) -> str:
 
 
 def setup_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    from mmgoal.distributed import launched_rank, launched_world_size
+
+    rank = launched_rank()
+    prefix = f"[rank {rank}] " if launched_world_size() > 1 else ""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s {prefix}%(message)s",
                         datefmt="%H:%M:%S")
 
 
-@record  # torchrun shows every failing rank's traceback
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # torch is imported past this line: --help does without it
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(run)(args)  # torchrun shows every failing rank's traceback
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mmgoal train`` with its parsed ``args``."""
     apply_loading_options(args)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     setup_logging()
-    work_dir = Path(args.work_dir or Path("work_dirs") / Path(args.config).stem)
     try:
         args.config = config_argument(args.config)
         cfg = load_config(args.config)
@@ -132,56 +125,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
-    # One process writes a run folder: rank 0 holds its lock for the whole run (the other
-    # ranks of a launch share rank 0's; torchrun ends them when rank 0 is refused).
-    main_rank = int(os.environ.get("RANK", "0")) == 0
+    return train(args, cfg, Path(args.work_dir or Path("work_dirs") / Path(args.config).stem))
+
+
+def train(args: argparse.Namespace, cfg: dict, work_dir: Path) -> int:
+    """Start or resume the run in ``work_dir`` (:func:`~mmgoal.runs.start.started_run`) and
+    train it to the end."""
+    from mmgoal.data.pipeline import IncompleteSplitError, UnreadableShardsError
+    from mmgoal.distributed import launched_rank
+    from mmgoal.engine.loggers import LoggerError
+    from mmgoal.engine.trainer import Trainer
+    from mmgoal.evaluation.retrieval import metrics_table
+    from mmgoal.runs.checkpoint import CheckpointWriteError
+    from mmgoal.runs.start import started_run
+
     wait = args.lock_wait if args.lock_wait is not None else 300.0 if args.auto_resume else 0.0
     with contextlib.ExitStack() as held:
-        if main_rank:
-            try:
-                held.enter_context(run_lock(work_dir, wait))
-            except ValueError as error:  # in use by another process (RunFolderLocked), a file
-                print(f"error: {error}", file=sys.stderr)
-                return 2
-        return train(args, cfg, work_dir, main_rank)
-
-
-def train(args: argparse.Namespace, cfg: dict, work_dir: Path, main_rank: bool) -> int:
-    """Start or resume the run in ``work_dir`` (its lock held) and train it to the end."""
-    resume = args.resume or (args.auto_resume and has_checkpoint(work_dir / "checkpoints"))
-    try:
-        if main_rank:  # rank 0 alone decides on the folder, and deletes what --overwrite does
-            deleted = prepare_work_dir(work_dir, resume, args.overwrite)
-            if deleted:
-                logging.warning("--overwrite: deleted the earlier run's %s", ", ".join(deleted))
-        # a resumed run keeps its own config; only what may change on resume may differ
-        changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
-        check_data_paths(cfg)
-        check_test_shards(cfg)  # the COCO protocols' ids, before the epochs, not after
-        trainer = Trainer(cfg, work_dir, resume=resume)
-    # ImportError: a missing extra; LoggerError: a logger that cannot write where it is told
-    except (FileNotFoundError, ValueError, ImportError, LoggerError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if trainer.is_main:
-        record_changes(work_dir, changes, trainer.epoch, trainer.step)
-    with trainer:  # closes the strategy (the process group) when the run ends
         try:
-            report = trainer.fit()
-        except IncompleteSplitError as error:  # every rank read the split, every rank failed
-            if trainer.is_main:
-                print(f"error: {last_line(error)}\nThe run stopped with its checkpoint; once "
-                      f"the split reads whole, --resume --work-dir {work_dir} evaluates again "
-                      f"and goes on.", file=sys.stderr)
-            return 1
-        except (FloatingPointError, UnreadableShardsError, LoggerError,
-                CheckpointWriteError) as error:
-            # a divergence stops every rank with one message; unreadable shards are a rank's
-            # own; a logger (W&B without a login) stops rank 0, before training; a checkpoint
-            # that cannot be written (a full disk) leaves the previous one
-            if trainer.is_main or isinstance(error, UnreadableShardsError):
-                print(f"error: {last_line(error)}", file=sys.stderr)
-            return 1
+            # rank 0 holds the folder's lock for the whole run, and alone decides on it
+            start = held.enter_context(started_run(
+                work_dir, cfg, args.resume, args.auto_resume, args.overwrite, wait,
+                main_rank=launched_rank() == 0))
+            trainer = Trainer(cfg, work_dir, resume=start.resume)
+        # ImportError: a missing extra; LoggerError: a logger that cannot write where told
+        except (FileNotFoundError, ValueError, ImportError, LoggerError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        if trainer.is_main:
+            start.record(trainer.epoch, trainer.step)
+        with trainer:  # closes the strategy (the process group) when the run ends
+            try:
+                report = trainer.fit()
+            except IncompleteSplitError as error:  # every rank read the split, every one failed
+                if trainer.is_main:
+                    print(f"error: {last_line(error)}\nThe run stopped with its checkpoint; "
+                          f"once the split reads whole, --resume --work-dir {work_dir} "
+                          f"evaluates again and goes on.", file=sys.stderr)
+                return 1
+            except (FloatingPointError, UnreadableShardsError, LoggerError,
+                    CheckpointWriteError) as error:
+                # a divergence stops every rank with one message; unreadable shards are a
+                # rank's own; a logger (W&B without a login) stops rank 0, before training; a
+                # checkpoint that cannot be written (a full disk) leaves the previous one
+                if trainer.is_main or isinstance(error, UnreadableShardsError):
+                    print(f"error: {last_line(error)}", file=sys.stderr)
+                return 1
     if not trainer.is_main:
         return 130 if report.get("interrupted") else 0
     if report.get("interrupted"):

@@ -1,3 +1,5 @@
-"""Shards, synthetic scenes, shard sources, tokenizers and transforms."""
+"""Shards, synthetic scenes, shard sources, tokenizers and transforms.
 
-from mmgoal.data import pipeline, shards, sources, synthetic, tokenizers, transforms  # noqa: F401
+Its modules are imported where they are used; the registries import the ones that
+register components the first time a name is asked for (mmgoal/registry.py).
+"""

@@ -19,7 +19,6 @@ stream would otherwise spin for ever.
 from __future__ import annotations
 
 import functools
-import glob
 import io
 import itertools
 import json
@@ -38,18 +37,15 @@ from PIL import Image
 from mmgoal.data.remote import (
     RETRIES,
     TIMEOUT,
-    brace_expanded,
+    expand_shards,
     is_remote,
     shard_sizes,
     tar_samples,
 )
-from mmgoal.data.tars import MAX_SAMPLE_BYTES, ShardError
+from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES, ShardError
 from mmgoal.registry import DATASETS, TEXT_AUGMENTS
 
 logger = logging.getLogger(__name__)
-
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-
 
 # Draws that make a resampled reader's pass at least: one unreadable shard among
 # few must not stop a run by being drawn a few times in a row.
@@ -220,43 +216,6 @@ class UnreadablePassCheck:
         if number not in self.readable:
             raise UnreadableShardsError(self.message())
         self.readable.discard(number)
-
-
-def expand_shards(shards: str | Sequence[str]) -> list[str]:
-    """Shard paths and URLs from brace patterns (``a-{000..009}.tar``), globs or lists.
-
-    A local shard must exist; an ``http(s)://`` URL or a ``pipe:`` command
-    (:mod:`mmgoal.data.remote`) is taken as it is, read when the pipeline reads it.
-
-    Raises:
-        FileNotFoundError: a pattern matches no file, or a listed shard is missing.
-        ValueError: a glob in a URL or command (a store cannot be listed: use braces).
-    """
-    paths: list[str] = []
-    for pattern, expanded in brace_expanded(shards):
-        if is_remote(expanded):
-            if any(c in expanded for c in "*?[") and not expanded.startswith("pipe:"):
-                raise ValueError(f"shard URL {expanded!r} holds a glob, which a remote "
-                                 f"store cannot expand; name the shards with a brace "
-                                 f"pattern (train-{{000000..000099}}.tar)")
-            paths.append(expanded)
-        elif any(c in expanded for c in "*?["):
-            matches = sorted(glob.glob(expanded))
-            if not matches:
-                raise FileNotFoundError(f"shard pattern {expanded!r} matches no file")
-            # a file that a glob matched is a file, whatever its name: one named
-            # 'pipe:...' or 'http:...' must not become a command or a request
-            paths.extend(f"./{m}" if is_remote(m) else m for m in matches)
-        elif not Path(expanded).is_file():
-            raise FileNotFoundError(
-                f"shard {expanded!r} does not exist (from {pattern!r}); generate the "
-                f"data first, e.g. mmgoal make-synthetic --out data/synthetic"
-            )
-        else:
-            paths.append(expanded)
-    if not paths:
-        raise FileNotFoundError(f"no shards given by {shards!r}")
-    return paths
 
 
 def shard_keys(url: str) -> frozenset[str]:

@@ -22,6 +22,7 @@ webdataset and open_clip convention) or img2dataset's ``<shard>_stats.json``.
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import logging
@@ -34,6 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import braceexpand
@@ -147,6 +149,43 @@ def brace_expanded(shards: str | Sequence[str]) -> Iterator[tuple[str, str]]:
                 raise ValueError(f"the shard patterns {shards!r} stand for more than "
                                  f"{MAX_SHARDS:,} shards; write fewer, larger shards")
             yield str(pattern), name
+
+
+def expand_shards(shards: str | Sequence[str]) -> list[str]:
+    """Shard paths and URLs from brace patterns (``a-{000..009}.tar``), globs or lists.
+
+    A local shard must exist; an ``http(s)://`` URL or a ``pipe:`` command
+    (:mod:`mmgoal.data.remote`) is taken as it is, read when the pipeline reads it.
+
+    Raises:
+        FileNotFoundError: a pattern matches no file, or a listed shard is missing.
+        ValueError: a glob in a URL or command (a store cannot be listed: use braces).
+    """
+    paths: list[str] = []
+    for pattern, expanded in brace_expanded(shards):
+        if is_remote(expanded):
+            if any(c in expanded for c in "*?[") and not expanded.startswith("pipe:"):
+                raise ValueError(f"shard URL {expanded!r} holds a glob, which a remote "
+                                 f"store cannot expand; name the shards with a brace "
+                                 f"pattern (train-{{000000..000099}}.tar)")
+            paths.append(expanded)
+        elif any(c in expanded for c in "*?["):
+            matches = sorted(glob.glob(expanded))
+            if not matches:
+                raise FileNotFoundError(f"shard pattern {expanded!r} matches no file")
+            # a file that a glob matched is a file, whatever its name: one named
+            # 'pipe:...' or 'http:...' must not become a command or a request
+            paths.extend(f"./{m}" if is_remote(m) else m for m in matches)
+        elif not Path(expanded).is_file():
+            raise FileNotFoundError(
+                f"shard {expanded!r} does not exist (from {pattern!r}); generate the "
+                f"data first, e.g. mmgoal make-synthetic --out data/synthetic"
+            )
+        else:
+            paths.append(expanded)
+    if not paths:
+        raise FileNotFoundError(f"no shards given by {shards!r}")
+    return paths
 
 
 class ShardChangedError(ShardError):

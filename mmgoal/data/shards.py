@@ -13,10 +13,12 @@ import contextlib
 import os
 from pathlib import Path
 from types import TracebackType
-
-import webdataset as wds
+from typing import TYPE_CHECKING
 
 from mmgoal.files import temporary_for
+
+if TYPE_CHECKING:  # webdataset imports torch: loaded with the first shard, not before
+    import webdataset as wds
 
 
 class ShardWriter:
@@ -48,6 +50,8 @@ class ShardWriter:
         self._count = 0
 
     def _open_next(self) -> None:
+        import webdataset as wds
+
         self._close_current()
         path = self.out_dir / f"{self.prefix}-{self.first_index + len(self.paths):06d}.tar"
         self._stream = open(self._staged.enter_context(temporary_for(path)), "wb")

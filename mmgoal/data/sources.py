@@ -24,7 +24,7 @@ import numpy as np
 from mmgoal.data.coco import CaptionIds
 from mmgoal.data.conversion import MAX_EXAMPLES, ShardSource, SkippedItem, image_member
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
-from mmgoal.data.pipeline import expand_shards
+from mmgoal.data.remote import expand_shards
 from mmgoal.registry import SHARD_SOURCES
 
 logger = logging.getLogger(__name__)

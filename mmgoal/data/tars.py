@@ -25,6 +25,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import IO
 
+# The members that hold a sample's image, in the order they are looked for
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 # A sample's members together (images, JSON, region features): a 20-megapixel JPEG is
 # about 10 MB, a sample of 100 regions of 2048 float32 features 0.8 MB.
 MAX_SAMPLE_BYTES = 64 * 2**20

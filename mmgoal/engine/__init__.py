@@ -1,3 +1,5 @@
-"""Trainer, optimizers, schedules, hooks, loggers and checkpoints."""
+"""Trainer, training step, optimizers, schedules, hooks, loggers and strategies.
 
-from mmgoal.engine import hooks, loggers, optimizers, schedules, strategies  # noqa: F401
+Its modules are imported where they are used; the registries import the ones that
+register components the first time a name is asked for (mmgoal/registry.py).
+"""

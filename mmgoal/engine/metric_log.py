@@ -1,4 +1,7 @@
-"""``metrics.jsonl``, a run's log: one JSON object per logged step and epoch, on rank 0.
+"""A run's logs, on rank 0: ``metrics.jsonl`` (one JSON object per logged step and epoch)
+and ``train.log`` (plain text: every log line of mmgoal while the run trains, and a line
+every ``log_every`` steps with the loss, learning rate, samples/s and ETA, whatever
+``train.progress`` says, as open_clip's ``out.log``).
 
 Every record also goes to the loggers of the config's ``loggers:`` (TensorBoard, W&B:
 :mod:`mmgoal.engine.loggers`).
@@ -6,6 +9,7 @@ Every record also goes to the loggers of the config's ``loggers:`` (TensorBoard,
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -18,23 +22,54 @@ from mmgoal.files import open_unlinked, write_text
 
 logger = logging.getLogger(__name__)
 
+TEXT_LOG = "train.log"
+# The step lines: to train.log always, to the console only without a progress bar (whose
+# postfix shows the same numbers)
+step_logger = logging.getLogger("mmgoal.steps")
+
 
 class MetricLog:
     """Appends one JSON object per line to ``metrics.jsonl`` (rank 0 only: ``enabled``);
     a NaN or inf value (a diverged loss) is written as ``null``. Every record also goes
-    to ``loggers`` (TensorBoard, W&B), between :meth:`open` and :meth:`close`.
+    to ``loggers`` (TensorBoard, W&B), between :meth:`open` and :meth:`close`, and a
+    training record becomes a line of ``train.log``.
+
+    Args:
+        progress: a progress bar shows the steps on the console (their lines then go to
+            ``train.log`` only).
     """
 
-    def __init__(self, path: Path, enabled: bool = True, loggers: Sequence[Logger] = ()) -> None:
+    def __init__(self, path: Path, enabled: bool = True, loggers: Sequence[Logger] = (),
+                 progress: bool = True) -> None:
         self.path = path
         self.enabled = enabled
         self.loggers = list(loggers) if enabled else []
+        self.progress = progress
+        self._text: logging.Handler | None = None
+        self._levels: tuple[int, bool] | None = None  # mmgoal's logger level, steps' propagate
 
     def open(self, config: dict, step: int) -> None:
         """Start the loggers beside ``metrics.jsonl`` with the resolved ``config``, from
-        ``step`` (a resumed run's)."""
+        ``step`` (a resumed run's), and ``train.log``."""
+        if self.enabled:
+            self._open_text()
         for sink in self.loggers:
             sink.open(self.path.parent, config, step)
+
+    def _open_text(self) -> None:
+        stream = open_unlinked(self.path.parent / TEXT_LOG,
+                               os.O_WRONLY | os.O_CREAT | os.O_APPEND, "the run's text log")
+        self._text = logging.StreamHandler(stream)
+        self._text.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s",
+                                                  datefmt="%Y-%m-%d %H:%M:%S"))
+        package = logging.getLogger("mmgoal")
+        self._levels = package.level, step_logger.propagate
+        if package.getEffectiveLevel() > logging.INFO:
+            package.setLevel(logging.INFO)  # the file takes INFO whatever the console does
+        package.addHandler(self._text)
+        if self.progress:  # the bar shows them: the file alone gets the step lines
+            step_logger.propagate = False
+            step_logger.addHandler(self._text)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -42,6 +77,8 @@ class MetricLog:
         with open_unlinked(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                            "the run's metrics log") as stream:
             stream.write(strict_json.dumps(record) + "\n")
+        if record.get("type") == "train":
+            step_logger.info(step_line(record))
         for sink in self.loggers:
             sink.log(record)
 
@@ -53,6 +90,14 @@ class MetricLog:
                 sink.close()
             except Exception as error:  # a logger's own failure must not hide the run's
                 logger.warning("%s failed to close: %s", type(sink).__name__, error)
+        if self._text is not None:
+            package = logging.getLogger("mmgoal")
+            package.removeHandler(self._text)
+            step_logger.removeHandler(self._text)
+            package.setLevel(self._levels[0])
+            step_logger.propagate = self._levels[1]
+            self._text.close()
+            self._text = None
 
     def truncate_after(self, step: int) -> None:
         """Drop the records of steps after ``step``: a run resumed from a checkpoint at
@@ -62,3 +107,17 @@ class MetricLog:
         kept = [line for line in self.path.read_text().splitlines(keepends=True)
                 if json.loads(line).get("step", 0) <= step]
         write_text(self.path, "".join(kept))
+
+
+def step_line(record: dict) -> str:
+    """``epoch 0 step 40/120 loss 0.4123 lr 1.00e-03 samples/s 84.2 eta 0:06:12`` (and the
+    objective's other outputs) of a training record."""
+    done = f"{record['step']}/{record['total_steps']}" if "total_steps" in record \
+        else str(record["step"])
+    parts = [f"epoch {record['epoch']} step {done}"]
+    if record.get("loss") is not None:
+        parts.append(f"loss {record['loss']:.4f}")
+    parts += [f"lr {record['lr']:.2e}", f"samples/s {record['samples_per_s']:.1f}"]
+    if record.get("eta_s") is not None:
+        parts.append(f"eta {datetime.timedelta(seconds=round(record['eta_s']))}")
+    return " ".join(parts)

@@ -52,6 +52,7 @@ from mmgoal.data.pipeline import (
 )
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
+from mmgoal.distributed import rng_state, set_rng_state
 from mmgoal.engine.metric_log import MetricLog
 from mmgoal.engine.signals import (
     StopSignals,
@@ -60,7 +61,7 @@ from mmgoal.engine.signals import (
     start_data_worker,
 )
 from mmgoal.engine.step import TrainingStep
-from mmgoal.engine.strategies.base import Strategy, rng_state, set_rng_state
+from mmgoal.engine.strategies.base import Strategy
 from mmgoal.evaluation.gallery import EvaluationStopped, evaluate_retrieval
 from mmgoal.evaluation.retrieval import format_metrics
 from mmgoal.files import write_text
@@ -124,7 +125,7 @@ class Trainer:
         self.strategy = self._build_strategy()
         self.is_main = self.strategy.is_main
         self.log = MetricLog(self.work_dir / "metrics.jsonl", enabled=self.is_main,
-                             loggers=loggers)
+                             loggers=loggers, progress=self.config.train.progress)
         if self.is_main:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.strategy.read_state(self.checkpoint_dir) if resume else None
@@ -557,6 +558,7 @@ class Trainer:
                 break
         nonfinite_run = 0
         tick, self._samples_since_log = time.perf_counter(), 0
+        tick_step = self.step
         while self.batch_in_epoch < micro_batches:
             lr = self._set_lr()
             window_start = self.batch_in_epoch, self.skipped_samples
@@ -589,8 +591,12 @@ class Trainer:
                 hook.after_step(self, outputs)
             if self.step % cfg.log_every == 0:
                 elapsed = time.perf_counter() - tick
+                total_steps = self.config.train.epochs * self.steps_per_epoch
                 record = {"type": "train", "epoch": self.epoch, "step": self.step, "lr": lr,
                           "samples_per_s": self._samples_since_log / max(elapsed, 1e-9),
+                          # the steps left at this window's pace (validations not counted)
+                          "total_steps": total_steps,
+                          "eta_s": (total_steps - self.step) * elapsed / (self.step - tick_step),
                           "skipped_samples": self.skipped_samples,
                           **{f"samples_{name}": n for name, n in self.source_counts.items()}}
                 record.update({k: float(v) for k, v in result.outputs.items()})
@@ -600,6 +606,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}",
                                 img_s=f"{record['samples_per_s']:.0f}")
                 tick, self._samples_since_log = time.perf_counter(), 0
+                tick_step = self.step
             bar.update(1)
             every = cfg.checkpoint_every_steps
             if every and self.step % every == 0:

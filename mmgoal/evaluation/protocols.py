@@ -26,10 +26,8 @@ negative is ranked below it.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import logging
-import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmgoal.data.pipeline import expand_shards
-from mmgoal.extras import require_extra
-from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
+from mmgoal.runs.schema import PROTOCOLS, ScoringConfig, package_data_dir
 
 __all__ = ["PROTOCOLS", "protocol_metrics", "protocol_rankings", "load_reference"]
 
@@ -84,13 +80,6 @@ def _read_positives(i2t: Path, t2i: Path) -> dict[str, dict[int, list[int]]]:
         out[direction] = {int(query): [int(item) for item in items]
                           for query, items in json.loads(path.read_text()).items()}
     return out
-
-
-def package_data_dir() -> Path:
-    """The data folder of the installed ``eccv_caption`` (found, not imported)."""
-    require_extra("eccv_caption", "evaluation.protocols eccv, cxc and pm (the COCO protocols)")
-    spec = importlib.util.find_spec("eccv_caption")
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
 
 
 @functools.lru_cache(maxsize=2)
@@ -367,31 +356,3 @@ def protocol_rankings(sims: torch.Tensor, image_ids: Sequence, caption_ids: Sequ
         ids = direction.item_ids[top.numpy()]
         out[name] = {query: ids[i].tolist() for i, query in enumerate(asked)}
     return out
-
-
-def check_test_shards(cfg: dict) -> None:
-    """Before a run trains, what its test split will need for the extended protocols of
-    ``evaluation.protocols``: eccv_caption installed, and COCO caption ids in the first
-    sample of the (local) test shards; the whole COCO 5K check comes with the test itself.
-
-    Raises:
-        ImportError: no eccv_caption; ValueError: the shards have no caption ids.
-    """
-    scoring = ScoringConfig.of(cfg.get("evaluation"))
-    test = (cfg.get("data") or {}).get("test")
-    if not test or not _extended(scoring.protocols, scoring.pm_dir):
-        return
-    package_data_dir()
-    first = next((Path(url) for url in expand_shards(test["shards"]) if Path(url).is_file()),
-                 None)
-    if first is None:  # remote shards: checked when the test split is read
-        return
-    with tarfile.open(first) as archive:
-        meta = next((json.load(archive.extractfile(m)) for m in archive
-                     if m.isfile() and m.name.endswith(".json")), {})
-    if meta.get("caption_ids") is None:
-        raise ValueError(f"evaluation.protocols {scoring.protocols} scores the test split "
-                         f"by COCO caption ids, and {first} has none: make the shards with "
-                         f"mmgoal make-shards karpathy ... --coco-captions "
-                         f"captions_val2014.json (docs/data.md, 'COCO ids'), or set "
-                         f"evaluation.protocols=[coco]")

@@ -1,3 +1,5 @@
-"""Models (one file per family), encoders, layers and pretrained-weight loading."""
+"""Models (one file per family), encoders, layers and pretrained-weight loading.
 
-from mmgoal.models import clip, dual_encoder, encoders, layers, pretrained, scan, xvlm  # noqa: F401
+Its modules are imported where they are used; the registries import the ones that
+register components the first time a name is asked for (mmgoal/registry.py).
+"""

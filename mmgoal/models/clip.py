@@ -54,6 +54,15 @@ from mmgoal.structures import ImageFeatures, Preprocessing, TextFeatures
 
 logger = logging.getLogger(__name__)
 
+
+class _RandomInitFilter(logging.Filter):
+    """Drops open_clip's "No pretrained weights loaded ... initialized randomly" (a root
+    logger warning): a model built without ``pretrained`` is initialised randomly on
+    purpose, or takes a checkpoint's weights right after (mmgoal eval, export)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No pretrained weights loaded for model")
+
 # open_clip's default weights file of a Hugging Face hub entry, and its safetensors twin
 # (open_clip.pretrained.download_pretrained_from_hf looks for the twin first)
 OPEN_CLIP_HUB_FILE = "open_clip_pytorch_model.bin"
@@ -349,7 +358,12 @@ class OpenCLIP(nn.Module):
                            tag_cfg.get("quick_gelu", False), architecture.get("quick_gelu", False),
                            model_name.removesuffix("-quickgelu"))
         check_open_clip_fits(model_name, weights, model_kwargs)
+        # no pretrained weights is a config's choice (or a checkpoint's weights come next):
+        # open_clip's "initialized randomly" warning would say otherwise
+        quiet = _RandomInitFilter() if weights is None else None
         try:
+            if quiet is not None:
+                logging.getLogger().addFilter(quiet)
             # weights_only by name: only architecture keys come from the config
             self.model = open_clip.create_model(open_clip_source(model_name), pretrained=weights,
                                                 weights_only=True, **(model_kwargs or {}))
@@ -358,6 +372,9 @@ class OpenCLIP(nn.Module):
                              f"{sorted(model_kwargs or {})} ({type(error).__name__}: {error}); "
                              f"they may belong to another architecture: give the "
                              f"{model_name} keys, or remove model_kwargs") from error
+        finally:
+            if quiet is not None:
+                logging.getLogger().removeFilter(quiet)
         self.model_name = model_name
         self.architecture = architecture  # the model_cfg it was built with, model_kwargs in
         self.tag = pretrained if tag_cfg else None  # whose preprocessing the model reads
@@ -366,6 +383,12 @@ class OpenCLIP(nn.Module):
 
     # the formats mmgoal export --format writes for this family (besides mmgoal's own)
     EXPORT_FORMATS = ("open_clip",)
+
+    @classmethod
+    def export_folder_section(cls, folder: Path) -> dict:
+        """The model section that reads back an ``open_clip`` export folder (open_clip's
+        ``local-dir:`` layout: its config, weights and preprocessing)."""
+        return {"type": "OpenCLIP", "model_name": f"local-dir:{folder}"}
 
     @classmethod
     def pretrained_weights(cls, cfg: dict) -> str | None:
@@ -523,6 +546,12 @@ class HFCLIP(nn.Module):
 
     # the formats mmgoal export --format writes for this family (besides mmgoal's own)
     EXPORT_FORMATS = ("hf",)
+
+    @classmethod
+    def export_folder_section(cls, folder: Path) -> dict:
+        """The model section that reads back an ``hf`` export folder (``save_pretrained``
+        of the model, its image processor and tokenizer)."""
+        return {"type": "HFCLIP", "path": str(folder)}
 
     @classmethod
     def pretrained_weights(cls, cfg: dict) -> str | None:

@@ -4,12 +4,13 @@ Every triplet-family loss has the gradient ``T(s_p, s_n) * P+`` on the positive
 and ``T(s_p, s_n) * P-`` on the negative of each hardest-negative triplet
 (docs/reference/goal.md). ``GoalObjective`` assembles that gradient ``G =
 dl/dS`` for any triplet weight x pair weight, including the combinations that
-no loss integrates to, and hands it to autograd through the surrogate
-``(G.detach() * S).sum()``: its gradient is exactly ``G``, scaled by whatever
-gradient flows in (loss scaling, accumulation), and autograd carries it on into
-the encoders (for a dual encoder ``dl/dx_i = sum_j G[i, j] y_j``, the paper's
-eq. 2-4). Unlike the authors' code it honours the incoming gradient, handles
-several positives per row, and has no Python loop over the batch.
+no loss integrates to, and hands it to autograd through :class:`_GradientIs`, an
+autograd function whose backward writes ``G``'s O(n) entries, scaled by whatever
+gradient flows in (loss scaling, accumulation), into one (n_img, n_txt) tensor: no
+dense ``G`` is formed in the forward pass. Autograd carries it on into the encoders
+(for a dual encoder ``dl/dx_i = sum_j G[i, j] y_j``, the paper's eq. 2-4). Unlike the
+authors' code it honours the incoming gradient, handles several positives per row, and
+has no Python loop over the batch.
 """
 
 from __future__ import annotations

@@ -18,18 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from mmgoal import strict_json
 from mmgoal.config import config_changes, first_line
 from mmgoal.files import LinkedPathError, write_atomically
-from mmgoal.registry import MODELS, TOKENIZERS, UnknownNameError
-from mmgoal.runs.preprocessing import resolve_preprocessing
 
 logger = logging.getLogger(__name__)
 
@@ -285,106 +281,3 @@ def summarise_keys(keys: list[str]) -> str:
         prefix = key.split(".")[0]
         counts[prefix] = counts.get(prefix, 0) + 1
     return ", ".join(f"{prefix} ({n})" for prefix, n in counts.items())
-
-
-def check_same_model(model: torch.nn.Module, state: dict[str, Any], model_cfg: dict,
-                     source: str) -> None:
-    """Refuse checkpoint weights that do not fit ``model`` (built from ``model_cfg``) exactly.
-
-    Raises:
-        ValueError: saying where the checkpoint's model config differs from
-            ``model_cfg`` (when the checkpoint holds one), then the first tensors
-            whose shapes differ or that one side lacks.
-    """
-    own, weights = model.state_dict(), state["model"]
-    mismatched = shape_mismatches(own, weights)
-    missing = [k for k in own if k not in weights]
-    unexpected = [k for k in weights if k not in own]
-    if not (mismatched or missing or unexpected):
-        return
-    saved_cfg = (state.get("config") or {}).get("model")
-    details = []
-    if saved_cfg and saved_cfg.get("type") != model_cfg.get("type"):
-        details.append(f"it holds a {saved_cfg.get('type')} model, this config builds a "
-                       f"{model_cfg.get('type')}")
-    elif saved_cfg:
-        details += config_differences(saved_cfg, model_cfg, "model")[:SHOWN_NAMES]
-    if mismatched:
-        details.append(f"shapes differ: {'; '.join(mismatched[:SHOWN_NAMES])}")
-    if missing:
-        details.append(f"{len(missing)} tensors of this model are not in it: "
-                       f"{summarise_keys(missing)}")
-    if unexpected:
-        details.append(f"{len(unexpected)} of its tensors have no place in this model: "
-                       f"{summarise_keys(unexpected)}")
-    raise ValueError(f"{source} does not fit the model this config builds ({'; '.join(details)});"
-                     f" give the config it was trained with (its run's config.yaml)")
-
-
-def model_from_checkpoint(cfg: dict, state: dict[str, Any],
-                          source: str = "the checkpoint") -> tuple[torch.nn.Module, Any]:
-    """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``.
-
-    Nothing is imported here: ``cfg`` is resolved by the caller, which decides whether
-    its ``custom_imports`` may be imported (:func:`mmgoal.runs.schema.with_overrides`).
-    The model is first built on the meta device, which allocates nothing, and checked
-    against the file's tensors: a file whose config claims a model far larger than the
-    weights it holds is refused before any memory is taken for it.
-
-    Returns:
-        (model in eval mode, tokenizer).
-
-    Raises:
-        ValueError: the weights hold NaN/inf or belong to another model (see
-            :func:`check_same_model`), or the config cannot build the tokenizer or the
-            model (a size torch refuses, a bad value of a nested component), naming
-            ``source``.
-    """
-    check_finite_weights(state["model"], source)
-    tokenizer = built_from_config(lambda: TOKENIZERS.build(resolve_preprocessing(cfg).tokenizer),
-                                  "tokenizer", source)
-    tokenizer.load_state_dict(state["tokenizer"])
-    skeleton = meta_model(cfg["model"], tokenizer)
-    if skeleton is not None:
-        check_same_model(skeleton, state, cfg["model"], source)
-    model = built_from_config(lambda: MODELS.build(cfg["model"], tokenizer=tokenizer), "model",
-                              source)
-    check_same_model(model, state, cfg["model"], source)
-    model.load_state_dict(state["model"])
-    return model.eval(), tokenizer
-
-
-Built = TypeVar("Built")
-
-
-def built_from_config(build: Callable[[], Built], what: str, source: str) -> Built:
-    """``build()``, the ``what`` (``model``, ``tokenizer``) of the config loaded with
-    ``source``; what it raises (torch's ``negative dimension`` deep inside a layer, a
-    nested component's bad value) becomes a ``ValueError`` that names ``source``, as the
-    config may be anyone's (a checkpoint's stored config). An unknown component name
-    stays the registry's error, which lists the names it knows."""
-    try:
-        return build()
-    except UnknownNameError:
-        raise
-    except (RuntimeError, TypeError, ValueError) as error:
-        raise ValueError(f"{source}: the config it is loaded with cannot build the {what} "
-                         f"({type(error).__name__}: {first_line(error)}); correct that value "
-                         f"(--cfg-options), or give the config it was trained with") from error
-
-
-def meta_model(model_cfg: dict, tokenizer: Any) -> torch.nn.Module | None:
-    """The model of ``model_cfg`` on the meta device: its shapes, no memory. ``None`` where
-    a component cannot be built there (a library that reads a weights file into real
-    tensors while building, as transformers' ``from_pretrained`` and open_clip's
-    ``create_model`` do: their sizes are the files'); the caller then checks the real
-    model instead."""
-    try:
-        # a pretrained tower's weights copied onto meta tensors warn at every tensor
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return MODELS.build(model_cfg, tokenizer=tokenizer)
-    except Exception as error:  # a bad config too: the real build then says why
-        logger.debug("the model of %s cannot be built on the meta device (%s)",
-                     model_cfg.get("type"), error)
-        return None

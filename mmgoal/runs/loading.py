@@ -1,31 +1,42 @@
 """A trained model ready to evaluate: weights, vocabulary, eval transforms and config.
 
-Every tool that evaluates a checkpoint (mmgoal eval, plot_attention.py,
-score_stats.py) and the Python API (:mod:`mmgoal.api`) build it here, so the model,
-its preprocessing and the defaults they fall back on are the trainer's own
-(:mod:`mmgoal.runs.schema`, :func:`mmgoal.runs.preprocessing.resolve_preprocessing`).
+Every command that evaluates a checkpoint (``mmgoal eval``, ``search``,
+``plot-attention``, ``score-stats``, ``export --format``) and the Python API
+(:mod:`mmgoal.api`) build it here, so the model, its preprocessing and the defaults they
+fall back on are the trainer's own (:mod:`mmgoal.runs.schema`,
+:func:`mmgoal.runs.preprocessing.resolve_preprocessing`). A model is first built on the
+meta device and checked against the checkpoint's tensors (:func:`model_from_checkpoint`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
-from mmgoal.config import config_changes, describe_changes, override_key
+from mmgoal.config import config_changes, describe_changes, first_line, override_key
 from mmgoal.data.remote import check_trusted_locations
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import resolve_device
-from mmgoal.registry import MODELS, TOKENIZERS
-from mmgoal.runs.checkpoint import load_checkpoint, model_from_checkpoint
+from mmgoal.registry import MODELS, TOKENIZERS, UnknownNameError
+from mmgoal.runs.checkpoint import (
+    SHOWN_NAMES,
+    check_finite_weights,
+    config_differences,
+    load_checkpoint,
+    shape_mismatches,
+    summarise_keys,
+)
 from mmgoal.runs.preprocessing import resolve_preprocessing
-from mmgoal.runs.run_dir import weights_file
-from mmgoal.runs.schema import load_model_config, with_overrides
-from mmgoal.structures import Member
+from mmgoal.runs.run_dir import EXPORT_FOLDERS, export_folder_format, weights_file
+from mmgoal.runs.schema import ModelConfig, load_model_config, with_overrides
+from mmgoal.structures import Member, Preprocessing
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +93,8 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
 
     Args:
         checkpoint: ``best.pt``, ``last.pt``, another mmgoal checkpoint, an export
-            (``.pt`` or ``.safetensors``), or a run directory (its best checkpoint,
-            else its latest).
+            (``.pt`` or ``.safetensors``, or the folder of ``--format open_clip`` or
+            ``hf``), or a run directory (its best checkpoint, else its latest).
         config: the YAML config to build with (default: the config saved in the
             checkpoint): a training config, or one with only the model's sections
             (:class:`~mmgoal.runs.schema.ModelConfig`).
@@ -100,6 +111,10 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
             weights holding NaN/inf or of another model than the config builds.
     """
     target = resolve_device(device, name="device")
+    fmt = export_folder_format(checkpoint) if config is None else None
+    if fmt is not None:  # mmgoal export --format open_clip / hf: the library's own folder
+        return _from_export_folder(Path(checkpoint), fmt, overrides, target,
+                                   trust_custom_imports)
     checkpoint = weights_file(checkpoint)
     state = load_checkpoint(checkpoint)
     if config is not None:
@@ -109,14 +124,122 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
             cfg["data"]["tokenizer"] = state["config"]["data"]["tokenizer"]
     elif state.get("config"):
         cfg = with_overrides(state["config"], overrides, trust_custom_imports=trust_custom_imports,
-                             source=f"the config stored in {checkpoint}")
+                             source=f"the config stored in {checkpoint}", checked=ModelConfig)
     else:
         raise ValueError(f"{checkpoint} holds no config to build its model from; give the "
                          f"config it was trained with")
     warn_preprocessing_changes(state.get("config"), cfg, checkpoint)
-    model, tokenizer = model_from_checkpoint(cfg, state, f"checkpoint {checkpoint}")
-    return _loaded(cfg, model, tokenizer, target, checkpoint, state.get("epoch"),
+    preprocessing = resolve_preprocessing(cfg)
+    model, tokenizer = model_from_checkpoint(cfg, state, f"checkpoint {checkpoint}",
+                                             preprocessing)
+    return _loaded(cfg, preprocessing, model, tokenizer, target, checkpoint, state.get("epoch"),
                    _origin(config, overrides, checkpoint))
+
+
+def check_same_model(model: torch.nn.Module, state: dict[str, Any], model_cfg: dict,
+                     source: str) -> None:
+    """Refuse checkpoint weights that do not fit ``model`` (built from ``model_cfg``) exactly.
+
+    Raises:
+        ValueError: saying where the checkpoint's model config differs from
+            ``model_cfg`` (when the checkpoint holds one), then the first tensors
+            whose shapes differ or that one side lacks.
+    """
+    own, weights = model.state_dict(), state["model"]
+    mismatched = shape_mismatches(own, weights)
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    if not (mismatched or missing or unexpected):
+        return
+    saved_cfg = (state.get("config") or {}).get("model")
+    details = []
+    if saved_cfg and saved_cfg.get("type") != model_cfg.get("type"):
+        details.append(f"it holds a {saved_cfg.get('type')} model, this config builds a "
+                       f"{model_cfg.get('type')}")
+    elif saved_cfg:
+        details += config_differences(saved_cfg, model_cfg, "model")[:SHOWN_NAMES]
+    if mismatched:
+        details.append(f"shapes differ: {'; '.join(mismatched[:SHOWN_NAMES])}")
+    if missing:
+        details.append(f"{len(missing)} tensors of this model are not in it: "
+                       f"{summarise_keys(missing)}")
+    if unexpected:
+        details.append(f"{len(unexpected)} of its tensors have no place in this model: "
+                       f"{summarise_keys(unexpected)}")
+    raise ValueError(f"{source} does not fit the model this config builds ({'; '.join(details)});"
+                     f" give the config it was trained with (its run's config.yaml)")
+
+
+def model_from_checkpoint(cfg: dict, state: dict[str, Any], source: str = "the checkpoint",
+                          preprocessing: Preprocessing | None = None
+                          ) -> tuple[torch.nn.Module, Any]:
+    """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``
+    (``preprocessing``: ``cfg``'s, where the caller has resolved it already).
+
+    Nothing is imported here: ``cfg`` is resolved by the caller, which decides whether
+    its ``custom_imports`` may be imported (:func:`mmgoal.runs.schema.with_overrides`).
+    The model is first built on the meta device, which allocates nothing, and checked
+    against the file's tensors: a file whose config claims a model far larger than the
+    weights it holds is refused before any memory is taken for it.
+
+    Returns:
+        (model in eval mode, tokenizer).
+
+    Raises:
+        ValueError: the weights hold NaN/inf or belong to another model (see
+            :func:`check_same_model`), or the config cannot build the tokenizer or the
+            model (a size torch refuses, a bad value of a nested component), naming
+            ``source``.
+    """
+    check_finite_weights(state["model"], source)
+    preprocessing = preprocessing or resolve_preprocessing(cfg)
+    tokenizer = built_from_config(lambda: TOKENIZERS.build(preprocessing.tokenizer),
+                                  "tokenizer", source)
+    tokenizer.load_state_dict(state["tokenizer"])
+    skeleton = meta_model(cfg["model"], tokenizer)
+    if skeleton is not None:
+        check_same_model(skeleton, state, cfg["model"], source)
+    model = built_from_config(lambda: MODELS.build(cfg["model"], tokenizer=tokenizer), "model",
+                              source)
+    check_same_model(model, state, cfg["model"], source)
+    model.load_state_dict(state["model"])
+    return model.eval(), tokenizer
+
+
+Built = TypeVar("Built")
+
+
+def built_from_config(build: Callable[[], Built], what: str, source: str) -> Built:
+    """``build()``, the ``what`` (``model``, ``tokenizer``) of the config loaded with
+    ``source``; what it raises (torch's ``negative dimension`` deep inside a layer, a
+    nested component's bad value) becomes a ``ValueError`` that names ``source``, as the
+    config may be anyone's (a checkpoint's stored config). An unknown component name
+    stays the registry's error, which lists the names it knows."""
+    try:
+        return build()
+    except UnknownNameError:
+        raise
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(f"{source}: the config it is loaded with cannot build the {what} "
+                         f"({type(error).__name__}: {first_line(error)}); correct that value "
+                         f"(--cfg-options), or give the config it was trained with") from error
+
+
+def meta_model(model_cfg: dict, tokenizer: Any) -> torch.nn.Module | None:
+    """The model of ``model_cfg`` on the meta device: its shapes, no memory. ``None`` where
+    a component cannot be built there (a library that reads a weights file into real
+    tensors while building, as transformers' ``from_pretrained`` and open_clip's
+    ``create_model`` do: their sizes are the files'); the caller then checks the real
+    model instead."""
+    try:
+        # a pretrained tower's weights copied onto meta tensors warn at every tensor
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return MODELS.build(model_cfg, tokenizer=tokenizer)
+    except Exception as error:  # a bad config too: the real build then says why
+        logger.debug("the model of %s cannot be built on the meta device (%s)",
+                     model_cfg.get("type"), error)
+        return None
 
 
 # What turns captions and images into the model's inputs: evaluated otherwise than trained,
@@ -154,9 +277,22 @@ def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str]
     return _build_resolved(cfg, target, _origin(config, overrides))
 
 
-def _build_resolved(cfg: dict, target: torch.device, origin: dict) -> LoadedModel:
-    """:func:`build_from_config` of a config already resolved (its imports done)."""
-    tokenizer_cfg = resolve_preprocessing(cfg).tokenizer
+def _from_export_folder(folder: Path, fmt: str, overrides: Iterable[str], target: torch.device,
+                       trust_custom_imports: bool) -> LoadedModel:
+    """The model of an ``mmgoal export --format`` folder, built by its family from the folder
+    alone (weights and preprocessing: the library's own files)."""
+    family = MODELS.get(EXPORT_FOLDERS[fmt][1])
+    cfg = load_model_config({"model": family.export_folder_section(folder)}, overrides,
+                            trust_custom_imports=trust_custom_imports)
+    return _build_resolved(cfg, target, _origin(None, overrides, folder), folder)
+
+
+def _build_resolved(cfg: dict, target: torch.device, origin: dict,
+                    checkpoint: Path | None = None) -> LoadedModel:
+    """:func:`build_from_config` of a config already resolved (its imports done); with
+    ``checkpoint``, the export folder it was read from."""
+    preprocessing = resolve_preprocessing(cfg)
+    tokenizer_cfg = preprocessing.tokenizer
     tokenizer = TOKENIZERS.build(tokenizer_cfg)
     if not tokenizer.fitted:
         raise ValueError(f"data.tokenizer {tokenizer_cfg['type']!r} learns its "
@@ -164,7 +300,7 @@ def _build_resolved(cfg: dict, target: torch.device, origin: dict) -> LoadedMode
                          f"config alone has none; load a trained run's checkpoint with it "
                          f"(checkpoint=..., or mmgoal.load(RUN_DIR))")
     model = MODELS.build(cfg["model"], tokenizer=tokenizer).eval()
-    return _loaded(cfg, model, tokenizer, target, None, None, origin)
+    return _loaded(cfg, preprocessing, model, tokenizer, target, checkpoint, None, origin)
 
 
 def pretrained_weights(cfg: dict) -> str | None:
@@ -206,9 +342,9 @@ def _origin(config: str | os.PathLike | dict | None, overrides: Iterable[str],
     return {"config_source": source, "given_keys": tuple(map(override_key, overrides))}
 
 
-def _loaded(cfg: dict, model: torch.nn.Module, tokenizer, device: torch.device,
-            checkpoint: Path | None, epoch: int | None, origin: dict) -> LoadedModel:
-    transform = build_transforms(resolve_preprocessing(cfg).eval_transforms,
-                                 cfg["data"]["image_size"])
+def _loaded(cfg: dict, preprocessing: Preprocessing, model: torch.nn.Module, tokenizer,
+            device: torch.device, checkpoint: Path | None, epoch: int | None, origin: dict
+            ) -> LoadedModel:
+    transform = build_transforms(preprocessing.eval_transforms, cfg["data"]["image_size"])
     return LoadedModel(model.to(device), transform, tokenizer, config=cfg,
                        checkpoint=checkpoint, epoch=epoch, **origin)

@@ -49,9 +49,13 @@ DEEPSPEED_WEIGHTS = "weights.pt"  # a DeepSpeed tag's consolidated float32 model
 LATEST = "latest"  # the pointer to the newest complete DeepSpeed tag
 CHANGES_FILE = "config_changes.jsonl"
 LOCK_FILE = ".mmgoal-run.lock"  # held by the process writing the run (run_lock)
+# mmgoal export --format FORMAT: the file its folder is known by, and the model family that
+# reads the folder back (its export_folder_section)
+EXPORT_FOLDERS = {"open_clip": ("open_clip_config.json", "OpenCLIP"),
+                  "hf": ("config.json", "HFCLIP")}
 # What a run writes in its folder; the loggers' files are theirs to name (a logger class's
 # written_files, mmgoal/engine/loggers.py), from the run's own config.
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "report.json", CHANGES_FILE,
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "train.log", "report.json", CHANGES_FILE,
              f"{CHECKPOINTS}/{BEST}", f"{CHECKPOINTS}/{LAST}", f"{CHECKPOINTS}/{DEEPSPEED}")
 DEFAULT_LOGGERS = [{"type": "TensorBoardLogger"}, {"type": "WandbLogger"}]
 # Dotted keys (and every key below them) a resumed run may change.
@@ -111,6 +115,16 @@ def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path
             return candidate
     raise FileNotFoundError(f"{path} holds no {'best' if which == 'best' else 'complete'} "
                             f"checkpoint (looked for {' and '.join(map(str, candidates))})")
+
+
+def export_folder_format(path: str | os.PathLike) -> str | None:
+    """The ``mmgoal export --format`` whose folder ``path`` is (``open_clip``, ``hf``), or
+    None: a run folder, a file, anything else."""
+    path = Path(path)
+    if not path.is_dir() or (path / CHECKPOINTS).is_dir():
+        return None
+    return next((fmt for fmt, (marker, _) in EXPORT_FOLDERS.items()
+                 if (path / marker).is_file()), None)
 
 
 def check_is_folder(work_dir: Path) -> None:

@@ -18,8 +18,11 @@ match.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import os
+import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +35,9 @@ from mmgoal.config import (
     load_config,
     override_key,
 )
-from mmgoal.data.pipeline import expand_shards
+from mmgoal.data.remote import expand_shards
 from mmgoal.data.tars import MAX_SAMPLE_BYTES
-from mmgoal.devices import PRECISIONS
+from mmgoal.extras import require_extra
 from mmgoal.registry import (
     CONSTRAINTS,
     DATASETS,
@@ -151,6 +154,8 @@ class TrainConfig(ConfigSection):
         if self.scale_lr not in LR_SCALINGS:
             raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
                              f"{self.scale_lr!r}")
+        from mmgoal.devices import PRECISIONS  # torch's dtypes: loaded when a run is checked
+
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")
@@ -230,12 +235,13 @@ class ModelDataConfig(ConfigSection):
     the model's own, as in :class:`DataConfig`)."""
 
     MINIMUM: ClassVar[dict[str, float]] = {"image_size": 1, "eval_batch_size": 1,
-                                           "max_sample_bytes": 1}
+                                           "max_sample_bytes": 1, "num_workers": 0}
     tokenizer: dict | None = component(TOKENIZERS, default=None)
     image_size: int | None = None
     eval_transforms: list | None = None
     eval_batch_size: int = 256
     max_sample_bytes: int = MAX_SAMPLE_BYTES
+    num_workers: int = 1  # the evaluation's decoding workers, as DataConfig's
 
 
 @dataclass
@@ -266,6 +272,42 @@ def check_data_paths(cfg: dict) -> None:
         section = cfg.get("data", {}).get(split)
         for source in training_sources(section) if section else []:
             expand_shards(source["shards"])
+
+
+def package_data_dir() -> Path:
+    """The data folder of the installed ``eccv_caption`` (found, not imported): the COCO
+    protocols' ids and positives (docs/reference/retrieval.md, "COCO protocols")."""
+    require_extra("eccv_caption", "evaluation.protocols eccv, cxc and pm (the COCO protocols)")
+    spec = importlib.util.find_spec("eccv_caption")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def check_test_shards(cfg: dict) -> None:
+    """Before a run trains, what its test split will need for the extended protocols of
+    ``evaluation.protocols``: eccv_caption installed, and COCO caption ids in the first
+    sample of the (local) test shards; the whole COCO 5K check comes with the test itself.
+
+    Raises:
+        ImportError: no eccv_caption; ValueError: the shards have no caption ids.
+    """
+    scoring = ScoringConfig.of(cfg.get("evaluation"))
+    test = (cfg.get("data") or {}).get("test")
+    if not test or all(protocol == "coco" for protocol in scoring.protocols):
+        return
+    package_data_dir()
+    first = next((Path(url) for url in expand_shards(test["shards"]) if Path(url).is_file()),
+                 None)
+    if first is None:  # remote shards: checked when the test split is read
+        return
+    with tarfile.open(first) as archive:
+        meta = next((json.load(archive.extractfile(m)) for m in archive
+                     if m.isfile() and m.name.endswith(".json")), {})
+    if meta.get("caption_ids") is None:
+        raise ValueError(f"evaluation.protocols {scoring.protocols} scores the test split "
+                         f"by COCO caption ids, and {first} has none: make the shards with "
+                         f"mmgoal make-shards karpathy ... --coco-captions "
+                         f"captions_val2014.json (docs/data.md, 'COCO ids'), or set "
+                         f"evaluation.protocols=[coco]")
 
 
 # The registry that builds each component section (lists: each of their items), and the
@@ -336,15 +378,21 @@ def load_model_config(config: str | os.PathLike | dict, overrides: Iterable[str]
     data = config.get("data")
     model_only = set(config) <= set(ModelConfig.keys()) and \
         (not isinstance(data, dict) or set(data) <= set(ModelDataConfig.keys()))
+    # a model is used: the sections that build it are checked, not the training's
     return with_overrides(config, overrides, beside, ModelConfig if model_only else RunConfig,
-                          trust_custom_imports=trust_custom_imports, source=source)
+                          trust_custom_imports=trust_custom_imports, source=source,
+                          checked=ModelConfig)
 
 
 def with_overrides(cfg: dict, overrides: Iterable[str] = (),
                    beside: str | os.PathLike | None = None,
                    schema: type[ConfigSection] = RunConfig, *,
-                   trust_custom_imports: bool = False, source: str = "the config") -> dict:
-    """``cfg`` resolved, with ``--cfg-options`` applied to any key the schema knows.
+                   trust_custom_imports: bool = False, source: str = "the config",
+                   checked: type[ConfigSection] | None = None) -> dict:
+    """``cfg`` resolved, with ``--cfg-options`` applied to any key the schema knows, and the
+    component sections of ``checked`` (default: ``schema``'s) checked against their
+    registries: a model to use (``checked=ModelConfig``) imports no optimizer, strategy or
+    logger module to check sections it never builds.
 
     With ``trust_custom_imports``, the config's ``custom_imports`` are imported first
     (also from ``beside``, the config's folder; each is logged with its file), so
@@ -367,7 +415,7 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
         apply_override(cfg, override, known_keys)
     cfg = resolve_config(cfg, schema)
     try:
-        check_components(cfg, not_imported)
+        check_components(cfg, not_imported, (checked or schema).components())
     except ConfigError as error:
         swapped = [k for k in map(override_key, overrides) if k.endswith(".type")]
         if not swapped or isinstance(error, UnknownNameError):
@@ -385,13 +433,14 @@ TRUST_HINT = ("a received config or checkpoint could run code through them; if y
               "Python")
 
 
-def check_components(cfg: dict, not_imported: Iterable[str] = ()) -> None:
-    """Every component section before anything is built: a registered ``type`` (an
-    ``UnknownNameError`` with the closest match; naming ``not_imported``, the config's
-    custom_imports that were left out, where there are some), known keys of the right
-    types."""
+def check_components(cfg: dict, not_imported: Iterable[str] = (),
+                     sections: dict[str, Registry] | None = None) -> None:
+    """Every component section (of ``sections``, dotted path -> registry; default: a run's)
+    before anything is built: a registered ``type`` (an ``UnknownNameError`` with the
+    closest match; naming ``not_imported``, the config's custom_imports that were left
+    out, where there are some), known keys of the right types."""
     try:
-        _check_components(cfg)
+        _check_components(cfg, REGISTRY_OF_SECTION if sections is None else sections)
     except UnknownNameError as error:
         not_imported = list(not_imported)
         if not not_imported:
@@ -400,8 +449,8 @@ def check_components(cfg: dict, not_imported: Iterable[str] = ()) -> None:
                                f"were not imported: {TRUST_HINT}") from None
 
 
-def _check_components(cfg: dict) -> None:
-    for dotted, registry in REGISTRY_OF_SECTION.items():
+def _check_components(cfg: dict, sections: dict[str, Registry]) -> None:
+    for dotted, registry in sections.items():
         section = cfg
         for key in dotted.split("."):
             section = section.get(key) if isinstance(section, dict) else None

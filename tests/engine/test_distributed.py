@@ -145,9 +145,10 @@ def test_ddp_under_torchrun_trains_like_one_process(setup, tmp_path):
     assert max_difference(final_weights(root / "single"), final_weights(tmp_path / "ddp")) < 1e-5
 
 
+# One launch per behaviour of mmgoal's code: stages 0-2 share its path (ZeRO-2 is the
+# module's reference run), stage 3 partitions the parameters (their gather for evaluation
+# and checkpoints), bf16 changes the precision.
 @pytest.mark.parametrize("zero_config,tolerance", [
-    ({"zero_optimization": {"stage": 0}}, 1e-5),
-    ({"zero_optimization": {"stage": 1}}, 1e-5),
     ({"zero_optimization": {"stage": 3}}, 1e-5),
     ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, None),
 ])
@@ -241,7 +242,7 @@ def test_two_rank_checkpoint_is_exported_and_evaluated_by_one_process(setup, tmp
     unfinished.mkdir(exist_ok=True)
     (unfinished / "mp_rank_00_model_states.pt").write_bytes(b"half a file")
     exported = tmp_path / "zero2.pt"
-    ok(subprocess.run([sys.executable, "tools/export.py", str(root / "zero2"), "--out",
+    ok(subprocess.run([sys.executable, "tools/export.py", str(root / "zero2"), "--latest", "--out",
                        str(exported)], cwd=ROOT, env=environment(), capture_output=True,
                       text=True, timeout=120))
     assert max_difference(torch.load(exported, weights_only=True)["model"],

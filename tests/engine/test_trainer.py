@@ -415,3 +415,20 @@ def test_a_finished_run_resumed_says_there_is_nothing_to_train(tiny_quickstart_r
     with caplog.at_level(logging.WARNING):
         Trainer(cfg, run, resume=True).fit()
     assert "the run has trained 1 epoch(s) and train.epochs is 0" in caplog.text
+
+
+def test_a_run_writes_a_text_log_with_a_line_every_log_every_steps(tiny_quickstart_run):
+    import re
+
+    run, _ = tiny_quickstart_run
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    text = (run / "train.log").read_text()
+    steps = re.findall(r"INFO epoch (\d+) step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) "
+                       r"samples/s ([\d.]+) eta (\d+:\d\d:\d\d)\n", text)
+    assert [(int(e), int(s)) for e, s, *_ in steps] == [(r["epoch"], r["step"]) for r in train]
+    assert {int(total) for _, _, total, *_ in steps} == {train[-1]["total_steps"]}
+    assert [float(loss) for _, _, _, loss, *_ in steps] == pytest.approx(
+        [r["loss"] for r in train], abs=1e-4)
+    assert steps[-1][-1] == "0:00:00"  # the last step: nothing left
+    assert "INFO epoch 0 val: " in text  # the run's own log lines, as open_clip's out.log

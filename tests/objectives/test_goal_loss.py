@@ -369,3 +369,22 @@ def test_integer_string_and_numpy_ids_name_the_same_groups():
                 (7, 7, 8, 9)):
         assert GoalLoss()(images, texts, image_ids=ids) == expected
     assert GoalLoss()(images, texts, image_ids=[7, 8, 9, 10]) != expected
+
+
+def test_the_open_clip_example_of_docs_objectives_runs_as_written():
+    """docs/objectives.md's loop over open_clip's towers, run as a user would paste it."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("open_clip")
+    page = (Path(__file__).resolve().parents[2] / "docs" / "objectives.md").read_text()
+    example = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S)
+                   if "import open_clip" in block and "goal = GoalLoss(" in block)
+    result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = re.findall(r"^goal_loss (\S+) \{'active_fraction': (\S+),", result.stdout, re.M)
+    assert len(printed) == 3  # one line per batch of the loader
+    assert all(float(loss) >= 0 and 0 <= float(active) <= 1 for loss, active in printed)

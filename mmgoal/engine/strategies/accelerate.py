@@ -23,9 +23,8 @@ import os
 import torch
 from torch import nn
 
-from mmgoal.distributed import world_info
+from mmgoal.distributed import launched_world_size, world_info
 from mmgoal.engine.optimizers import build_optimizer
-from mmgoal.engine.strategies.base import launched_world_size
 from mmgoal.engine.strategies.torch_native import TorchStrategy, trainable_parameters
 from mmgoal.extras import require_extra
 from mmgoal.registry import STRATEGIES

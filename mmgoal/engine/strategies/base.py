@@ -12,10 +12,7 @@ one process, ``torchrun``, ``deepspeed`` and ``accelerate``, on CPUs and GPUs.
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
-import random
 import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,50 +25,11 @@ from torch import nn
 
 from mmgoal.contract import StepAwareObjective
 from mmgoal.devices import check_precision, move_to_device, resolve_device
-from mmgoal.distributed import wire_dtype, world_info
+from mmgoal.distributed import init_process_group, set_rng_state, wire_dtype, world_info
 from mmgoal.runs.checkpoint import NonFiniteStateError, nonfinite_tensors
 from mmgoal.runs.run_dir import has_checkpoint
 
 logger = logging.getLogger(__name__)
-
-
-def launched_world_size() -> int:
-    """The number of processes a launcher (torchrun, deepspeed, SLURM via them) started."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def process_group_backend(device: torch.device) -> str:
-    """NCCL between GPUs, gloo between CPU processes."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def init_process_group(timeout_minutes: float, device: torch.device) -> None:
-    """Join the launcher's process group (gloo on CPU, NCCL on GPUs), once."""
-    if dist.is_initialized() or launched_world_size() == 1:
-        return
-    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-               if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} "
-                           f"unset; start the run with torchrun or deepspeed (docs/distributed.md)")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(process_group_backend(device),
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # the current device's generator
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def flag_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:

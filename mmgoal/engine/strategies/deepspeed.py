@@ -42,15 +42,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mmgoal.devices import PRECISIONS, precision_dtype
+from mmgoal.distributed import launched_world_size, process_group_backend, rng_state
 from mmgoal.engine.optimizers import build_optimizer
-from mmgoal.engine.strategies.base import (
-    Strategy,
-    cpu_float_state,
-    launched_world_size,
-    process_group_backend,
-    prune_except,
-    rng_state,
-)
+from mmgoal.engine.strategies.base import Strategy, cpu_float_state, prune_except
 from mmgoal.extras import require_extra
 from mmgoal.registry import STRATEGIES
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint

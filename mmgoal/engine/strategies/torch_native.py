@@ -14,14 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from mmgoal.devices import autocast
+from mmgoal.distributed import rng_state
 from mmgoal.engine.optimizers import build_optimizer
-from mmgoal.engine.strategies.base import Strategy, rng_state
+from mmgoal.engine.strategies.base import Strategy
 from mmgoal.registry import STRATEGIES
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.runs.run_dir import LAST
@@ -149,7 +151,14 @@ class TorchStrategy(Strategy):
     # -------------------------------------------------------------- training
     def train_step(self, micro_batches):
         self.wrap_for()
-        return super().train_step(micro_batches)
+        if not self._probing:
+            return super().train_step(micro_batches)
+        with warnings.catch_warnings():
+            # the probe searches on purpose, once: DDP's warning that it found no unused
+            # parameter is the answer it waits for (the next wrapper does not search)
+            warnings.filterwarnings("ignore", message=r".*find_unused_parameters=True was "
+                                                      r"specified")
+            return super().train_step(micro_batches)
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Inside an accumulation window gradients stay local; the last micro-batch reduces."""

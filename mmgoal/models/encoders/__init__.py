@@ -1,3 +1,1 @@
-"""Image and text encoders."""
-
-from mmgoal.models.encoders import gru_text, hf_text, regions, small_cnn, timm_image  # noqa: F401
+"""Image and text encoders (registered in ``ENCODERS``: mmgoal/registry.py)."""

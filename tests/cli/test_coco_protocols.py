@@ -95,7 +95,7 @@ def test_train_stops_before_its_epochs_when_the_test_shards_lack_coco_ids(tiny_b
                                                                          tmp_path, capsys):
     import yaml
 
-    from mmgoal.evaluation.protocols import check_test_shards
+    from mmgoal.runs.schema import check_test_shards
 
     out, _ = tiny_benchmark
     test = {"shards": str(out / "test-{000000..000001}.tar")}

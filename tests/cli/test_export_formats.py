@@ -13,6 +13,7 @@ from hf_folders import tiny_hf_folder
 from script_modules import load_tool
 
 import mmgoal
+from mmgoal import files
 from mmgoal.data.pipeline import decode_sample, expand_shards
 from mmgoal.engine.trainer import Trainer
 
@@ -74,6 +75,19 @@ def test_an_open_clip_export_embeds_through_open_clip_as_through_mmgoal(tiny_ben
     torch.manual_seed(0)
     initial = open_clip.create_model("ViT-B-32", **copy.deepcopy(MODEL_KWARGS)).state_dict()
     assert any(not torch.equal(initial[k], v) for k, v in theirs.state_dict().items())
+    # mmgoal reads its own export back: the API, and mmgoal eval on the same shards
+    back = mmgoal.load(folder, device="cpu")
+    torch.testing.assert_close(back.encode_images(images), their_images, atol=1e-5, rtol=0)
+    torch.testing.assert_close(back.encode_texts(CAPTIONS), their_texts, atol=1e-5, rtol=0)
+    evaluate, shards = load_tool("eval"), str(out / "val-000000.tar")
+    metrics = []
+    for source, json_out in ((run, tmp_path / "run.json"), (folder, tmp_path / "folder.json")):
+        assert evaluate.main([str(source), "--device", "cpu", "--shards", shards, "--out",
+                              str(json_out)]) == 0
+        metrics.append(json.loads(json_out.read_text())["metrics"])
+    assert metrics[0] == metrics[1]
+    assert oct((folder / "open_clip_model.safetensors").stat().st_mode & 0o777) == oct(
+        0o666 & ~files.umask())  # safetensors writes 0600; the umask decides
     # an earlier export of the format is written over; any other folder is not
     assert export.main([str(run), "--format", "open_clip", "--out", str(folder)]) == 0
     assert export.main([str(run), "--format", "open_clip", "--out", str(run)]) == 2
@@ -116,6 +130,9 @@ def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchma
     their_texts = F.normalize(getattr(text_features, "pooler_output", text_features), dim=-1)
     torch.testing.assert_close(ours.encode_images(images), their_images, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours.encode_texts(CAPTIONS), their_texts, atol=1e-5, rtol=0)
+    back = mmgoal.load(folder, device="cpu")  # mmgoal reads its own export back
+    torch.testing.assert_close(back.encode_images(images), their_images, atol=1e-5, rtol=0)
+    torch.testing.assert_close(back.encode_texts(CAPTIONS), their_texts, atol=1e-5, rtol=0)
     initial = transformers.AutoModel.from_pretrained(source).state_dict()
     assert any(not torch.equal(initial[k], v) for k, v in theirs.state_dict().items())
 

@@ -1,23 +1,23 @@
 """Checkpoints of another model or holding NaN/inf are refused with what to do, not a trace."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 
 from mmgoal.data.tokenizers import WordTokenizer
 from mmgoal.registry import MODELS
-from mmgoal.runs.checkpoint import (
-    load_checkpoint,
-    load_matching_weights,
-    model_from_checkpoint,
-    save_safetensors,
-)
+from mmgoal.runs.checkpoint import load_checkpoint, load_matching_weights, save_safetensors
+from mmgoal.runs.loading import model_from_checkpoint
 
-MODEL = tiny_config(Path("unused"))["model"]  # DualEncoder, embed_dim 16
+MODEL = {  # tests/engine/test_trainer.py's tiny DualEncoder, embed_dim 16
+    "type": "DualEncoder", "embed_dim": 16,
+    "image_encoder": {"type": "TimmImageEncoder", "model_name": "mmgoal_small_cnn",
+                      "model_kwargs": {"widths": [8, 16]}},
+    "text_encoder": {"type": "GRUTextEncoder", "word_dim": 8, "hidden_size": 16,
+                     "bidirectional": True, "pooling": "mean"},
+}
 CONFIG = {"data": {"tokenizer": {"type": "WordTokenizer"}}, "model": MODEL}
 
 

@@ -29,15 +29,16 @@ def test_export_refuses_folders_run_checkpoints_and_nonfinite_weights(tmp_path, 
         in capsys.readouterr().err
 
     out = tmp_path / "run.pt"
-    assert main([str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert main([str(tmp_path / "run"), "--latest", "--out", str(out)]) == 0
     assert torch.equal(load_checkpoint(out)["model"]["w"], torch.ones(2))
-    assert main([str(tmp_path / "run"), "--best", "--out", str(out)]) == 0  # an earlier export
+    # by default the checkpoint mmgoal eval takes: best.pt where the run has one
+    assert main([str(tmp_path / "run"), "--out", str(out)]) == 0  # over an earlier export
     assert torch.equal(load_checkpoint(out)["model"]["w"], torch.zeros(2))
 
     # a last.pt an older mmgoal wrote as its run diverged
     diverged = {**good, "model": {"w": torch.tensor([1.0, math.inf])}}
     save_checkpoint(diverged, checkpoints / "last.pt")
-    assert main([str(tmp_path / "run"), "--out", str(tmp_path / "bad.pt")]) == 2
+    assert main([str(tmp_path / "run"), "--latest", "--out", str(tmp_path / "bad.pt")]) == 2
     assert "last.pt holds NaN or inf in 1 tensor (w)" in capsys.readouterr().err
     assert not (tmp_path / "bad.pt").exists()
 

@@ -151,3 +151,46 @@ def test_check_installs_guard_refuses_every_file_of_the_clone(tmp_path):
     assert result.stdout.splitlines() == [
         f"check-install: the installed mmgoal reached into the clone: open {clone / 'a.yaml'}",
         f"read {elsewhere / 'a.yaml'}", "no listing"]
+
+
+HELP_OF_EVERY_COMMAND = """
+import contextlib, io, sys
+from mmgoal.cli.main import COMMANDS, main
+for argv in (["--help"], ["--version"], ["configs"], *([c, "--help"] for c in COMMANDS)):
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+        main(argv)
+    assert out.getvalue(), argv
+print(sorted(m for m in ("torch", "timm", "webdataset") if m in sys.modules))
+"""
+
+
+def test_the_front_door_imports_no_torch():
+    """``mmgoal --help``, ``--version``, ``configs`` and every ``COMMAND --help`` answer
+    without importing torch (bench/startup.py times them)."""
+    out = subprocess.run([sys.executable, "-c", HELP_OF_EVERY_COMMAND], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]"
+
+
+EVALUATE_A_DUAL_ENCODER = """
+import sys
+from mmgoal.cli.evaluate import main
+assert main([sys.argv[1], "--device", "cpu"]) == 0
+print(sorted(m for m in sys.modules if m.startswith("mmgoal.engine")
+             or m in ("deepspeed", "accelerate", "open_clip", "transformers")))
+"""
+
+
+def test_evaluating_a_dual_encoder_loads_no_training_engine(tiny_quickstart_run, tmp_path):
+    import json
+    import shutil
+
+    run = shutil.copytree(tiny_quickstart_run[0], tmp_path / "run")
+    out = subprocess.run([sys.executable, "-c", EVALUATE_A_DUAL_ENCODER, str(run)],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
+    assert out.splitlines()[-1] == "[]"
+    # a run directory's metrics land in it, beside its config.yaml, not in checkpoints/
+    written = json.loads((run / "eval_test.json").read_text())
+    assert written["checkpoint"] == str(run / "checkpoints" / "best.pt")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "last.pt"]

@@ -1,0 +1,98 @@
+"""Starting a run in its folder: one function for every way a run starts.
+
+``mmgoal train`` (one process, or every rank of a ``torchrun``/``deepspeed`` launch) and
+each cell of ``mmgoal sweep`` start their runs through :func:`started_run`, so each
+refuses what the others refuse: another process in the folder, a folder that holds a
+run (unless resumed or ``--overwrite``), a link among the run's files, a resume whose
+config changes what a resumed run must keep, missing shards, a COCO test split without
+the ids its protocols need. What the run folder holds and why: :mod:`mmgoal.runs.run_dir`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmgoal.runs.run_dir import (
+    CHECKPOINTS,
+    has_checkpoint,
+    prepare_work_dir,
+    record_changes,
+    resume_changes,
+    run_lock,
+)
+from mmgoal.runs.schema import check_data_paths, check_test_shards, resolve_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunStart:
+    """What :func:`started_run` decided.
+
+    Attributes:
+        work_dir: the run folder.
+        resume: the run continues from its checkpoint.
+        changes: the accepted config changes of a resume (dotted key -> [old, new]).
+        deleted: what ``overwrite`` deleted of an earlier run (relative to ``work_dir``).
+        finished: the report of a finished run that ``reuse`` accepted: nothing to train.
+    """
+
+    work_dir: Path
+    resume: bool = False
+    changes: dict[str, list] = field(default_factory=dict)
+    deleted: list[str] = field(default_factory=list)
+    finished: dict | None = None
+
+    def record(self, epoch: int, step: int) -> None:
+        """Record the resume's accepted changes (``config_changes.jsonl``), once the
+        trainer has said the epoch and step it resumes at."""
+        record_changes(self.work_dir, self.changes, epoch, step)
+
+
+@contextlib.contextmanager
+def started_run(work_dir: str | os.PathLike, cfg: dict, resume: bool = False,
+                auto_resume: bool = False, overwrite: bool = False, lock_wait: float = 0.0,
+                main_rank: bool = True,
+                reuse: Callable[[Path, dict], dict | None] | None = None
+                ) -> Iterator[RunStart]:
+    """The run folder ``work_dir`` held and checked for a run of ``cfg`` (resolved), for the
+    life of the block, in this order:
+
+    1. rank 0 holds the folder's run lock (:func:`~mmgoal.runs.run_dir.run_lock`; the
+       other ranks of a launch share it), waiting up to ``lock_wait`` seconds;
+    2. ``reuse(work_dir, cfg)``, if given, may accept a finished run: its report is
+       :attr:`RunStart.finished` and nothing else is checked;
+    3. the run resumes when asked, or with ``auto_resume`` when the folder has a checkpoint;
+    4. rank 0 checks the folder (:func:`~mmgoal.runs.run_dir.prepare_work_dir`: links, a
+       run already there, what ``overwrite`` deletes);
+    5. a resume's config may differ from the run's own only where a resumed run may
+       (:func:`~mmgoal.runs.run_dir.resume_changes`);
+    6. the shards of every split exist, and a COCO test split carries the ids its
+       protocols need (before the epochs, not after).
+
+    Raises:
+        ValueError: the folder is in use, holds a run, holds a link, or the resume changes
+            what it must keep; or bad shards.
+        FileNotFoundError: missing shards. ImportError: an extra the config needs.
+    """
+    work_dir = Path(work_dir)
+    with contextlib.ExitStack() as held:
+        if main_rank:
+            held.enter_context(run_lock(work_dir, lock_wait))
+        finished = reuse(work_dir, cfg) if reuse is not None else None
+        if finished is not None:
+            yield RunStart(work_dir, finished=finished)
+            return
+        resume = resume or (auto_resume and has_checkpoint(work_dir / CHECKPOINTS))
+        deleted = prepare_work_dir(work_dir, resume, overwrite) if main_rank else []
+        if deleted:
+            logger.warning("--overwrite: deleted the earlier run's %s", ", ".join(deleted))
+        changes = resume_changes(work_dir, cfg, resolve_config) if resume else {}
+        check_data_paths(cfg)
+        check_test_shards(cfg)
+        yield RunStart(work_dir, resume, changes, deleted)
