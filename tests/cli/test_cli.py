@@ -254,6 +254,32 @@ def test_sweep_does_not_reuse_a_report_without_the_config_it_ran(tiny_benchmark,
         load_tool("sweep").run_one(str(config), [], 0, run)
 
 
+def test_a_sweep_cell_refuses_what_train_refuses(tiny_benchmark, tmp_path):
+    """Every cell starts through the one start function (mmgoal/runs/start.py): a folder
+    holding an unfinished run without a checkpoint, a link among its files, a COCO
+    protocol without the test shards' ids are refused before anything trains, as
+    mmgoal train refuses them (sweep trained over the first two before)."""
+    out, _ = tiny_benchmark
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump(tiny_overrides("goal/sweep_synthetic.yaml", out)))
+    run_one = load_tool("sweep").run_one
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
+    with pytest.raises(ValueError, match=rf"--work-dir {cell} already holds a run "
+                                         rf"\(metrics.jsonl\); continue it with --resume"):
+        run_one(str(config), [], 0, cell)
+    (cell / "metrics.jsonl").unlink()
+    (cell / "metrics.jsonl").symlink_to(tmp_path / "yours.txt")
+    with pytest.raises(ValueError, match=rf"{cell / 'metrics.jsonl'} is a symbolic link"):
+        run_one(str(config), [], 0, cell)
+    pytest.importorskip("eccv_caption")
+    with pytest.raises(ValueError, match=r"scores the test split by COCO caption ids, and .* "
+                                         r"has none"):
+        run_one(str(config), ["evaluation.protocols=[coco,cxc]"], 0, tmp_path / "coco")
+    assert not (tmp_path / "coco" / "checkpoints").exists()  # refused before the epochs
+
+
 def test_sweep_fills_the_seed_into_load_from():
     sweep = load_tool("sweep")
     cfg = sweep.seeded_config("configs/goal/finetune_synthetic.yaml", ["objective.pair=sig_ms"], 2)
