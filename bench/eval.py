@@ -96,7 +96,7 @@ def measure(name: str, shards: str, batch_size: int | None, repeats: int,
     """Every number of one model (run in its own process)."""
     import torch
 
-    from mmgoal.data.pipeline import iter_eval_batches
+    from mmgoal.data.pipeline import EvalReader, iter_eval_batches
     from mmgoal.evaluation.gallery import encode_gallery
 
     loaded = build(name, shards)
@@ -114,8 +114,8 @@ def measure(name: str, shards: str, batch_size: int | None, repeats: int,
         model.encode_image = timed_encode_image  # an instance attribute: encode_gallery's call
         try:
             start = time.perf_counter()
-            gallery = encode_gallery(model, shards, transform, tokenizer, batch_size,
-                                     progress=False, num_workers=workers)
+            gallery = encode_gallery(model, EvalReader(shards, batch_size, num_workers=workers),
+                                     transform, tokenizer, progress=False)
             end = time.perf_counter()
         finally:
             del model.encode_image
@@ -128,7 +128,7 @@ def measure(name: str, shards: str, batch_size: int | None, repeats: int,
     rss_peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
 
     start = time.perf_counter()  # the data alone: read, decode, transform (and keep) batches
-    image_batches = list(iter_eval_batches(shards, transform, batch_size))
+    image_batches = list(iter_eval_batches(EvalReader(shards, batch_size), transform))
     read_s = time.perf_counter() - start
     captions = gallery.captions
     start = time.perf_counter()

@@ -31,6 +31,7 @@ WORLD = 2
 
 def timed_evaluation(name: str, shards: str, repeats: int, across_ranks: bool
                      ) -> tuple[float, dict]:
+    from mmgoal.data.pipeline import EvalReader
     from mmgoal.evaluation.gallery import evaluate_retrieval
 
     loaded = build(name, shards)
@@ -39,8 +40,8 @@ def timed_evaluation(name: str, shards: str, repeats: int, across_ranks: bool
         if across_ranks:
             dist.barrier()
         start = time.perf_counter()
-        metrics = evaluate_retrieval(loaded.model, shards, loaded.transform, loaded.tokenizer,
-                                     batch_size=100, progress=False, across_ranks=across_ranks)
+        metrics = evaluate_retrieval(loaded.model, EvalReader(shards, 100), loaded.transform,
+                                     loaded.tokenizer, progress=False, across_ranks=across_ranks)
         best = min(best, time.perf_counter() - start)
     return best, metrics
 

@@ -324,7 +324,7 @@ def evaluation_rows(device: torch.device, dry_run: bool) -> list[dict]:
     sys.path.insert(0, str(ROOT / "bench"))
     from eval import build  # bench/eval.py: the quickstart model, vocabulary fitted
 
-    from mmgoal.data.pipeline import iter_eval_batches
+    from mmgoal.data.pipeline import EvalReader, iter_eval_batches
     from mmgoal.data.synthetic import write_benchmark
     from mmgoal.devices import move_to_device
     from mmgoal.evaluation.gallery import encode_gallery
@@ -339,10 +339,10 @@ def evaluation_rows(device: torch.device, dry_run: bool) -> list[dict]:
         model = loaded.model.to(device).eval()
         batch = 16 if dry_run else 256
         decoded = [move_to_device({k: v for k, v in b.items() if isinstance(v, torch.Tensor)},
-                                  device) for b in iter_eval_batches(shards, loaded.transform,
-                                                                     batch)]
-        captions = encode_gallery(model, shards, loaded.transform, loaded.tokenizer, batch,
-                                  progress=False).captions
+                                  device)
+                   for b in iter_eval_batches(EvalReader(shards, batch), loaded.transform)]
+        captions = encode_gallery(model, EvalReader(shards, batch), loaded.transform,
+                                  loaded.tokenizer, progress=False).captions
         tokens = [move_to_device(loaded.tokenizer(captions[i:i + batch]), device)
                   for i in range(0, len(captions), batch)]
 
@@ -356,8 +356,8 @@ def evaluation_rows(device: torch.device, dry_run: bool) -> list[dict]:
         bare_s = timed(bare, device, 1 if dry_run else 3)
         for workers in (0, 2) if dry_run else (0, 4):
             def ours(workers=workers):
-                encode_gallery(model, shards, loaded.transform, loaded.tokenizer, batch,
-                               progress=False, num_workers=workers)
+                encode_gallery(model, EvalReader(shards, batch, num_workers=workers),
+                               loaded.transform, loaded.tokenizer, progress=False)
 
             seconds = timed(ours, device, 1 if dry_run else 3)
             rows.append({"device": str(device), "workers": workers, "images": images,

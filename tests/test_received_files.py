@@ -273,7 +273,7 @@ def test_a_stored_remote_url_is_never_requested_unless_the_user_says_so(tiny_qui
 
 
 def test_a_file_a_glob_matches_is_read_as_a_file_whatever_its_name(tmp_path, monkeypatch):
-    from mmgoal.data.pipeline import expand_shards, iter_eval_batches
+    from mmgoal.data.pipeline import EvalReader, expand_shards, iter_eval_batches
     from mmgoal.data.shards import ShardWriter
     from mmgoal.data.transforms import build_transforms
 
@@ -286,7 +286,7 @@ def test_a_file_a_glob_matches_is_read_as_a_file_whatever_its_name(tmp_path, mon
     (tmp_path / "s-000000.tar").rename(named)
     monkeypatch.chdir(tmp_path)
     assert expand_shards("pipe*") == [f"./{named.name}"]
-    ids = [i for b in iter_eval_batches("pipe*", build_transforms(None, 8), 4)
+    ids = [i for b in iter_eval_batches(EvalReader("pipe*", 4), build_transforms(None, 8))
            for i in b["image_ids"]]
     assert ids == [0, 1, 2] and not marker.exists()
 
@@ -383,3 +383,19 @@ def test_a_huge_config_file_is_refused_unread(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 8 * 2**20
+
+
+def test_the_configs_sample_bound_reaches_the_evaluation(tiny_quickstart_run, tmp_path,
+                                                         capsys):
+    from mmgoal.data.pipeline import EvalReader
+
+    assert EvalReader.of_split({"shards": "s.tar", "caption_key": "txt"},
+                               {"eval_batch_size": 8, "num_workers": 2,
+                                "max_sample_bytes": 100}) == EvalReader("s.tar", 8, "txt", 2, 100)
+    run, out = tiny_quickstart_run
+    evaluate = load_tool("eval")
+    # every 32-px sample is over 100 bytes: skipped unread, none left to evaluate
+    assert evaluate.main([str(run), "--device", "cpu", "--out", str(tmp_path / "m.json"),
+                          "--cfg-options", "data.max_sample_bytes=100"]) == 2
+    assert "error: no readable sample in" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()

@@ -73,12 +73,12 @@ def plot_curve(report, path: Path, title: str) -> None:
 
 def attention_report(args, cfg: dict, evaluator: Member, split_cfg: dict):
     from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
+    from mmgoal.data.pipeline import EvalReader
     from mmgoal.evaluation.attention import evaluate_attention
     from mmgoal.evaluation.gallery import encode_gallery
 
-    gallery = encode_gallery(evaluator.model, split_cfg["shards"], evaluator.transform,
-                             evaluator.tokenizer, cfg["data"]["eval_batch_size"],
-                             with_annotations=True, num_workers=cfg["data"]["num_workers"])
+    gallery = encode_gallery(evaluator.model, EvalReader.of_split(split_cfg, cfg["data"]),
+                             evaluator.transform, evaluator.tokenizer, with_annotations=True)
     source = None
     if args.entities:
         texts_of: dict = {}
@@ -205,6 +205,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
+    from mmgoal.data.pipeline import EvalReader
     from mmgoal.distributed import world_info
     from mmgoal.evaluation.gallery import evaluate_retrieval
     from mmgoal.evaluation.retrieval import metrics_table
@@ -242,10 +243,9 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
         scoring["pm_dir"] = args.pm_dir
     scoring = ScoringConfig.of(scoring)  # checked before the gallery's minutes
     rankings = {} if args.rankings else None
-    metrics = evaluate_retrieval(members, split_cfg["shards"], caption_key=split_cfg["caption_key"],
-                                 batch_size=cfg["data"]["eval_batch_size"], folds=folds,
-                                 scoring=scoring, num_workers=cfg["data"]["num_workers"],
-                                 across_ranks=True, rankings=rankings)
+    metrics = evaluate_retrieval(members, EvalReader.of_split(split_cfg, cfg["data"]),
+                                 folds=folds, scoring=scoring, across_ranks=True,
+                                 rankings=rankings)
     name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)
     say(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
     say(metrics_table(metrics))

@@ -46,7 +46,7 @@ def score_stats(source: Path, split: str, pairs: int, trust_custom_imports: bool
     ``shards``; the config's are read as :meth:`LoadedModel.split` allows)."""
     import torch
 
-    from mmgoal.data.pipeline import iter_eval_batches
+    from mmgoal.data.pipeline import EvalReader, iter_eval_batches
     from mmgoal.objectives.mining import hardest_negatives
 
     loaded = load_model(source, trust_custom_imports)
@@ -54,7 +54,8 @@ def score_stats(source: Path, split: str, pairs: int, trust_custom_imports: bool
     split_cfg = loaded.split(split, shards, trust_data_paths)
     positive, negative = [], []
     with torch.no_grad():
-        for batch in iter_eval_batches(split_cfg["shards"], transform, 128):
+        for batch in iter_eval_batches(EvalReader(split_cfg["shards"], 128, split_cfg.get(
+                "caption_key")), transform):
             captions = [c[0] for c in batch["captions"]]
             texts = model.encode_text(tokenizer(captions))
             sims = model.similarity(model.encode_image(batch), texts)

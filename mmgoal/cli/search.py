@@ -149,13 +149,14 @@ def encoded_index(retriever: Retriever, items: list, kind: str) -> Index:
 def image_gallery(retriever: Retriever, shards: list[str], images: list[str],
                   rerank_k: int) -> ImageGallery:
     from mmgoal.api import Index
+    from mmgoal.data.pipeline import EvalReader
     from mmgoal.evaluation.gallery import encode_gallery
 
     if not shards:
         return ImageGallery(encoded_index(retriever, images, "images"), images, [])
     try:  # every token kept where the ITM head re-ranks (it reads them)
-        gallery = encode_gallery(retriever.model, shards, retriever.transform,
-                                 retriever.tokenizer, retriever.batch_size,
+        gallery = encode_gallery(retriever.model, EvalReader(shards, retriever.batch_size),
+                                 retriever.transform, retriever.tokenizer,
                                  keep_tokens=rerank_k > 0)
     except KeyError as error:  # the API's message for a model that does not read pixels
         raise ValueError(f"{type(retriever.model).__name__} does not encode these images: it "

@@ -26,8 +26,10 @@ import logging
 import random
 import tarfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -700,6 +702,45 @@ class ShardDataset(torch.utils.data.IterableDataset):
         return iter(wds.DataPipeline(*self.stages()))
 
 
+@dataclass(frozen=True)
+class EvalReader:
+    """How an evaluation split is read: its shards, and the reading settings of the
+    config's ``data`` section. The one object :func:`iter_eval_batches`,
+    :func:`~mmgoal.evaluation.gallery.encode_gallery` and the evaluation above them take
+    (:meth:`of_split` builds it from a config).
+
+    Attributes:
+        shards: brace patterns, globs, lists, URLs or ``pipe:`` commands
+            (:func:`expand_shards`).
+        batch_size: samples per batch (``data.eval_batch_size``).
+        caption_key: each sample's one caption from this member (img2dataset's ``txt``),
+            not the JSON's ``captions`` (``data.<split>.caption_key``).
+        num_workers: DataLoader worker processes that decode while the caller encodes
+            (``data.num_workers``; 0: in the caller).
+        max_sample_bytes: a sample whose members hold more is skipped unread
+            (``data.max_sample_bytes``).
+    """
+
+    shards: str | Sequence[str]
+    batch_size: int = 256
+    caption_key: str | None = None
+    num_workers: int = 0
+    max_sample_bytes: int = MAX_SAMPLE_BYTES
+
+    @classmethod
+    def of(cls, source: EvalReader | str | Sequence[str]) -> EvalReader:
+        """``source`` itself, or a reader of those shards with the default settings."""
+        return source if isinstance(source, EvalReader) else cls(source)
+
+    @classmethod
+    def of_split(cls, split: Mapping[str, Any], data: Mapping[str, Any]) -> EvalReader:
+        """The reader of a config's split: ``split`` its ``data.<split>`` section (its
+        ``shards``, ``caption_key``), ``data`` the ``data`` section (a run's or a model's:
+        ``eval_batch_size``, ``num_workers``, ``max_sample_bytes``)."""
+        return cls(split["shards"], data["eval_batch_size"], split.get("caption_key"),
+                   data["num_workers"], data["max_sample_bytes"])
+
+
 class EvalBatches(torch.utils.data.IterableDataset):
     """Evaluation batches in shard order, decoded by a share of the readers of the stream.
 
@@ -711,17 +752,15 @@ class EvalBatches(torch.utils.data.IterableDataset):
     so a DataLoader, which takes the next item of each worker in turn, yields the
     batches in shard order. A batch whose samples all failed is yielded empty, to keep
     the turns; every batch carries ``skipped``: its samples that could not be read
-    (a sample over ``max_sample_bytes`` among them). A shard that cannot be read to its
-    end stops the reading with an :class:`IncompleteSplitError` (:func:`whole_split`).
+    (a sample over the reader's ``max_sample_bytes`` among them). A shard that cannot be
+    read to its end stops the reading with an :class:`IncompleteSplitError`
+    (:func:`whole_split`).
     """
 
-    def __init__(self, shards: str | list[str], transform: Callable, batch_size: int,
-                 caption_key: str | None = None, part: tuple[int, int] = (0, 1),
-                 counter: SkipCounter | None = None,
-                 max_sample_bytes: int = MAX_SAMPLE_BYTES) -> None:
-        self.urls = expand_shards(shards)
-        self.transform, self.batch_size, self.caption_key = transform, batch_size, caption_key
-        self.part, self.max_sample_bytes = part, max_sample_bytes
+    def __init__(self, reader: EvalReader, transform: Callable, part: tuple[int, int] = (0, 1),
+                 counter: SkipCounter | None = None) -> None:
+        self.urls = expand_shards(reader.shards)
+        self.reader, self.transform, self.part = reader, transform, part
         self.counter = counter  # in the process that iterates (a worker has its own copy)
 
     def __iter__(self) -> Iterator[dict]:
@@ -733,8 +772,8 @@ class EvalBatches(torch.utils.data.IterableDataset):
         counter.take()
         samples = wds.DataPipeline(wds.SimpleShardList(self.urls),
                                    tar_samples(whole_split(counter),
-                                               max_sample_bytes=self.max_sample_bytes))
-        for number, raw in enumerate(_chunks(iter(samples), self.batch_size)):
+                                               max_sample_bytes=self.reader.max_sample_bytes))
+        for number, raw in enumerate(_chunks(iter(samples), self.reader.batch_size)):
             if number % every != mine:
                 counter.take()  # tar-level skips surfaced here are another reader's
                 continue
@@ -742,7 +781,8 @@ class EvalBatches(torch.utils.data.IterableDataset):
             for sample in raw:
                 try:
                     decoded.append(transform_image(
-                        decode_sample(sample, caption_key=self.caption_key), self.transform))
+                        decode_sample(sample, caption_key=self.reader.caption_key),
+                        self.transform))
                 except Exception as error:  # a bad sample: logged, counted, skipped
                     counter(error)
             yield {**eval_collate(decoded), "skipped": counter.take(), "number": number}
@@ -763,21 +803,18 @@ def eval_collate(samples: list[dict]) -> dict:
             "entities": [s.get("entities") or [] for s in samples]}
 
 
-def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: int,
-                      counter: SkipCounter | None = None, caption_key: str | None = None,
-                      num_workers: int = 0, part: tuple[int, int] = (0, 1),
-                      pin_memory: bool = False, numbered: bool = False,
-                      max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Iterator:
-    """Evaluation batches in shard order, one sample per image with all its captions
-    (``caption_key``: its one caption from that member, as img2dataset's ``txt``).
+def iter_eval_batches(reader: EvalReader | str | Sequence[str], transform: Callable,
+                      counter: SkipCounter | None = None, part: tuple[int, int] = (0, 1),
+                      pin_memory: bool = False, numbered: bool = False) -> Iterator:
+    """Evaluation batches of ``reader`` (an :class:`EvalReader`, or shards read with its
+    defaults) in shard order, one sample per image with all its captions.
 
-    ``num_workers`` > 0 decodes in that many DataLoader worker processes while the
-    caller encodes (``pin_memory`` for a copy to the GPU with ``non_blocking``); the
-    batches and their order are the same. ``part=(rank, world)`` yields only a rank's
-    share of the batches (:class:`EvalBatches`), and ``numbered`` yields ``(number,
-    batch)``, the batch's place in the one-process stream. ``counter`` counts the
-    samples that could not be read (in workers: their number); ``max_sample_bytes``
-    bounds a sample (``data.max_sample_bytes``: a larger one is skipped unread).
+    A reader with ``num_workers`` > 0 decodes in that many DataLoader worker processes
+    while the caller encodes (``pin_memory`` for a copy to the GPU with
+    ``non_blocking``); the batches and their order are the same. ``part=(rank, world)``
+    yields only a rank's share of the batches (:class:`EvalBatches`), and ``numbered``
+    yields ``(number, batch)``, the batch's place in the one-process stream. ``counter``
+    counts the samples that could not be read (in workers: their number).
 
     Raises:
         IncompleteSplitError: a shard failed, or its tar is damaged.
@@ -788,14 +825,15 @@ def iter_eval_batches(shards: str | list[str], transform: Callable, batch_size: 
         None where it has none, and entity annotations), with
         ``regions``/``boxes`` and their lengths where the shards have them.
     """
+    reader = EvalReader.of(reader)
     counter = counter if counter is not None else SkipCounter()
-    dataset = EvalBatches(shards, transform, batch_size, caption_key, part,
-                          counter if num_workers == 0 else None, max_sample_bytes)
-    batches = dataset if num_workers == 0 else torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+    workers = reader.num_workers
+    dataset = EvalBatches(reader, transform, part, counter if workers == 0 else None)
+    batches = dataset if workers == 0 else torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=workers, pin_memory=pin_memory)
     for batch in batches:
         skipped, number = batch.pop("skipped"), batch.pop("number")
-        if num_workers:
+        if workers:
             counter.add(skipped, "in a DataLoader worker")
         if batch["image_ids"]:
             yield (number, batch) if numbered else batch

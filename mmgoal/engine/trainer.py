@@ -44,6 +44,7 @@ from mmgoal import strict_json
 from mmgoal.config import config_text
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.pipeline import (
+    EvalReader,
     IncompleteSplitError,
     expand_shards,
     read_captions,
@@ -699,13 +700,13 @@ class Trainer:
         split_cfg = getattr(self.config.data, split)
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
+        reader = EvalReader.of_split(split_cfg.to_dict(), self.config.data.to_dict())
         return evaluate_retrieval(
-            model if model is not None else self.model, split_cfg.shards,
-            self.eval_transform, self.tokenizer, batch_size=self.config.data.eval_batch_size,
-            folds=split_cfg.folds, progress=self.config.train.progress and self.is_main,
-            scoring=self.config.evaluation, caption_key=split_cfg.caption_key,
-            num_workers=self.config.data.num_workers, across_ranks=across_ranks,
-            protocols=protocols, stop=stop)
+            model if model is not None else self.model, reader, self.eval_transform,
+            self.tokenizer, folds=split_cfg.folds,
+            progress=self.config.train.progress and self.is_main,
+            scoring=self.config.evaluation, across_ranks=across_ranks, protocols=protocols,
+            stop=stop)
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from mmgoal.contract import MatchingModel, require
-from mmgoal.data.pipeline import SkipCounter, iter_eval_batches
+from mmgoal.data.pipeline import EvalReader, SkipCounter, iter_eval_batches
 from mmgoal.devices import free_memory_mb, module_device, move_to_device
 from mmgoal.distributed import gather_rows, gather_uneven, rank_share, world_info
 from mmgoal.evaluation.protocols import protocol_metrics, protocol_rankings
@@ -126,13 +126,14 @@ def _keep_tokens(model: torch.nn.Module, features, keep: bool):
 
 @_in_eval_mode
 @torch.no_grad()
-def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: Callable,
-                   tokenizer: Callable, batch_size: int = 256, progress: bool = True,
+def encode_gallery(model: torch.nn.Module, reader: EvalReader | str | Sequence[str],
+                   transform: Callable, tokenizer: Callable, progress: bool = True,
                    with_annotations: bool = False, keep_tokens: bool = False,
-                   caption_key: str | None = None, num_workers: int = 0,
                    across_ranks: bool = False, image_share: int | None = None,
                    stop: Callable[[], bool] | None = None) -> Gallery:
-    """Encode every image and caption of the shards, in shard order, on the model's device.
+    """Encode every image and caption that ``reader`` reads (an
+    :class:`~mmgoal.data.pipeline.EvalReader`: the split's shards and how to read them;
+    or shards, read with its defaults), in shard order, on the model's device.
 
     Each image id is one image of the gallery, as in training's positives and the
     benchmarks' protocol (COCO 5K, Flickr30K 1K count every image once): a sample
@@ -141,11 +142,10 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     not have yet become the image's, and a warning says how many there were.
 
     ``with_annotations`` also keeps entities and region boxes (attention metrics);
-    ``keep_tokens`` keeps every token (ITM re-ranking); ``caption_key`` reads each
-    sample's one caption from that member (img2dataset's ``txt``). ``num_workers``
-    DataLoader workers decode the images while the model encodes (the run's
-    ``data.num_workers``; on a GPU into pinned memory, copied without blocking); the
-    gallery is the same with any number.
+    ``keep_tokens`` keeps every token (ITM re-ranking). The reader's ``num_workers``
+    DataLoader workers decode the images while the model encodes (on a GPU into pinned
+    memory, copied without blocking); the gallery is the same with any number. Captions
+    are encoded in batches of the reader's ``batch_size``.
 
     ``across_ranks`` (a collective: every rank of the process group calls it): each
     rank decodes and encodes its share of the image batches and of the captions, and
@@ -158,6 +158,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     :class:`EvaluationStopped` leaves here, the DataLoader workers ended. One process only:
     a rank that left the collective alone would leave the others waiting.
     """
+    reader = EvalReader.of(reader)
     device = module_device(model)
     rank, world = world_info() if across_ranks else (0, 1)
     counter = SkipCounter()
@@ -168,9 +169,8 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     mine: list[dict] = []  # this rank's batches: their place, samples and region boxes
     encoded: list[ImageFeatures] = []
     # closed however the loop ends: its DataLoader workers end then, not when collected
-    with contextlib.closing(iter_eval_batches(
-            shards, transform, batch_size, counter, caption_key, num_workers=num_workers,
-            part=(rank, world), pin_memory=pinned, numbered=True)) as batches:
+    with contextlib.closing(iter_eval_batches(reader, transform, counter, part=(rank, world),
+                                              pin_memory=pinned, numbered=True)) as batches:
         for number, batch in tqdm(batches, desc="encode images", unit="batch",
                                   disable=not progress, leave=False):
             _stop_if_asked(stop)
@@ -195,7 +195,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
         skipped = counter.total
         ordered = list(_with_offsets(mine, images))
     if not ordered:
-        raise ValueError(f"no readable sample in {shards!r} ({skipped} skipped)")
+        raise ValueError(f"no readable sample in {reader.shards!r} ({skipped} skipped)")
     gallery = Gallery(None, None, None, skipped)
     text_to_image: list[int] = []
     known: dict = {}  # image id -> (its index in the gallery, the set of its captions)
@@ -208,7 +208,7 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
     if gallery.duplicates and rank == 0:  # every rank knows them: one says so
         logger.warning("%d samples repeat an image id of an earlier sample in %s; each image "
                        "is evaluated once, with the captions of its copies (check the shards "
-                       "with mmgoal inspect-shards)", gallery.duplicates, shards)
+                       "with mmgoal inspect-shards)", gallery.duplicates, reader.shards)
     if world > 1:  # each rank fetches the rows it keeps from the ranks that encoded them
         wanted = [(source, row) for source, rows in kept for row in rows]
         if image_share is not None:
@@ -221,8 +221,8 @@ def encode_gallery(model: torch.nn.Module, shards: str | list[str], transform: C
         gallery.images = cat_features([index_features(
             features, torch.tensor(rows, device=features.embedding.device))
             for features, rows in kept])
-    gallery.texts = _encode_captions(model, tokenizer, gallery.captions, batch_size, keep,
-                                     progress, device, rank, world, stop)
+    gallery.texts = _encode_captions(model, tokenizer, gallery.captions, reader.batch_size,
+                                     keep, progress, device, rank, world, stop)
     gallery.text_to_image = torch.tensor(text_to_image, device=device)
     return gallery
 
@@ -381,14 +381,13 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
     return sims
 
 
-def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch_size: int = 256,
+def gallery_similarity(members: Sequence[Member], reader: EvalReader | str | Sequence[str],
                        scoring: ScoringConfig | dict | None = None, progress: bool = True,
-                       caption_key: str | None = None, num_workers: int = 0,
                        across_ranks: bool = False, stop: Callable[[], bool] | None = None
                        ) -> tuple[torch.Tensor, Gallery]:
     """The mean score matrix of the members (one member: its own) and the first's gallery
-    (``across_ranks``: encoded and scored by every rank, :func:`encode_gallery`; ``stop``:
-    polled as there and in :func:`score_gallery`)."""
+    of what ``reader`` reads (``across_ranks``: encoded and scored by every rank,
+    :func:`encode_gallery`; ``stop``: polled as there and in :func:`score_gallery`)."""
     scoring = ScoringConfig.of(scoring)
     total, first = None, None
     for member in members:
@@ -396,9 +395,8 @@ def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch
         # re-ranking needs every image's tokens on every rank
         spread = (across_ranks and scoring.rerank_k <= 0
                   and getattr(member.model, "similarity_uses_tokens", False))
-        gallery = encode_gallery(member.model, shards, member.transform, member.tokenizer,
-                                 batch_size, progress, keep_tokens=scoring.rerank_k > 0,
-                                 caption_key=caption_key, num_workers=num_workers,
+        gallery = encode_gallery(member.model, reader, member.transform, member.tokenizer,
+                                 progress, keep_tokens=scoring.rerank_k > 0,
                                  across_ranks=across_ranks,
                                  image_share=scoring.block_images if spread else None,
                                  stop=stop)
@@ -414,23 +412,24 @@ def gallery_similarity(members: Sequence[Member], shards: str | list[str], batch
     return total / len(members), first
 
 
-def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | list[str],
+def evaluate_retrieval(model: torch.nn.Module | Sequence[Member],
+                       reader: EvalReader | str | Sequence[str],
                        transform: Callable | None = None, tokenizer: Callable | None = None,
-                       batch_size: int = 256, folds: int = 1, progress: bool = True,
-                       scoring: ScoringConfig | dict | None = None,
-                       caption_key: str | None = None, num_workers: int = 0,
-                       across_ranks: bool = False, protocols: Sequence[str] | None = None,
-                       rankings: dict | None = None, stop: Callable[[], bool] | None = None
-                       ) -> dict[str, float]:
-    """Retrieval metrics on a gallery of shards (plus ``skipped`` samples).
+                       folds: int = 1, progress: bool = True,
+                       scoring: ScoringConfig | dict | None = None, across_ranks: bool = False,
+                       protocols: Sequence[str] | None = None, rankings: dict | None = None,
+                       stop: Callable[[], bool] | None = None) -> dict[str, float]:
+    """Retrieval metrics on the gallery ``reader`` reads (plus ``skipped`` samples).
 
     Args:
         model: a model (with ``transform`` and ``tokenizer``), or a list of
             :class:`Member` whose score matrices are averaged (an ensemble).
+        reader: the split and how to read it (an :class:`~mmgoal.data.pipeline.EvalReader`,
+            built from a config by ``EvalReader.of_split``: batch size, caption member,
+            decoding workers, sample bound), or shards read with its defaults.
         scoring: a :class:`ScoringConfig` or a mapping of its keys; with
             ``rerank_k`` > 0 the metrics are the ITM re-ranked ones, and ``itc_*``
             keys hold the ITC-only metrics.
-        num_workers: DataLoader workers decoding the gallery (:func:`encode_gallery`).
         across_ranks: a collective of every rank: each decodes and encodes its share of
             the gallery, scores its share of the images and re-ranks its share of the
             queries; every rank returns the metrics of one process.
@@ -449,8 +448,7 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member], shards: str | 
     scoring = ScoringConfig.of(scoring)
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \
         else list(model)
-    sims, gallery = gallery_similarity(members, shards, batch_size, scoring, progress,
-                                       caption_key, num_workers, across_ranks, stop)
+    sims, gallery = gallery_similarity(members, reader, scoring, progress, across_ranks, stop)
     protocols = scoring.protocols if protocols is None else list(protocols)
     if scoring.rerank_k <= 0:
         metrics = retrieval_metrics(sims, gallery.text_to_image, folds=folds)

@@ -8,6 +8,7 @@ import torch
 from PIL import Image
 
 from mmgoal.data.pipeline import (
+    EvalReader,
     ShardDataset,
     SkipCounter,
     UnreadableShardsError,
@@ -192,8 +193,8 @@ def test_a_pass_without_a_decodable_image_stops_the_training_stream(tmp_path, to
 
 def test_eval_batches_keep_shard_order_and_all_captions(tiny_benchmark):
     out, summary = tiny_benchmark
-    batches = list(iter_eval_batches(str(out / "test-{000000..000001}.tar"),
-                                     build_transforms(None, 32), batch_size=16))
+    batches = list(iter_eval_batches(EvalReader(str(out / "test-{000000..000001}.tar"), 16),
+                                     build_transforms(None, 32)))
     assert [len(b["image_ids"]) for b in batches] == [16, 16, 8]
     ids = [i for b in batches for i in b["image_ids"]]
     assert ids == sorted(ids) and len(ids) == 40
@@ -262,8 +263,8 @@ def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_pa
         [[[0, 0, 0.5, 0.25], [0.25, 0.25, 1, 1]], [[0.5, 0.5, 1, 1], [0, 0, 0, 0]]]))
     assert data.counter.total == 1 and "entity boxes must be xyxy" in data.counter.summary()
     # evaluation batches keep every entity, its boxes as fractions of the image
-    entities = next(iter_eval_batches(str(tmp_path / "boxes-000000.tar"),
-                                      build_transforms(None, 8), batch_size=8))["entities"]
+    entities = next(iter_eval_batches(EvalReader(str(tmp_path / "boxes-000000.tar"), 8),
+                                      build_transforms(None, 8)))["entities"]
     assert [[e["boxes"] for e in sample] for sample in entities] == [
         [[[0, 0, 0.5, 0.25]], [[0, 0, 0.5, 0.25], [0.25, 0.25, 1, 1]]], []]
     assert entities[0][1]["phrase"] == "a square"
@@ -284,8 +285,8 @@ def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_pa
     assert batch["regions"].shape == (2, 3, 4) and batch["regions"][1, 2].abs().sum() == 0
     torch.testing.assert_close(batch["boxes"][0, 0], torch.tensor([0, 0, 0.5, 1.0]))
     assert data.counter.total == 2  # no image nor regions; boxes of 3 numbers
-    evaluation = next(iter_eval_batches(str(tmp_path / "regions-000000.tar"),
-                                        build_transforms(None, 8), batch_size=8))
+    evaluation = next(iter_eval_batches(EvalReader(str(tmp_path / "regions-000000.tar"), 8),
+                                        build_transforms(None, 8)))
     assert evaluation["region_lengths"].tolist() == [3, 2]
 
 
@@ -303,15 +304,16 @@ def test_eval_batches_split_over_parts_and_workers_keep_the_order_and_the_skips(
         return [b["image_ids"] for b in batches]
 
     alone_counter = SkipCounter()
-    alone = list(iter_eval_batches(shards, transform, 3, alone_counter))
+    alone = list(iter_eval_batches(EvalReader(shards, 3), transform, alone_counter))
     # batches of 3 samples as the shards hold them, before decoding: batch 1 is empty
     assert ids(alone) == [[1, 2, 3], [7, 8, 9], [10, 11, 12], [14, 15], [16, 17, 18],
                           [19, 20]] and alone_counter.total == 4
-    parts = [list(iter_eval_batches(shards, transform, 3, part=(rank, 2))) for rank in (0, 1)]
+    parts = [list(iter_eval_batches(EvalReader(shards, 3), transform, part=(rank, 2)))
+             for rank in (0, 1)]
     assert ids(parts[0]) == [[1, 2, 3], [7, 8, 9], [14, 15], [19, 20]]  # batches 0, 2, 4, 6
     assert ids(parts[1]) == [[10, 11, 12], [16, 17, 18]]                # batches (1), 3, 5
     counter = SkipCounter()
-    workers = list(iter_eval_batches(shards, transform, 3, counter, num_workers=2))
+    workers = list(iter_eval_batches(EvalReader(shards, 3, num_workers=2), transform, counter))
     assert ids(workers) == ids(alone) and counter.total == 4
     for mine, theirs in zip(workers, alone):
         assert torch.equal(mine["images"], theirs["images"])

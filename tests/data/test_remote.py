@@ -14,7 +14,7 @@ from hub_server import serving
 from test_pipeline import dataset, sample
 
 from mmgoal.data import remote
-from mmgoal.data.pipeline import IncompleteSplitError, iter_eval_batches
+from mmgoal.data.pipeline import EvalReader, IncompleteSplitError, iter_eval_batches
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.tokenizers import WordTokenizer
 from mmgoal.data.transforms import build_transforms
@@ -38,7 +38,7 @@ def ids(data):
 
 
 def eval_ids(shards):
-    return ids(iter_eval_batches(shards, build_transforms(None, 8), 16))
+    return ids(iter_eval_batches(EvalReader(shards, 16), build_transforms(None, 8)))
 
 
 def test_a_server_that_drips_its_bytes_is_left_not_waited_on(store):

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from mmgoal.data.conversion import convert
-from mmgoal.data.pipeline import iter_eval_batches
+from mmgoal.data.pipeline import EvalReader, iter_eval_batches
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.synthetic import iter_scenes, scene_sample, write_flickr_entities
 from mmgoal.data.transforms import build_transforms
@@ -87,8 +87,8 @@ def test_karpathy_images_and_captions_arrive_unchanged(karpathy, tmp_path):
                                           "skipped": {}, "examples": []}
     assert "COCO_val2014_000000000007.jpg" in summary["splits"]["test"]["examples"][0]
     # the shards read back through the evaluation pipeline, captions and all
-    batches = list(iter_eval_batches(str(tmp_path / "out" / "train-*.tar"),
-                                     build_transforms(None, 16), batch_size=8))
+    batches = list(iter_eval_batches(EvalReader(str(tmp_path / "out" / "train-*.tar"), 8),
+                                     build_transforms(None, 16)))
     assert [i for b in batches for i in b["image_ids"]] == [100, 104, 108]
 
 
@@ -179,8 +179,8 @@ def test_karpathy_entries_listed_twice_are_converted_once(karpathy, tmp_path, ca
     with caplog.at_level("WARNING", logger="mmgoal.data.sources"):
         summary = convert(karpathy_source(json_path, root), tmp_path / "out", progress=False)
     assert "lists 2 images more than once" in caplog.text and "104" in caplog.text
-    batches = iter_eval_batches(str(tmp_path / "out" / "*.tar"), build_transforms(None, 16),
-                                batch_size=8)
+    batches = iter_eval_batches(EvalReader(str(tmp_path / "out" / "*.tar"), 8),
+                                build_transforms(None, 16))
     ids = [image_id for batch in batches for image_id in batch["image_ids"]]
     assert sorted(ids) == [100, 101, 102, 103, 104, 106, 108]
     assert summary["splits"]["train"]["samples"] == 3 and summary["splits"]["test"][
@@ -202,8 +202,8 @@ def test_a_file_name_with_dots_reads_back_through_the_pipeline(tmp_path):
     assert summary["splits"]["test"]["samples"] == 2
     keys = sorted(shard_samples(tmp_path / "out"))
     assert len(keys) == 2 and "img_with_dots" in keys and not any("." in k for k in keys)
-    batches = list(iter_eval_batches(str(tmp_path / "out" / "test-*.tar"),
-                                     build_transforms(None, 16), batch_size=8))
+    batches = list(iter_eval_batches(EvalReader(str(tmp_path / "out" / "test-*.tar"), 8),
+                                     build_transforms(None, 16)))
     assert batches[0]["image_ids"] == ["img.with.dots", "img_with_dots"]
     assert batches[0]["captions"] == [[f"picture {i} caption {k}" for k in range(2)]
                                       for i in range(2)]
@@ -247,7 +247,7 @@ def test_precomputed_feature_rows_and_boxes_arrive_unchanged(precomputed, tmp_pa
             assert meta["captions"] == captions[5 * index:5 * index + 5]
             assert meta["image_id"] == str(500 + index)
         assert summary["splits"][split]["skipped"] == {"missing captions": 1}
-    batch = next(iter_eval_batches(str(tmp_path / "out" / "train-*.tar"), None, batch_size=8))
+    batch = next(iter_eval_batches(EvalReader(str(tmp_path / "out" / "train-*.tar"), 8), None))
     np.testing.assert_array_equal(batch["regions"][1].numpy(), arrays["train"][0][1])
     # boxes become fractions of the image size the _ims_size file gave
     np.testing.assert_allclose(batch["boxes"][0].numpy(),
@@ -337,8 +337,8 @@ def test_coco_caption_ids_match_by_image_and_text(karpathy, tmp_path, caplog):
     assert {i: m["caption_ids"] for i, m in metas.items()} == expected
     # through the evaluation pipeline into a gallery: ids beside their captions, and an
     # image whose sample comes twice keeps each text once, with its first id
-    batches = list(iter_eval_batches(str(tmp_path / "out" / "*.tar"),
-                                     build_transforms(None, 16), batch_size=16))
+    batches = list(iter_eval_batches(EvalReader(str(tmp_path / "out" / "*.tar"), 16),
+                                     build_transforms(None, 16)))
     batch = {key: value * 2 if isinstance(value, list) else value
              for key, value in batches[0].items() if key != "images"}
     gallery = Gallery(None, None, None, 0)

@@ -13,7 +13,12 @@ import pytest
 from script_modules import load_tool
 from test_pipeline import dataset, png, sample
 
-from mmgoal.data.pipeline import IncompleteSplitError, SkipCounter, iter_eval_batches
+from mmgoal.data.pipeline import (
+    EvalReader,
+    IncompleteSplitError,
+    SkipCounter,
+    iter_eval_batches,
+)
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.tars import MAX_SAMPLE_BYTES, TarDamageError, tar_stream_samples
 from mmgoal.data.tokenizers import WordTokenizer
@@ -39,8 +44,8 @@ def member_offsets(path):
 
 
 def eval_ids(path, counter=None, **options):
-    return [i for batch in iter_eval_batches(str(path), build_transforms(None, 8), 16,
-                                             counter, **options)
+    return [i for batch in iter_eval_batches(EvalReader(str(path), 16, **options),
+                                             build_transforms(None, 8), counter)
             for i in batch["image_ids"]]
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from mmgoal.data.pipeline import SkipCounter, collate_batch, iter_eval_batches
+from mmgoal.data.pipeline import EvalReader, SkipCounter, collate_batch, iter_eval_batches
 from mmgoal.distributed import world_info
 from mmgoal.engine.hooks import Hook
 from mmgoal.registry import DATASETS, HOOKS, OBJECTIVES
@@ -31,7 +31,7 @@ class GlobalBatchSlices(torch.utils.data.IterableDataset):
         self.batch_size, self.tokenizer, self.seed = batch_size, tokenizer, seed
         self.samples = [
             {"image": image, "image_id": image_id, "caption": captions[0]}
-            for batch in iter_eval_batches(shards, transform, batch_size=64)
+            for batch in iter_eval_batches(EvalReader(shards, batch_size=64), transform)
             for image, image_id, captions in zip(batch["images"], batch["image_ids"],
                                                  batch["captions"])]
         self.epoch = 0

@@ -38,6 +38,7 @@ def build(name, shards):
 
 
 def evaluate(name, shards, across_ranks):
+    from mmgoal.data.pipeline import EvalReader
     from mmgoal.evaluation.gallery import evaluate_retrieval, gallery_similarity
     from mmgoal.evaluation.rerank import itm_rerank
     from mmgoal.runs.schema import ScoringConfig
@@ -58,19 +59,20 @@ def evaluate(name, shards, across_ranks):
         setattr(loaded.model, method, counting(kind, getattr(loaded.model, method)))
     scoring = ScoringConfig.of(SCORING[name])
     # batches of 6: 7 of them over the 40 images (3 shards of up to 16), odd on purpose
-    sims, gallery = gallery_similarity(members, shards, 6, {**SCORING[name], "rerank_k": 0},
+    reader = EvalReader(shards, 6)
+    sims, gallery = gallery_similarity(members, reader, {**SCORING[name], "rerank_k": 0},
                                        progress=False, across_ranks=across_ranks)
     result = {"sims": sims, "text_to_image": gallery.text_to_image,
               "image_ids": gallery.image_ids, "captions": gallery.captions,
               "embeddings": gallery.images.embedding, "image_rows": gallery.image_rows,
               "encoded": dict(encoded)}
     if scoring.rerank_k:
-        sims, gallery = gallery_similarity(members, shards, 6, SCORING[name], progress=False,
+        sims, gallery = gallery_similarity(members, reader, SCORING[name], progress=False,
                                            across_ranks=across_ranks)
         result["reranked"] = itm_rerank(loaded.model, gallery.images, gallery.texts, sims,
                                         scoring.rerank_k, 16, progress=False,
                                         across_ranks=across_ranks)
-    result["metrics"] = evaluate_retrieval(members, shards, batch_size=6, progress=False,
+    result["metrics"] = evaluate_retrieval(members, reader, progress=False,
                                            scoring=SCORING[name], across_ranks=across_ranks)
     return result
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from mmgoal.data.pipeline import EvalReader
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.trainer import Trainer
@@ -96,15 +97,16 @@ def test_scan_trains_with_constraints_and_ensemble_is_the_mean(tiny_benchmark, t
     shards = str(out / "test-{000000..000001}.tar")
     members = [Member(trainer.model, transform, trainer.tokenizer),
                Member(other.model, transform, other.tokenizer)]
-    mean, gallery = gallery_similarity(members, shards, batch_size=16, progress=False)
-    singles = [gallery_similarity([m], shards, batch_size=16, progress=False)[0]
+    reader = EvalReader(shards, batch_size=16)
+    mean, gallery = gallery_similarity(members, reader, progress=False)
+    singles = [gallery_similarity([m], reader, progress=False)[0]
                for m in members]
     torch.testing.assert_close(mean, (singles[0] + singles[1]) / 2)
     assert retrieval_metrics(mean, gallery.text_to_image)["rsum"] >= 0
 
     # Attention metrics against the scenes' true boxes: every phrase has its object's
     # box among the regions (IoU 1), so each is evaluated.
-    gallery = encode_gallery(trainer.model, shards, transform, trainer.tokenizer, 16,
+    gallery = encode_gallery(trainer.model, EvalReader(shards, 16), transform, trainer.tokenizer,
                              progress=False, with_annotations=True)
     attention = evaluate_attention(trainer.model, gallery, trainer.tokenizer, progress=False)
     n_phrases = sum(len(e) for e in gallery.entities)
@@ -175,16 +177,16 @@ def test_a_repeated_image_is_evaluated_once_with_the_captions_of_its_copies(tmp_
     shards = str(tmp_path / "test-*.tar")
     model = ColourModel()
     with caplog.at_level("WARNING", logger="mmgoal.evaluation.gallery"):
-        gallery = encode_gallery(model, shards, to_tensor, colour_tokenizer, batch_size=4,
-                                 progress=False)
+        gallery = encode_gallery(model, EvalReader(shards, batch_size=4), to_tensor,
+                                 colour_tokenizer, progress=False)
     assert gallery.image_ids == list(range(10)) and gallery.duplicates == 3
     assert "3 samples repeat an image id" in caplog.text
     assert len(gallery.images.embedding) == 10 and len(gallery.captions) == 21
     assert gallery.captions[-1] == "colour 7 view 9" and gallery.text_to_image[-1] == 7
     assert gallery.text_to_image.tolist() == [i for i in range(10) for _ in range(2)] + [7]
     # decoded by 2 DataLoader workers while the model encodes: the same gallery
-    decoded_aside = encode_gallery(model, shards, to_tensor, colour_tokenizer, batch_size=4,
-                                   progress=False, num_workers=2)
+    decoded_aside = encode_gallery(model, EvalReader(shards, batch_size=4, num_workers=2),
+                                   to_tensor, colour_tokenizer, progress=False)
     assert decoded_aside.image_ids == gallery.image_ids
     assert decoded_aside.captions == gallery.captions
     assert torch.equal(decoded_aside.images.embedding, gallery.images.embedding)
@@ -193,6 +195,6 @@ def test_a_repeated_image_is_evaluated_once_with_the_captions_of_its_copies(tmp_
     metrics = retrieval_metrics(sims, gallery.text_to_image)
     assert metrics["i2t_r1"] == metrics["t2i_r1"] == 100
     # COCO 1K style: 5 folds of 2 consecutive images, the copies' captions in their fold
-    five = evaluate_retrieval(model, shards, to_tensor, colour_tokenizer, batch_size=4,
-                              folds=5, progress=False)
+    five = evaluate_retrieval(model, EvalReader(shards, batch_size=4), to_tensor,
+                              colour_tokenizer, folds=5, progress=False)
     assert five["rsum"] == 600 and five["skipped"] == 0
