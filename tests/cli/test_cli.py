@@ -83,31 +83,29 @@ def test_finetune_then_evaluate_agree(tiny_config_file, tmp_path):
     assert "resumed at epoch 2, step" in result.stderr
 
 
-def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path):
-    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", tmp_path / "x",
-                      "--cfg-options", "optimizer.lrr=1")
-    assert result.returncode == 2
-    assert "no key 'lrr' under optimizer" in result.stderr
-    assert "Traceback" not in result.stderr
-    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", tmp_path / "new",
-                      "--resume")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "--resume: no checkpoint at" in result.stderr
-    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", tmp_path / "x",
-                      "--cfg-options", "data.train.shards=/nowhere/train-{0..3}.tar")
-    assert result.returncode == 2
-    assert "mmgoal make-synthetic" in result.stderr
+def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path, capsys):
+    finetune = load_tool("train")  # in this process: each case fails before training
+
+    def refused(*argv) -> str:
+        assert finetune.main([str(a) for a in (tiny_config_file, *argv)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return err
+
+    assert "no key 'lrr' under optimizer" in refused("--work-dir", tmp_path / "x",
+                                                     "--cfg-options", "optimizer.lrr=1")
+    assert "--resume: no checkpoint at" in refused("--work-dir", tmp_path / "new", "--resume")
+    assert "mmgoal make-synthetic" in refused("--work-dir", tmp_path / "x", "--cfg-options",
+                                              "data.train.shards=/nowhere/train-{0..3}.tar")
     # a folder holding a run is never trained over, and a resume keeps the run's model
     finished = tmp_path / "finished"
     (finished / "checkpoints").mkdir(parents=True)
     (finished / "config.yaml").write_text(tiny_config_file.read_text())
     (finished / "checkpoints" / "last.pt").write_bytes(b"a finished run's")
-    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", finished)
-    assert result.returncode == 2 and \
-        "already holds a run (config.yaml, checkpoints/last.pt)" in result.stderr
-    result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", finished, "--resume",
-                      "--cfg-options", "model.embed_dim=8")
-    assert result.returncode == 2 and "model.embed_dim: 16 -> 8" in result.stderr
+    assert "already holds a run (config.yaml, checkpoints/last.pt)" in refused(
+        "--work-dir", finished)
+    assert "model.embed_dim: 16 -> 8" in refused("--work-dir", finished, "--resume",
+                                                 "--cfg-options", "model.embed_dim=8")
     assert (finished / "checkpoints" / "last.pt").read_bytes() == b"a finished run's"
 
 
@@ -200,45 +198,43 @@ def test_make_synthetic_cli(tmp_path):
     assert set(meta["splits"]) == {"train", "test"}
 
 
-def test_plot_weights(tmp_path):
+def test_plot_weights(tmp_path, capsys):
+    main = load_tool("plot-weights").main  # in this process: no interpreter start per case
     out = tmp_path / "w.png"
-    result = run_tool("tools/plot_weights.py", "--set", "tau=1", "cir_offset=0", "--out", out)
-    assert result.returncode == 0, result.stderr
+    assert main(["--set", "tau=1", "cir_offset=0", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    result = run_tool("tools/plot_weights.py", "--set", "taux=1", "--out", out)
-    assert result.returncode == 2
-    assert "taux: not an option of any GOAL weight (did you mean tau?)" in result.stderr
-    result = run_tool("tools/plot_weights.py", ROOT / "configs/goal/quickstart_goal.yaml",
-                      "--cfg-options", "objective.triplet={'type': 'con', 'tau': 5}", "--out", out)
-    assert result.returncode == 2
-    assert "'con' got unknown config key(s) 'tau'; it accepts: margin" in result.stderr
+    assert main(["--set", "taux=1", "--out", str(out)]) == 2
+    assert "taux: not an option of any GOAL weight (did you mean tau?)" in capsys.readouterr().err
+    assert main([str(ROOT / "configs/goal/quickstart_goal.yaml"), "--cfg-options",
+                 "objective.triplet={'type': 'con', 'tau': 5}", "--out", str(out)]) == 2
+    assert "'con' got unknown config key(s) 'tau'; it accepts: margin" in \
+        capsys.readouterr().err
     # a lam: auto pair weight is drawn at its lam_init
-    result = run_tool("tools/plot_weights.py", ROOT / "configs/goal/quickstart_goal_auto_lam.yaml",
-                      "--out", out)
-    assert result.returncode == 0, result.stderr
+    assert main([str(ROOT / "configs/goal/quickstart_goal_auto_lam.yaml"), "--out",
+                 str(out)]) == 0
 
 
-def test_sweep_rejects_options_before_training(tiny_benchmark, tmp_path):
+def test_sweep_rejects_options_before_training(tiny_benchmark, tmp_path, capsys):
     out, _ = tiny_benchmark
     config = tmp_path / "sweep.yaml"
     config.write_text(yaml.safe_dump(tiny_overrides("goal/sweep_synthetic.yaml", out)))
     sweep = tmp_path / "sweep"
+    main = load_tool("sweep").main  # in this process: each case is refused before training
     # margin is con's option: swept with nca too it would be ignored there, so it is refused
-    result = run_tool("tools/sweep.py", config, "--triplet", "con", "nca", "--pair", "con",
-                      "--grid", "objective.triplet.margin=0.1,0.3", "--out", sweep)
-    assert result.returncode == 2
+    assert main([str(config), "--triplet", "con", "nca", "--pair", "con", "--grid",
+                 "objective.triplet.margin=0.1,0.3", "--out", str(sweep)]) == 2
     assert ("ncaxcon margin=0.1: objective.triplet: triplet weight 'nca' got unknown config "
-            "key(s) 'margin'; it accepts: tau") in result.stderr
-    result = run_tool("tools/sweep.py", config, "--grid", "objective.tau=1,5", "--out", sweep)
-    assert result.returncode == 2 and "--grid objective.triplet.tau=..." in result.stderr
+            "key(s) 'margin'; it accepts: tau") in capsys.readouterr().err
+    assert main([str(config), "--grid", "objective.tau=1,5", "--out", str(sweep)]) == 2
+    assert "--grid objective.triplet.tau=..." in capsys.readouterr().err
     # a seed's missing load_from checkpoint stops the sweep before the first seed trains
     missing = tmp_path / "runs" / "seed{seed}.pt"
     (tmp_path / "runs").mkdir()
     torch.save({}, tmp_path / "runs" / "seed0.pt")
-    result = run_tool("tools/sweep.py", config, "--triplet", "con", "--pair", "con",
-                      "--seeds", "2", "--cfg-options", f"load_from={missing}", "--out", sweep)
-    assert result.returncode == 2
-    assert f"load_from {tmp_path / 'runs' / 'seed1.pt'} (seed 1) does not exist" in result.stderr
+    assert main([str(config), "--triplet", "con", "--pair", "con", "--seeds", "2",
+                 "--cfg-options", f"load_from={missing}", "--out", str(sweep)]) == 2
+    assert f"load_from {tmp_path / 'runs' / 'seed1.pt'} (seed 1) does not exist" in \
+        capsys.readouterr().err
     assert not sweep.exists() or not any(sweep.iterdir())
 
 
