@@ -83,6 +83,15 @@ class TemperatureModel(RetrievalModel, Protocol):
 
 
 @runtime_checkable
+class LogitBiasModel(RetrievalModel, Protocol):
+    """A model that may learn SigLIP's logit bias (a SigLIP model's ``logit_bias``):
+    SigLIPLoss adds the model's ``logit_bias()`` to its logits instead of its own, where it
+    is not None (a CLIP model of the same class has none)."""
+
+    def logit_bias(self) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
 class StepAwareObjective(Protocol):
     """An objective whose state follows the optimisation steps (``GoalObjective``'s ``lam:
     auto``): the strategy calls ``finish_step(applied)`` on every rank after every step,
@@ -93,7 +102,7 @@ class StepAwareObjective(Protocol):
 
 
 CAPABILITIES: tuple[type, ...] = (CrossAttentionModel, MatchingModel, MaskedLanguageModel,
-                                  BoxPredictingModel, TemperatureModel)
+                                  BoxPredictingModel, TemperatureModel, LogitBiasModel)
 
 
 def require(model: object, protocol: type, needed_by: str) -> None:

@@ -315,6 +315,7 @@ OBJECTIVES = Registry("objective", locations={
     **_at(f"{_OBJECTIVES}.goal", "GoalObjective"),
     **_at(f"{_OBJECTIVES}.itm", "ITMLoss", "ObjectiveSum"),
     **_at(f"{_OBJECTIVES}.pretraining", "BoxGroundingLoss", "MLMLoss"),
+    **_at(f"{_OBJECTIVES}.siglip", "SigLIPLoss"),
     **_at(f"{_OBJECTIVES}.triplet", "TripletLoss")})
 CONSTRAINTS = Registry("constraint", locations=_at(f"{_OBJECTIVES}.constraints",
                                                    "CCRConstraint", "CCSConstraint"))

@@ -63,6 +63,7 @@ EXAMPLES = {
                    "NTXentHardLoss": {"tau": 5.0}, "BinomialDevianceLoss": {"beta": 20.0},
                    "CircleLoss": {"margin": 0.3}, "MultiSimilarityLoss": {"eps": 0.2},
                    "InfoNCELoss": {"temperature": 0.05},
+                   "SigLIPLoss": {"init_bias": -5.0, "block_rows": 3},
                    "ITMLoss": {"weight": 0.5, "temperature": 0.1},
                    "ObjectiveSum": {"terms": [{"type": "InfoNCELoss"}, {"type": "ITMLoss"}]},
                    # need a [MASK] tokenizer, the batch and heads: test_pretraining.py
@@ -140,7 +141,8 @@ def test_every_registered_name_has_an_example_that_builds(registry_name):
 # What each built-in model offers beyond the required contract.
 CAPABILITIES_OF = {"DualEncoder": set(), "SCAN": {"CrossAttentionModel"},
                    "XVLM": {"MatchingModel", "MaskedLanguageModel", "BoxPredictingModel"},
-                   "OpenCLIP": {"TemperatureModel"}, "HFCLIP": {"TemperatureModel"}}
+                   "OpenCLIP": {"TemperatureModel", "LogitBiasModel"},
+                   "HFCLIP": {"TemperatureModel", "LogitBiasModel"}}
 
 
 @pytest.mark.parametrize("name", registry.MODELS.names())
@@ -161,7 +163,7 @@ def test_every_model_follows_the_model_contract(name):
         if not isinstance(model, protocol):
             continue
         for method in ("encode_image", "encode_text", "similarity", "attention", "match_logits",
-                       "mlm_logits", "predict_boxes", "temperature"):
+                       "mlm_logits", "predict_boxes", "temperature", "logit_bias"):
             if method not in vars(protocol):
                 continue
             wanted = [p for p in inspect.signature(getattr(protocol, method)).parameters

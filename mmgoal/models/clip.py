@@ -462,6 +462,11 @@ class OpenCLIP(nn.Module):
         """``1 / exp(logit_scale)``, a scalar that carries the gradient to ``logit_scale``."""
         return torch.exp(-self.model.logit_scale).reshape(())
 
+    def logit_bias(self) -> torch.Tensor | None:
+        """SigLIP's learnt ``logit_bias`` (a scalar), or None for a model without one."""
+        bias = getattr(self.model, "logit_bias", None)
+        return None if bias is None else bias.reshape(())
+
 
 # ------------------------------------------------------------------------- Hugging Face
 # The text padding each supported family was trained with: CLIP pools its end-of-text
@@ -619,3 +624,8 @@ class HFCLIP(nn.Module):
     def temperature(self) -> torch.Tensor:
         """``1 / exp(logit_scale)``, a scalar that carries the gradient to ``logit_scale``."""
         return torch.exp(-self.model.logit_scale).reshape(())
+
+    def logit_bias(self) -> torch.Tensor | None:
+        """SigLIP's learnt ``logit_bias`` (a scalar), or None for a model without one."""
+        bias = getattr(self.model, "logit_bias", None)
+        return None if bias is None else bias.reshape(())
