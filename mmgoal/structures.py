@@ -8,6 +8,7 @@ and slices them; they live below all of them so that none imports another for th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,57 @@ class Attention:
 
 
 @dataclass
+class ScoreShare:
+    """A share of a batch's score matrix ``S`` (n_img, n_txt) for an objective that works
+    on rows (docs/distributed.md, "Local scoring"): with several ranks, this rank's images
+    against every text of the global batch, and every image against this rank's texts; in
+    one process, the whole matrix both ways (:meth:`whole`).
+
+    An objective that works on rows computes its image-anchored terms from ``rows`` and its
+    text-anchored terms from ``columns`` (:meth:`directions`), and returns this share's
+    part of the global loss: the parts of every rank sum to the one-process loss.
+
+    Attributes:
+        rows: (n_rows, n_txt) the rows of ``S`` of this rank's images.
+        row_positives: (n_rows, n_txt) bool; column_positives: (n_img, n_cols) bool.
+        positive_count: the matching pairs of the whole batch.
+        n_images: the images of the whole batch.
+        fetch_columns: gives ``columns`` (a collective with several ranks: an objective
+            asks for them on every rank or on none); ``columns`` is fetched once.
+    """
+
+    rows: torch.Tensor
+    row_positives: torch.Tensor
+    column_positives: torch.Tensor
+    positive_count: int
+    n_images: int
+    fetch_columns: Callable[[], torch.Tensor]
+
+    @classmethod
+    def whole(cls, scores: torch.Tensor, positives: torch.Tensor) -> ScoreShare:
+        """All of ``scores`` (n_img, n_txt) and ``positives``: one process's share."""
+        return cls(scores, positives, positives, int(positives.sum()), scores.shape[0],
+                   lambda: scores)
+
+    @functools.cached_property
+    def columns(self) -> torch.Tensor:
+        """(n_img, n_cols) the columns of ``S`` of this rank's texts (fetched when first
+        asked for: an objective on the image rows alone, SigLIP's, never holds them)."""
+        return self.fetch_columns()
+
+    @property
+    def n_texts(self) -> int:
+        return self.rows.shape[1]
+
+    def directions(self) -> tuple[tuple[str, torch.Tensor, torch.Tensor], ...]:
+        """``(direction, scores, positives)`` with anchors along dimension 0: ``i2t`` (this
+        share's image rows against every text) and ``t2i`` (this share's text columns
+        against every image, transposed)."""
+        return (("i2t", self.rows, self.row_positives),
+                ("t2i", self.columns.T, self.column_positives.T))
+
+
+@dataclass
 class ObjectiveInputs:
     """What an objective receives for one batch (``TrainingStep`` fills it in).
 
@@ -86,9 +138,11 @@ class ObjectiveInputs:
         batch: this rank's collated batch.
         model: the model being trained (its heads: ``match_logits``, ``mlm_logits``, ...).
         generator: for random draws (ITM's negatives, MLM's masks); ``None``: torch's.
+        share: under local scoring (several ranks, an objective that works on rows), this
+            rank's :class:`ScoreShare`; ``scores`` and ``positives`` are then None.
     """
 
-    scores: torch.Tensor
+    scores: torch.Tensor | None
     positives: torch.Tensor | None = None
     image_features: ImageFeatures | None = None
     text_features: TextFeatures | None = None
@@ -97,6 +151,7 @@ class ObjectiveInputs:
     batch: dict | None = None
     model: Any = None
     generator: torch.Generator | None = None
+    share: ScoreShare | None = None
 
 
 @dataclass(frozen=True)

@@ -288,7 +288,8 @@ class Trainer:
             compiled = compile_model(model)
             logger.info("torch.compile: %s (compiled at their first call)", ", ".join(compiled))
         return TrainingStep(model, objective, constraints,
-                            gather=self.config.train.gather_features)
+                            gather=self.config.train.gather_features,
+                            scoring=self.config.train.scoring)
 
     def _log_setup(self) -> None:
         lr = ("from the DeepSpeed scheduler" if self.strategy.owns_schedule else

@@ -15,7 +15,7 @@ from torch import nn
 
 from mmgoal.contract import TemperatureModel
 from mmgoal.objectives.hard_negative import HardNegativeLoss, check_reduction
-from mmgoal.objectives.mining import scores_and_positives
+from mmgoal.objectives.mining import score_share, scores_and_positives
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs
 
@@ -178,16 +178,19 @@ class InfoNCELoss(nn.Module):
             self.register_buffer("temperature", value)
         self.min_temperature, self.max_temperature = min_temperature, max_temperature
 
+    works_on_rows = True  # each direction's terms are its anchors' (ScoreShare)
+
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        sims, positives = scores_and_positives(inputs)
+        share = score_share(inputs)
         own = inputs.model.temperature() if isinstance(inputs.model, TemperatureModel) \
             else self.temperature
         temperature = own.clamp(self.min_temperature, self.max_temperature)
-        logits = sims / temperature
-        targets = positives.to(logits.dtype)
-        i2t = -(targets / targets.sum(1, keepdim=True).clamp(min=1)
-                * F.log_softmax(logits, dim=1)).sum(1)
-        t2i = -(targets.T / targets.T.sum(1, keepdim=True).clamp(min=1)
-                * F.log_softmax(logits.T, dim=1)).sum(1)
-        return {"infonce_loss": (i2t.mean() + t2i.mean()) / 2,
-                "temperature": temperature.detach()}
+        loss = share.rows.new_zeros(())
+        for direction, scores, positives in share.directions():
+            targets = positives.to(scores.dtype)
+            terms = -(targets / targets.sum(1, keepdim=True).clamp(min=1)
+                      * F.log_softmax(scores / temperature, dim=1)).sum(1)
+            # the mean over every anchor of the batch, this share's part of it
+            loss = loss + terms.sum() / (share.n_images if direction == "i2t"
+                                         else share.n_texts)
+        return {"infonce_loss": loss / 2, "temperature": temperature.detach()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmgoal.objectives.mining import mine_triplets, scores_and_positives
+from mmgoal.objectives.mining import direction_triplets, score_share
 from mmgoal.structures import ObjectiveInputs
 
 REDUCTIONS = ("sum", "mean")
@@ -25,9 +25,14 @@ class HardNegativeLoss(nn.Module):
     hardest image of column ``j``); positives are never negatives. ``sum``
     adds the triplet losses; ``mean`` divides by the number of positives.
     Subclasses set ``name`` (the output key is ``{name}_loss``).
+
+    It works on rows (:class:`~mmgoal.structures.ScoreShare`): each direction's triplets
+    are its anchors', so under local scoring a rank computes those of its images and its
+    texts, and the parts of every rank sum to the one-process loss.
     """
 
     name = "loss"
+    works_on_rows = True
 
     def __init__(self, reduction: str = "sum") -> None:
         super().__init__()
@@ -38,12 +43,11 @@ class HardNegativeLoss(nn.Module):
         raise NotImplementedError
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        sims, positives = scores_and_positives(inputs)
-        triplets = mine_triplets(sims, positives)
-        s_p, s_n_i2t, s_n_t2i = triplets.scores(sims)
-        per_triplet = torch.cat([self.triplet_loss(s_p, s_n_i2t) * triplets.i2t_valid,
-                                 self.triplet_loss(s_p, s_n_t2i) * triplets.t2i_valid])
-        loss = per_triplet.sum()
+        share = score_share(inputs)
+        loss = share.rows.new_zeros(())
+        for _, scores, positives in share.directions():
+            s_p, s_n, valid = direction_triplets(scores, positives)
+            loss = loss + (self.triplet_loss(s_p, s_n) * valid).sum()
         if self.reduction == "mean":
-            loss = loss / max(len(s_p), 1)
+            loss = loss / max(share.positive_count, 1)
         return {f"{self.name}_loss": loss}

@@ -150,6 +150,11 @@ class ObjectiveSum(nn.Module):
         self.terms = nn.ModuleList(OBJECTIVES.build(term, tokenizer=tokenizer, model=model)
                                    for term in terms)
 
+    @property
+    def works_on_rows(self) -> bool:
+        """A sum works on rows (local scoring) when every term does."""
+        return all(getattr(term, "works_on_rows", False) for term in self.terms)
+
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         outputs: dict[str, torch.Tensor] = {}
         for term in self.terms:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmgoal.structures import ObjectiveInputs, check_inputs
+from mmgoal.structures import ObjectiveInputs, ScoreShare, check_inputs
 
 
 def diagonal_positives(sims: torch.Tensor) -> torch.Tensor:
@@ -45,8 +45,41 @@ def check_positives(sims: torch.Tensor, positives: torch.Tensor | None) -> torch
 
 def scores_and_positives(inputs: ObjectiveInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """An objective's ``(scores, positives mask)``, the mask checked as ``check_positives``."""
-    check_inputs(inputs, "an objective")
+    check_inputs(inputs, "an objective on the whole score matrix", "scores")
     return inputs.scores, check_positives(inputs.scores, inputs.positives)
+
+
+def score_share(inputs: ObjectiveInputs) -> ScoreShare:
+    """The share of the scores an objective that works on rows computes on: the rank's
+    under local scoring, else the whole matrix (its positives checked as
+    ``check_positives``)."""
+    check_inputs(inputs, "an objective")
+    if inputs.share is not None:
+        return inputs.share
+    check_inputs(inputs, "an objective", "scores")
+    return ScoreShare.whole(inputs.scores, check_positives(inputs.scores, inputs.positives))
+
+
+def direction_triplets(scores: torch.Tensor, positives: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hardest-negative triplet of every positive of one direction.
+
+    Args:
+        scores: (n_anchors, n_others) scores, anchors along dimension 0 (a
+            :meth:`~mmgoal.structures.ScoreShare.directions` block).
+        positives: same shape, bool.
+
+    Returns:
+        ``s_p``, ``s_n`` and ``valid`` (each (n_pos,), in ``positives.nonzero()`` order):
+        the positive's score, its anchor's hardest negative's score (gradient kept), and
+        whether the anchor has a negative at all.
+    """
+    anchors, others = positives.nonzero(as_tuple=True)
+    masked = scores.detach().clone(memory_format=torch.contiguous_format)
+    masked[anchors, others] = float("-inf")  # positives are few: indexed, not a dense fill
+    hardest = masked.argmax(dim=1)
+    valid = torch.bincount(anchors, minlength=len(scores)) < scores.shape[1]
+    return scores[anchors, others], scores[anchors, hardest[anchors]], valid[anchors]
 
 
 def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,

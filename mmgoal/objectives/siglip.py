@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mmgoal.contract import LogitBiasModel, TemperatureModel
-from mmgoal.objectives.mining import scores_and_positives
+from mmgoal.objectives.mining import score_share
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs
 
@@ -41,24 +41,25 @@ def _block_grad(sims: torch.Tensor, positives: torch.Tensor, scale: torch.Tensor
 
 
 class _SigmoidLoss(torch.autograd.Function):
-    """The summed sigmoid loss of ``sims`` (n_img, n_txt) divided by n_img, forward and
-    backward in blocks of ``block`` rows; gradients for the scores, the scale and the bias."""
+    """The summed sigmoid loss of ``sims`` (rows, n_txt) divided by ``divisor`` (the batch's
+    images), forward and backward in blocks of ``block`` rows; gradients for the scores,
+    the scale and the bias."""
 
     @staticmethod
     def forward(ctx, sims: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
-                positives: torch.Tensor, block: int) -> torch.Tensor:
+                positives: torch.Tensor, block: int, divisor: int) -> torch.Tensor:
         ctx.save_for_backward(sims, scale, bias, positives)
-        ctx.block = block
+        ctx.block, ctx.divisor = block, divisor
         total = sims.new_zeros(())
         for start in range(0, len(sims), block):
             rows = slice(start, start + block)
             total += _block_grad(sims[rows], positives[rows], scale, bias)[0]
-        return total / len(sims)
+        return total / divisor
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         sims, scale, bias, positives = ctx.saved_tensors
-        factor = grad_output / len(sims)
+        factor = grad_output / ctx.divisor
         grad_sims = torch.empty_like(sims)
         grad_scale, grad_bias = sims.new_zeros(()), sims.new_zeros(())
         for start in range(0, len(sims), ctx.block):
@@ -67,7 +68,7 @@ class _SigmoidLoss(torch.autograd.Function):
             grad_scale += (dx * sims[rows]).sum()
             grad_bias += dx.sum()
             grad_sims[rows] = dx.mul_(scale)
-        return grad_sims, grad_scale, grad_bias, None, None
+        return grad_sims, grad_scale, grad_bias, None, None, None
 
 
 @OBJECTIVES.register()
@@ -108,15 +109,19 @@ class SigLIPLoss(nn.Module):
             else:
                 self.register_buffer(name, tensor)
 
+    # every pair is its own term: the image rows of a ScoreShare hold a share's part
+    works_on_rows = True
+
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        sims, positives = scores_and_positives(inputs)
+        share = score_share(inputs)
+        sims, positives = share.rows, share.row_positives
         model = inputs.model
         scale = (1 / model.temperature() if isinstance(model, TemperatureModel)
                  else self.logit_scale.exp())
         bias = model.logit_bias() if isinstance(model, LogitBiasModel) else None
         bias = self.logit_bias if bias is None else bias
         loss = _SigmoidLoss.apply(sims, scale.to(sims.dtype), bias.to(sims.dtype), positives,
-                                  self.block_rows)
+                                  self.block_rows, share.n_images)
         # copies: a parameter's detached view would show the value after the step
         return {"siglip_loss": loss, "logit_scale": scale.detach().clone(),
                 "logit_bias": bias.detach().clone()}

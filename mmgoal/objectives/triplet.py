@@ -5,31 +5,30 @@ from __future__ import annotations
 import torch
 
 from mmgoal.objectives.hard_negative import HardNegativeLoss
-from mmgoal.objectives.mining import scores_and_positives
+from mmgoal.objectives.mining import score_share
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs
 
 
-def sum_of_hinges(sims: torch.Tensor, positives: torch.Tensor, margin: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hinges summed over every negative (VSE0), per positive pair and direction.
+def sum_of_hinges(scores: torch.Tensor, positives: torch.Tensor, margin: float
+                  ) -> torch.Tensor:
+    """Hinges summed over every negative (VSE0), per positive pair of one direction.
 
-    For a positive ``(i, j)``: image-to-text ``sum_k [m + S[i, k] - S[i, j]]_+``
-    over the negatives ``k`` of row ``i``; text-to-image ``sum_k [m + S[k, j] -
-    S[i, j]]_+`` over the negatives of column ``j``.
+    For a positive ``(a, p)`` of anchor ``a``: ``sum_k [m + S[a, k] - S[a, p]]_+`` over
+    the negatives ``k`` of the anchor (row ``a`` of an image-to-text block, column ``a``
+    of the matrix in a text-to-image one).
 
     Args:
-        sims: (n_img, n_txt) scores; positives: (n_img, n_txt) bool.
+        scores: (n_anchors, n_others) scores, anchors along dimension 0 (a
+            :meth:`~mmgoal.structures.ScoreShare.directions` block); positives: same
+            shape, bool.
 
     Returns:
-        i2t, t2i: (n_pos,) in ``positives.nonzero()`` order.
+        (n_pos,) in ``positives.nonzero()`` order.
     """
-    rows, cols = positives.nonzero(as_tuple=True)
-    s_pos = sims[rows, cols][:, None]
-    negatives = ~positives
-    i2t = ((margin + sims[rows] - s_pos).clamp(min=0) * negatives[rows]).sum(1)
-    t2i = ((margin + sims[:, cols].T - s_pos).clamp(min=0) * negatives[:, cols].T).sum(1)
-    return i2t, t2i
+    anchors, others = positives.nonzero(as_tuple=True)
+    s_pos = scores[anchors, others][:, None]
+    return ((margin + scores[anchors] - s_pos).clamp(min=0) * ~positives[anchors]).sum(1)
 
 
 @OBJECTIVES.register()
@@ -59,9 +58,9 @@ class TripletLoss(HardNegativeLoss):
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         if self.max_violation:
             return super().forward(inputs)
-        sims, positives = scores_and_positives(inputs)
-        i2t, t2i = sum_of_hinges(sims, positives, self.margin)
-        loss = i2t.sum() + t2i.sum()
+        share = score_share(inputs)
+        loss = sum(sum_of_hinges(scores, positives, self.margin).sum()
+                   for _, scores, positives in share.directions())
         if self.reduction == "mean":
-            loss = loss / max(len(i2t), 1)
+            loss = loss / max(share.positive_count, 1)
         return {"triplet_loss": loss}

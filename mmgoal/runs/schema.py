@@ -64,6 +64,7 @@ from mmgoal.registry import (
 logger = logging.getLogger(__name__)
 
 LR_SCALINGS = ("none", "linear", "sqrt")
+SCORINGS = ("local", "replicated")  # train.scoring: how several ranks score a global batch
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 # what a test gallery reports (mmgoal/evaluation/protocols.py, docs/reference/retrieval.md)
 PROTOCOLS = ("coco", "eccv", "cxc", "pm")
@@ -140,6 +141,9 @@ class TrainConfig(ConfigSection):
     samples_per_epoch: int | None = None
     accumulate_steps: int = 1
     gather_features: bool = True
+    # local: each rank scores its rows (docs/distributed.md, "Local scoring"); replicated:
+    # every rank the whole global matrix
+    scoring: str = "local"
     scale_lr: str = "none"
     reference_batch: int | None = None
     # where and how (docs/getting_started.md, "Training on GPUs")
@@ -151,6 +155,9 @@ class TrainConfig(ConfigSection):
     compile: bool = False
 
     def __post_init__(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"train.scoring must be one of {', '.join(SCORINGS)}, got "
+                             f"{self.scoring!r}")
         if self.scale_lr not in LR_SCALINGS:
             raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
                              f"{self.scale_lr!r}")

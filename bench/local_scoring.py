@@ -1,0 +1,107 @@
+"""Local against replicated scoring: each rank's objective time and peak memory.
+
+    python bench/local_scoring.py                          # n 1024 4096, 2 and 4 ranks
+    python bench/local_scoring.py --sizes 1024 4096 8192 --worlds 2 4
+
+For a global batch of ``n`` pairs on ``N`` gloo ranks (one thread each), every rank
+holds ``n / N`` random unit features per tower and runs mmgoal's training step on them
+(``TrainingStep``: the gather, the scoring, the objective, the backward into the
+features) with ``train.scoring: replicated`` (the baseline: every rank scores the whole
+``n x n`` matrix) and ``local`` (a rank scores its ``n / N`` rows and gets its columns by
+one all-to-all; docs/distributed.md, "Local scoring"). Printed per objective and size:
+each rank's CPU time of a step (``time.process_time``, best of ``--repeats``, the mean
+over ranks: the ranks share this machine's cores, so wall time would count their
+waiting) and the rise of its peak resident memory over the step (each mode in processes
+of its own), with the ratios local / replicated (goal: at most 0.6 at 2 ranks, 0.35 at
+4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ranks import joined, run_ranks  # noqa: E402  (bench/ranks.py)
+
+OBJECTIVES = ("InfoNCELoss", "TripletLoss", "SigLIPLoss")
+
+
+class GivenFeatures(torch.nn.Module):
+    """A model whose towers hand back the batch's features: the step's work is the
+    scoring and the objective alone."""
+
+    def encode_image(self, batch):
+        return batch["image_features"]
+
+    def encode_text(self, batch):
+        return batch["text_features"]
+
+    def similarity(self, images, texts):
+        return images @ texts.T
+
+
+def worker(rank: int, port: int, args: tuple, queue) -> None:
+    objective_name, n, world, dim, mode, repeats = args
+    from mmgoal.distributed import id_hashes
+    from mmgoal.engine.step import TrainingStep
+    from mmgoal.registry import OBJECTIVES
+
+    with joined(rank, port, world):
+        share = n // world
+        generator = torch.Generator().manual_seed(rank)
+        ids = list(range(rank * share, (rank + 1) * share))
+        step = TrainingStep(GivenFeatures(), OBJECTIVES.build({"type": objective_name}),
+                            scoring=mode)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        best = float("inf")
+        for _ in range(repeats):
+            batch = {key: F.normalize(torch.randn(share, dim, generator=generator), dim=-1)
+                     .requires_grad_() for key in ("image_features", "text_features")}
+            batch.update(image_ids=ids, image_groups=id_hashes(ids))
+            torch.distributed.barrier()
+            start = time.process_time()
+            step(batch)["loss"].backward()
+            best = min(best, time.process_time() - start)
+        rise_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        results = [None] * world
+        torch.distributed.all_gather_object(results, (best, rise_mib))
+        if rank == 0:
+            queue.put(results)
+
+
+def measure(objective: str, n: int, world: int, dim: int, mode: str, repeats: int
+            ) -> tuple[float, float]:
+    """(mean CPU seconds, mean peak-memory rise MiB) over the ranks of one launch."""
+    results = run_ranks(worker, (objective, n, world, dim, mode, repeats), world)
+    return (sum(r[0] for r in results) / world, sum(r[1] for r in results) / world)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES))
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    for world in args.worlds:
+        for objective in args.objectives:
+            for n in args.sizes:
+                replicated = measure(objective, n, world, args.dim, "replicated", args.repeats)
+                local = measure(objective, n, world, args.dim, "local", args.repeats)
+                print(f"{objective} n={n} {world} ranks: replicated {replicated[0]:.3f} s "
+                      f"{replicated[1]:.0f} MiB, local {local[0]:.3f} s {local[1]:.0f} MiB; "
+                      f"ratio time {local[0] / replicated[0]:.2f}, memory "
+                      f"{local[1] / max(replicated[1], 1e-9):.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

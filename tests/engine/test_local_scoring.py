@@ -1,0 +1,134 @@
+"""Local scoring (docs/distributed.md, "Local scoring"): on 2 and 4 gloo ranks, each rank
+scores only its images against every text, and every objective that works on rows gives
+the one-process loss and gradients of the global batch."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ranks import run_ranks  # tests/ranks.py
+
+from mmgoal.engine.step import TrainingStep
+from mmgoal.registry import OBJECTIVES
+
+PER_RANK = 3
+DIM = 6
+OBJECTIVES_ON_ROWS = [
+    {"type": "InfoNCELoss", "temperature": 0.1},
+    {"type": "TripletLoss", "margin": 0.2},
+    {"type": "TripletLoss", "margin": 0.2, "max_violation": False, "reduction": "mean"},
+    {"type": "NTXentHardLoss", "tau": 5.0},
+    {"type": "CircleLoss", "reduction": "mean"},
+    {"type": "BinomialDevianceLoss"},
+    {"type": "SigLIPLoss", "block_rows": 2},
+    {"type": "ObjectiveSum", "terms": [{"type": "InfoNCELoss"}, {"type": "SigLIPLoss"}]},
+]
+
+
+class Towers(torch.nn.Module):
+    """Two linear towers over random inputs, scored by the cosine; it records the shapes
+    of every score matrix it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = torch.nn.Linear(DIM, DIM, dtype=torch.float64)
+        self.text = torch.nn.Linear(DIM, DIM, dtype=torch.float64)
+        self.scored: list[tuple[int, int]] = []
+
+    def encode_image(self, batch):
+        return F.normalize(self.image(batch["image_inputs"]), dim=-1)
+
+    def encode_text(self, batch):
+        return F.normalize(self.text(batch["text_inputs"]), dim=-1)
+
+    def similarity(self, images, texts):
+        self.scored.append((len(images), len(texts)))
+        return images @ texts.T
+
+
+def global_batch(world: int) -> dict:
+    """``world * PER_RANK`` pairs; images 1 and 2 share an id (two captions of one image)."""
+    generator = torch.Generator().manual_seed(world)
+    n = world * PER_RANK
+    ids = list(range(n))
+    ids[2] = ids[1]
+    return {"image_inputs": torch.randn(n, DIM, generator=generator, dtype=torch.float64),
+            "text_inputs": torch.randn(n, DIM, generator=generator, dtype=torch.float64),
+            "image_ids": ids}
+
+
+def rank_batch(batch: dict, rank: int) -> dict:
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return {key: value[mine] for key, value in batch.items()}
+
+
+def with_groups(batch: dict) -> dict:
+    from mmgoal.distributed import id_hashes
+
+    return {**batch, "image_groups": id_hashes(batch["image_ids"])}
+
+
+def losses_and_gradients(step: TrainingStep, batch: dict) -> tuple[dict, dict]:
+    outputs = step(with_groups(batch))
+    outputs["loss"].backward()
+    losses = {k: v.detach().double() for k, v in outputs.items() if k.endswith("loss")}
+    return losses, {name: p.grad.clone() for name, p in step.named_parameters()
+                    if p.grad is not None}
+
+
+def step_of(config: dict, scoring: str) -> TrainingStep:
+    model = Towers()
+    objective = OBJECTIVES.build(config, model=model).double()
+    return TrainingStep(model, objective, scoring=scoring)
+
+
+def on_rank(rank, world, config, scoring):
+    step = step_of(config, scoring)
+    losses, gradients = losses_and_gradients(step, rank_batch(global_batch(world), rank))
+    for grad in gradients.values():  # what DDP's all-reduce does: the ranks' mean
+        dist.all_reduce(grad)
+        grad /= world
+    return {"losses": losses, "gradients": gradients, "scored": step.model.scored}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_local_scoring_gives_the_global_loss_and_gradients(tmp_path, world):
+    # every objective that works on rows, in one launch of the ranks per world size
+    results = run_ranks(on_ranks_all, tmp_path, world=world)
+    for index, config in enumerate(OBJECTIVES_ON_ROWS):
+        one = step_of(config, "local")  # one process: the whole matrix
+        losses, gradients = losses_and_gradients(one, global_batch(world))
+        for rank, result in enumerate(results):
+            got = result[index]
+            assert got["losses"].keys() == losses.keys(), config
+            for key, value in losses.items():
+                torch.testing.assert_close(got["losses"][key], value, atol=1e-10, rtol=0,
+                                           msg=f"{config} {key} rank {rank}")
+            assert got["gradients"].keys() == gradients.keys(), config
+            for name, value in gradients.items():
+                torch.testing.assert_close(got["gradients"][name], value, atol=1e-10, rtol=0,
+                                           msg=f"{config} {name} rank {rank}")
+            # a rank scored its rows only: PER_RANK images against the global batch's texts
+            assert got["scored"] == [(PER_RANK, world * PER_RANK)], config
+
+
+def on_ranks_all(rank, world):
+    return [on_rank(rank, world, config, "local") for config in OBJECTIVES_ON_ROWS]
+
+
+def on_rank_replicated(rank, world):
+    return on_rank(rank, world, {"type": "InfoNCELoss"}, "replicated")
+
+
+@pytest.mark.multiprocess
+def test_replicated_scoring_and_objectives_on_the_whole_matrix_score_it_all(tmp_path):
+    replicated = run_ranks(on_rank_replicated, tmp_path, world=2)
+    losses, gradients = losses_and_gradients(step_of({"type": "InfoNCELoss"}, "local"),
+                                             global_batch(2))
+    for result in replicated:
+        assert result["scored"] == [(2 * PER_RANK, 2 * PER_RANK)]  # the whole matrix
+        torch.testing.assert_close(result["losses"]["infonce_loss"], losses["infonce_loss"])
+        for name, value in gradients.items():
+            torch.testing.assert_close(result["gradients"][name], value)
