@@ -30,7 +30,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ranks import joined, run_ranks  # noqa: E402  (bench/ranks.py)
 
-OBJECTIVES = ("InfoNCELoss", "TripletLoss", "SigLIPLoss")
+# the objectives measured, by the name printed
+CONFIGS = {"InfoNCELoss": {"type": "InfoNCELoss"}, "TripletLoss": {"type": "TripletLoss"},
+           "SigLIPLoss": {"type": "SigLIPLoss"},
+           "cir x sig_ms": {"type": "GoalObjective", "triplet": "cir", "pair": "sig_ms"},
+           "MultiSimilarityLoss": {"type": "MultiSimilarityLoss"}}
 
 
 class GivenFeatures(torch.nn.Module):
@@ -57,7 +61,7 @@ def worker(rank: int, port: int, args: tuple, queue) -> None:
         share = n // world
         generator = torch.Generator().manual_seed(rank)
         ids = list(range(rank * share, (rank + 1) * share))
-        step = TrainingStep(GivenFeatures(), OBJECTIVES.build({"type": objective_name}),
+        step = TrainingStep(GivenFeatures(), OBJECTIVES.build(CONFIGS[objective_name]),
                             scoring=mode)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         best = float("inf")
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES))
+    parser.add_argument("--objectives", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)

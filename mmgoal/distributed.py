@@ -261,6 +261,14 @@ def gather_varying_length(local: torch.Tensor) -> torch.Tensor:
     return torch.cat([part[:length] for part, length in zip(parts, lengths)])
 
 
+def sum_over_ranks(local: torch.Tensor) -> torch.Tensor:
+    """``local`` summed over every rank, on every rank (a new tensor; no gradient)."""
+    total = local.detach().clone()
+    if world_info()[1] > 1:
+        dist.all_reduce(total)
+    return total
+
+
 def _token_like(value: torch.Tensor) -> bool:
     """Tokens (B, L, ...) or a (B, L) bool mask: padded along L to the longest rank."""
     return value.dim() >= 3 or (value.dim() == 2 and value.dtype == torch.bool)

@@ -70,6 +70,11 @@ class Attention:
     lambda_softmax: float
 
 
+def _as_is(values: torch.Tensor) -> torch.Tensor:
+    """One process's gather and total: the share is the whole batch."""
+    return values
+
+
 @dataclass
 class ScoreShare:
     """A share of a batch's score matrix ``S`` (n_img, n_txt) for an objective that works
@@ -88,6 +93,10 @@ class ScoreShare:
         n_images: the images of the whole batch.
         fetch_columns: gives ``columns`` (a collective with several ranks: an objective
             asks for them on every rank or on none); ``columns`` is fetched once.
+        gather: (k,) values of this share -> those of every share, in rank order, on
+            every rank (no gradient; a collective with several ranks): what an objective
+            needs of the whole batch in O(n), such as every positive pair's score.
+        total: a tensor of this share -> its sum over every share (likewise).
     """
 
     rows: torch.Tensor
@@ -96,6 +105,8 @@ class ScoreShare:
     positive_count: int
     n_images: int
     fetch_columns: Callable[[], torch.Tensor]
+    gather: Callable[[torch.Tensor], torch.Tensor] = _as_is
+    total: Callable[[torch.Tensor], torch.Tensor] = _as_is
 
     @classmethod
     def whole(cls, scores: torch.Tensor, positives: torch.Tensor) -> ScoreShare:
@@ -106,8 +117,11 @@ class ScoreShare:
     @functools.cached_property
     def columns(self) -> torch.Tensor:
         """(n_img, n_cols) the columns of ``S`` of this rank's texts (fetched when first
-        asked for: an objective on the image rows alone, SigLIP's, never holds them)."""
-        return self.fetch_columns()
+        asked for: an objective on the image rows alone, SigLIP's, never holds them), with
+        a gradient back to their rows whenever the rows have one, even when first asked
+        for under ``torch.no_grad`` (by a mining step)."""
+        with torch.set_grad_enabled(self.rows.requires_grad):
+            return self.fetch_columns()
 
     @property
     def n_texts(self) -> int:

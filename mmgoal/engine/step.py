@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmgoal.distributed import exchange_columns, gather_features, gather_groups, world_info
+from mmgoal.distributed import (exchange_columns, gather_features, gather_groups,
+                                gather_varying_length, sum_over_ranks, world_info)
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.structures import ObjectiveInputs, ScoreShare
 
@@ -106,7 +107,8 @@ def local_share(model: nn.Module, images, all_texts, groups: torch.Tensor, rank:
     counts = torch.unique(groups, return_counts=True)[1]
     return ScoreShare(rows, positives_from_groups(mine, groups),
                       positives_from_groups(groups, mine), int(counts.pow(2).sum()),
-                      len(groups), lambda: exchange_columns(rows))
+                      len(groups), lambda: exchange_columns(rows), gather_varying_length,
+                      sum_over_ranks)
 
 
 def global_losses(outputs: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from mmgoal.contract import TemperatureModel
 from mmgoal.objectives.hard_negative import HardNegativeLoss, check_reduction
-from mmgoal.objectives.mining import score_share, scores_and_positives
+from mmgoal.objectives.mining import score_share
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs
 
@@ -129,12 +129,15 @@ class MultiSimilarityLoss(nn.Module):
         self.alpha, self.beta, self.lam, self.eps = alpha, beta, lam, eps
         self.reduction = check_reduction(reduction)
 
+    works_on_rows = True  # each anchor's terms are its row's (ScoreShare)
+
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        sims, positives = scores_and_positives(inputs)
+        share = score_share(inputs)
         hp = (self.alpha, self.beta, self.lam, self.eps)
-        per_anchor = torch.cat([multi_similarity_rows(sims, positives, *hp),
-                                multi_similarity_rows(sims.T, positives.T, *hp)])
-        loss = per_anchor.sum() if self.reduction == "sum" else per_anchor.mean()
+        loss = sum(multi_similarity_rows(scores, positives, *hp).sum()
+                   for _, scores, positives in share.directions())
+        if self.reduction == "mean":  # over every anchor of the batch, both directions
+            loss = loss / (share.n_images + share.n_texts)
         return {"ms_loss": loss}
 
 

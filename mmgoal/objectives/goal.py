@@ -24,10 +24,10 @@ from torch import nn
 from mmgoal.config import close_match_hints
 from mmgoal.objectives.adaptive_lam import AdaptiveLam
 from mmgoal.objectives.hard_negative import check_reduction
-from mmgoal.objectives.mining import mine_triplets, scores_and_positives
+from mmgoal.objectives.mining import check_positives, mine_direction, score_share
 from mmgoal.objectives.weights import RelativeScores
 from mmgoal.registry import OBJECTIVES, PAIR_WEIGHTS, TRIPLET_WEIGHTS
-from mmgoal.structures import ObjectiveInputs
+from mmgoal.structures import ObjectiveInputs, ScoreShare
 
 WEIGHT_REGISTRIES = {"triplet": TRIPLET_WEIGHTS, "pair": PAIR_WEIGHTS}
 # lam: auto, mmgoal's adaptive lambda (mmgoal/objectives/adaptive_lam.py), and the options
@@ -184,19 +184,42 @@ class _GradientIs(torch.autograd.Function):
 
     It replaces the surrogate ``(G.detach() * S).sum()``, whose forward multiplied and
     summed a dense ``G`` and whose backward multiplied it again: here the backward
-    writes the entries, scaled by the incoming (scalar) gradient, into the one
-    (n_img, n_txt) tensor it returns.
+    writes the entries, scaled by the incoming (scalar) gradient, into one tensor of
+    each score tensor's shape (the score matrix; under local scoring the rank's rows and
+    its columns).
     """
 
     @staticmethod
-    def forward(ctx, sims: torch.Tensor, value: torch.Tensor, entries: GradientEntries
-                ) -> torch.Tensor:
-        ctx.entries, ctx.dtype = entries, sims.dtype
+    def forward(ctx, value: torch.Tensor, entries: tuple[GradientEntries, ...],
+                *scores: torch.Tensor) -> torch.Tensor:
+        ctx.entries, ctx.dtypes = entries, [tensor.dtype for tensor in scores]
         return value.clone()
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        return ctx.entries.dense(grad_output).to(ctx.dtype), None, None
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return None, None, *(entries.dense(grad_output).to(dtype)
+                             for entries, dtype in zip(ctx.entries, ctx.dtypes))
+
+
+class GoalGradient(NamedTuple):
+    """What :meth:`GoalObjective.share_gradient` computes for one share of the scores.
+
+    Attributes:
+        scores: the score tensors ``G`` is the gradient of (the matrix; under local
+            scoring the rank's rows and columns), with ``entries``, ``G``'s nonzero
+            entries in each.
+        violation: the weighted violation ``sum T (s_n - s_p)`` of the share's triplets.
+        weight_sum: the sum of their triplet weights.
+        positive_scores: every positive pair's score, of the whole batch.
+        hardest: every valid triplet's hardest-negative score, of the whole batch.
+    """
+
+    scores: tuple[torch.Tensor, ...]
+    entries: tuple[GradientEntries, ...]
+    violation: torch.Tensor
+    weight_sum: torch.Tensor
+    positive_scores: torch.Tensor
+    hardest: torch.Tensor
 
 
 @OBJECTIVES.register()
@@ -259,78 +282,94 @@ class GoalObjective(nn.Module):
         return f"triplet={self.triplet_weight}, pair={self.pair_weight}, reduction={self.reduction}"
 
     @torch.no_grad()
-    def gradient_entries(self, sims: torch.Tensor, positives: torch.Tensor
-                         ) -> tuple[GradientEntries, torch.Tensor, torch.Tensor,
-                                    dict[str, torch.Tensor]]:
-        """The nonzero entries of ``G = dl/dS``, the logged violation, the mean triplet
-        weight and the score medians (``positive_median``, ``negative_median``).
+    def share_gradient(self, share: ScoreShare) -> GoalGradient:
+        """``G = dl/dS``'s nonzero entries on a share of the scores, with its statistics.
+
+        Each direction's triplets are its anchors' (the share's image rows, its text
+        columns), so ``G``'s entries lie in the share; the batch-wide numbers the weights
+        read (the positive scores of ``R+``, the threshold of ``R-``, ``lam: auto``'s
+        medians) are O(n) and gathered (:attr:`ScoreShare.gather`). Under local scoring
+        the shares' ``G`` sum to one process's.
 
         ``G`` is nonzero only at the positives and the mined negatives, so it is kept
-        as their entries (O(n) values) until the backward pass writes it into the
-        (n_img, n_txt) gradient once: no dense ``G`` is formed, multiplied or summed
-        in the forward pass. Weights are computed in float32 from the detached scores
-        whatever their dtype (float64 scores keep float64), so bf16/fp16 training gets
-        exact weights.
-
-        Args:
-            sims: (n_img, n_txt) scores.
-            positives: (n_img, n_txt) bool.
+        as their entries (O(n) values) until the backward pass writes it once: no dense
+        ``G`` is formed, multiplied or summed in the forward pass. Weights are computed in
+        float32 from the detached scores whatever their dtype (float64 scores keep
+        float64), so bf16/fp16 training gets exact weights.
         """
-        scores = sims.detach().to(torch.promote_types(sims.dtype, torch.float32))
-        triplets = mine_triplets(scores, positives)
-        s_p, *negatives = triplets.scores(scores)
+        dtype = torch.promote_types(share.rows.dtype, torch.float32)
+        rows = share.rows.detach().to(dtype)
+        whole = share.columns is share.rows  # one process: both directions read one matrix
+        columns = rows if whole else share.columns.detach().to(dtype)
+        sides = (("i2t", rows, share.row_positives, rows, share.row_positives),
+                 ("t2i", columns, share.column_positives, columns.T, share.column_positives.T))
+        mined = []
+        for direction, scores, positives, block, block_positives in sides:
+            triplets = mine_direction(block, block_positives)
+            mined.append((direction, scores, positives, triplets, *triplets.scores(block)))
+        own_positives = mined[0][4]  # the i2t triplets hold every positive pair once
+        own_hardest = torch.cat([s_n[triplets.valid] for *_, triplets, _, s_n in mined])
+        positive_scores, hardest = share.gather(own_positives), share.gather(own_hardest)
         triplet, pair = self.triplet_weight, self.pair_weight
         pair_kwargs = dict(pair.options)
-        # the scores the pair weight sees: every positive, every valid triplet's negative
-        hardest = torch.cat([negatives[0][triplets.i2t_valid], negatives[1][triplets.t2i_valid]])
-        medians = ({"positive_median": s_p.median(), "negative_median": hardest.median()}
-                   if len(hardest) else {})
         if self.adaptive_lam is not None:
             pair_kwargs["lam"] = self.adaptive_lam.value
             if self.training:
-                self.adaptive_lam.observe(s_p, hardest)
-        on_positives = torch.zeros_like(s_p)
-        on_negatives, violation, weight_sum = [], scores.new_zeros(()), scores.new_zeros(())
+                self.adaptive_lam.observe(own_positives, own_hardest)
+        divisor = max(share.positive_count, 1) if self.reduction == "mean" else 1
+        violation, weight_sum = rows.new_zeros(()), rows.new_zeros(())
+        entries = {}  # id(score tensor) -> its (rows, cols, values)
         shared: dict = {}  # per-anchor sums the two directions' comparison sets share
-        for direction, s_n, valid, mined in (("i2t", negatives[0], triplets.i2t_valid,
-                                              triplets.i2t_negatives),
-                                             ("t2i", negatives[1], triplets.t2i_valid,
-                                              triplets.t2i_negatives)):
-            t = triplet.fn(s_p, s_n, **triplet.options) * valid
+        for direction, scores, positives, triplets, s_p, s_n in mined:
+            t = triplet.fn(s_p, s_n, **triplet.options) * triplets.valid
             if pair.takes_relative:
                 pair_kwargs["relative"] = RelativeScores(
-                    scores, positives, triplets.rows, triplets.cols, mined, direction, s_p, s_n,
+                    scores, positives, direction, triplets.anchors, s_p, s_n, positive_scores,
                     pair.options["eps"], shared)
             w_pos, w_neg = pair.fn(s_p, s_n, **pair_kwargs)
-            on_positives -= t * w_pos
-            on_negatives.append(t * w_neg)
-            violation += (t * (s_n - s_p)).sum()
+            anchors = torch.cat([triplets.anchors, triplets.anchors])
+            others = torch.cat([triplets.others, triplets.negatives])
+            where = (anchors, others) if direction == "i2t" else (others, anchors)
+            entries.setdefault(id(scores), []).append(
+                (*where, torch.cat([-t * w_pos, t * w_neg]) / divisor))
+            violation += (t * (s_n - s_p)).sum() / divisor
             weight_sum += t.sum()
-        values = torch.cat([on_positives, *on_negatives])
-        if self.reduction == "mean":
-            values /= max(len(s_p), 1)
-            violation /= max(len(s_p), 1)
-        entries = GradientEntries(
-            torch.cat([triplets.rows, triplets.rows, triplets.t2i_negatives]),
-            torch.cat([triplets.cols, triplets.i2t_negatives, triplets.cols]), values,
-            tuple(scores.shape))
-        return entries, violation, weight_sum / max(2 * len(s_p), 1), medians
+        sources = (share.rows,) if whole else (share.rows, share.columns)
+        sparse = tuple(GradientEntries(*(torch.cat(part) for part in zip(*found)),
+                                       tuple(source.shape))
+                       for source, found in zip(sources, entries.values()))
+        return GoalGradient(sources, sparse, violation, share.total(weight_sum),
+                            positive_scores, hardest)
 
     def gradient(self, sims: torch.Tensor, positives: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``G = dl/dS`` as a dense (n_img, n_txt) tensor (float32, or float64 for float64
-        scores), with what :meth:`gradient_entries` returns beside it."""
-        entries, *rest = self.gradient_entries(sims, positives)
-        return entries.dense(), *rest
+        """``G = dl/dS`` of a whole score matrix as a dense (n_img, n_txt) tensor (float32,
+        or float64 for float64 scores), the logged violation, the mean triplet weight and
+        the score medians (:meth:`forward`'s statistics)."""
+        result = self.share_gradient(ScoreShare.whole(sims, check_positives(sims, positives)))
+        return (result.entries[0].dense(), result.violation, *self._statistics(result))
+
+    @staticmethod
+    def _statistics(result: GoalGradient) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The mean triplet weight (over both directions of every positive) and the
+        medians of the positive and hardest-negative scores (none without a triplet)."""
+        mean_weight = result.weight_sum / max(2 * len(result.positive_scores), 1)
+        medians = ({"positive_median": result.positive_scores.median(),
+                    "negative_median": result.hardest.median()} if len(result.hardest) else {})
+        return mean_weight, medians
+
+    works_on_rows = True  # each direction's triplets are its anchors' (ScoreShare)
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        sims, positives = scores_and_positives(inputs)
-        entries, violation, mean_weight, medians = self.gradient_entries(sims, positives)
+        share = score_share(inputs)
+        result = self.share_gradient(share)
         # value: the logged violation; gradient: exactly G (times the incoming gradient)
-        loss = _GradientIs.apply(sims, violation.to(sims.dtype), entries)
+        loss = _GradientIs.apply(result.violation.to(share.rows.dtype), result.entries,
+                                 *result.scores)
+        mean_weight, medians = self._statistics(result)
         outputs = {"goal_loss": loss, "active_fraction": mean_weight, **medians}
         if self.adaptive_lam is not None:
-            outputs["lam"] = torch.tensor(self.adaptive_lam.value, device=sims.device)
+            outputs["lam"] = torch.tensor(self.adaptive_lam.value, device=share.rows.device)
         return outputs
 
     def finish_step(self, applied: bool) -> None:

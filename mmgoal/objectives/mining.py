@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -60,26 +61,42 @@ def score_share(inputs: ObjectiveInputs) -> ScoreShare:
     return ScoreShare.whole(inputs.scores, check_positives(inputs.scores, inputs.positives))
 
 
-def direction_triplets(scores: torch.Tensor, positives: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The hardest-negative triplet of every positive of one direction.
+class DirectionTriplets(NamedTuple):
+    """The hardest-negative triplet of every positive of one direction (indices only):
+    anchor ``anchors[k]``, its positive ``others[k]`` and its hardest negative
+    ``negatives[k]``; ``valid[k]``: the anchor has a negative at all."""
+
+    anchors: torch.Tensor
+    others: torch.Tensor
+    negatives: torch.Tensor
+    valid: torch.Tensor
+
+    def scores(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s_p`` and ``s_n`` (each (n_pos,)) of ``scores``, the block mined, gradient kept."""
+        return scores[self.anchors, self.others], scores[self.anchors, self.negatives]
+
+
+def mine_direction(scores: torch.Tensor, positives: torch.Tensor) -> DirectionTriplets:
+    """The hardest-negative triplets of one direction, in ``positives.nonzero()`` order.
 
     Args:
         scores: (n_anchors, n_others) scores, anchors along dimension 0 (a
-            :meth:`~mmgoal.structures.ScoreShare.directions` block).
+            :meth:`~mmgoal.structures.ScoreShare.directions` block; detached inside).
         positives: same shape, bool.
-
-    Returns:
-        ``s_p``, ``s_n`` and ``valid`` (each (n_pos,), in ``positives.nonzero()`` order):
-        the positive's score, its anchor's hardest negative's score (gradient kept), and
-        whether the anchor has a negative at all.
     """
     anchors, others = positives.nonzero(as_tuple=True)
     masked = scores.detach().clone(memory_format=torch.contiguous_format)
     masked[anchors, others] = float("-inf")  # positives are few: indexed, not a dense fill
     hardest = masked.argmax(dim=1)
     valid = torch.bincount(anchors, minlength=len(scores)) < scores.shape[1]
-    return scores[anchors, others], scores[anchors, hardest[anchors]], valid[anchors]
+    return DirectionTriplets(anchors, others, hardest[anchors], valid[anchors])
+
+
+def direction_triplets(scores: torch.Tensor, positives: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``s_p``, ``s_n`` (gradient kept) and ``valid`` of :func:`mine_direction`'s triplets."""
+    triplets = mine_direction(scores, positives)
+    return *triplets.scores(scores), triplets.valid
 
 
 def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,

@@ -61,56 +61,63 @@ class RelativeScores:
     with ``r <= s_n + eps``; ``R-``: the anchor's negatives other than the mined
     one with ``r >= min(batch positive scores) - eps``. Pair weights ask for
     means over these sets; they are computed from sorted positive scores and
-    per-anchor sums over the score matrix (no (n_pos x n_pos) or (n_pos x n)
-    tensor), shared by both directions.
+    per-anchor sums over the scores (no (n_pos x n_pos) or (n_pos x n) tensor).
+
+    It reads a share of the score matrix (:class:`~mmgoal.structures.ScoreShare`): the
+    anchors' own scores, and the batch's positive scores, O(n) numbers. So under local
+    scoring each rank builds the sets of its own triplets, and they equal one process's.
 
     Args:
-        scores: (n_img, n_txt) detached scores; positives: same shape, bool.
-        rows, cols: (N,) the positive pairs of the triplets.
-        negatives: (N,) the mined negative's text (``i2t``) or image (``t2i``) index.
-        direction: ``i2t`` (anchor = image row) or ``t2i`` (anchor = text column).
+        scores: detached scores whose rows (``i2t``: image anchors) or columns (``t2i``:
+            text anchors) are the anchors; positives: same shape, bool.
+        direction: ``i2t`` or ``t2i``.
+        anchors: (N,) each triplet's anchor, a row or column index of ``scores``.
         s_p, s_n: (N,) the triplets' scores.
+        positive_scores: (n_pos,) the score of every positive pair of the batch, once.
         eps: comparison margin.
-        cache: shared by the two directions of one batch (masked per-anchor sums).
+        cache: shared by the two directions of one batch: the masked per-anchor sums of
+            each score tensor (one tensor in one process, so both directions' sums come
+            from one mask).
     """
 
-    def __init__(self, scores: torch.Tensor, positives: torch.Tensor, rows: torch.Tensor,
-                 cols: torch.Tensor, negatives: torch.Tensor, direction: str,
-                 s_p: torch.Tensor, s_n: torch.Tensor, eps: float, cache: dict) -> None:
-        self.scores, self.positives, self.eps, self.cache = scores, positives, eps, cache
-        self.s_p, self.s_n = s_p, s_n
+    def __init__(self, scores: torch.Tensor, positives: torch.Tensor, direction: str,
+                 anchors: torch.Tensor, s_p: torch.Tensor, s_n: torch.Tensor,
+                 positive_scores: torch.Tensor, eps: float, cache: dict) -> None:
+        self.scores, self.positives, self.eps = scores, positives, eps
+        self.cache = cache.setdefault(id(scores), {"scores": scores})  # keeps the id valid
+        self.s_p, self.s_n, self.positive_scores = s_p, s_n, positive_scores
         self.direction = direction
-        self.rows, self.cols = rows, cols
-        self.anchors = rows if direction == "i2t" else cols
-        self.mined = scores[rows, negatives] if direction == "i2t" else scores[negatives, cols]
-        self.threshold = s_p.min() - eps
+        self.anchors = anchors
+        self.mined = s_n
+        self.threshold = positive_scores.min() - eps
 
     # ---------------------------------------------------------------- R+
-    def _positive_sums(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _positive_sums(self, values: Callable[[torch.Tensor], torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of ``values(r)`` over ``R+`` and its size, per triplet, via a sorted prefix sum."""
-        order = torch.argsort(self.s_p)
-        sorted_scores = self.s_p[order]
-        prefix = torch.cat([values.new_zeros(1), values[order].double().cumsum(0)])
+        sorted_scores = self.positive_scores.sort().values
+        prefix = torch.cat([sorted_scores.new_zeros(1, dtype=torch.float64),
+                            values(sorted_scores).double().cumsum(0)])
         count = torch.searchsorted(sorted_scores, self.s_n + self.eps, right=True)
         own = (self.s_p <= self.s_n + self.eps)  # the triplet's own positive is not "other"
-        total = prefix[count] - own * values.double()
+        total = prefix[count] - own * values(self.s_p).double()
         return total.to(self.s_p.dtype), count - own.long()
 
     def pos_mean_exp(self, scale: float, empty: float = 1.0) -> torch.Tensor:
         """``mean_{r in R+} exp(scale (s_p - r))``; ``empty`` where ``R+`` is empty."""
-        total, count = self._positive_sums(torch.exp(-scale * self.s_p))
+        total, count = self._positive_sums(lambda r: torch.exp(-scale * r))
         mean = torch.exp(scale * self.s_p) * total / count.clamp(min=1)
         return torch.where(count > 0, mean, torch.full_like(mean, empty))
 
     def pos_mean_diff(self, empty: float = 0.0) -> torch.Tensor:
         """``mean_{r in R+} (s_p - r)``; ``empty`` where ``R+`` is empty."""
-        total, count = self._positive_sums(self.s_p)
+        total, count = self._positive_sums(lambda r: r)
         mean = self.s_p - total / count.clamp(min=1)
         return torch.where(count > 0, mean, torch.full_like(mean, empty))
 
     # ---------------------------------------------------------------- R-
     def _inside(self) -> torch.Tensor:
-        """(n_img, n_txt) float 0/1: the negatives ``>= threshold``, in one new tensor.
+        """Float 0/1 of ``scores``' shape: the negatives ``>= threshold``, in one new tensor.
 
         ``r - below > 0`` exactly when ``r >= threshold`` (``below`` is the next float
         down, and a rounded difference keeps its sign): one float pass, where a bool
@@ -119,7 +126,7 @@ class RelativeScores:
         """
         below = torch.nextafter(self.threshold, self.threshold.new_tensor(-torch.inf))
         inside = (self.scores - below).sign_().clamp_(min=0)
-        inside[self.rows, self.cols] = 0  # positives are never negatives
+        inside[self.positives.nonzero(as_tuple=True)] = 0  # positives are never negatives
         return inside
 
     def _anchor_sums(self, key: str, fill: Callable[[torch.Tensor], torch.Tensor] | None
@@ -127,8 +134,8 @@ class RelativeScores:
         """Per-anchor sums over the negatives ``>= threshold`` (both axes, cached).
 
         ``fill`` turns the 0/1 mask, in place, into the masked values to sum; ``None``
-        counts. The first values reuse the mask the counts were taken from, so a batch's
-        comparison sets cost one (n_img, n_txt) tensor, not a mask and a copy per kind.
+        counts. The first values reuse the mask the counts were taken from, so a score
+        tensor's comparison sets cost one tensor of its shape, not a mask and a copy per kind.
         """
         if "count" not in self.cache:
             inside = self._inside()

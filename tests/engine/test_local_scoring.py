@@ -22,6 +22,13 @@ OBJECTIVES_ON_ROWS = [
     {"type": "BinomialDevianceLoss"},
     {"type": "SigLIPLoss", "block_rows": 2},
     {"type": "ObjectiveSum", "terms": [{"type": "InfoNCELoss"}, {"type": "SigLIPLoss"}]},
+    {"type": "MultiSimilarityLoss", "eps": 0.5, "reduction": "mean"},
+    # GOAL's 15 combinations; eps wide enough that the multi-similarity sets are not empty
+    *({"type": "GoalObjective", "triplet": triplet, "pair": pair, "reduction": reduction}
+      for triplet in ("con", "nca", "cir")
+      for pair, reduction in (("con", "sum"), ("lin", "mean"), ("sig", "sum"),
+                              ({"type": "lin_ms", "eps": 0.5}, "sum"),
+                              ({"type": "sig_ms", "eps": 0.5}, "mean"))),
 ]
 
 
@@ -72,7 +79,8 @@ def with_groups(batch: dict) -> dict:
 def losses_and_gradients(step: TrainingStep, batch: dict) -> tuple[dict, dict]:
     outputs = step(with_groups(batch))
     outputs["loss"].backward()
-    losses = {k: v.detach().double() for k, v in outputs.items() if k.endswith("loss")}
+    # every output, the logged statistics too (GOAL's medians and mean triplet weight)
+    losses = {k: v.detach().double() for k, v in outputs.items()}
     return losses, {name: p.grad.clone() for name, p in step.named_parameters()
                     if p.grad is not None}
 
@@ -132,3 +140,42 @@ def test_replicated_scoring_and_objectives_on_the_whole_matrix_score_it_all(tmp_
         torch.testing.assert_close(result["losses"]["infonce_loss"], losses["infonce_loss"])
         for name, value in gradients.items():
             torch.testing.assert_close(result["gradients"][name], value)
+
+
+LAM_AUTO = {"type": "GoalObjective", "triplet": "cir",
+            "pair": {"type": "sig_ms", "eps": 0.5, "lam": "auto", "lam_momentum": 0.5,
+                     "lam_steps": None}}
+
+
+def two_steps(step: TrainingStep, batch: dict, reduce_gradients) -> dict:
+    """Two steps of ``lam: auto`` on one batch: the second uses the lam the first's
+    statistics (every rank's, gathered) moved to."""
+    first, _ = losses_and_gradients(step, batch)
+    step.objective.finish_step(True)
+    step.zero_grad()
+    second, gradients = losses_and_gradients(step, batch)
+    reduce_gradients(gradients)
+    return {"first": first, "second": second, "gradients": gradients}
+
+
+def on_rank_lam_auto(rank, world):
+    def ddp_mean(gradients):
+        for grad in gradients.values():
+            dist.all_reduce(grad)
+            grad /= world
+    return two_steps(step_of(LAM_AUTO, "local"), rank_batch(global_batch(world), rank),
+                     ddp_mean)
+
+
+@pytest.mark.multiprocess
+def test_lam_auto_moves_alike_under_local_scoring(tmp_path):
+    results = run_ranks(on_rank_lam_auto, tmp_path, world=2)
+    one = two_steps(step_of(LAM_AUTO, "local"), global_batch(2), lambda gradients: None)
+    assert one["first"]["lam"] != one["second"]["lam"]  # the step moved it
+    for result in results:
+        for key in ("first", "second"):
+            for name, value in one[key].items():
+                torch.testing.assert_close(result[key][name], value, atol=1e-10, rtol=0,
+                                           msg=f"{key} {name}")
+        for name, value in one["gradients"].items():
+            torch.testing.assert_close(result["gradients"][name], value, atol=1e-10, rtol=0)

@@ -260,9 +260,8 @@ def test_relative_terms_match_a_loop_over_the_reference_sets(direction, groups):
     sims = cosine_scores(seed=10, dim=3)
     positives = positives_from_groups(torch.tensor(groups))
     expected, triplets, s_p, s_n = brute_force_relative(sims, positives, 0.1, direction)
-    mined = triplets.i2t_negatives if direction == "i2t" else triplets.t2i_negatives
-    rel = RelativeScores(sims, positives, triplets.rows, triplets.cols, mined, direction,
-                         s_p, s_n, 0.1, {})
+    anchors = triplets.rows if direction == "i2t" else triplets.cols
+    rel = RelativeScores(sims, positives, direction, anchors, s_p, s_n, s_p, 0.1, {})
     got = torch.stack([rel.pos_mean_exp(2.0), rel.pos_mean_diff(), rel.neg_mean_exp(10.0),
                        rel.neg_mean_diff()], dim=1)
     assert (expected[:, 0] != 1).any() and (expected[:, 2] != 1).any()  # sets are not all empty
