@@ -7,16 +7,26 @@ attention constraints are its children, and its ``forward`` returns the losses.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmgoal.distributed import (exchange_columns, gather_features, gather_groups,
-                                gather_varying_length, sum_over_ranks, world_info)
+from mmgoal.distributed import (
+    exchange_columns,
+    gather_features,
+    gather_groups,
+    gather_varying_length,
+    rng_state,
+    set_rng_state,
+    sum_over_ranks,
+    world_info,
+)
 from mmgoal.objectives.mining import positives_from_groups
-from mmgoal.structures import ObjectiveInputs, ScoreShare
+from mmgoal.structures import ObjectiveInputs, ScoreShare, cat_features
 
 logger = logging.getLogger(__name__)
 
@@ -39,29 +49,47 @@ class TrainingStep(nn.Module):
         gather: with several processes, score the features gathered from every
             rank (the global batch) instead of this rank's alone.
         scoring: ``local`` or ``replicated`` (``train.scoring``).
+        grad_cache_chunk: ``train.grad_cache_chunk``: encode a batch this many pairs at a
+            time, caching the features' gradients (:meth:`cache_gradients`, docs/
+            distributed.md "Gradient caching"); ``None``: the whole batch with its graph.
     """
 
     def __init__(self, model: nn.Module, objective: nn.Module,
                  constraints: list[nn.Module] | None = None, gather: bool = True,
-                 scoring: str = "local") -> None:
+                 scoring: str = "local", grad_cache_chunk: int | None = None) -> None:
         super().__init__()
         self.model = model
         self.objective = objective
         self.constraints = nn.ModuleList(constraints or [])
         self.gather = gather
         self.scoring = scoring
+        self.grad_cache_chunk = grad_cache_chunk
         self._said_replicated: set[str] = set()  # objectives whose replicated scoring was said
 
-    def forward(self, batch: dict, objective: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    def encode(self, batch: dict) -> tuple:
+        """The batch's image and text features (the towers' work)."""
+        return self.model.encode_image(batch), self.model.encode_text(batch)
+
+    def forward(self, batch: dict, objective: nn.Module | None = None,
+                replay: tuple[CachedGradients, int] | None = None) -> dict[str, torch.Tensor]:
         """Losses of ``batch`` under ``objective`` (default: the configured one).
+
+        ``replay``: ``(cache, k)`` from :meth:`cache_gradients`: encode the batch's chunk
+        ``k`` again, with its graph, and give as ``loss`` the surrogate whose backward
+        puts the cached gradients into the parameters (:meth:`replay_chunk`).
 
         Returns:
             The objective's and constraints' outputs plus ``loss``, the sum of
             every ``*_loss`` entry.
         """
+        if replay is not None:
+            return {"loss": self.replay_chunk(batch, *replay)}
+        return self.losses(batch, *self.encode(batch), objective)
+
+    def losses(self, batch: dict, image_features, text_features,
+               objective: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`forward`'s losses from the batch's features."""
         objective = self.objective if objective is None else objective
-        image_features = self.model.encode_image(batch)
-        text_features = self.model.encode_text(batch)
         groups = batch["image_groups"]
         all_images, all_texts = image_features, text_features
         features = dict(image_features=all_images, text_features=all_texts,
@@ -94,6 +122,145 @@ class TrainingStep(nn.Module):
                 outputs.update(constraint(attention))
         outputs["loss"] = sum(v for k, v in outputs.items() if k.endswith("_loss"))
         return outputs
+
+
+    # ------------------------------------------------------------ gradient caching
+    def cache_gradients(self, batch: dict, objective: nn.Module | None = None,
+                        loss_scale: float = 1.0) -> tuple[dict[str, torch.Tensor],
+                                                          CachedGradients]:
+        """The first half of a gradient-cached step (GradCache, Gao et al. 2021).
+
+        The batch is encoded ``grad_cache_chunk`` pairs at a time without a graph (each
+        chunk's random state recorded, so its replay draws the same dropout); the losses
+        are computed on the whole batch's features (gathered from every rank and scored
+        as :meth:`forward` does), and their gradients with respect to the features, and to
+        the parameters the objective reads directly (a temperature, a fusion head), are
+        kept. The parameters get nothing yet: :meth:`replay_chunk` then encodes each chunk
+        again with its graph and back-propagates its cached gradient, so at most one
+        chunk's activations are alive at a time.
+
+        Args:
+            loss_scale: the fp16 loss scale: the cached gradients are computed of the
+                scaled loss (no underflow in fp16) and kept unscaled, in float32 at least.
+
+        Returns:
+            The losses (detached, as :meth:`forward` returns them) and the cache.
+        """
+        refuse_batch_norm(self.model)
+        count = len(batch["image_groups"])
+        chunks = [(start, min(start + self.grad_cache_chunk, count))
+                  for start in range(0, count, self.grad_cache_chunk)]
+        states, images, texts = [], [], []
+        with torch.no_grad():
+            for start, stop in chunks:
+                states.append(rng_state())
+                image, text = self.encode(slice_batch(batch, start, stop, count))
+                images.append(image)
+                texts.append(text)
+        image_features, text_features = leaf_features(images), leaf_features(texts)
+        outputs = self.losses(batch, image_features, text_features, objective)
+        leaves = [*feature_tensors(image_features), *feature_tensors(text_features)]
+        params = [p for p in self.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(outputs["loss"] * loss_scale, leaves + params,
+                                    allow_unused=True)
+        unscaled = [None if g is None else at_least_float32(g) / loss_scale for g in grads]
+        n_image = len(feature_tensors(image_features))
+        cache = CachedGradients(
+            chunks, states, rng_state(), unscaled[:n_image], unscaled[n_image:len(leaves)],
+            [(p, g) for p, g in zip(params, unscaled[len(leaves):]) if g is not None])
+        return {key: value.detach() for key, value in outputs.items()}, cache
+
+    def replay_chunk(self, batch: dict, cache: CachedGradients, index: int) -> torch.Tensor:
+        """Chunk ``index`` of :meth:`cache_gradients` encoded again with its graph (its
+        random state replayed), as the surrogate ``sum(features * cached gradient)``, whose
+        backward gives the parameters exactly the chunk's part of the step's gradient; the
+        last chunk adds the gradients of the parameters the objective read directly, and
+        leaves the random state where :meth:`cache_gradients` left it (the replays draw
+        nothing new)."""
+        start, stop = cache.chunks[index]
+        set_rng_state(cache.rng[index])
+        image, text = self.encode(slice_batch(batch, start, stop, len(batch["image_groups"])))
+        surrogate = 0.0
+        for features, grads in ((image, cache.image_grads), (text, cache.text_grads)):
+            for tensor, grad in zip(feature_tensors(features), grads):
+                if grad is not None:
+                    part = grad[(slice(start, stop), *map(slice, tensor.shape[1:]))]
+                    surrogate = surrogate + (at_least_float32(tensor) * part).sum()
+        last = index == len(cache.chunks) - 1
+        for param, grad in cache.direct:  # every chunk names them: DDP sees each used
+            surrogate = surrogate + (at_least_float32(param) * (grad if last else 0 * grad)).sum()
+        if last:
+            set_rng_state(cache.rng_after)
+        return surrogate
+
+
+@dataclass
+class CachedGradients:
+    """What :meth:`TrainingStep.cache_gradients` keeps for the replays of its chunks.
+
+    Attributes:
+        chunks: each chunk's ``(start, stop)`` in the batch.
+        rng: the random state before each chunk was encoded; rng_after: after the losses.
+        image_grads, text_grads: the loss's gradient (float32 or float64, unscaled) with respect to
+            each floating tensor of the features (:func:`feature_tensors`), ``None`` where
+            the loss does not read it.
+        direct: the parameters the loss reads other than through the features, with
+            their gradients.
+    """
+
+    chunks: list[tuple[int, int]]
+    rng: list[dict]
+    rng_after: dict
+    image_grads: list[torch.Tensor | None]
+    text_grads: list[torch.Tensor | None]
+    direct: list[tuple[nn.Parameter, torch.Tensor]]
+
+
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32, or as it is in float64: where cached gradients are kept."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def slice_batch(batch: dict, start: int, stop: int, count: int) -> dict:
+    """Pairs ``start:stop`` of a collated batch of ``count`` pairs: every tensor and list
+    along the batch cut, anything else (a count of skipped samples) kept."""
+    return {key: value[start:stop] if isinstance(value, (torch.Tensor, list, tuple))
+            and len(value) == count else value for key, value in batch.items()}
+
+
+def feature_tensors(features) -> list[torch.Tensor]:
+    """The floating tensors of a features object (a tensor, or ``ImageFeatures``-like), in
+    field order: what a gradient-cached step caches the gradient of."""
+    if isinstance(features, torch.Tensor):
+        return [features] if features.is_floating_point() else []
+    return [value for field in dataclasses.fields(features)
+            if isinstance(value := getattr(features, field.name), torch.Tensor)
+            and value.is_floating_point()]
+
+
+def leaf_features(parts: list):
+    """The chunks' features concatenated (tokens padded to the widest chunk) into leaves
+    that require a gradient, which the losses are computed on."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts).requires_grad_()
+    whole = cat_features(parts)
+    for tensor in feature_tensors(whole):
+        tensor.requires_grad_()
+    return whole
+
+
+def refuse_batch_norm(model: nn.Module) -> None:
+    """Gradient caching encodes a batch in chunks twice: a BatchNorm layer in training mode
+    would normalise by each chunk's statistics and update its running ones twice."""
+    training = [name for name, module in model.named_modules()
+                if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
+    if training:
+        raise ValueError(f"train.grad_cache_chunk: the model has BatchNorm layers in training "
+                         f"mode ({', '.join(training[:3])}{', ...' if len(training) > 3 else ''})"
+                         f", which would normalise each chunk by its own statistics and update "
+                         f"their running statistics twice a step; put them in eval mode "
+                         f"(frozen statistics), use a model with LayerNorm or GroupNorm, or "
+                         f"leave grad_cache_chunk unset")
 
 
 def local_share(model: nn.Module, images, all_texts, groups: torch.Tensor, rank: int

@@ -287,9 +287,16 @@ class Trainer:
         if self.config.train.compile:
             compiled = compile_model(model)
             logger.info("torch.compile: %s (compiled at their first call)", ", ".join(compiled))
+        chunk = self.config.train.grad_cache_chunk
+        if chunk is not None and not self.strategy.supports_grad_cache:
+            raise ValueError(f"train.grad_cache_chunk: {chunk} is supported by the torch "
+                             f"strategy (one process, or DDP under torchrun), not yet by "
+                             f"{type(self.strategy).__name__}; use strategy.type: torch or "
+                             f"remove grad_cache_chunk (docs/distributed.md, 'Gradient "
+                             f"caching')")
         return TrainingStep(model, objective, constraints,
                             gather=self.config.train.gather_features,
-                            scoring=self.config.train.scoring)
+                            scoring=self.config.train.scoring, grad_cache_chunk=chunk)
 
     def _log_setup(self) -> None:
         lr = ("from the DeepSpeed scheduler" if self.strategy.owns_schedule else

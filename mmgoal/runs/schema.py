@@ -128,7 +128,7 @@ class TrainConfig(ConfigSection):
     MINIMUM: ClassVar[dict[str, float]] = {
         "epochs": 0, "clip_grad": 0, "log_every": 1, "eval_every": 0,
         "checkpoint_every_steps": 0, "max_nonfinite_steps": 1, "samples_per_epoch": 1,
-        "accumulate_steps": 1, "reference_batch": 1}
+        "accumulate_steps": 1, "reference_batch": 1, "grad_cache_chunk": 1}
     epochs: int = 10
     seed: int = 0
     clip_grad: float = 2.0
@@ -144,6 +144,9 @@ class TrainConfig(ConfigSection):
     # local: each rank scores its rows (docs/distributed.md, "Local scoring"); replicated:
     # every rank the whole global matrix
     scoring: str = "local"
+    # encode a batch this many pairs at a time, caching the features' gradients
+    # (docs/distributed.md, "Gradient caching"); null: the whole batch with its graph
+    grad_cache_chunk: int | None = None
     scale_lr: str = "none"
     reference_batch: int | None = None
     # where and how (docs/getting_started.md, "Training on GPUs")

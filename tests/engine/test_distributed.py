@@ -138,11 +138,26 @@ def test_deepspeed_zero2_on_two_ranks_trains_like_one_process(setup):
     assert reports[1]["test"] == pytest.approx(reports[0]["test"], abs=0.1)
 
 
-def test_ddp_under_torchrun_trains_like_one_process(setup, tmp_path):
-    root, _, configs = setup
-    result = ok(launch("torchrun", configs["ranks"], tmp_path / "ddp"))
+def test_ddp_with_grad_cache_trains_like_one_process_and_resumes_exactly(setup, tmp_path):
+    """torch DDP under torchrun with local scoring (GOAL's rows) and gradient caching (each
+    rank's 8 pairs encoded 3 at a time): the one-process run's weights; stopped by SIGTERM
+    and resumed, bit for bit the uninterrupted run's."""
+    root, data, _ = setup
+    train = {"epochs": 2, "log_every": 5, "progress": False, "grad_cache_chunk": 3}
+    cached = write_config(tmp_path / "cached.yaml", data, PER_RANK, train=train)
+    result = ok(launch("torchrun", cached, tmp_path / "ddp"))
     assert "global batch 16 = 8 per rank x 2 rank(s) x 1 accumulation step(s)" in result.stderr
+    assert "works on the whole score matrix" not in result.stderr  # GOAL scored its rows
     assert max_difference(final_weights(root / "single"), final_weights(tmp_path / "ddp")) < 1e-5
+    stopping = write_config(tmp_path / "stop.yaml", data, PER_RANK, train=train,
+                            hooks=[{"type": "SignalLauncherAt", "step": 7}])
+    run = tmp_path / "run"
+    result = launch("torchrun", stopping, run)
+    assert result.returncode != 0 and "stopping after this step" in result.stderr
+    assert 7 <= load_checkpoint(run / "checkpoints" / "last.pt")["step"] < STEPS
+    ok(launch("torchrun", stopping, run, "--resume"))
+    resumed, uninterrupted = final_weights(run), final_weights(tmp_path / "ddp")
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
 
 
 # One launch per behaviour of mmgoal's code: stages 0-2 share its path (ZeRO-2 is the

@@ -37,6 +37,8 @@ MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 class AccelerateStrategy(TorchStrategy):
     """Train through ``accelerate.Accelerator`` (see the module docstring).
 
+    ``train.grad_cache_chunk`` is not supported (yet): the torch strategy offers it.
+
     Needs the ``accelerate`` extra: ``pip install 'mmgoal[accelerate]'``.
 
     Args:
@@ -96,6 +98,8 @@ class AccelerateStrategy(TorchStrategy):
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last else self.accelerator.no_sync(self.wrapped)
+
+    supports_grad_cache = False
 
     def micro_step(self, batch: dict, objective: nn.Module,
                    last: bool) -> tuple[dict[str, torch.Tensor], bool]:

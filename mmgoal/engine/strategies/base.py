@@ -91,6 +91,8 @@ class Strategy:
     """
 
     plain_module = True
+    # TrainingStep.cache_gradients' two passes fit its micro-batch frame (train.grad_cache_chunk)
+    supports_grad_cache = False
 
     def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
                  timeout_minutes: float = 60.0) -> None:

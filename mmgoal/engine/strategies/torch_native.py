@@ -23,7 +23,7 @@ from torch import nn
 from mmgoal.devices import autocast
 from mmgoal.distributed import rng_state
 from mmgoal.engine.optimizers import build_optimizer
-from mmgoal.engine.strategies.base import Strategy
+from mmgoal.engine.strategies.base import Strategy, flag_last
 from mmgoal.registry import STRATEGIES
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.runs.run_dir import LAST
@@ -60,6 +60,8 @@ class TorchStrategy(Strategy):
             global batch) when training on several GPUs; ignored on CPUs.
         timeout_minutes: how long a collective waits for a rank before failing.
     """
+
+    supports_grad_cache = True
 
     def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
                  bucket_mb: float = 25.0, find_unused_parameters: str | bool = "auto",
@@ -168,6 +170,8 @@ class TorchStrategy(Strategy):
 
     def micro_step(self, batch: dict, objective: nn.Module,
                    last: bool) -> tuple[dict[str, torch.Tensor], bool]:
+        if getattr(self.module, "grad_cache_chunk", None) is not None:
+            return self.cached_micro_step(batch, objective, last)
         with self.no_sync(last):
             with autocast(self.device, self.precision):
                 outputs = self.wrapped(batch, objective)
@@ -175,6 +179,25 @@ class TorchStrategy(Strategy):
             # Every rank runs the backward, also of a non-finite loss, so DDP's reduction
             # completes; the window is then skipped and its gradients dropped.
             self.backward(outputs["loss"] / self.accumulate_steps)
+        return outputs, nonfinite
+
+    def cached_micro_step(self, batch: dict, objective: nn.Module,
+                          last: bool) -> tuple[dict[str, torch.Tensor], bool]:
+        """A micro-batch under ``train.grad_cache_chunk`` (docs/distributed.md, "Gradient
+        caching"): the losses and their feature gradients first, outside DDP
+        (``TrainingStep.cache_gradients``), then each chunk encoded again through the DDP
+        wrapper and back-propagated; like the micro-batches of a window, every chunk but the
+        window's last runs under ``no_sync``, so the gradients are all-reduced once a step."""
+        scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+        with autocast(self.device, self.precision):
+            outputs, cache = self.module.cache_gradients(batch, objective, scale)
+        nonfinite = self.loss_is_nonfinite(outputs["loss"])
+        for index, last_chunk in flag_last(range(len(cache.chunks))):
+            with self.no_sync(last and last_chunk):
+                with autocast(self.device, self.precision):
+                    surrogate = self.wrapped(batch, objective, replay=(cache, index))["loss"]
+                # every rank runs every backward, also of a non-finite loss (as micro_step)
+                self.backward(surrogate / self.accumulate_steps)
         return outputs, nonfinite
 
     def backward(self, loss: torch.Tensor) -> None:
