@@ -290,8 +290,8 @@ class Trainer:
         chunk = self.config.train.grad_cache_chunk
         if chunk is not None and not self.strategy.supports_grad_cache:
             raise ValueError(f"train.grad_cache_chunk: {chunk} is supported by the torch "
-                             f"strategy (one process, or DDP under torchrun), not yet by "
-                             f"{type(self.strategy).__name__}; use strategy.type: torch or "
+                             f"strategy (one process, or DDP under torchrun) and by deepspeed, "
+                             f"not yet by {type(self.strategy).__name__}; use one of them or "
                              f"remove grad_cache_chunk (docs/distributed.md, 'Gradient "
                              f"caching')")
         return TrainingStep(model, objective, constraints,

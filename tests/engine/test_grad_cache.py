@@ -2,6 +2,10 @@
 without a graph, the losses' feature gradients cached, each chunk encoded again and
 back-propagated, gives the gradients of one backward through the whole batch."""
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,7 +33,8 @@ class Towers(torch.nn.Module):
                                          torch.nn.Linear(2 * DIM, 2 * DIM))
         self.text = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.Dropout(dropout),
                                         torch.nn.Linear(2 * DIM, 2 * DIM))
-        self.logit_scale = torch.nn.Parameter(torch.tensor(2.0))
+        # (1,), not 0-dim: DeepSpeed's broadcast of the initial weights views each as bytes
+        self.logit_scale = torch.nn.Parameter(torch.tensor([2.0]))
         self.double()
 
     def _features(self, kind, tower, inputs):
@@ -47,21 +52,22 @@ class Towers(torch.nn.Module):
         return images.embedding @ texts.embedding.T
 
     def temperature(self):
-        return 1 / self.logit_scale.exp()
+        return 1 / self.logit_scale[0].exp()
 
 
-def make_batch(n: int, seed: int = 1) -> dict:
+def make_batch(n: int, seed: int = 1, dtype: torch.dtype = torch.float64) -> dict:
     generator = torch.Generator().manual_seed(seed)
     ids = list(range(n))
     ids[2] = ids[1]  # two captions of one image
-    return {"image_inputs": torch.randn(n, DIM, generator=generator, dtype=torch.float64),
-            "text_inputs": torch.randn(n, DIM, generator=generator, dtype=torch.float64),
+    return {"image_inputs": torch.randn(n, DIM, generator=generator, dtype=dtype),
+            "text_inputs": torch.randn(n, DIM, generator=generator, dtype=dtype),
             "image_ids": ids, "image_groups": id_hashes(ids), "skipped": 0}
 
 
-def make_step(dropout: float, chunk: int | None) -> TrainingStep:
-    model = Towers(dropout)
-    return TrainingStep(model, OBJECTIVES.build(OBJECTIVE, model=model).double(),
+def make_step(dropout: float, chunk: int | None, objective: dict = OBJECTIVE,
+              dtype: torch.dtype = torch.float64) -> TrainingStep:
+    model = Towers(dropout).to(dtype)
+    return TrainingStep(model, OBJECTIVES.build(objective, model=model).to(dtype),
                         grad_cache_chunk=chunk)
 
 
@@ -94,10 +100,11 @@ def chunked_reference(step: TrainingStep, batch: dict, chunk: int) -> tuple[dict
     return outputs, gradients(step)
 
 
-def assert_same(got: dict, expected: dict, atol: float = 1e-10) -> None:
+def assert_same(got: dict, expected: dict, atol: float = 1e-10, rtol: float = 0.0) -> None:
     assert got.keys() == expected.keys()
     for key, value in expected.items():
-        torch.testing.assert_close(got[key], value, atol=atol, rtol=0, msg=key)
+        torch.testing.assert_close(got[key], value, atol=atol, rtol=rtol,
+                                   msg=lambda text, key=key: f"{key}: {text}")
 
 
 @pytest.mark.parametrize("n,chunk", [(8, 3), (8, 8), (6, 1)])
@@ -173,3 +180,46 @@ def test_ddp_with_local_scoring_gives_the_one_process_step(tmp_path):
             torch.testing.assert_close(result["loss"], outputs["loss"].detach().float())
             assert_same({k: v for k, v in result["moved"].items() if k in expected}, expected,
                         atol=1e-9)
+
+
+GOAL_ONLY = OBJECTIVE["terms"][1]
+
+
+def deepspeed_rank(rank, world, stage):
+    """One SGD step (lr 1) of the DeepSpeed strategy on this rank's 4 pairs, encoded 3 at a
+    time: the full weights' move is minus the global batch's gradient."""
+    from mmgoal.engine.strategies.deepspeed import DeepSpeedStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    strategy = DeepSpeedStrategy(zero_stage=stage, device="cpu")
+    step = make_step(0.0, 3, GOAL_ONLY, torch.float32)
+    before = {name: p.detach().clone() for name, p in step.model.named_parameters()}
+    strategy.setup(step, {"type": "SGD", "lr": 1.0}, 4, 1, None)
+    batch = make_batch(4 * world, dtype=torch.float32)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    result = strategy.train_step([{key: value[mine] if key != "skipped" else value
+                                   for key, value in batch.items()}])
+    weights = strategy.full_state_dict()
+    return {"applied": result.applied, "loss": result.outputs["loss"],
+            "moved": None if weights is None else {
+                f"model.{name}": before[name] - weights[name] for name in before}}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_gives_the_one_process_step(tmp_path, monkeypatch, stage):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    # DeepSpeed's CPU communication extension, built once where the distributed tests build it
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(Path(sys.executable).parent.parent / "torch_extensions")))
+    world = 2
+    one = make_step(0.0, None, GOAL_ONLY, torch.float32)
+    outputs = one(make_batch(4 * world, dtype=torch.float32))
+    outputs["loss"].backward()
+    results = run_ranks(deepspeed_rank, tmp_path, stage, world=world)
+    assert all(result["applied"] for result in results)
+    torch.testing.assert_close(results[0]["loss"], outputs["loss"].detach())
+    expected = gradients(one)
+    assert_same({k: v for k, v in results[0]["moved"].items() if k in expected}, expected,
+                atol=1e-5, rtol=1e-5)

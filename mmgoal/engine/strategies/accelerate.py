@@ -37,7 +37,8 @@ MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 class AccelerateStrategy(TorchStrategy):
     """Train through ``accelerate.Accelerator`` (see the module docstring).
 
-    ``train.grad_cache_chunk`` is not supported (yet): the torch strategy offers it.
+    ``train.grad_cache_chunk`` is not supported (yet): the torch and deepspeed strategies
+    offer it.
 
     Needs the ``accelerate`` extra: ``pip install 'mmgoal[accelerate]'``.
 

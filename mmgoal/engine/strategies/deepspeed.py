@@ -28,6 +28,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -210,6 +211,8 @@ class DeepSpeedStrategy(Strategy):
         timeout_minutes: how long a collective waits for a rank before failing.
     """
 
+    supports_grad_cache = True
+
     def __init__(self, zero_stage: int = 2, precision: str = "fp32",
                  config: str | dict | None = None, device: str | torch.device = "auto",
                  timeout_minutes: float = 60.0) -> None:
@@ -261,10 +264,14 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         self.accumulate_steps = accumulate_steps
+        # Under train.grad_cache_chunk each chunk's backward is one of DeepSpeed's
+        # micro-batches (docs/distributed.md, "Gradient caching")
+        chunk = getattr(module, "grad_cache_chunk", None)
+        self.chunks = 1 if chunk is None else math.ceil(micro_batch / chunk)
         self.config = merge_deepspeed_config(
-            self.user_config, micro_batch=micro_batch, accumulate_steps=accumulate_steps,
-            world_size=self.world_size, clip_grad=clip_grad, zero_stage=self.zero_stage,
-            precision=self.precision)
+            self.user_config, micro_batch=micro_batch if chunk is None else min(chunk, micro_batch),
+            accumulate_steps=accumulate_steps * self.chunks, world_size=self.world_size,
+            clip_grad=clip_grad, zero_stage=self.zero_stage, precision=self.precision)
         self.client_optimizer = (None if "optimizer" in self.config else
                                  build_optimizer(optimizer_cfg, module.model, module.objective))
         parameters = (None if self.client_optimizer is not None else
@@ -289,6 +296,8 @@ class DeepSpeedStrategy(Strategy):
         if self.dtype != torch.float32:
             batch = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
                      else v for k, v in batch.items()}
+        if getattr(self.module, "grad_cache_chunk", None) is not None:
+            return self.cached_micro_step(batch, objective)
         outputs = self.engine(batch, objective)
         nonfinite = self.loss_is_nonfinite(outputs["loss"])
         if not nonfinite:
@@ -301,6 +310,44 @@ class DeepSpeedStrategy(Strategy):
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # DeepSpeed counts micro-batches in step()
         return outputs, nonfinite
+
+    def cached_micro_step(self, batch: dict, objective: nn.Module
+                          ) -> tuple[dict[str, torch.Tensor], bool]:
+        """A micro-batch under ``train.grad_cache_chunk``: ``TrainingStep.cache_gradients``,
+        then each chunk's replay through the engine as one of DeepSpeed's micro-batches
+        (its ``gradient_accumulation_steps`` are ``train.accumulate_steps`` times the chunks
+        of a batch): ``engine.backward`` of the surrogate, divided by the accumulation
+        steps alone (``scale_wrt_gas=False``), then ``engine.step()``, which applies the
+        update at the window's last chunk only. A batch with fewer chunks (a short last
+        batch) backs a zero loss in the missing ones, so DeepSpeed's count holds."""
+        scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0)) \
+            if self.precision == "fp16" else 1.0
+        outputs, cache = self.module.cache_gradients(batch, objective, scale)
+        if self.zero_stage == 3 and cache.direct:
+            raise ValueError(
+                f"train.grad_cache_chunk under DeepSpeed ZeRO-3: the objective reads "
+                f"parameters other than through the features "
+                f"({', '.join(self.parameter_names(p for p, _ in cache.direct))}), whose "
+                f"cached gradients ZeRO-3's partitioned parameters cannot take; use ZeRO "
+                f"stage 0-2 or the torch strategy (docs/distributed.md, 'Gradient caching')")
+        nonfinite = self.loss_is_nonfinite(outputs["loss"])
+        if nonfinite and self.accumulate_steps == 1:
+            return outputs, nonfinite  # the step is skipped before DeepSpeed counted anything
+        for index in range(self.chunks):
+            if index < len(cache.chunks) and not nonfinite:
+                surrogate = self.engine(batch, objective, replay=(cache, index))["loss"]
+            else:  # a zero gradient keeps DeepSpeed's count of micro-batches
+                surrogate = sum((p * 0).sum() for p in self.module.parameters()
+                                if p.requires_grad)
+            self.engine.backward(surrogate / self.accumulate_steps, scale_wrt_gas=False)
+            if not self.engine.is_gradient_accumulation_boundary():
+                self.engine.step()
+        return outputs, nonfinite
+
+    def parameter_names(self, params) -> list[str]:
+        """The names of ``params`` in the training module."""
+        wanted = {id(p) for p in params}
+        return [name for name, p in self.module.named_parameters() if id(p) in wanted]
 
     def _check_trainable(self) -> None:
         if self.zero_stage == 0:
