@@ -24,7 +24,12 @@ prepare an offline GPU machine):
   memory, the model's encoders) against a bare loop over the same batches decoded
   beforehand and already on the GPU, as bench/eval.py measures it on the CPU;
 - the feature gather's step time and bytes against the previous gather
-  (bench/gather.py): over NCCL with 2 GPUs, else its 2 gloo CPU ranks, said so.
+  (bench/gather.py): over NCCL with 2 GPUs, else its 2 gloo CPU ranks, said so;
+- local scoring: one rank's objective time and peak memory at global batches of 16k and
+  32k on 8 and 32 ranks, against the replicated whole matrix (InfoNCE, TripletLoss, GOAL
+  ``cir x sig_ms``);
+- gradient caching: quickstart steps of 4,096 pairs in chunks of 512 against plain steps
+  of 512 and of 4,096 (samples/s, peak memory).
 """
 
 from __future__ import annotations
@@ -142,7 +147,8 @@ def text_batch(tokenizer, n: int) -> dict:
 
 
 def step_throughput(cfg: dict, batch: dict, device: torch.device, precision: str,
-                    steps: int) -> dict[str, float | None]:
+                    steps: int, grad_cache_chunk: int | None = None
+                    ) -> dict[str, float | None]:
     """Samples per second of whole training steps (forward, backward, clip, AdamW) through
     the torch strategy, the CPU batch moved to the device every step, and peak memory."""
     tokenizer = TOKENIZERS.build(cfg["data"]["tokenizer"])
@@ -152,8 +158,8 @@ def step_throughput(cfg: dict, batch: dict, device: torch.device, precision: str
     model = MODELS.build(cfg["model"], tokenizer=tokenizer)
     objective = OBJECTIVES.build(cfg["objective"], tokenizer=tokenizer)
     strategy = TorchStrategy(device=device, precision=precision)
-    strategy.setup(TrainingStep(model, objective), cfg["optimizer"], len(batch["captions"]), 1,
-                   2.0)
+    strategy.setup(TrainingStep(model, objective, grad_cache_chunk=grad_cache_chunk),
+                   cfg["optimizer"], len(batch["captions"]), 1, 2.0)
     batch = {**batch, **text_batch(tokenizer, len(batch["captions"]))}
     if device.type == "cuda":
         batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v
@@ -318,6 +324,92 @@ def goal_rows(device: torch.device, dry_run: bool) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------- local scoring, caching
+LOCAL_OBJECTIVES = {"InfoNCELoss": {"type": "InfoNCELoss"},
+                    "TripletLoss": {"type": "TripletLoss"},
+                    "GoalObjective cir x sig_ms": {"type": "GoalObjective", "triplet": "cir",
+                                          "pair": "sig_ms"}}
+
+
+def share_steps(base: torch.Tensor, world: int, objective) -> dict[str, Callable[[], None]]:
+    """Forward + backward of ``objective`` on the whole scores ``base`` (``replicated``) and
+    on one rank's share of them (``local``: its rows and columns, as a
+    :class:`~mmgoal.structures.ScoreShare` whose columns and O(n) gathers stay on this
+    device: the collectives are not measured, the arithmetic and memory are)."""
+    from mmgoal.objectives.mining import positives_from_groups
+    from mmgoal.structures import ScoreShare
+
+    n = len(base)
+    share = n // world
+    ids = torch.arange(n, device=base.device)
+
+    def backward(out: dict) -> None:
+        sum(v for k, v in out.items() if k.endswith("_loss")).backward()
+
+    def replicated() -> None:
+        backward(objective(ObjectiveInputs(base.clone().requires_grad_())))
+
+    def local() -> None:
+        own = base[:share].clone().requires_grad_()
+        columns = base[:, :share].clone().requires_grad_()
+        backward(objective(ObjectiveInputs(None, share=ScoreShare(
+            own, positives_from_groups(ids[:share], ids),
+            positives_from_groups(ids, ids[:share]), n, n, lambda: columns))))
+
+    return {"replicated": replicated, "local": local}
+
+
+def local_scoring_rows(device: torch.device, dry_run: bool) -> list[dict]:
+    """One rank's objective work at a global batch ``n`` on ``world`` ranks, replicated (the
+    whole ``n x n`` matrix) against local (its ``n / world`` rows and columns)."""
+    plan = [(64, 4)] if dry_run else [(16384, 8), (32768, 8), (32768, 32)]
+    repeats = 1 if dry_run else 5
+    rows = []
+    for n, world in plan:
+        torch.manual_seed(0)
+        base = (F.normalize(torch.randn(n, 256, device=device), dim=-1)
+                @ F.normalize(torch.randn(n, 256, device=device), dim=-1).T)
+        for name, cfg in LOCAL_OBJECTIVES.items():
+            results = {}
+            for mode, step in share_steps(base, world, OBJECTIVES.build(cfg).to(device)).items():
+                reset_peak(device)
+                held = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" \
+                    else 0.0  # the scores themselves: not the objective's
+                seconds = timed(step, device, repeats)
+                peak = peak_gib(device)
+                results[mode] = (seconds, None if peak is None else peak - held)
+            (whole, whole_peak), (part, part_peak) = results["replicated"], results["local"]
+            rows.append({"objective": name, "n": n, "world": world,
+                         "replicated_ms": whole * 1e3, "local_ms": part * 1e3,
+                         "time_ratio": part / whole, "replicated_gib": whole_peak,
+                         "local_gib": part_peak,
+                         "memory_ratio": part_peak / whole_peak if whole_peak else None})
+            print(f"  {name} n={n} {world} ranks: local/replicated time "
+                  f"{part / whole:.2f}", flush=True)
+    return rows
+
+
+def grad_cache_rows(device: torch.device, dry_run: bool) -> list[dict]:
+    """Training steps of the quickstart (group norm) through the torch strategy: a plain
+    step of one chunk, a plain step of the whole batch, and the whole batch under
+    ``train.grad_cache_chunk``; samples/s and peak memory."""
+    cfg = load_config(str(ROOT / "configs" / "quickstart.yaml"))
+    cfg["model"]["image_encoder"]["model_kwargs"]["norm"] = "group"
+    cfg["objective"] = {"type": "GoalObjective", "triplet": "cir", "pair": "sig_ms"}
+    batch, chunk, size = (16, 4, 32) if dry_run else (4096, 512, 64)
+    steps = 1 if dry_run else 5
+    rows = []
+    for label, pairs, cached in (("plain", chunk, None), ("plain", batch, None),
+                                 ("grad_cache_chunk", batch, chunk)):
+        result = step_throughput(cfg, image_batch(pairs, size), device, "fp32", steps,
+                                 grad_cache_chunk=cached)
+        rows.append({"step": label if cached is None else f"{label}: {cached}",
+                     "batch": pairs, **result})
+        print(f"  {rows[-1]['step']} at {pairs}: {result['samples_per_s']:.0f} samples/s",
+              flush=True)
+    return rows
+
+
 # ------------------------------------------------------------- evaluation
 def evaluation_rows(device: torch.device, dry_run: bool) -> list[dict]:
     """Gallery images/s of ``encode_gallery`` against a bare loop on decoded batches."""
@@ -404,7 +496,8 @@ def section(title: str, text: str, columns: list[tuple[str, str, int | None]],
 
 def report(info: dict, tests: dict | None, training: list[dict], trainer: list[dict],
            scan: list[dict], goal: list[dict], command: str,
-           evaluation: list[dict] | None = None, gather: str | None = None) -> str:
+           evaluation: list[dict] | None = None, gather: str | None = None,
+           local: list[dict] | None = None, cache: list[dict] | None = None) -> str:
     lines = ["# GPU check", "",
              f"`{command}` ({'dry run, ' if 'dry run' in info['gpu'] else ''}"
              f"{info['date']}). Prepare an offline GPU machine as docs/getting_started.md "
@@ -443,6 +536,27 @@ def report(info: dict, tests: dict | None, training: list[dict], trainer: list[d
         "ratio to `TripletLoss(max_violation=True)` through autograd.",
         [("objective", "objective", None), ("n", "n", None), ("ms", "ms", 2),
          ("time ratio", "time_ratio", 2), ("peak memory ratio", "memory_ratio", 2)], goal)
+    if local:
+        lines += section(
+            "Local scoring: one rank's objective",
+            "Forward + backward of the objective on one rank's share of a global batch of n "
+            "(docs/distributed.md, \"Local scoring\"): `replicated`, the whole n x n "
+            "matrix; `local`, the rank's n / world rows and columns (the all-to-all and the "
+            "O(n) gathers are not measured here); median of 5; peak memory above the scores "
+            "held before.",
+            [("objective", "objective", None), ("n", "n", None), ("ranks", "world", None),
+             ("replicated ms", "replicated_ms", 1), ("local ms", "local_ms", 1),
+             ("time ratio", "time_ratio", 2), ("replicated GiB", "replicated_gib", 2),
+             ("local GiB", "local_gib", 2), ("memory ratio", "memory_ratio", 2)], local)
+    if cache:
+        lines += section(
+            "Gradient caching",
+            "Training steps of the quickstart (group norm, 64 px, GOAL cir x sig_ms) through "
+            "the `torch` strategy (docs/distributed.md, \"Gradient caching\"): a plain step "
+            "of one chunk, of the whole batch, and the whole batch in chunks; median of 5.",
+            [("step", "step", None), ("batch", "batch", None),
+             ("samples/s", "samples_per_s", 0), ("peak GPU memory (GiB)", "peak_gib", 2)],
+            cache)
     if evaluation:
         lines += section(
             "Gallery encoding",
@@ -492,12 +606,17 @@ def main(argv: list[str] | None = None) -> int:
     scan = scan_rows(device, args.dry_run)
     print("GOAL objectives ...", flush=True)
     goal = goal_rows(device, args.dry_run)
+    print("local scoring ...", flush=True)
+    local = local_scoring_rows(device, args.dry_run)
+    print("gradient caching ...", flush=True)
+    cache = grad_cache_rows(device, args.dry_run)
     print("gallery encoding ...", flush=True)
     evaluation = evaluation_rows(device, args.dry_run)
     print("the feature gather ...", flush=True)
     gather = gather_lines(args.dry_run)
     command = "python bench/gpu_check.py" + (" --dry-run" if args.dry_run else "")
-    text = report(info, tests, training, trainer, scan, goal, command, evaluation, gather)
+    text = report(info, tests, training, trainer, scan, goal, command, evaluation, gather,
+                  local, cache)
     text += f"\nThe whole check took {time.perf_counter() - start:.0f} s.\n"
     print(text)
     if out is not None:

@@ -97,6 +97,8 @@ class ScoreShare:
             every rank (no gradient; a collective with several ranks): what an objective
             needs of the whole batch in O(n), such as every positive pair's score.
         total: a tensor of this share -> its sum over every share (likewise).
+        offset: the position in the batch of this share's first image (and text): its
+            rows are images ``offset, offset + 1, ...``, its columns texts alike.
     """
 
     rows: torch.Tensor
@@ -107,6 +109,7 @@ class ScoreShare:
     fetch_columns: Callable[[], torch.Tensor]
     gather: Callable[[torch.Tensor], torch.Tensor] = _as_is
     total: Callable[[torch.Tensor], torch.Tensor] = _as_is
+    offset: int = 0
 
     @classmethod
     def whole(cls, scores: torch.Tensor, positives: torch.Tensor) -> ScoreShare:

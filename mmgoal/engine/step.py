@@ -119,7 +119,11 @@ class TrainingStep(nn.Module):
         if len(self.constraints):  # image b and text b of a training batch are a matched pair
             attention = self.model.attention(image_features, text_features)
             for constraint in self.constraints:
-                outputs.update(constraint(attention))
+                parts = constraint(attention)  # of this rank's pairs: made the global batch's
+                if self.gather and world > 1:
+                    means = getattr(constraint, "reduction", "sum") == "mean"
+                    parts = global_losses(parts, world, parts_are_means=means, statistics=True)
+                outputs.update(parts)
         outputs["loss"] = sum(v for k, v in outputs.items() if k.endswith("_loss"))
         return outputs
 
@@ -275,19 +279,33 @@ def local_share(model: nn.Module, images, all_texts, groups: torch.Tensor, rank:
     return ScoreShare(rows, positives_from_groups(mine, groups),
                       positives_from_groups(groups, mine), int(counts.pow(2).sum()),
                       len(groups), lambda: exchange_columns(rows), gather_varying_length,
-                      sum_over_ranks)
+                      sum_over_ranks, rank * batch)
 
 
-def global_losses(outputs: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
+def global_losses(outputs: dict[str, torch.Tensor], world: int, parts_are_means: bool = False,
+                  statistics: bool = False) -> dict[str, torch.Tensor]:
     """A rank's part of each ``*_loss`` made the global loss: its value the sum of every
     rank's part (one all-reduce of them all), its gradient ``world`` times the part's, so
-    that the data-parallel average of the ranks' gradients is the global loss's gradient."""
-    keys = [key for key in outputs if key.endswith("_loss")]
+    that the data-parallel average of the ranks' gradients is the global loss's gradient.
+
+    Args:
+        parts_are_means: each part is a mean over the rank's share (an attention
+            constraint's ``reduction: mean``; equal shares): the value is the mean of the
+            parts, the gradient the part's own.
+        statistics: also average the other scalar outputs over the ranks (in the same
+            all-reduce); an objective on rows makes its statistics global itself.
+    """
+    keys = [key for key, value in outputs.items() if key.endswith("_loss")
+            or (statistics and value.numel() == 1)]
     if not keys:
         return outputs
-    parts = torch.stack([outputs[key].detach().to(torch.float64) for key in keys])
-    dist.all_reduce(parts)
-    for key, total in zip(keys, parts):
-        scaled = outputs[key] * world
-        outputs[key] = scaled + (total.to(scaled.dtype) - scaled).detach()
+    totals = torch.stack([outputs[key].detach().to(torch.float64).reshape(()) for key in keys])
+    dist.all_reduce(totals)
+    for key, total in zip(keys, totals):
+        value = outputs[key]
+        if key.endswith("_loss") and not parts_are_means:
+            value = value * world
+        else:
+            total = total / world
+        outputs[key] = value + (total.to(value.dtype) - value).detach()
     return outputs

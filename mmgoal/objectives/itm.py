@@ -20,17 +20,31 @@ from torch import nn
 
 from mmgoal.contract import MatchingModel, StepAwareObjective, require
 from mmgoal.distributed import world_info
-from mmgoal.objectives.mining import draw_one_per_row, scores_and_positives
+from mmgoal.objectives.mining import score_share
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs, cat_features, check_inputs, index_features
 
 
+def row_uniforms(rows: int, device: torch.device, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+    """(rows,) uniform draws in [0, 1), one a row: drawn where ``generator`` lives (a seeded
+    CPU generator gives the same draws on any device), without one on ``device``."""
+    where = device if generator is None else generator.device
+    return torch.rand(rows, generator=generator, device=where).to(device)
+
+
 @torch.no_grad()
 def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperature: float,
-                          generator: torch.Generator | None = None
+                          generator: torch.Generator | None = None,
+                          uniforms: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """One negative column per row, drawn from ``softmax(sims[row] / temperature)`` over the
-    row's negatives.
+    row's negatives, by inverting the row's cumulative distribution at a uniform draw.
+
+    Args:
+        uniforms: (n_rows,) the draws in [0, 1), so that a row's negative depends on its own
+            scores and draw alone (each rank draws its rows of the global batch as one
+            process would); ``None``: drawn here (:func:`row_uniforms`).
 
     Returns:
         index (n_rows,) long; valid (n_rows,) bool, False for a row without negatives.
@@ -39,7 +53,13 @@ def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperatu
     valid = (~positives).any(1)
     probs = torch.softmax(logits, dim=1).nan_to_num(0.0)
     probs[~valid] = 1.0  # anything: the row is masked out
-    return draw_one_per_row(probs, generator), valid
+    if uniforms is None:
+        uniforms = row_uniforms(len(probs), probs.device, generator)
+    cdf = probs.cumsum(1)
+    # the first column whose cumulative probability passes the draw: never one of weight 0
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
+    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return index.clamp(max=sims.shape[1] - 1), valid
 
 
 @OBJECTIVES.register()
@@ -50,19 +70,24 @@ class ITMLoss(nn.Module):
     scores of the batch. Needs the model (``match_logits``) and the features,
     which the trainer passes.
 
-    With several processes, ``sims`` and the features are the gathered global
-    batch, in rank order (rank ``r`` of ``W`` owns rows ``[r B, (r + 1) B)``).
-    Negatives are drawn for every global row, as in one process, so this rank's
-    draws are those that ``pairs: global`` makes for its rows; they may be any
-    image or text of the global batch.
+    With several processes the features are the gathered global batch, in rank order
+    (rank ``r`` of ``W`` owns pairs ``[r B, (r + 1) B)``), and a uniform draw is made for
+    every pair of it, so a pair's negatives depend on its scores and its draw alone
+    (:func:`sample_hard_negatives`): as one process draws them. Under local scoring (it
+    works on rows) a rank draws its images' negative texts from its rows and its texts'
+    negative images from its columns, classifies its ``3 B`` pairs, and returns its part
+    of the mean over the global batch's pairs (the count summed over the ranks), so the
+    logged loss and the gradient are one process's. Under replicated scoring the whole
+    matrix is on every rank and ``pairs`` chooses (below). The negatives may be any image
+    or text of the global batch.
 
     Args:
         weight: the loss's factor in the total.
         temperature: of the sampling softmax (X-VLM samples from its ITC logits,
             ``S / 0.07`` at the start of training).
-        pairs: ``local`` (the default) runs the fusion layers on this rank's own
-            ``B`` positive pairs and their ``2 B`` negatives: the loss is this
-            rank's, and data-parallel averaging trains on the mean of the ranks'
+        pairs: under replicated scoring, ``local`` (the default) runs the fusion layers
+            on this rank's own ``B`` positive pairs and their ``2 B`` negatives: the loss
+            is this rank's, and data-parallel averaging trains on the mean of the ranks'
             losses (the ``pairs: global`` loss when every row has negatives;
             ``mmgoal/distributed.py``). ``global`` runs them on all ``3 W B``
             pairs of the global batch on every rank (each rank repeats the same
@@ -95,39 +120,51 @@ class ITMLoss(nn.Module):
                              f"pairs nor the {world} ranks' gathered {size * world}")
         return rank * size, (rank + 1) * size
 
+    works_on_rows = True  # a rank classifies its own pairs, drawn from its rows (ScoreShare)
+
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         check_inputs(inputs, "ITMLoss", "model", "image_features", "text_features")
-        sims, positives = scores_and_positives(inputs)
+        share = score_share(inputs)
         require(inputs.model, MatchingModel, "ITMLoss")
         model, generator = inputs.model, inputs.generator
         image_features, text_features = inputs.image_features, inputs.text_features
-        if sims.shape[0] != sims.shape[1]:
+        n = share.n_images
+        if share.n_texts != n:
             raise ValueError("ITMLoss needs the training batch's aligned pairs (n_images == "
                              "n_texts)")
-        # Drawn for every row, whatever pairs are classified, so the draws do not
-        # depend on the option (sampling on the scores is cheap; fusion is not).
-        negative_text, text_ok = sample_hard_negatives(sims, positives, self.temperature,
-                                                       generator)
-        negative_image, image_ok = sample_hard_negatives(sims.T, positives.T, self.temperature,
-                                                         generator)
-        start, end = self.own_rows(inputs, len(sims))
-        images, texts = image_features, text_features
-        if (start, end) != (0, len(sims)):
-            own = torch.arange(start, end, device=sims.device)
-            images, texts = index_features(images, own), index_features(texts, own)
-            negative_text, text_ok = negative_text[start:end], text_ok[start:end]
-            negative_image, image_ok = negative_image[start:end], image_ok[start:end]
+        device = share.rows.device
+        # Drawn for every pair of the batch, whatever pairs are classified, so the draws do
+        # not depend on the option or the rank (sampling is cheap; fusion is not).
+        text_draws, image_draws = (row_uniforms(n, device, generator) for _ in range(2))
+        if inputs.share is not None:  # local scoring: the rank's rows, a part of the mean
+            start, end = share.offset, share.offset + len(share.rows)
+            rows, columns = share.rows, share.columns
+            row_positives, column_positives = share.row_positives, share.column_positives
+        else:  # the whole matrix: this rank's pairs of it, or every pair (pairs: global)
+            start, end = self.own_rows(inputs, n)
+            rows, columns = share.rows[start:end], share.rows[:, start:end]
+            row_positives = share.row_positives[start:end]
+            column_positives = share.row_positives[:, start:end]
+        negative_text, text_ok = sample_hard_negatives(rows, row_positives, self.temperature,
+                                                       uniforms=text_draws[start:end])
+        negative_image, image_ok = sample_hard_negatives(
+            columns.T, column_positives.T, self.temperature, uniforms=image_draws[start:end])
+        own = torch.arange(start, end, device=device)
+        images, texts = index_features(image_features, own), index_features(text_features, own)
         batch = end - start
         images = cat_features([images, index_features(image_features, negative_image), images])
         texts = cat_features([texts, texts, index_features(text_features, negative_text)])
-        labels = torch.cat([torch.ones(batch, dtype=torch.long, device=sims.device),
-                            torch.zeros(2 * batch, dtype=torch.long, device=sims.device)])
-        keep = torch.cat([torch.ones(batch, dtype=torch.bool, device=sims.device),
+        labels = torch.cat([torch.ones(batch, dtype=torch.long, device=device),
+                            torch.zeros(2 * batch, dtype=torch.long, device=device)])
+        keep = torch.cat([torch.ones(batch, dtype=torch.bool, device=device),
                           image_ok, text_ok])
         logits = model.match_logits(images, texts)
-        loss = F.cross_entropy(logits[keep], labels[keep])
-        accuracy = (logits[keep].argmax(1) == labels[keep]).float().mean()
-        return {"itm_loss": self.weight * loss, "itm_accuracy": accuracy.detach()}
+        losses = F.cross_entropy(logits[keep], labels[keep], reduction="none")
+        correct = (logits[keep].argmax(1) == labels[keep]).to(losses.dtype)
+        # the mean over the kept pairs of the whole batch: counted over the shares
+        kept = share.total(keep.sum().to(losses.dtype)).clamp(min=1)
+        return {"itm_loss": self.weight * losses.sum() / kept,
+                "itm_accuracy": share.total(correct.sum().detach()) / kept}
 
 
 @OBJECTIVES.register()

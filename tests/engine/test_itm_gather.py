@@ -1,6 +1,8 @@
-"""ITM on each rank's own pairs (``pairs: local``) over 2 processes (gloo, CPU) trains like
-one process holding the global batch: the mean of the ranks' ITM losses is the global ITM
-loss, and the data-parallel average of the gradients is the single process's."""
+"""ITM on each rank's own pairs over 2 processes (gloo, CPU) trains like one process holding
+the global batch: under local scoring each rank draws its pairs' negatives from its rows
+and its part of the loss is counted over the global batch; under replicated scoring with
+``pairs: local`` the mean of the ranks' ITM losses is the global ITM loss. Either way the
+data-parallel average of the gradients is the single process's."""
 
 
 import pytest
@@ -20,7 +22,7 @@ PER_RANK = 4
 TOKENIZER = WordTokenizer().fit(CAPTIONS)
 
 
-def training_step(pairs: str) -> TrainingStep:
+def training_step(pairs: str, scoring: str = "local") -> TrainingStep:
     torch.manual_seed(0)
     model = MODELS.build({
         "type": "XVLM", "fusion_layers": 1, "embed_dim": 8,
@@ -34,12 +36,12 @@ def training_step(pairs: str) -> TrainingStep:
         {"type": "InfoNCELoss", "temperature": 0.1, "learnable": True},
         {"type": "ITMLoss", "temperature": 0.5, "pairs": pairs}]})
     # eval: no dropout, so two halves encode as the whole batch does (float64: tight checks)
-    return TrainingStep(model, objective).double().eval()
+    return TrainingStep(model, objective, scoring=scoring).double().eval()
 
 
-def run(pairs: str, rows: slice) -> dict:
+def run(pairs: str, rows: slice, scoring: str = "local") -> dict:
     """Losses, averaged gradients and ITM pair count of one step on the global batch's ``rows``."""
-    step = training_step(pairs)
+    step = training_step(pairs, scoring)
     images = torch.randn(len(IDS), 3, 16, 16, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(1))[rows]
     ids = IDS[rows]
@@ -64,7 +66,8 @@ def run(pairs: str, rows: slice) -> dict:
 
 def on_rank(rank, world):
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    return {pairs: run(pairs, rows) for pairs in ("local", "global")}
+    return {"local scoring": run("local", rows),
+            **{pairs: run(pairs, rows, "replicated") for pairs in ("local", "global")}}
 
 
 @pytest.mark.multiprocess
@@ -80,6 +83,13 @@ def test_local_itm_over_two_ranks_trains_like_global_itm_in_one_process(tmp_path
     for result in local:
         torch.testing.assert_close(result["losses"]["infonce_loss"],
                                    single["losses"]["infonce_loss"])
+        assert result["grads"].keys() == single["grads"].keys()
+        for name, grad in single["grads"].items():
+            torch.testing.assert_close(result["grads"][name], grad, msg=name)
+    for result in (r["local scoring"] for r in ranks):  # each rank's rows and pairs
+        assert result["fused"] == [3 * PER_RANK]
+        for key in ("infonce_loss", "itm_loss", "itm_accuracy"):
+            torch.testing.assert_close(result["losses"][key], single["losses"][key], msg=key)
         assert result["grads"].keys() == single["grads"].keys()
         for name, grad in single["grads"].items():
             torch.testing.assert_close(result["grads"][name], grad, msg=name)

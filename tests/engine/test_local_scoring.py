@@ -179,3 +179,110 @@ def test_lam_auto_moves_alike_under_local_scoring(tmp_path):
                                            msg=f"{key} {name}")
         for name, value in one["gradients"].items():
             torch.testing.assert_close(result["gradients"][name], value, atol=1e-10, rtol=0)
+
+
+class CrossTowers(Towers):
+    """Region and word features of random lengths, scored by SCAN's stacked cross
+    attention; it counts the image-text pairs it cross-attends."""
+
+    FRAGMENTS = 3
+
+    def _fragments(self, kind, tower, inputs, lengths):
+        from mmgoal.sequences import length_mask
+
+        tokens = F.normalize(tower(inputs).reshape(len(inputs), self.FRAGMENTS, -1), dim=-1)
+        width = int(lengths.max())
+        mask = length_mask(lengths, width)
+        tokens = tokens[:, :width]
+        return kind(F.normalize(tokens.mean(1), dim=-1), tokens=tokens, mask=mask)
+
+    def encode_image(self, batch):
+        from mmgoal.structures import ImageFeatures
+
+        return self._fragments(ImageFeatures, self.image_regions, batch["image_inputs"],
+                               torch.full((len(batch["image_inputs"]),), self.FRAGMENTS))
+
+    def encode_text(self, batch):
+        from mmgoal.structures import TextFeatures
+
+        return self._fragments(TextFeatures, self.text_words, batch["text_inputs"],
+                               batch["lengths"])
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image_regions = torch.nn.Linear(DIM, self.FRAGMENTS * 4, dtype=torch.float64)
+        self.text_words = torch.nn.Linear(DIM, self.FRAGMENTS * 4, dtype=torch.float64)
+        self.pairs = 0
+
+    def similarity(self, images, texts):
+        from mmgoal.models.layers.cross_attention import scan_similarity
+
+        self.scored.append((len(images.tokens), len(texts.tokens)))
+        return scan_similarity(images.tokens, images.mask, texts.tokens, texts.mask, "t2i",
+                               9.0, "avg", 6.0)
+
+    def attention(self, images, texts):
+        from mmgoal.models.layers.cross_attention import scan_attention
+
+        return scan_attention(images.tokens, images.mask, texts.tokens, texts.mask, "t2i", 9.0)
+
+
+SCAN_OBJECTIVE = {"type": "GoalObjective", "triplet": "cir", "pair": "sig"}
+
+
+def scan_step(constraints: bool) -> TrainingStep:
+    from mmgoal.registry import CONSTRAINTS
+
+    model = CrossTowers()
+    built = [CONSTRAINTS.build({"type": kind, "margin": 0.5, "reduction": reduction}).double()
+             for kind, reduction in (("CCRConstraint", "sum"), ("CCSConstraint", "mean"))]
+    return TrainingStep(model, OBJECTIVES.build(SCAN_OBJECTIVE).double(),
+                        built if constraints else [])
+
+
+def scan_batch(world: int, constraints: bool) -> dict:
+    """The global batch; without the constraints, texts of 1 to 3 words (the longest on
+    rank 0 only: the gathered words are padded); with them, texts of one word, so that
+    CCR's sampled query word is the only one (and CCS, needing two, contributes 0)."""
+    lengths = ([1] * world * PER_RANK if constraints else
+               [3] + [1 + i % 2 for i in range(1, world * PER_RANK)])
+    return {**global_batch(world), "lengths": torch.tensor(lengths)}
+
+
+def on_rank_scan(rank, world):
+    results = []
+    for constraints in (False, True):
+        step = scan_step(constraints)
+        losses, gradients = losses_and_gradients(
+            step, rank_batch(scan_batch(world, constraints), rank))
+        for grad in gradients.values():
+            dist.all_reduce(grad)
+            grad /= world
+        results.append({"losses": losses, "gradients": gradients,
+                        "scored": step.model.scored})
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_cross_attention_scoring_is_divided_over_the_ranks(tmp_path, world):
+    """SCAN-style scoring (GOAL on its rows), with and without CCR and CCS: each rank
+    cross-attends its images with every text (n^2 / world pairs), and the step's losses,
+    statistics and gradients equal one process's on the global batch."""
+    results = run_ranks(on_rank_scan, tmp_path, world=world)
+    n = world * PER_RANK
+    for index, constraints in enumerate((False, True)):
+        one = scan_step(constraints)
+        losses, gradients = losses_and_gradients(one, scan_batch(world, constraints))
+        assert one.model.scored == [(n, n)]
+        if constraints:
+            assert losses["ccr_loss"] > 0 and losses["ccr_active"] > 0
+        for rank, result in enumerate(result[index] for result in results):
+            assert result["scored"] == [(PER_RANK, n)]  # n^2 / world pairs, not n^2
+            assert result["losses"].keys() == losses.keys()
+            for key, value in losses.items():
+                torch.testing.assert_close(result["losses"][key], value, atol=1e-10, rtol=0,
+                                           msg=f"{key} rank {rank}")
+            for name, value in gradients.items():
+                torch.testing.assert_close(result["gradients"][name], value, atol=1e-10,
+                                           rtol=0, msg=f"{name} rank {rank}")
