@@ -13,7 +13,10 @@ each rank's CPU time of a step (``time.process_time``, best of ``--repeats``, th
 over ranks: the ranks share this machine's cores, so wall time would count their
 waiting) and the rise of its peak resident memory over the step (each mode in processes
 of its own), with the ratios local / replicated (goal: at most 0.6 at 2 ranks, 0.35 at
-4).
+4). For InfoNCE, also against open_clip's own ``ClipLoss(local_loss=True,
+gather_with_grad=True)`` on the same features (each rank's image and text features
+against every rank's, gathered with gradients: two ``B x n`` logit matrices a rank), with
+the ratio mmgoal local / open_clip.
 """
 
 from __future__ import annotations
@@ -61,8 +64,18 @@ def worker(rank: int, port: int, args: tuple, queue) -> None:
         share = n // world
         generator = torch.Generator().manual_seed(rank)
         ids = list(range(rank * share, (rank + 1) * share))
-        step = TrainingStep(GivenFeatures(), OBJECTIVES.build(CONFIGS[objective_name]),
-                            scoring=mode)
+        if mode == "open_clip":  # its own local loss on features gathered with gradients
+            import open_clip
+
+            clip_loss = open_clip.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank,
+                                           world_size=world)
+
+            def step(batch):
+                loss = clip_loss(batch["image_features"], batch["text_features"], 1 / 0.07)
+                return {"loss": loss}
+        else:
+            step = TrainingStep(GivenFeatures(), OBJECTIVES.build(CONFIGS[objective_name]),
+                                scoring=mode)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         best = float("inf")
         for _ in range(repeats):
@@ -94,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--objectives", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-open-clip", dest="open_clip", action="store_false",
+                        help="leave out the comparison with open_clip's local loss")
     args = parser.parse_args(argv)
     for world in args.worlds:
         for objective in args.objectives:
@@ -104,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{replicated[1]:.0f} MiB, local {local[0]:.3f} s {local[1]:.0f} MiB; "
                       f"ratio time {local[0] / replicated[0]:.2f}, memory "
                       f"{local[1] / max(replicated[1], 1e-9):.2f}", flush=True)
+                if objective == "InfoNCELoss" and args.open_clip:
+                    theirs = measure(objective, n, world, args.dim, "open_clip", args.repeats)
+                    print(f"InfoNCELoss n={n} {world} ranks against open_clip's ClipLoss("
+                          f"local_loss, gather_with_grad) {theirs[0]:.3f} s "
+                          f"{theirs[1]:.0f} MiB: ratio time {local[0] / theirs[0]:.2f}, "
+                          f"memory {local[1] / max(theirs[1], 1e-9):.2f}", flush=True)
     return 0
 
 

@@ -76,6 +76,9 @@ class DirectionTriplets(NamedTuple):
         return scores[self.anchors, self.others], scores[self.anchors, self.negatives]
 
 
+MINING_BLOCK = 1 << 20  # scores copied at a time to mine the hardest negatives (4 MiB)
+
+
 def mine_direction(scores: torch.Tensor, positives: torch.Tensor) -> DirectionTriplets:
     """The hardest-negative triplets of one direction, in ``positives.nonzero()`` order.
 
@@ -84,11 +87,20 @@ def mine_direction(scores: torch.Tensor, positives: torch.Tensor) -> DirectionTr
             :meth:`~mmgoal.structures.ScoreShare.directions` block; detached inside).
         positives: same shape, bool.
     """
-    anchors, others = positives.nonzero(as_tuple=True)
-    masked = scores.detach().clone(memory_format=torch.contiguous_format)
-    masked[anchors, others] = float("-inf")  # positives are few: indexed, not a dense fill
-    hardest = masked.argmax(dim=1)
-    valid = torch.bincount(anchors, minlength=len(scores)) < scores.shape[1]
+    anchors, others = positives.nonzero(as_tuple=True)  # row-major: sorted by anchor
+    n_anchors, n_others = scores.shape
+    rows = max(MINING_BLOCK // max(n_others, 1), 1)
+    starts = torch.arange(0, n_anchors + rows, rows, device=anchors.device)
+    bounds = torch.searchsorted(anchors, starts).tolist()  # each block's positives
+    hardest = torch.empty(n_anchors, dtype=torch.long, device=scores.device)
+    for index, start in enumerate(range(0, n_anchors, rows)):
+        # a block of rows at a time: no copy of the whole matrix
+        masked = scores[start:start + rows].detach().clone(memory_format=torch.contiguous_format)
+        first, last = bounds[index], bounds[index + 1]
+        # positives are few: indexed, not a dense fill
+        masked[anchors[first:last] - start, others[first:last]] = float("-inf")
+        hardest[start:start + rows] = masked.argmax(dim=1)
+    valid = torch.bincount(anchors, minlength=n_anchors) < n_others
     return DirectionTriplets(anchors, others, hardest[anchors], valid[anchors])
 
 

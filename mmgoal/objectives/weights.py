@@ -51,7 +51,9 @@ def triplet_weight_cir(s_p: torch.Tensor, s_n: torch.Tensor, tau: float = 10.0,
     return torch.sigmoid(-tau * (s_p * (2 - s_p) - s_n ** 2 - cir_offset))
 
 
-EXP_BLOCK = 1 << 16  # scores per block of the multi-similarity exp (256 KiB of float32)
+# scores per block of the multi-similarity sets' masks (1 MiB of float32): no tensor of the
+# score matrix's shape is made, and a block stays in cache
+BLOCK = 1 << 18
 
 
 class RelativeScores:
@@ -116,39 +118,49 @@ class RelativeScores:
         return torch.where(count > 0, mean, torch.full_like(mean, empty))
 
     # ---------------------------------------------------------------- R-
-    def _inside(self) -> torch.Tensor:
-        """Float 0/1 of ``scores``' shape: the negatives ``>= threshold``, in one new tensor.
-
-        ``r - below > 0`` exactly when ``r >= threshold`` (``below`` is the next float
-        down, and a rounded difference keeps its sign): one float pass, where a bool
-        comparison and its conversion cost three times as much on CPU, and masked
-        operations with bool tensors are slower still.
-        """
-        below = torch.nextafter(self.threshold, self.threshold.new_tensor(-torch.inf))
-        inside = (self.scores - below).sign_().clamp_(min=0)
-        inside[self.positives.nonzero(as_tuple=True)] = 0  # positives are never negatives
-        return inside
-
-    def _anchor_sums(self, key: str, fill: Callable[[torch.Tensor], torch.Tensor] | None
+    def _anchor_sums(self, key: str,
+                     fill: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
                      ) -> torch.Tensor:
         """Per-anchor sums over the negatives ``>= threshold`` (both axes, cached).
 
-        ``fill`` turns the 0/1 mask, in place, into the masked values to sum; ``None``
-        counts. The first values reuse the mask the counts were taken from, so a score
-        tensor's comparison sets cost one tensor of its shape, not a mask and a copy per kind.
+        Computed a block of rows at a time (:data:`BLOCK` scores), so no tensor of the
+        scores' shape is made: for each block, the 0/1 mask of its negatives ``>=
+        threshold``, which ``fill(mask, block)`` turns in place into the masked values to
+        sum (``None`` counts). ``r - below > 0`` exactly when ``r >= threshold``
+        (``below`` is the next float down, and a rounded difference keeps its sign): one
+        float pass, where a bool comparison and its conversion cost three times as much
+        on CPU, and masked operations with bool tensors are slower still.
         """
-        if "count" not in self.cache:
-            inside = self._inside()
-            self.cache["count"] = (inside.sum(1), inside.sum(0))
-            self.cache["inside"] = inside
         if key not in self.cache:
-            inside = self.cache.pop("inside", None)
-            masked = fill(self._inside() if inside is None else inside)
-            self.cache[key] = (masked.sum(1), masked.sum(0))
+            self.cache[key] = self._block_sums(fill)
         by_row, by_col = self.cache[key]
         return by_row if self.direction == "i2t" else by_col
 
-    def _negative_mean(self, key: str, fill: Callable[[torch.Tensor], torch.Tensor],
+    def _block_sums(self, fill: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.scores
+        below = torch.nextafter(self.threshold, self.threshold.new_tensor(-torch.inf))
+        if "positives" not in self.cache:  # row-major: sorted by row
+            self.cache["positives"] = self.positives.nonzero(as_tuple=True)
+        pos_rows, pos_cols = self.cache["positives"]
+        n_rows, n_cols = scores.shape
+        rows = max(BLOCK // max(n_cols, 1), 1)
+        starts = torch.arange(0, n_rows + rows, rows, device=pos_rows.device)
+        bounds = torch.searchsorted(pos_rows, starts).tolist()  # each block's positives
+        by_row, by_col = scores.new_empty(n_rows), scores.new_zeros(n_cols)
+        for index, start in enumerate(range(0, n_rows, rows)):
+            block = scores[start:start + rows]
+            inside = (block - below).sign_().clamp_(min=0)
+            first, last = bounds[index], bounds[index + 1]
+            inside[pos_rows[first:last] - start, pos_cols[first:last]] = 0  # never negatives
+            if fill is not None:
+                fill(inside, block)
+            by_row[start:start + rows] = inside.sum(1)
+            by_col += inside.sum(0)
+        return by_row, by_col
+
+    def _negative_mean(self, key: str,
+                       fill: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                        mined_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         in_set = (self.mined >= self.threshold).to(self.s_n.dtype)  # the mined one is left out
         count = self._anchor_sums("count", None)[self.anchors] - in_set
@@ -161,15 +173,9 @@ class RelativeScores:
             self.cache["top"] = self.scores.max()  # exp(scale (r - top)) <= 1: no overflow
         top = self.cache["top"]
 
-        def fill(inside: torch.Tensor) -> torch.Tensor:
-            # In blocks of rows: the exp of one block at a time, small enough to stay in
-            # cache and to reuse one buffer, rather than a second (n_img, n_txt) tensor.
+        def fill(inside: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
             # Not exp(log(mask) + ...): exp and log of infinities are ten times slower.
-            rows = max(EXP_BLOCK // max(inside.shape[1], 1), 1)
-            for start in range(0, len(inside), rows):
-                block = self.scores[start:start + rows]
-                inside[start:start + rows].mul_((block - top).mul_(scale).exp_())
-            return inside
+            return inside.mul_((block - top).mul_(scale).exp_())
 
         mean, nonempty = self._negative_mean(f"exp:{scale}", fill,
                                              torch.exp(scale * (self.mined - top)))
@@ -178,7 +184,7 @@ class RelativeScores:
 
     def neg_mean_diff(self, empty: float = 0.0) -> torch.Tensor:
         """``mean_{r in R-} (s_n - r)``; ``empty`` where ``R-`` is empty."""
-        mean, nonempty = self._negative_mean("sum", lambda inside: inside.mul_(self.scores),
+        mean, nonempty = self._negative_mean("sum", lambda inside, block: inside.mul_(block),
                                              self.mined)
         mean = self.s_n - mean
         return torch.where(nonempty, mean, torch.full_like(mean, empty))

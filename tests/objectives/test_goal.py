@@ -363,3 +363,22 @@ def test_a_pair_weight_with_comparison_sets_declares_eps():
             goal(pair="ms_without_eps")
     finally:
         PAIR_WEIGHTS._entries.pop("ms_without_eps")
+
+
+@pytest.mark.parametrize("pair", ["sig_ms", "lin_ms"])
+@pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
+def test_blocks_of_rows_give_the_whole_matrix_result(monkeypatch, pair, groups):
+    """The hardest negatives and the multi-similarity sums are computed a block of rows at
+    a time (no tensor of the matrix's shape); blocks of 3 and 5 scores (one row, several
+    rows, a last block cut short) give what one block gives."""
+    from mmgoal.objectives import mining, weights
+
+    sims = cosine_scores(seed=4, dim=3)
+    positives = positives_from_groups(torch.tensor(groups))
+    objective = goal(triplet="cir", pair={"type": pair, "eps": 0.3})
+    expected = grad_of(objective, sims, positives, "goal_loss")
+    for block in (3, 5 * len(sims) + 3):
+        monkeypatch.setattr(weights, "BLOCK", block)
+        monkeypatch.setattr(mining, "MINING_BLOCK", block)
+        torch.testing.assert_close(grad_of(objective, sims, positives, "goal_loss"), expected,
+                                   atol=1e-12, rtol=0)
