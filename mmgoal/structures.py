@@ -114,7 +114,9 @@ class ScoreShare:
     @classmethod
     def whole(cls, scores: torch.Tensor, positives: torch.Tensor) -> ScoreShare:
         """All of ``scores`` (n_img, n_txt) and ``positives``: one process's share."""
-        return cls(scores, positives, positives, int(positives.sum()), scores.shape[0],
+        # count_nonzero reads the mask as it is (a sum would convert it to int64 first)
+        return cls(scores, positives, positives, int(torch.count_nonzero(positives)),
+                   scores.shape[0],
                    lambda: scores)
 
     @functools.cached_property

@@ -148,6 +148,11 @@ def test_batch_norm_in_training_mode_is_refused():
     cached_step(step, make_batch(8))
 
 
+def ddp_ranks(rank, world):
+    return [ddp_rank(rank, world, chunk, scoring)
+            for chunk, scoring in ((3, "local"), (2, "replicated"))]
+
+
 def ddp_rank(rank, world, chunk, scoring):
     """One optimisation step of the torch strategy (DDP over gloo), SGD with lr 1, so the
     weights move by minus the all-reduced gradient."""
@@ -173,8 +178,8 @@ def test_ddp_with_local_scoring_gives_the_one_process_step(tmp_path):
     outputs = one(make_batch(4 * world))
     outputs["loss"].backward()
     expected = gradients(one)
-    for chunk, scoring in ((3, "local"), (2, "replicated")):
-        results = run_ranks(ddp_rank, tmp_path, chunk, scoring, world=world)
+    for results in zip(*run_ranks(ddp_ranks, tmp_path, world=world)):
+        # local scoring in chunks of 3, replicated in chunks of 2
         for result in results:
             assert result["applied"]
             torch.testing.assert_close(result["loss"], outputs["loss"].detach().float())
