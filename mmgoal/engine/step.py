@@ -8,6 +8,7 @@ attention constraints are its children, and its ``forward`` returns the losses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -104,7 +105,8 @@ class TrainingStep(nn.Module):
         local = self.gather and world > 1 and self.scoring == "local"
         if local and getattr(objective, "works_on_rows", False):
             outputs = global_losses(objective(ObjectiveInputs(
-                None, share=local_share(self.model, image_features, all_texts, groups, rank),
+                None, share=local_share(self.model, image_features, text_features, all_images,
+                                        all_texts, groups, rank),
                 **features)), world)
         else:
             if local and type(objective).__name__ not in self._said_replicated:
@@ -267,19 +269,30 @@ def refuse_batch_norm(model: nn.Module) -> None:
                          f"leave grad_cache_chunk unset")
 
 
-def local_share(model: nn.Module, images, all_texts, groups: torch.Tensor, rank: int
-                ) -> ScoreShare:
+def local_share(model: nn.Module, images, texts, all_images, all_texts, groups: torch.Tensor,
+                rank: int) -> ScoreShare:
     """This rank's :class:`~mmgoal.structures.ScoreShare` of the global batch: its
-    ``images`` against ``all_texts`` (the rows), the other ranks' rows' blocks of its texts
-    (the columns), their positives from the global batch's image ``groups``."""
+    ``images`` against ``all_texts`` (the rows) and ``all_images`` against its ``texts``
+    (the columns, computed when an objective asks), their positives from the global
+    batch's image ``groups``.
+
+    The columns of a model that scores pooled features (a dual encoder, CLIP) are one more
+    ``n x B`` product of the gathered images with the rank's texts, as open_clip's local
+    loss computes them; those of a model whose scoring is the costly part (cross
+    attention: ``similarity_uses_tokens``) come from the other ranks' rows, which already
+    hold them, by one all-to-all of ``B x B`` blocks (:func:`exchange_columns`)."""
     rows = model.similarity(images, all_texts)
     batch = rows.shape[0]
     mine = groups[rank * batch:(rank + 1) * batch]
     counts = torch.unique(groups, return_counts=True)[1]
+    if getattr(model, "similarity_uses_tokens", False):
+        columns = functools.partial(exchange_columns, rows)
+    else:
+        columns = functools.partial(model.similarity, all_images, texts)
     return ScoreShare(rows, positives_from_groups(mine, groups),
                       positives_from_groups(groups, mine), int(counts.pow(2).sum()),
-                      len(groups), lambda: exchange_columns(rows), gather_varying_length,
-                      sum_over_ranks, rank * batch)
+                      len(groups), columns, gather_varying_length, sum_over_ranks,
+                      rank * batch)
 
 
 def global_losses(outputs: dict[str, torch.Tensor], world: int, parts_are_means: bool = False,

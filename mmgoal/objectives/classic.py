@@ -190,9 +190,15 @@ class InfoNCELoss(nn.Module):
         temperature = own.clamp(self.min_temperature, self.max_temperature)
         loss = share.rows.new_zeros(())
         for direction, scores, positives in share.directions():
-            targets = positives.to(scores.dtype)
-            terms = -(targets / targets.sum(1, keepdim=True).clamp(min=1)
-                      * F.log_softmax(scores / temperature, dim=1)).sum(1)
+            # -sum_j t_aj log softmax_aj with t uniform over the anchor's positives is
+            # logsumexp_a - mean of the positives' scores: from the positives' indices, with
+            # no dense target or log-softmax tensor beside the scores
+            anchors, others = positives.nonzero(as_tuple=True)
+            counts = torch.bincount(anchors, minlength=len(scores)).to(scores.dtype)
+            positive_sums = scores.new_zeros(len(scores)).index_add(
+                0, anchors, scores[anchors, others])
+            terms = (torch.logsumexp(scores / temperature, dim=1) * (counts > 0)
+                     - positive_sums / temperature / counts.clamp(min=1))
             # the mean over every anchor of the batch, this share's part of it
             loss = loss + terms.sum() / (share.n_images if direction == "i2t"
                                          else share.n_texts)

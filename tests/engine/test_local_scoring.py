@@ -1,6 +1,8 @@
 """Local scoring (docs/distributed.md, "Local scoring"): on 2 and 4 gloo ranks, each rank
-scores only its images against every text, and every objective that works on rows gives
-the one-process loss and gradients of the global batch."""
+scores only its share of the global batch (its images against every text, and every image
+against its texts where asked: computed for a dual encoder, exchanged for cross
+attention), and every objective that works on rows gives the one-process loss and
+gradients of the global batch."""
 
 import pytest
 import torch
@@ -118,8 +120,12 @@ def test_local_scoring_gives_the_global_loss_and_gradients(tmp_path, world):
             for name, value in gradients.items():
                 torch.testing.assert_close(got["gradients"][name], value, atol=1e-10, rtol=0,
                                            msg=f"{config} {name} rank {rank}")
-            # a rank scored its rows only: PER_RANK images against the global batch's texts
-            assert got["scored"] == [(PER_RANK, world * PER_RANK)], config
+            # a rank scored its rows (its images against the global batch's texts) and, where
+            # the objective asks, its columns (every image against its texts): never n x n
+            n = world * PER_RANK
+            assert got["scored"] in ([(PER_RANK, n)], [(PER_RANK, n), (n, PER_RANK)]), config
+            if config["type"] == "SigLIPLoss":
+                assert got["scored"] == [(PER_RANK, n)]  # the image rows suffice
 
 
 def on_ranks_all(rank, world):
@@ -184,6 +190,8 @@ def test_lam_auto_moves_alike_under_local_scoring(tmp_path):
 class CrossTowers(Towers):
     """Region and word features of random lengths, scored by SCAN's stacked cross
     attention; it counts the image-text pairs it cross-attends."""
+
+    similarity_uses_tokens = True  # its columns come from the other ranks' rows
 
     FRAGMENTS = 3
 
