@@ -15,8 +15,9 @@ waiting) and the rise of its peak resident memory over the step (each mode in pr
 of its own), with the ratios local / replicated (goal: at most 0.6 at 2 ranks, 0.35 at
 4). For InfoNCE, also against open_clip's own ``ClipLoss(local_loss=True,
 gather_with_grad=True)`` on the same features (each rank's image and text features
-against every rank's, gathered with gradients: two ``B x n`` logit matrices a rank), with
-the ratio mmgoal local / open_clip.
+against every rank's, gathered with gradients: two ``B x n`` logit matrices a rank), its
+``logit_scale`` learnable as InfoNCE's temperature is, with the ratio mmgoal local /
+open_clip.
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def worker(rank: int, port: int, args: tuple, queue) -> None:
 
             clip_loss = open_clip.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank,
                                            world_size=world)
+            # learnable, as CLIP's and as InfoNCE's temperature here
+            logit_scale = torch.nn.Parameter(torch.tensor(1 / 0.07).log())
 
             def step(batch):
-                loss = clip_loss(batch["image_features"], batch["text_features"], 1 / 0.07)
+                loss = clip_loss(batch["image_features"], batch["text_features"],
+                                 logit_scale.exp())
                 return {"loss": loss}
         else:
             step = TrainingStep(GivenFeatures(), OBJECTIVES.build(CONFIGS[objective_name]),

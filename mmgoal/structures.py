@@ -99,6 +99,9 @@ class ScoreShare:
         total: a tensor of this share -> its sum over every share (likewise).
         offset: the position in the batch of this share's first image (and text): its
             rows are images ``offset, offset + 1, ...``, its columns texts alike.
+        paired: every image's one positive is the text at its own position (a batch of
+            distinct images, one caption each), so an objective may take each anchor's
+            positive as its position instead of reading the masks.
     """
 
     rows: torch.Tensor
@@ -110,14 +113,17 @@ class ScoreShare:
     gather: Callable[[torch.Tensor], torch.Tensor] = _as_is
     total: Callable[[torch.Tensor], torch.Tensor] = _as_is
     offset: int = 0
+    paired: bool = False
 
     @classmethod
     def whole(cls, scores: torch.Tensor, positives: torch.Tensor) -> ScoreShare:
         """All of ``scores`` (n_img, n_txt) and ``positives``: one process's share."""
         # count_nonzero reads the mask as it is (a sum would convert it to int64 first)
-        return cls(scores, positives, positives, int(torch.count_nonzero(positives)),
-                   scores.shape[0],
-                   lambda: scores)
+        count = int(torch.count_nonzero(positives))
+        paired = (scores.shape[0] == scores.shape[1] == count
+                  and bool(positives.diagonal().all()))
+        return cls(scores, positives, positives, count, scores.shape[0], lambda: scores,
+                   paired=paired)
 
     @functools.cached_property
     def columns(self) -> torch.Tensor:

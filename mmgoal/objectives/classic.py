@@ -193,13 +193,16 @@ class InfoNCELoss(nn.Module):
             # -sum_j t_aj log softmax_aj with t uniform over the anchor's positives is
             # logsumexp_a - mean of the positives' scores: from the positives' indices, with
             # no dense target or log-softmax tensor beside the scores
-            anchors, others = positives.nonzero(as_tuple=True)
-            counts = torch.bincount(anchors, minlength=len(scores)).to(scores.dtype)
-            positive_sums = scores.new_zeros(len(scores)).index_add(
-                0, anchors, scores[anchors, others])
-            terms = (torch.logsumexp(scores / temperature, dim=1) * (counts > 0)
-                     - positive_sums / temperature / counts.clamp(min=1))
+            if share.paired:  # each anchor's positive is its own pair: fused, as ClipLoss
+                labels = torch.arange(len(scores), device=scores.device) + share.offset
+                total = F.cross_entropy(scores / temperature, labels, reduction="sum")
+            else:
+                anchors, others = positives.nonzero(as_tuple=True)
+                counts = torch.bincount(anchors, minlength=len(scores)).to(scores.dtype)
+                positive_sums = scores.new_zeros(len(scores)).index_add(
+                    0, anchors, scores[anchors, others])
+                total = (torch.logsumexp(scores / temperature, dim=1) * (counts > 0)
+                         - positive_sums / temperature / counts.clamp(min=1)).sum()
             # the mean over every anchor of the batch, this share's part of it
-            loss = loss + terms.sum() / (share.n_images if direction == "i2t"
-                                         else share.n_texts)
+            loss = loss + total / (share.n_images if direction == "i2t" else share.n_texts)
         return {"infonce_loss": loss / 2, "temperature": temperature.detach()}
