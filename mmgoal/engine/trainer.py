@@ -289,11 +289,10 @@ class Trainer:
             logger.info("torch.compile: %s (compiled at their first call)", ", ".join(compiled))
         chunk = self.config.train.grad_cache_chunk
         if chunk is not None and not self.strategy.supports_grad_cache:
-            raise ValueError(f"train.grad_cache_chunk: {chunk} is supported by the torch "
-                             f"strategy (one process, or DDP under torchrun) and by deepspeed, "
-                             f"not yet by {type(self.strategy).__name__}; use one of them or "
-                             f"remove grad_cache_chunk (docs/distributed.md, 'Gradient "
-                             f"caching')")
+            raise ValueError(f"train.grad_cache_chunk: {chunk} is supported by the torch, "
+                             f"deepspeed and accelerate strategies, not by "
+                             f"{type(self.strategy).__name__}; use one of them or remove "
+                             f"grad_cache_chunk (docs/distributed.md, 'Gradient caching')")
         return TrainingStep(model, objective, constraints,
                             gather=self.config.train.gather_features,
                             scoring=self.config.train.scoring, grad_cache_chunk=chunk)

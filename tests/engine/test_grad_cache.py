@@ -149,16 +149,23 @@ def test_batch_norm_in_training_mode_is_refused():
 
 
 def ddp_ranks(rank, world):
-    return [ddp_rank(rank, world, chunk, scoring)
-            for chunk, scoring in ((3, "local"), (2, "replicated"))]
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    return [ddp_rank(rank, world, chunk, scoring, strategy)
+            for chunk, scoring, strategy in ((3, "local", "torch"), (2, "replicated", "torch"),
+                                             (3, "local", "accelerate"))]
 
 
-def ddp_rank(rank, world, chunk, scoring):
-    """One optimisation step of the torch strategy (DDP over gloo), SGD with lr 1, so the
-    weights move by minus the all-reduced gradient."""
+def ddp_rank(rank, world, chunk, scoring, kind):
+    """One optimisation step of the torch strategy (DDP over gloo) or the accelerate one,
+    SGD with lr 1, so the weights move by minus the all-reduced gradient."""
     from mmgoal.engine.strategies.torch_native import TorchStrategy
 
-    strategy = TorchStrategy(device="cpu", find_unused_parameters=False)
+    if kind == "accelerate":
+        from mmgoal.engine.strategies.accelerate import AccelerateStrategy
+
+        strategy = AccelerateStrategy(device="cpu")
+    else:
+        strategy = TorchStrategy(device="cpu", find_unused_parameters=False)
     step = make_step(0.0, chunk)
     step.scoring = scoring
     strategy.setup(step, {"type": "SGD", "lr": 1.0}, 4, 1, None)
@@ -173,13 +180,14 @@ def ddp_rank(rank, world, chunk, scoring):
 
 @pytest.mark.multiprocess
 def test_ddp_with_local_scoring_gives_the_one_process_step(tmp_path):
+    pytest.importorskip("accelerate")
     world = 2
     one = make_step(0.0, None)
     outputs = one(make_batch(4 * world))
     outputs["loss"].backward()
     expected = gradients(one)
     for results in zip(*run_ranks(ddp_ranks, tmp_path, world=world)):
-        # local scoring in chunks of 3, replicated in chunks of 2
+        # torch: local scoring in chunks of 3, replicated in chunks of 2; accelerate: local
         for result in results:
             assert result["applied"]
             torch.testing.assert_close(result["loss"], outputs["loss"].detach().float())

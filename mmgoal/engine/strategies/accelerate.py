@@ -37,9 +37,6 @@ MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 class AccelerateStrategy(TorchStrategy):
     """Train through ``accelerate.Accelerator`` (see the module docstring).
 
-    ``train.grad_cache_chunk`` is not supported (yet): the torch and deepspeed strategies
-    offer it.
-
     Needs the ``accelerate`` extra: ``pip install 'mmgoal[accelerate]'``.
 
     Args:
@@ -100,10 +97,18 @@ class AccelerateStrategy(TorchStrategy):
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last else self.accelerator.no_sync(self.wrapped)
 
-    supports_grad_cache = False
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def loss_scale(self) -> float:
+        scaler = self.accelerator.scaler
+        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
 
     def micro_step(self, batch: dict, objective: nn.Module,
                    last: bool) -> tuple[dict[str, torch.Tensor], bool]:
+        if getattr(self.module, "grad_cache_chunk", None) is not None:
+            # TorchStrategy's: the chunks' backward passes through the Accelerator
+            return self.cached_micro_step(batch, objective, last)
         # Accelerator.prepare put the forward under autocast for bf16/fp16.
         with self.no_sync(last):
             outputs = self.wrapped(batch, objective)

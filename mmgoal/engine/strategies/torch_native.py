@@ -188,9 +188,8 @@ class TorchStrategy(Strategy):
         (``TrainingStep.cache_gradients``), then each chunk encoded again through the DDP
         wrapper and back-propagated; like the micro-batches of a window, every chunk but the
         window's last runs under ``no_sync``, so the gradients are all-reduced once a step."""
-        scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
         with autocast(self.device, self.precision):
-            outputs, cache = self.module.cache_gradients(batch, objective, scale)
+            outputs, cache = self.module.cache_gradients(batch, objective, self.loss_scale())
         nonfinite = self.loss_is_nonfinite(outputs["loss"])
         for index, last_chunk in flag_last(range(len(cache.chunks))):
             with self.no_sync(last and last_chunk):
@@ -202,6 +201,10 @@ class TorchStrategy(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
+
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the backward applies (1 without one)."""
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
 
     def clip_and_check(self) -> bool:
         """Clip the gradient norm; False when it is non-finite."""
