@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -79,6 +78,25 @@ class DirectionTriplets(NamedTuple):
 MINING_BLOCK = 1 << 20  # scores copied at a time to mine the hardest negatives (4 MiB)
 
 
+def hardest_in_rows(scores: torch.Tensor, anchors: torch.Tensor, others: torch.Tensor
+                    ) -> torch.Tensor:
+    """(n_rows,) the highest-scoring column of every row of ``scores`` that is not one of
+    its positives ``(anchors[k], others[k])`` (``anchors`` ascending, as ``nonzero`` gives
+    them); detached. A block of rows at a time: no copy of the whole matrix."""
+    n_rows, n_cols = scores.shape
+    rows = max(MINING_BLOCK // max(n_cols, 1), 1)
+    starts = torch.arange(0, n_rows + rows, rows, device=anchors.device)
+    bounds = torch.searchsorted(anchors, starts).tolist()  # each block's positives
+    hardest = torch.empty(n_rows, dtype=torch.long, device=scores.device)
+    for index, start in enumerate(range(0, n_rows, rows)):
+        masked = scores[start:start + rows].detach().clone(memory_format=torch.contiguous_format)
+        first, last = bounds[index], bounds[index + 1]
+        # positives are few: indexed, not a dense fill
+        masked[anchors[first:last] - start, others[first:last]] = float("-inf")
+        hardest[start:start + rows] = masked.argmax(dim=1)
+    return hardest
+
+
 def mine_direction(scores: torch.Tensor, positives: torch.Tensor) -> DirectionTriplets:
     """The hardest-negative triplets of one direction, in ``positives.nonzero()`` order.
 
@@ -88,19 +106,8 @@ def mine_direction(scores: torch.Tensor, positives: torch.Tensor) -> DirectionTr
         positives: same shape, bool.
     """
     anchors, others = positives.nonzero(as_tuple=True)  # row-major: sorted by anchor
-    n_anchors, n_others = scores.shape
-    rows = max(MINING_BLOCK // max(n_others, 1), 1)
-    starts = torch.arange(0, n_anchors + rows, rows, device=anchors.device)
-    bounds = torch.searchsorted(anchors, starts).tolist()  # each block's positives
-    hardest = torch.empty(n_anchors, dtype=torch.long, device=scores.device)
-    for index, start in enumerate(range(0, n_anchors, rows)):
-        # a block of rows at a time: no copy of the whole matrix
-        masked = scores[start:start + rows].detach().clone(memory_format=torch.contiguous_format)
-        first, last = bounds[index], bounds[index + 1]
-        # positives are few: indexed, not a dense fill
-        masked[anchors[first:last] - start, others[first:last]] = float("-inf")
-        hardest[start:start + rows] = masked.argmax(dim=1)
-    valid = torch.bincount(anchors, minlength=n_anchors) < n_others
+    hardest = hardest_in_rows(scores, anchors, others)
+    valid = torch.bincount(anchors, minlength=len(scores)) < scores.shape[1]
     return DirectionTriplets(anchors, others, hardest[anchors], valid[anchors])
 
 
@@ -128,49 +135,13 @@ def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,
         col_valid: (n_txt,) bool, the column has at least one negative.
     """
     n_img, n_txt = sims.shape
-    masked = sims.detach().clone()
-    # Positives are few: index them instead of a dense masked_fill (slow on CPU).
     if positive_index is None:
         positive_index = positives.nonzero(as_tuple=True)
-    masked[positive_index] = float("-inf")
-    text_of_image = masked.argmax(dim=1)
-    image_of_text = masked.T.contiguous().argmax(dim=1)  # row-wise argmax is the fast one
-    # counted from the positives' indices: count_nonzero of the (n, n) mask copies it to int64
     rows, cols = positive_index
-    return (text_of_image, image_of_text, torch.bincount(rows, minlength=n_img) < n_txt,
+    by_column, order = torch.sort(cols, stable=True)  # the columns' positives, in order
+    return (hardest_in_rows(sims, rows, cols), hardest_in_rows(sims.T, by_column, rows[order]),
+            torch.bincount(rows, minlength=n_img) < n_txt,
             torch.bincount(cols, minlength=n_txt) < n_img)
-
-
-@dataclass
-class MinedTriplets:
-    """The two hardest-negative triplets of every positive pair (indices only, no scores).
-
-    For the positive ``(rows[k], cols[k])``: the image-to-text triplet's
-    negative is text ``i2t_negatives[k]`` in the same row, the text-to-image
-    triplet's negative is image ``t2i_negatives[k]`` in the same column; a
-    direction whose anchor has no negative is marked invalid.
-    """
-
-    rows: torch.Tensor
-    cols: torch.Tensor
-    i2t_negatives: torch.Tensor
-    i2t_valid: torch.Tensor
-    t2i_negatives: torch.Tensor
-    t2i_valid: torch.Tensor
-
-    def scores(self, sims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``s_p``, the i2t ``s_n`` and the t2i ``s_n`` (each (n_pos,)), gradient kept."""
-        return (sims[self.rows, self.cols], sims[self.rows, self.i2t_negatives],
-                sims[self.t2i_negatives, self.cols])
-
-
-def mine_triplets(sims: torch.Tensor, positives: torch.Tensor) -> MinedTriplets:
-    """Hardest-negative triplets of every positive, in both directions (docs/reference/goal.md)."""
-    rows, cols = positives.nonzero(as_tuple=True)
-    text_of_image, image_of_text, row_valid, col_valid = hardest_negatives(sims, positives,
-                                                                           (rows, cols))
-    return MinedTriplets(rows, cols, text_of_image[rows], row_valid[rows],
-                         image_of_text[cols], col_valid[cols])
 
 
 def draw_one_per_row(probs: torch.Tensor, generator: torch.Generator | None = None

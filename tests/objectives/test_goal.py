@@ -226,11 +226,12 @@ def test_relative_terms_fall_back_when_empty():
 
 def brute_force_relative(sims, positives, eps, direction):
     """m+, l+, m-, l- of every triplet by explicit loops over the sets of docs/reference/goal.md."""
-    from mmgoal.objectives.mining import mine_triplets
+    from mmgoal.objectives.mining import mine_direction
 
-    triplets = mine_triplets(sims, positives)
-    s_p, s_n_i2t, s_n_t2i = triplets.scores(sims)
-    s_n = s_n_i2t if direction == "i2t" else s_n_t2i
+    block, block_positives = (sims, positives) if direction == "i2t" else (sims.T, positives.T)
+    triplets = mine_direction(block, block_positives)
+    s_p, s_n = triplets.scores(block)
+
     def mean(values, empty):
         return sum(values) / len(values) if values else torch.tensor(empty)
 
@@ -238,18 +239,18 @@ def brute_force_relative(sims, positives, eps, direction):
     for k in range(len(s_p)):
         r_pos = [s_p[m] for m in range(len(s_p)) if m != k and s_p[m] <= s_n[k] + eps]
         if direction == "i2t":
-            i = triplets.rows[k]
+            i = triplets.anchors[k]
             r_neg = [sims[i, c] for c in range(sims.shape[1]) if not positives[i, c]
-                     and c != triplets.i2t_negatives[k] and sims[i, c] >= s_p.min() - eps]
+                     and c != triplets.negatives[k] and sims[i, c] >= s_p.min() - eps]
         else:
-            j = triplets.cols[k]
+            j = triplets.anchors[k]
             r_neg = [sims[r, j] for r in range(sims.shape[0]) if not positives[r, j]
-                     and r != triplets.t2i_negatives[k] and sims[r, j] >= s_p.min() - eps]
+                     and r != triplets.negatives[k] and sims[r, j] >= s_p.min() - eps]
         out.append([mean([torch.exp(2.0 * (s_p[k] - r)) for r in r_pos], 1.0),
                     mean([s_p[k] - r for r in r_pos], 0.0),
                     mean([torch.exp(-10.0 * (s_n[k] - r)) for r in r_neg], 1.0),
                     mean([s_n[k] - r for r in r_neg], 0.0)])
-    return torch.tensor(out, dtype=sims.dtype), triplets, s_p, s_n
+    return torch.tensor(out, dtype=sims.dtype), triplets.anchors, s_p, s_n
 
 
 @pytest.mark.parametrize("direction", ["i2t", "t2i"])
@@ -259,8 +260,7 @@ def test_relative_terms_match_a_loop_over_the_reference_sets(direction, groups):
 
     sims = cosine_scores(seed=10, dim=3)
     positives = positives_from_groups(torch.tensor(groups))
-    expected, triplets, s_p, s_n = brute_force_relative(sims, positives, 0.1, direction)
-    anchors = triplets.rows if direction == "i2t" else triplets.cols
+    expected, anchors, s_p, s_n = brute_force_relative(sims, positives, 0.1, direction)
     rel = RelativeScores(sims, positives, direction, anchors, s_p, s_n, s_p, 0.1, {})
     got = torch.stack([rel.pos_mean_exp(2.0), rel.pos_mean_diff(), rel.neg_mean_exp(10.0),
                        rel.neg_mean_diff()], dim=1)
