@@ -129,7 +129,6 @@ class TrainingStep(nn.Module):
         outputs["loss"] = sum(v for k, v in outputs.items() if k.endswith("_loss"))
         return outputs
 
-
     # ------------------------------------------------------------ gradient caching
     def cache_gradients(self, batch: dict, objective: nn.Module | None = None,
                         loss_scale: float = 1.0) -> tuple[dict[str, torch.Tensor],
@@ -165,14 +164,15 @@ class TrainingStep(nn.Module):
                 texts.append(text)
         image_features, text_features = leaf_features(images), leaf_features(texts)
         outputs = self.losses(batch, image_features, text_features, objective)
-        leaves = [*feature_tensors(image_features), *feature_tensors(text_features)]
+        image_leaves, text_leaves = feature_tensors(image_features), feature_tensors(text_features)
+        leaves = [*image_leaves, *text_leaves]
         params = [p for p in self.parameters() if p.requires_grad]
         grads = torch.autograd.grad(outputs["loss"] * loss_scale, leaves + params,
                                     allow_unused=True)
         unscaled = [None if g is None else at_least_float32(g) / loss_scale for g in grads]
-        n_image = len(feature_tensors(image_features))
         cache = CachedGradients(
-            chunks, states, rng_state(), unscaled[:n_image], unscaled[n_image:len(leaves)],
+            chunks, states, rng_state(), unscaled[:len(image_leaves)],
+            unscaled[len(image_leaves):len(leaves)],
             [(p, g) for p, g in zip(params, unscaled[len(leaves):]) if g is not None])
         return {key: value.detach() for key, value in outputs.items()}, cache
 

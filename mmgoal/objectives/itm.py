@@ -20,17 +20,9 @@ from torch import nn
 
 from mmgoal.contract import MatchingModel, StepAwareObjective, require
 from mmgoal.distributed import world_info
-from mmgoal.objectives.mining import score_share
+from mmgoal.objectives.mining import row_uniforms, score_share
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs, cat_features, check_inputs, index_features
-
-
-def row_uniforms(rows: int, device: torch.device, generator: torch.Generator | None = None
-                 ) -> torch.Tensor:
-    """(rows,) uniform draws in [0, 1), one a row: drawn where ``generator`` lives (a seeded
-    CPU generator gives the same draws on any device), without one on ``device``."""
-    where = device if generator is None else generator.device
-    return torch.rand(rows, generator=generator, device=where).to(device)
 
 
 @torch.no_grad()

@@ -144,12 +144,22 @@ def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,
             torch.bincount(cols, minlength=n_txt) < n_img)
 
 
+def draw_device(device: torch.device, generator: torch.Generator | None) -> torch.device:
+    """Where random draws are made: where ``generator`` lives (a seeded CPU generator gives
+    the same draws on any device); without one, on ``device``, so a GPU run copies nothing."""
+    return device if generator is None else generator.device
+
+
 def draw_one_per_row(probs: torch.Tensor, generator: torch.Generator | None = None
                      ) -> torch.Tensor:
-    """(n_rows,) one column per row of ``probs`` (n_rows, n_cols), drawn with ``multinomial``.
-
-    Drawn where ``generator`` lives (a seeded CPU generator gives the same draws on
-    any device); without one, on ``probs``' own device, so a GPU run copies nothing.
-    """
-    where = probs.device if generator is None else generator.device
+    """(n_rows,) one column per row of ``probs`` (n_rows, n_cols), drawn with ``multinomial``
+    (:func:`draw_device`)."""
+    where = draw_device(probs.device, generator)
     return torch.multinomial(probs.to(where), 1, generator=generator).squeeze(1).to(probs.device)
+
+
+def row_uniforms(rows: int, device: torch.device, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+    """(rows,) uniform draws in [0, 1) on ``device``, one a row (:func:`draw_device`)."""
+    where = draw_device(device, generator)
+    return torch.rand(rows, generator=generator, device=where).to(device)

@@ -249,6 +249,11 @@ class Strategy:
         """
         raise NotImplementedError
 
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the strategy's backward applies (1 without one): what
+        ``TrainingStep.cache_gradients`` scales its loss by (train.grad_cache_chunk)."""
+        return 1.0
+
     def loss_is_nonfinite(self, loss: torch.Tensor) -> bool:
         """True on every rank when the loss of any rank is NaN/inf (one all-reduce)."""
         return self.agree(not bool(torch.isfinite(loss)))[0]

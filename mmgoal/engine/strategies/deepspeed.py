@@ -305,8 +305,7 @@ class DeepSpeedStrategy(Strategy):
         elif self.accumulate_steps > 1:
             # Inside a window DeepSpeed cannot forget what it has accumulated: the
             # dropped micro-batch contributes a zero gradient, the rest of the window applies.
-            self.engine.backward(sum((p * 0).sum() for p in self.module.parameters()
-                                     if p.requires_grad))
+            self.engine.backward(self.zero_loss())
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # DeepSpeed counts micro-batches in step()
         return outputs, nonfinite
@@ -320,9 +319,7 @@ class DeepSpeedStrategy(Strategy):
         steps alone (``scale_wrt_gas=False``), then ``engine.step()``, which applies the
         update at the window's last chunk only. A batch with fewer chunks (a short last
         batch) backs a zero loss in the missing ones, so DeepSpeed's count holds."""
-        scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0)) \
-            if self.precision == "fp16" else 1.0
-        outputs, cache = self.module.cache_gradients(batch, objective, scale)
+        outputs, cache = self.module.cache_gradients(batch, objective, self.loss_scale())
         if self.zero_stage == 3 and cache.direct:
             raise ValueError(
                 f"train.grad_cache_chunk under DeepSpeed ZeRO-3: the objective reads "
@@ -337,12 +334,20 @@ class DeepSpeedStrategy(Strategy):
             if index < len(cache.chunks) and not nonfinite:
                 surrogate = self.engine(batch, objective, replay=(cache, index))["loss"]
             else:  # a zero gradient keeps DeepSpeed's count of micro-batches
-                surrogate = sum((p * 0).sum() for p in self.module.parameters()
-                                if p.requires_grad)
+                surrogate = self.zero_loss()
             self.engine.backward(surrogate / self.accumulate_steps, scale_wrt_gas=False)
             if not self.engine.is_gradient_accumulation_boundary():
                 self.engine.step()
         return outputs, nonfinite
+
+    def zero_loss(self) -> torch.Tensor:
+        """A loss of 0 on every trainable parameter: a backward that counts as one of
+        DeepSpeed's micro-batches and adds nothing (a dropped micro-batch or chunk)."""
+        return sum((p * 0).sum() for p in self.module.parameters() if p.requires_grad)
+
+    def loss_scale(self) -> float:
+        return (float(getattr(self.engine.optimizer, "loss_scale", 1.0))
+                if self.precision == "fp16" else 1.0)
 
     def parameter_names(self, params) -> list[str]:
         """The names of ``params`` in the training module."""

@@ -203,7 +203,6 @@ class TorchStrategy(Strategy):
         self.scaler.scale(loss).backward()
 
     def loss_scale(self) -> float:
-        """The fp16 loss scale the backward applies (1 without one)."""
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
 
     def clip_and_check(self) -> bool:
