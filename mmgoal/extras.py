@@ -21,6 +21,8 @@ EXTRAS = {
     "tensorboard": "tracking",
     "wandb": "tracking",
     "eccv_caption": "coco",
+    "peft": "lora",
+    "datasets": "hf",
 }
 
 
