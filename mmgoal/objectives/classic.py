@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.contract import TemperatureModel
+from mmgoal.objectives.blocks import BLOCK_ROWS, RowTerm, check_block_rows, in_row_blocks
 from mmgoal.objectives.hard_negative import HardNegativeLoss, check_reduction
 from mmgoal.objectives.mining import score_share
 from mmgoal.registry import OBJECTIVES
@@ -112,6 +113,17 @@ def multi_similarity_rows(sims: torch.Tensor, positives: torch.Tensor, alpha: fl
             + _log1p_sum_exp(beta * (sims - lam), keep_neg) / beta)
 
 
+class _MultiSimilarityTerms(RowTerm):
+    """:func:`multi_similarity_rows` of a block, over ``divisor``."""
+
+    def __init__(self, loss: MultiSimilarityLoss, divisor: int) -> None:
+        self.hp = (loss.alpha, loss.beta, loss.lam, loss.eps)
+        self.divisor = divisor
+
+    def loss(self, direction, scores, positives):
+        return multi_similarity_rows(scores, positives, *self.hp).sum() / self.divisor, None
+
+
 @OBJECTIVES.register()
 class MultiSimilarityLoss(nn.Module):
     """Multi-similarity loss over all mined pairs, images and texts both as anchors.
@@ -121,11 +133,14 @@ class MultiSimilarityLoss(nn.Module):
             ``beta`` 10 matches GOAL's ``sig`` default).
         eps: pair-mining margin.
         reduction: ``sum`` or ``mean`` over anchors.
+        block_rows: anchors whose terms are computed at once (docs/objectives.md).
     """
 
     def __init__(self, alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
-                 eps: float = 0.1, reduction: str = "sum") -> None:
+                 eps: float = 0.1, reduction: str = "sum", block_rows: int = BLOCK_ROWS
+                 ) -> None:
         super().__init__()
+        self.block_rows = check_block_rows(block_rows)
         self.alpha, self.beta, self.lam, self.eps = alpha, beta, lam, eps
         self.reduction = check_reduction(reduction)
 
@@ -133,12 +148,40 @@ class MultiSimilarityLoss(nn.Module):
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         share = score_share(inputs)
-        hp = (self.alpha, self.beta, self.lam, self.eps)
-        loss = sum(multi_similarity_rows(scores, positives, *hp).sum()
-                   for _, scores, positives in share.directions())
-        if self.reduction == "mean":  # over every anchor of the batch, both directions
-            loss = loss / (share.n_images + share.n_texts)
+        # the mean is over every anchor of the batch, both directions
+        divisor = share.n_images + share.n_texts if self.reduction == "mean" else 1
+        loss = in_row_blocks(_MultiSimilarityTerms(self, divisor), share,
+                             block=self.block_rows)
         return {"ms_loss": loss}
+
+
+class _SoftmaxTerms(RowTerm):
+    """InfoNCE's term of every anchor of a block, ``x = s / T``: ``logsumexp(x_a)`` less
+    the mean of ``x`` over the anchor's positives (the cross-entropy of the softmax with
+    the target spread uniformly over them; 0 for an anchor without one), over twice the
+    direction's anchors in the batch (the mean of the two directions' means). Its
+    derivative is ``softmax(x_a) - target_a``, from the row's kept ``logsumexp``."""
+
+    def __init__(self, n_images: int, n_texts: int) -> None:
+        self.divisors = {"i2t": 2 * n_images, "t2i": 2 * n_texts}
+
+    def _parts(self, scores, positives, temperature):
+        counts = torch.count_nonzero(positives, dim=1).to(scores.dtype)
+        return scores / temperature, counts
+
+    def loss(self, direction, scores, positives, temperature):
+        x, counts = self._parts(scores, positives, temperature)
+        lse = torch.logsumexp(x, dim=1).masked_fill_(counts == 0, 0.0)
+        positive_means = x.masked_fill_(~positives, 0.0).sum(1) / counts.clamp(min=1)
+        return (lse - positive_means).sum() / self.divisors[direction], lse
+
+    def grad(self, direction, scores, positives, lse, temperature):
+        x, counts = self._parts(scores, positives, temperature)
+        dx = (x - lse[:, None]).exp_().mul_((counts > 0)[:, None])  # the softmax
+        dx -= positives / counts.clamp(min=1)[:, None]
+        dx /= self.divisors[direction]
+        # x = s / T: d/ds = dx / T, d/dT = -sum(dx x) / T
+        return dx / temperature, (-(dx * x).sum() / temperature,)
 
 
 @OBJECTIVES.register()
@@ -161,6 +204,7 @@ class InfoNCELoss(nn.Module):
         temperature: initial temperature (0.07 in CLIP and X-VLM).
         learnable: optimise the temperature with the model.
         min_temperature, max_temperature: clamp range (X-VLM: 0.001, 0.5).
+        block_rows: anchors whose terms are computed at once (docs/objectives.md).
         model: the model it trains (set by the trainer, not the config).
 
     Returns (from ``forward``): ``infonce_loss`` (mean of both directions) and
@@ -169,8 +213,9 @@ class InfoNCELoss(nn.Module):
 
     def __init__(self, temperature: float = 0.07, learnable: bool = True,
                  min_temperature: float = 0.001, max_temperature: float = 0.5,
-                 model: nn.Module | None = None) -> None:
+                 block_rows: int = BLOCK_ROWS, model: nn.Module | None = None) -> None:
         super().__init__()
+        self.block_rows = check_block_rows(block_rows)
         if not min_temperature <= temperature <= max_temperature:
             raise ValueError(f"temperature {temperature} lies outside "
                              f"[{min_temperature}, {max_temperature}]")
@@ -188,21 +233,7 @@ class InfoNCELoss(nn.Module):
         own = inputs.model.temperature() if isinstance(inputs.model, TemperatureModel) \
             else self.temperature
         temperature = own.clamp(self.min_temperature, self.max_temperature)
-        loss = share.rows.new_zeros(())
-        for direction, scores, positives in share.directions():
-            # -sum_j t_aj log softmax_aj with t uniform over the anchor's positives is
-            # logsumexp_a - mean of the positives' scores: from the positives' indices, with
-            # no dense target or log-softmax tensor beside the scores
-            if share.paired:  # each anchor's positive is its own pair: fused, as ClipLoss
-                labels = torch.arange(len(scores), device=scores.device) + share.offset
-                total = F.cross_entropy(scores / temperature, labels, reduction="sum")
-            else:
-                anchors, others = positives.nonzero(as_tuple=True)
-                counts = torch.bincount(anchors, minlength=len(scores)).to(scores.dtype)
-                positive_sums = scores.new_zeros(len(scores)).index_add(
-                    0, anchors, scores[anchors, others])
-                total = (torch.logsumexp(scores / temperature, dim=1) * (counts > 0)
-                         - positive_sums / temperature / counts.clamp(min=1)).sum()
-            # the mean over every anchor of the batch, this share's part of it
-            loss = loss + total / (share.n_images if direction == "i2t" else share.n_texts)
-        return {"infonce_loss": loss / 2, "temperature": temperature.detach()}
+        term = _SoftmaxTerms(share.n_images, share.n_texts)
+        loss = in_row_blocks(term, share, temperature.to(share.rows.dtype),
+                             block=self.block_rows)
+        return {"infonce_loss": loss, "temperature": temperature.detach()}

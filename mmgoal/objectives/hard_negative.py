@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmgoal.objectives.mining import direction_triplets, score_share
+from mmgoal.objectives.blocks import take_scores
+from mmgoal.objectives.mining import mine_direction, score_share
 from mmgoal.structures import ObjectiveInputs
 
 REDUCTIONS = ("sum", "mean")
@@ -44,10 +45,13 @@ class HardNegativeLoss(nn.Module):
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         share = score_share(inputs)
+        triplets = {direction: mine_direction(scores, positives)
+                    for direction, scores, positives in share.directions()}
+        taken = take_scores(share, {direction: [(t.anchors, t.others), (t.anchors, t.negatives)]
+                                    for direction, t in triplets.items()})
         loss = share.rows.new_zeros(())
-        for _, scores, positives in share.directions():
-            s_p, s_n, valid = direction_triplets(scores, positives)
-            loss = loss + (self.triplet_loss(s_p, s_n) * valid).sum()
+        for direction, (s_p, s_n) in taken.items():
+            loss = loss + (self.triplet_loss(s_p, s_n) * triplets[direction].valid).sum()
         if self.reduction == "mean":
             loss = loss / max(share.positive_count, 1)
         return {f"{self.name}_loss": loss}

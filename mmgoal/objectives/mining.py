@@ -111,13 +111,6 @@ def mine_direction(scores: torch.Tensor, positives: torch.Tensor) -> DirectionTr
     return DirectionTriplets(anchors, others, hardest[anchors], valid[anchors])
 
 
-def direction_triplets(scores: torch.Tensor, positives: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``s_p``, ``s_n`` (gradient kept) and ``valid`` of :func:`mine_direction`'s triplets."""
-    triplets = mine_direction(scores, positives)
-    return *triplets.scores(scores), triplets.valid
-
-
 def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,
                       positive_index: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

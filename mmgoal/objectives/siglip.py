@@ -9,9 +9,10 @@ with ``t = exp(t')`` a learnable scale and ``b`` a learnable bias (the paper's
 initialisation: ``t' = log 10``, ``b = -10``; docs/reference/objectives.md). It equals
 open_clip's ``SigLipLoss`` on the same features (tests/objectives/test_siglip.py).
 
-The loss and its gradient are computed block by block of rows (:class:`_SigmoidLoss`):
-no (n, n) tensor beyond the score matrix and its gradient is ever alive, whatever the
-batch (the backward pass recomputes each block's sigmoid from the scores).
+The loss and its gradient are computed block by block of rows
+(:func:`~mmgoal.objectives.blocks.in_row_blocks`): no (n, n) tensor beyond the score
+matrix and its gradient is ever alive, whatever the batch (the backward pass recomputes
+each block's sigmoid from the scores).
 """
 
 from __future__ import annotations
@@ -22,53 +23,33 @@ import torch
 from torch import nn
 
 from mmgoal.contract import LogitBiasModel, TemperatureModel
+from mmgoal.objectives.blocks import BLOCK_ROWS, RowTerm, check_block_rows, in_row_blocks
 from mmgoal.objectives.mining import score_share
 from mmgoal.registry import OBJECTIVES
 from mmgoal.structures import ObjectiveInputs
 
-# Rows of the score matrix a block holds (its logits and sigmoid: 2 x rows x n values)
-BLOCK_ROWS = 1024
 
+class _Sigmoid(RowTerm):
+    """``-log sigmoid(z x)`` of every pair of a block of image rows, ``x = scale * s + bias``,
+    ``z = +-1``, divided by the batch's images; the backward pass recomputes the sigmoid."""
 
-def _block_grad(sims: torch.Tensor, positives: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss sum, dL/dx)`` of a block of rows, ``x = scale * sims + bias`` (rows, n):
-    ``-log sigmoid(z x)`` and its derivative ``-z sigmoid(-z x)``, ``z = +-1``."""
-    signs = positives.to(sims.dtype).mul_(2).sub_(1)
-    margin = (sims * scale + bias).mul_(signs)  # z x
-    loss = -torch.nn.functional.logsigmoid(margin).sum()
-    return loss, torch.sigmoid(margin.neg_()).mul_(signs).neg_()
+    directions = ("i2t",)
 
+    def __init__(self, divisor: int) -> None:
+        self.divisor = divisor
 
-class _SigmoidLoss(torch.autograd.Function):
-    """The summed sigmoid loss of ``sims`` (rows, n_txt) divided by ``divisor`` (the batch's
-    images), forward and backward in blocks of ``block`` rows; gradients for the scores,
-    the scale and the bias."""
+    def _margins(self, scores, positives, scale, bias):
+        signs = positives.to(scores.dtype).mul_(2).sub_(1)
+        return (scores * scale + bias).mul_(signs), signs  # z x
 
-    @staticmethod
-    def forward(ctx, sims: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
-                positives: torch.Tensor, block: int, divisor: int) -> torch.Tensor:
-        ctx.save_for_backward(sims, scale, bias, positives)
-        ctx.block, ctx.divisor = block, divisor
-        total = sims.new_zeros(())
-        for start in range(0, len(sims), block):
-            rows = slice(start, start + block)
-            total += _block_grad(sims[rows], positives[rows], scale, bias)[0]
-        return total / divisor
+    def loss(self, direction, scores, positives, scale, bias):
+        margins, _ = self._margins(scores, positives, scale, bias)
+        return -torch.nn.functional.logsigmoid(margins).sum() / self.divisor, None
 
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        sims, scale, bias, positives = ctx.saved_tensors
-        factor = grad_output / ctx.divisor
-        grad_sims = torch.empty_like(sims)
-        grad_scale, grad_bias = sims.new_zeros(()), sims.new_zeros(())
-        for start in range(0, len(sims), ctx.block):
-            rows = slice(start, start + ctx.block)
-            dx = _block_grad(sims[rows], positives[rows], scale, bias)[1].mul_(factor)
-            grad_scale += (dx * sims[rows]).sum()
-            grad_bias += dx.sum()
-            grad_sims[rows] = dx.mul_(scale)
-        return grad_sims, grad_scale, grad_bias, None, None, None
+    def grad(self, direction, scores, positives, kept, scale, bias):
+        margins, signs = self._margins(scores, positives, scale, bias)
+        dx = torch.sigmoid(margins.neg_()).mul_(signs).neg_().div_(self.divisor)  # d/dx
+        return dx * scale, ((dx * scores).sum(), dx.sum())
 
 
 @OBJECTIVES.register()
@@ -96,9 +77,7 @@ class SigLIPLoss(nn.Module):
                  learnable: bool = True, block_rows: int = BLOCK_ROWS,
                  model: nn.Module | None = None) -> None:
         super().__init__()
-        if block_rows < 1:
-            raise ValueError(f"block_rows must be at least 1, got {block_rows}")
-        self.block_rows = block_rows
+        self.block_rows = check_block_rows(block_rows)
         own_scale = not isinstance(model, TemperatureModel)
         own_bias = not (isinstance(model, LogitBiasModel) and model.logit_bias() is not None)
         for name, value, own in (("logit_scale", init_scale, own_scale),
@@ -114,14 +93,14 @@ class SigLIPLoss(nn.Module):
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         share = score_share(inputs)
-        sims, positives = share.rows, share.row_positives
+        sims = share.rows
         model = inputs.model
         scale = (1 / model.temperature() if isinstance(model, TemperatureModel)
                  else self.logit_scale.exp())
         bias = model.logit_bias() if isinstance(model, LogitBiasModel) else None
         bias = self.logit_bias if bias is None else bias
-        loss = _SigmoidLoss.apply(sims, scale.to(sims.dtype), bias.to(sims.dtype), positives,
-                                  self.block_rows, share.n_images)
+        loss = in_row_blocks(_Sigmoid(share.n_images), share, scale.to(sims.dtype),
+                             bias.to(sims.dtype), block=self.block_rows)
         # copies: a parameter's detached view would show the value after the step
         return {"siglip_loss": loss, "logit_scale": scale.detach().clone(),
                 "logit_bias": bias.detach().clone()}

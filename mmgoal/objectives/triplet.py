@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mmgoal.objectives.blocks import BLOCK_ROWS, RowTerm, check_block_rows, in_row_blocks
 from mmgoal.objectives.hard_negative import HardNegativeLoss
 from mmgoal.objectives.mining import score_share
 from mmgoal.registry import OBJECTIVES
@@ -31,6 +32,16 @@ def sum_of_hinges(scores: torch.Tensor, positives: torch.Tensor, margin: float
     return ((margin + scores[anchors] - s_pos).clamp(min=0) * ~positives[anchors]).sum(1)
 
 
+class _HingeTerms(RowTerm):
+    """:func:`sum_of_hinges` of a block of anchors, over ``divisor``."""
+
+    def __init__(self, margin: float, divisor: int) -> None:
+        self.margin, self.divisor = margin, divisor
+
+    def loss(self, direction, scores, positives):
+        return sum_of_hinges(scores, positives, self.margin).sum() / self.divisor, None
+
+
 @OBJECTIVES.register()
 class TripletLoss(HardNegativeLoss):
     """Bidirectional triplet ranking loss with the hardest or all negatives.
@@ -40,6 +51,8 @@ class TripletLoss(HardNegativeLoss):
         max_violation: hardest negative only (VSE++) instead of the sum over
             all negatives (VSE0).
         reduction: ``sum`` over positive pairs (VSE++ convention) or ``mean``.
+        block_rows: anchors whose hinges over all negatives are computed at once
+            (``max_violation: false``; docs/objectives.md).
 
     Returns (from ``forward``): ``triplet_loss``.
     """
@@ -47,8 +60,9 @@ class TripletLoss(HardNegativeLoss):
     name = "triplet"
 
     def __init__(self, margin: float = 0.2, max_violation: bool = True,
-                 reduction: str = "sum") -> None:
+                 reduction: str = "sum", block_rows: int = BLOCK_ROWS) -> None:
         super().__init__(reduction)
+        self.block_rows = check_block_rows(block_rows)
         self.margin = margin
         self.max_violation = max_violation
 
@@ -59,8 +73,6 @@ class TripletLoss(HardNegativeLoss):
         if self.max_violation:
             return super().forward(inputs)
         share = score_share(inputs)
-        loss = sum(sum_of_hinges(scores, positives, self.margin).sum()
-                   for _, scores, positives in share.directions())
-        if self.reduction == "mean":
-            loss = loss / max(share.positive_count, 1)
+        divisor = max(share.positive_count, 1) if self.reduction == "mean" else 1
+        loss = in_row_blocks(_HingeTerms(self.margin, divisor), share, block=self.block_rows)
         return {"triplet_loss": loss}
