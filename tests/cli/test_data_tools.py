@@ -68,7 +68,7 @@ def test_make_shards_help_lists_the_options_of_every_source():
     assert "hf: --dataset [--image-key] [--caption-key] [--id-key] [--splits]" in result.stdout
 
 
-def test_make_shards_csv_then_train_on_the_shards(tmp_path, capsys):
+def test_make_shards_csv_then_train_on_the_shards(tmp_path):
     """open_clip's CSV files -> mmgoal make-shards csv -> shards the quickstart model trains
     and is tested on, as on the synthetic benchmark's (tiny_overrides' layout: 3 train
     shards, 1 val, 2 test)."""
@@ -89,9 +89,10 @@ def test_make_shards_csv_then_train_on_the_shards(tmp_path, capsys):
     assert make_shards.main(["csv", "--out", str(out), "--shard-size", "4", "--no-progress",
                              *(str(a) for split, path in files.items()
                                for a in (f"--{split}", path))]) == 0
-    printed = capsys.readouterr().out
-    assert "train: 12 samples, 24 captions in 3 shards" in printed
-    assert "test: 8 samples, 16 captions in 2 shards" in printed
+    splits = json.loads((out / "summary.json").read_text())["splits"]
+    assert {split: (row["samples"], row["captions"], row["shards"])
+            for split, row in splits.items()} == {"train": (12, 24, 3), "val": (4, 8, 1),
+                                                  "test": (8, 16, 2)}
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_overrides("quickstart.yaml", out, train={
         "epochs": 1, "progress": False})))
