@@ -348,8 +348,9 @@ PAIR_WEIGHTS = Registry("pair weight", inputs=("s_p", "s_n", "relative"),
 CHECKPOINT_REMAPS = Registry("checkpoint remap", locations=_at(
     f"{_MODELS}.pretrained", "efficientnet_pytorch", "timm"))
 TEXT_AUGMENTS = Registry("text augment", locations=_at(f"{_DATA}.tokenizers", "TokenAugment"))
-SHARD_SOURCES = Registry("shard source", locations=_at(f"{_DATA}.sources", "entities",
-                                                       "karpathy", "precomputed"))
+SHARD_SOURCES = Registry("shard source", locations={
+    **_at(f"{_DATA}.sources", "entities", "karpathy", "precomputed"),
+    **_at(f"{_DATA}.caption_sources", "csv", "folder", "hf")})
 
 _plugins_loaded = False
 

@@ -99,8 +99,10 @@ EXAMPLES = {
     "STRATEGIES": {"torch": {"device": "cpu"}, "single": {}, "ddp": {"bucket_mb": 1.0},
                    "deepspeed": None,
                    "accelerate": None},
-    # sources read data sets from disk: tests/data/test_sources.py builds each on fixtures
-    "SHARD_SOURCES": {"karpathy": None, "precomputed": None, "entities": None},
+    # sources read data sets from disk: tests/data/test_sources.py and
+    # test_caption_sources.py build each on fixtures
+    "SHARD_SOURCES": {"karpathy": None, "precomputed": None, "entities": None, "csv": None,
+                      "folder": None, "hf": None},
 }
 REGISTRIES = [name for name, value in vars(registry).items()
               if isinstance(value, registry.Registry)]

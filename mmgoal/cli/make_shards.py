@@ -6,6 +6,11 @@
         --out data/f30k_precomp
     mmgoal make-shards entities --shards 'data/f30k/*.tar' \\
         --entities-root /data/flickr30k_entities --out data/f30k_entities
+    mmgoal make-shards csv --train train.csv --val val.csv --out data/mine \\
+        [--img-key filepath] [--caption-key title] [--separator ,]
+    mmgoal make-shards folder --train photos/train --test photos/test --out data/photos
+    mmgoal make-shards hf --dataset /data/my_saved_dataset --image-key image \\
+        --caption-key caption --out data/mine_hf
     mmgoal make-shards karpathy ... --out data/coco --resume   # after an interruption
 
 ``--resume`` requires the options of the first run (recorded in the --out folder's
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = convert(source, args.out, shard_size=args.shard_size, workers=args.workers,
                           resume=args.resume, progress=not args.no_progress,
                           options={"source": args.source, **options})
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError,
+            ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_summary(summary))

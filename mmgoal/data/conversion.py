@@ -31,10 +31,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from mmgoal.data.shards import ShardWriter
+from mmgoal.data.tars import IMAGE_EXTENSIONS
 from mmgoal.files import write_text
 
 logger = logging.getLogger(__name__)
@@ -71,30 +72,41 @@ class ShardSource:
         raise NotImplementedError
 
 
-def image_member(path: Path, max_size: int | None = None,
-                 jpeg_quality: int | None = None) -> tuple[str, bytes, int, int]:
+def image_member(path: Path, max_size: int | None = None, jpeg_quality: int | None = None,
+                 data: bytes | None = None) -> tuple[str, bytes, int, int]:
     """An image file as a sample member: (extension, bytes, width, height).
 
     The file is decoded whole to catch truncated images. Its bytes are kept as
-    they are unless it is larger than ``max_size`` (longer side) or
-    ``jpeg_quality`` asks for re-encoding; then it is written as JPEG.
+    they are unless it is larger than ``max_size`` (longer side), ``jpeg_quality``
+    asks for re-encoding, or its format is one the training pipeline does not read
+    as an image (``IMAGE_EXTENSIONS``: a BMP, GIF or TIFF); then it is written as JPEG.
+
+    Args:
+        path: the file; with ``data``, only its name (for the extension and messages).
+        data: the file's bytes when they are not on disk (a Hugging Face dataset's
+            image column); the extension then comes from the name or, without one,
+            from the decoded format.
 
     Raises:
         SkippedItem: the file is missing or unreadable.
     """
+    if data is None:
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise SkippedItem("missing image", f"{path} ({error.strerror})") from error
     try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise SkippedItem("missing image", f"{path} ({error.strerror})") from error
-    try:
-        image = Image.open(path)  # by path: PIL's messages then name the file
+        image = Image.open(io.BytesIO(data))
         image.load()
+    except UnidentifiedImageError as error:  # its message names the BytesIO, not the file
+        raise SkippedItem("unreadable image", f"{path} (not an image format PIL "
+                                              f"knows)") from error
     except Exception as error:  # PIL raises many types for broken files
         raise SkippedItem("unreadable image", f"{path} ({error})") from error
     width, height = image.size
+    extension = (path.suffix.lstrip(".") or image.format or "").lower().replace("jpeg", "jpg")
     too_large = max_size is not None and max(width, height) > max_size
-    if not too_large and jpeg_quality is None:
-        extension = path.suffix.lower().lstrip(".").replace("jpeg", "jpg")
+    if not too_large and jpeg_quality is None and extension in IMAGE_EXTENSIONS:
         return extension, data, width, height
     image = image.convert("RGB")
     if too_large:
@@ -117,6 +129,23 @@ def safe_key(key: str) -> str:
     if safe == key and key:
         return key
     return f"{safe}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def split_names(names: str | dict[str, str]) -> dict[str, str]:
+    """Shard names of input splits: ``"dev=val,testall=test"`` (or that mapping) ->
+    ``{"dev": "val", "testall": "test"}``.
+
+    Raises:
+        ValueError: a pair without ``=``.
+    """
+    if isinstance(names, dict):
+        return dict(names)
+    pairs = [pair for pair in names.split(",") if pair]
+    wrong = [pair for pair in pairs if "=" not in pair]
+    if wrong:
+        raise ValueError(f"split names {names!r}: {', '.join(wrong)} is not INPUT=SHARD_NAME; "
+                         f"write e.g. 'validation=val,dev=val'")
+    return dict(pair.split("=", 1) for pair in pairs)
 
 
 def stats_path(out_dir: Path, split: str, index: int) -> Path:

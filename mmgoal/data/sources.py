@@ -22,7 +22,13 @@ from typing import Any
 import numpy as np
 
 from mmgoal.data.coco import CaptionIds
-from mmgoal.data.conversion import MAX_EXAMPLES, ShardSource, SkippedItem, image_member
+from mmgoal.data.conversion import (
+    MAX_EXAMPLES,
+    ShardSource,
+    SkippedItem,
+    image_member,
+    split_names,
+)
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
 from mmgoal.data.remote import expand_shards
 from mmgoal.registry import SHARD_SOURCES
@@ -176,8 +182,7 @@ class PrecomputedSource(ShardSource):
                                     f"{', '.join(found) or 'none'}")
         self.wanted = wanted
         self.per_image = captions_per_image
-        self.names = names if isinstance(names, dict) else dict(
-            pair.split("=", 1) for pair in names.split(",") if pair)
+        self.names = split_names(names)
         self.inputs = {self.names.get(s, s): s for s in wanted}
         if len(self.inputs) < len(wanted):
             raise ValueError(f"names {names!r} give two splits the same shard name")

@@ -4,9 +4,10 @@ import io
 import json
 import tarfile
 
+import yaml
 from PIL import Image
 from script_modules import load_tool
-from test_cli import run_tool
+from test_cli import run_tool, tiny_overrides
 
 from mmgoal.data.shards import ShardWriter
 
@@ -61,6 +62,49 @@ def test_make_shards_help_lists_the_options_of_every_source():
     assert "karpathy: --json --image-root [--max-size] [--jpeg-quality]" in result.stdout
     assert "entities: --shards --entities-root" in result.stdout
     assert "precomputed: --data-dir [--splits]" in result.stdout
+    assert ("csv: [--train] [--val] [--test] [--img-key] [--caption-key] [--separator] "
+            "[--image-root]") in result.stdout
+    assert "folder: [--train] [--val] [--test] [--max-size]" in result.stdout
+    assert "hf: --dataset [--image-key] [--caption-key] [--id-key] [--splits]" in result.stdout
+
+
+def test_make_shards_csv_then_train_on_the_shards(tmp_path):
+    """open_clip's CSV files -> mmgoal make-shards csv -> shards the quickstart model trains
+    and is tested on, as on the synthetic benchmark's (tiny_overrides' layout: 3 train
+    shards, 1 val, 2 test)."""
+    make_shards, train = load_tool("make-shards"), load_tool("train")
+    (tmp_path / "images").mkdir()
+    colours = {"red": (220, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 230),
+               "yellow": (230, 220, 30)}
+    files = {}
+    for split, count in (("train", 12), ("val", 4), ("test", 8)):
+        lines = ["filepath\ttitle"]
+        for index in range(count):
+            name, (colour, rgb) = f"images/{split}{index}.png", list(colours.items())[index % 4]
+            Image.new("RGB", (32, 32), rgb).save(tmp_path / name)
+            lines += [f"{name}\ta {colour} square", f"{name}\t{colour}, picture {index}"]
+        files[split] = tmp_path / f"{split}.csv"
+        files[split].write_text("\n".join(lines) + "\n")
+    out = tmp_path / "shards"
+    assert make_shards.main(["csv", "--out", str(out), "--shard-size", "4", "--no-progress",
+                             *(str(a) for split, path in files.items()
+                               for a in (f"--{split}", path))]) == 0
+    splits = json.loads((out / "summary.json").read_text())["splits"]
+    assert {split: (row["samples"], row["captions"], row["shards"])
+            for split, row in splits.items()} == {"train": (12, 24, 3), "val": (4, 8, 1),
+                                                  "test": (8, 16, 2)}
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_overrides("quickstart.yaml", out, train={
+        "epochs": 1, "progress": False})))
+    work = tmp_path / "run"
+    assert train.main([str(config), "--work-dir", str(work), "--cfg-options",
+                       "data.train.batch_size=4"]) == 0
+    report = json.loads((work / "report.json").read_text())
+    assert (report["epochs"], report["steps"], report["skipped_samples"]) == (1, 3, 0)
+    assert [name for name, _ in report["test_set"]] == ["test-000000.tar", "test-000001.tar"]
+    assert 0 <= report["test"]["i2t_r1"] <= report["test"]["i2t_r10"] <= 100
+    assert report["test"]["rsum"] == sum(report["test"][f"{d}_r{k}"] for d in ("i2t", "t2i")
+                                         for k in (1, 5, 10))
 
 
 def test_inspect_reports_every_kind_of_problem(tmp_path):

@@ -1,0 +1,401 @@
+"""Shard sources for image-caption collections of any origin (``mmgoal make-shards SOURCE``).
+
+What a CLIP fine-tuner has at hand, as open_clip and Hugging Face keep it:
+
+- ``csv``: open_clip's CSV files (``open_clip_train --dataset-type csv``), an image
+  path column and a caption column, a file per split;
+- ``folder``: a folder of images, each with a caption file of its name (``.txt``, a
+  caption a line, or ``.json`` with ``caption``/``captions``), a folder per split;
+- ``hf``: a Hugging Face ``datasets`` dataset, a folder written by ``save_to_disk`` or
+  a hub id, with an image column and a caption column.
+
+Each writes samples as ``karpathy`` does: the image (its bytes as they are) and a JSON
+with ``image_id``, ``captions``, ``split``, ``width`` and ``height``, so the shards
+train and evaluate like the papers' data sets. Images that are missing or unreadable,
+and images without captions, are skipped and counted (:mod:`mmgoal.data.conversion`).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from mmgoal.data.conversion import ShardSource, SkippedItem, image_member, split_names
+from mmgoal.extras import require_extra
+from mmgoal.registry import SHARD_SOURCES
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+# The files a folder source takes for images (those PIL reads; the formats the training
+# pipeline does not read as images, BMP, GIF and TIFF, are re-encoded as JPEG)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def given_splits(what: str, **inputs: str | None) -> dict[str, Path]:
+    """The splits that were given an input (``train=..., val=None``), in split order.
+
+    Raises:
+        ValueError: none was given.
+    """
+    given = {split: Path(value) for split, value in inputs.items() if value}
+    if not given:
+        raise ValueError(f"give the {what} of at least one split: "
+                         f"{', '.join('--' + split for split in inputs)}")
+    return given
+
+
+def caption_list(value: Any) -> list[str]:
+    """A caption field as a list of captions: a string is one, a list is several; empty
+    and blank captions are left out."""
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else list(value)
+    return [text.strip() for text in values if isinstance(text, str) and text.strip()]
+
+
+def captioned_image(split: str, image_id: str | int, captions: list[str],
+                    member: tuple[str, bytes, int, int]) -> dict:
+    """A shard sample: the image member and the JSON the training pipeline reads."""
+    extension, data, width, height = member
+    meta = {"image_id": image_id, "captions": captions, "split": split, "width": width,
+            "height": height}
+    return {"__key__": str(image_id), extension: data, "json": json.dumps(meta).encode()}
+
+
+@SHARD_SOURCES.register("csv")
+class CSVSource(ShardSource):
+    """Images and captions of open_clip's CSV files (``--dataset-type csv``).
+
+    Each split's file has a header row naming its columns, among them the image path
+    column and the caption column. Rows that name the same image path are one sample
+    with the captions of all of them, in the file's order (COCO written as a CSV has
+    five rows per image); a sample's ``image_id`` is the image path as the file writes
+    it. A row without an image path, or an image without a caption, is skipped and
+    counted.
+
+    Args:
+        train: the training split's CSV file.
+        val: the validation split's.
+        test: the test split's (at least one of the three).
+        img_key: the image path column (open_clip's ``--csv-img-key``).
+        caption_key: the caption column (``--csv-caption-key``).
+        separator: the column separator (``--csv-separator``), one character; ``\\t``
+            may be written as the two characters backslash and t.
+        image_root: the folder relative image paths are relative to (default: the
+            folder of each split's CSV file; open_clip reads them from its working
+            directory).
+        max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
+        jpeg_quality: re-encode every image as JPEG at this quality.
+    """
+
+    def __init__(self, train: str | None = None, val: str | None = None,
+                 test: str | None = None, img_key: str = "filepath",
+                 caption_key: str = "title", separator: str = "\t",
+                 image_root: str | None = None, max_size: int | None = None,
+                 jpeg_quality: int | None = None) -> None:
+        files = given_splits("CSV file", train=train, val=val, test=test)
+        separator = "\t" if separator == "\\t" else separator
+        if len(separator) != 1:
+            raise ValueError(f"--separator must be one character (a tab: '\\t'), got "
+                             f"{separator!r}")
+        self.roots = {split: Path(image_root) if image_root else path.parent
+                      for split, path in files.items()}
+        self.max_size, self.jpeg_quality = max_size, jpeg_quality
+        self.by_split = {split: read_csv_images(path, img_key, caption_key, separator)
+                         for split, path in files.items()}
+        self.files = files
+
+    def __getstate__(self) -> dict:
+        # a shard's items travel with its task; the split lists (a whole CC3M) need not
+        return {**self.__dict__, "by_split": {}}
+
+    def splits(self) -> list[str]:
+        return list(self.by_split)
+
+    def items(self, split: str) -> list[tuple[str, list[str], int]]:
+        return self.by_split[split]
+
+    def sample(self, split: str, item: tuple[str, list[str], int]) -> dict:
+        path, captions, line = item
+        if not path:
+            raise SkippedItem("no image path", f"{self.files[split]} line {line}")
+        if not captions:
+            raise SkippedItem("no captions", f"{path} ({self.files[split]} line {line})")
+        member = image_member(self.roots[split] / path, self.max_size, self.jpeg_quality)
+        return captioned_image(split, path, captions, member)
+
+
+def read_csv_images(path: Path, img_key: str, caption_key: str, separator: str
+                    ) -> list[tuple[str, list[str], int]]:
+    """(image path, its captions, the line of its first row) of every image a CSV file
+    names, in the order of their first rows.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file lacks a column; the message names those it has.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"CSV file {path} does not exist")
+    images: dict[str, tuple[str, list[str], int]] = {}
+    # utf-8-sig: a spreadsheet's byte order mark would otherwise join the first column's name
+    with path.open(newline="", encoding="utf-8-sig") as file:
+        rows = csv.reader(file, delimiter=separator)
+        try:
+            header = next(rows, [])
+            for option, key in (("--img-key", img_key), ("--caption-key", caption_key)):
+                if key not in header:
+                    raise ValueError(csv_column_error(path, key, option, header, separator))
+            image_column, caption_column = header.index(img_key), header.index(caption_key)
+            for row in rows:
+                if not row:
+                    continue
+                image = row[image_column] if image_column < len(row) else ""
+                caption = row[caption_column] if caption_column < len(row) else ""
+                entry = images.setdefault(image, (image, [], rows.line_num))
+                entry[1].extend(caption_list(caption))
+        except (csv.Error, UnicodeDecodeError) as error:
+            raise ValueError(f"{path} cannot be read as a UTF-8 CSV file "
+                             f"({error})") from error
+    return list(images.values())
+
+
+def csv_column_error(path: Path, key: str, option: str, header: list[str],
+                     separator: str) -> str:
+    message = (f"{path} has no column {key!r} ({option}); its columns are: "
+               f"{', '.join(repr(name) for name in header) or 'none (an empty file)'}")
+    others = [name for name, mark in (("a tab", "\t"), ("a comma", ","), ("a semicolon", ";"))
+              if mark != separator and len(header) == 1 and mark in header[0]]
+    if others:
+        message += f"; its header has {others[0]}: is that the separator (--separator)?"
+    return message
+
+
+@SHARD_SOURCES.register("folder")
+class FolderSource(ShardSource):
+    """Images in a folder, each with a caption file of the same name.
+
+    ``cat.jpg`` takes its captions from ``cat.txt`` (a caption a line, blank lines left
+    out) or, failing that, ``cat.json`` (a ``captions`` list or a ``caption`` string; an
+    img2dataset folder, with both, gives the ``.txt``). Sub-folders are read too, in sorted order;
+    files and folders whose names start with a dot are not. A sample's ``image_id`` is
+    the image's path in the folder without its extension (``dogs/cat``). An image
+    without a caption file, or with an empty one, is skipped and counted; so is a
+    second image of one name (``cat.png`` beside ``cat.jpg``: they would share a
+    caption file).
+
+    Args:
+        train: the training split's folder.
+        val: the validation split's.
+        test: the test split's (at least one of the three).
+        max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
+        jpeg_quality: re-encode every image as JPEG at this quality.
+    """
+
+    def __init__(self, train: str | None = None, val: str | None = None,
+                 test: str | None = None, max_size: int | None = None,
+                 jpeg_quality: int | None = None) -> None:
+        self.roots = given_splits("folder", train=train, val=val, test=test)
+        self.max_size, self.jpeg_quality = max_size, jpeg_quality
+        self.by_split = {split: folder_images(root) for split, root in self.roots.items()}
+        named: set[str] = set()
+        self.second_of_name: set[str] = set()  # small: only the clashes travel to workers
+        for split, images in self.by_split.items():
+            for image in images:
+                name = f"{split}/{Path(image).with_suffix('').as_posix()}"
+                if name in named:
+                    self.second_of_name.add(f"{split}/{image}")
+                named.add(name)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "by_split": {}}  # a shard's items travel with its task
+
+    def splits(self) -> list[str]:
+        return list(self.by_split)
+
+    def items(self, split: str) -> list[str]:
+        return self.by_split[split]
+
+    def sample(self, split: str, item: str) -> dict:
+        path = self.roots[split] / item
+        if f"{split}/{item}" in self.second_of_name:
+            raise SkippedItem("another image has its name",
+                              f"{path} (its caption file is the other's)")
+        captions = caption_file_captions(path)
+        member = image_member(path, self.max_size, self.jpeg_quality)
+        return captioned_image(split, Path(item).with_suffix("").as_posix(), captions, member)
+
+
+def folder_images(root: Path) -> list[str]:
+    """The images under ``root`` (paths relative to it, sorted), hidden ones left out.
+
+    Raises:
+        FileNotFoundError: ``root`` is not a folder, or holds no image.
+    """
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder {root} is not a folder")
+    images = []
+    for path in root.rglob("*"):
+        relative = path.relative_to(root)
+        if (path.suffix.lower() in IMAGE_SUFFIXES and not path.is_dir()
+                and not any(part.startswith(".") for part in relative.parts)):
+            images.append(relative.as_posix())
+    images.sort()
+    if not images:
+        raise FileNotFoundError(f"{root} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+    return images
+
+
+def caption_file_captions(image: Path) -> list[str]:
+    """The captions of ``image``'s caption file (``.txt``, else ``.json``).
+
+    Raises:
+        SkippedItem: neither file exists, it cannot be read, or it holds no caption.
+    """
+    text_file, json_file = image.with_suffix(".txt"), image.with_suffix(".json")
+    if not text_file.is_file() and not json_file.is_file():
+        raise SkippedItem("no caption file", f"{image} has no {text_file.name} or "
+                                             f"{json_file.name}")
+    caption_file = text_file if text_file.is_file() else json_file
+    try:
+        text = caption_file.read_text(encoding="utf-8")
+        if caption_file is text_file:
+            captions = caption_list(text.splitlines())
+        else:
+            meta = json.loads(text)
+            captions = caption_list(meta.get("captions", meta.get("caption"))
+                                    if isinstance(meta, dict) else None)
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+        raise SkippedItem("unreadable caption file", f"{caption_file} ({error})") from error
+    if not captions:
+        raise SkippedItem("no captions", f"{caption_file} holds no caption"
+                          + ("" if caption_file is text_file else
+                             " (neither a 'captions' list nor a 'caption' string)"))
+    return captions
+
+
+@SHARD_SOURCES.register("hf")
+class HFSource(ShardSource):
+    """Images and captions of a Hugging Face ``datasets`` dataset.
+
+    ``dataset`` is a folder written by ``save_to_disk`` (a ``Dataset``, which is one
+    split, ``train`` unless it names its own, or a ``DatasetDict``), or else anything
+    ``load_dataset`` takes: a hub id (online; downloaded into the Hugging Face cache),
+    a folder of data files. The image column is an ``Image`` feature (its bytes are kept
+    as they are), a path or bytes; the caption column a string or a list of strings. A
+    sample's ``image_id`` is the ``id_key`` column's value, and rows with the same value
+    are one sample with the captions of all of them; without ``id_key`` every row is an
+    image, ``{split}-{row:07d}``. A row without an image, or without a caption, is
+    skipped and counted. Needs the ``hf`` extra (``pip install 'mmgoal[hf]'``).
+
+    Args:
+        dataset: the ``save_to_disk`` folder, or a hub id.
+        image_key: the image column.
+        caption_key: the caption column.
+        id_key: a column of image ids (default: none; the row numbers).
+        splits: which splits to convert (default: all of them), comma-separated.
+        names: shard names of the dataset's splits (``"validation=val"``: the name the
+            configs use).
+        max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
+        jpeg_quality: re-encode every image as JPEG at this quality.
+    """
+
+    def __init__(self, dataset: str, image_key: str = "image", caption_key: str = "caption",
+                 id_key: str | None = None, splits: str | None = None,
+                 names: str = "validation=val", max_size: int | None = None,
+                 jpeg_quality: int | None = None) -> None:
+        require_extra("datasets", "mmgoal make-shards hf")
+        self.dataset, self.image_key, self.caption_key = dataset, image_key, caption_key
+        self.id_key, self.max_size, self.jpeg_quality = id_key, max_size, jpeg_quality
+        loaded = self._load()
+        wanted = splits.split(",") if splits else list(loaded)
+        unknown = [split for split in wanted if split not in loaded]
+        if unknown:
+            raise ValueError(f"{dataset} has no split {', '.join(map(repr, unknown))} "
+                             f"(--splits); its splits are: {', '.join(loaded)}")
+        renames = split_names(names)
+        self.inputs = {renames.get(split, split): split for split in wanted}
+        if len(self.inputs) < len(wanted):
+            raise ValueError(f"names {names!r} give two splits the same shard name")
+        for split in wanted:
+            columns = loaded[split].column_names
+            for option, key in (("--image-key", image_key), ("--caption-key", caption_key),
+                                ("--id-key", id_key)):
+                if key is not None and key not in columns:
+                    raise ValueError(f"{dataset} split {split!r} has no column {key!r} "
+                                     f"({option}); its columns are: {', '.join(columns)}")
+        self._datasets = {name: self._readable(loaded[split])
+                          for name, split in self.inputs.items()}
+
+    def _load(self) -> dict:
+        """The dataset's splits by name."""
+        datasets = importlib.import_module("datasets")
+        folder = Path(self.dataset)
+        saved = any((folder / name).is_file()
+                    for name in ("dataset_dict.json", "state.json", "dataset_info.json"))
+        try:
+            loaded = (datasets.load_from_disk(str(folder)) if saved
+                      else datasets.load_dataset(self.dataset))
+        except (OSError, ValueError) as error:  # the hub out of reach: a ConnectionError
+            where = "a folder written by save_to_disk" if folder.is_dir() else "a local folder"
+            raise FileNotFoundError(
+                f"{self.dataset} is not {where}, and datasets.load_dataset could not load "
+                f"it ({error}); give a folder written by save_to_disk, or a Hugging Face hub "
+                f"id (online)") from error
+        if isinstance(loaded, datasets.Dataset):
+            return {str(loaded.split or "train"): loaded}
+        return dict(loaded)
+
+    def _readable(self, dataset: Any) -> Any:
+        """The split's columns that a sample reads, its images as bytes (not decoded)."""
+        datasets = importlib.import_module("datasets")
+        dataset = dataset.select_columns([key for key in (self.image_key, self.caption_key,
+                                                          self.id_key) if key])
+        if isinstance(dataset.features[self.image_key], datasets.Image):
+            dataset = dataset.cast_column(self.image_key, datasets.Image(decode=False))
+        return dataset
+
+    def _split(self, name: str) -> Any:
+        if not self._datasets:  # in a worker process: opened again (a memory map)
+            loaded = self._load()
+            self._datasets = {shard: self._readable(loaded[split])
+                              for shard, split in self.inputs.items()}
+        return self._datasets[name]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_datasets": {}}
+
+    def splits(self) -> list[str]:
+        return list(self.inputs)
+
+    def items(self, split: str) -> list[tuple[str | int, list[int]]]:
+        """(image id, its rows) of every image, in the order of their first rows."""
+        dataset = self._split(split)
+        if self.id_key is None:
+            return [(f"{split}-{row:07d}", [row]) for row in range(len(dataset))]
+        rows: dict[Any, list[int]] = {}
+        for row, image_id in enumerate(dataset[self.id_key]):
+            rows.setdefault(image_id, []).append(row)
+        return list(rows.items())
+
+    def sample(self, split: str, item: tuple[str | int, list[int]]) -> dict:
+        image_id, rows = item
+        dataset = self._split(split)
+        records = [dataset[row] for row in rows]
+        where = f"{self.inputs[split]} row {rows[0]}"
+        captions = [text for record in records for text in caption_list(record[self.caption_key])]
+        if not captions:
+            raise SkippedItem("no captions", f"{self.dataset} {where}")
+        image = records[0][self.image_key]
+        if isinstance(image, dict):  # an Image feature: its bytes, or a path to read
+            name, data = image.get("path"), image.get("bytes")
+        else:
+            name, data = (image, None) if isinstance(image, str) else (None, image)
+        if name is None and data is None:
+            raise SkippedItem("missing image", f"{self.dataset} {where} has no image")
+        member = image_member(Path(name or where), self.max_size, self.jpeg_quality, data)
+        return captioned_image(split, image_id, captions, member)
