@@ -1,13 +1,17 @@
-"""HTTP servers on 127.0.0.1 for the download and remote-shard tests: a Hugging Face hub
-endpoint serving files a test made, and a file server whose shards can break.
+"""HTTP servers on 127.0.0.1 for the download, upload and remote-shard tests: a Hugging Face
+hub endpoint serving files a test made and taking the commits ``HfApi`` pushes, and a file
+server whose shards can break.
 
 Nothing leaves the machine: tests point ``HF_ENDPOINT`` or a shard URL at these.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import http.server
+import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +32,74 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         self.respond(body=True)
+
+    def do_POST(self) -> None:  # noqa: N802
+        try:
+            self.take(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def send_json(self, status: int, value: dict, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(value).encode()
+        self.send_response(status)
+        for name, text in {"Content-Type": "application/json", **(headers or {})}.items():
+            self.send_header(name, text)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def take(self, body: bytes) -> None:
+        """The hub's write API as ``HfApi`` calls it: ``/api/repos/create``, then per commit
+        ``/api/models/<repo>/preupload/<revision>`` (every file answered ``regular``, so its
+        bytes come base64 in the commit) and ``/api/models/<repo>/commit/<revision>`` (NDJSON:
+        a header, then the files)."""
+        path = self.path.split("?", 1)[0]
+        self.server.requests.append((self.command, self.path))
+        if path in self.server.fail:
+            self.send_json(self.server.fail[path], {"error": "the test's hub fails this request"})
+            return
+        if (self.server.token is not None
+                and self.headers.get("Authorization") != f"Bearer {self.server.token}"):
+            self.send_json(401, {"error": "Invalid username or password."})
+            return
+        if path == "/api/repos/create":
+            asked = json.loads(body)
+            repo_id = f"{asked.get('organization') or self.server.user}/{asked['name']}"
+            url = {"url": f"{self.server.url}/{repo_id}"}
+            if repo_id in self.server.hub:
+                self.send_json(409, {"error": "You already created this model repo", **url})
+                return
+            self.server.hub[repo_id] = {}
+            self.server.created[repo_id] = {
+                "private": bool(asked.get("private")) or asked.get("visibility") == "private"}
+            self.send_json(200, url)
+            return
+        parts = path.strip("/").split("/")  # api/models/<org>/<name>/<call>/<revision>
+        if len(parts) != 6 or parts[:2] != ["api", "models"] or \
+                parts[4] not in ("preupload", "commit"):
+            self.send_json(404, {"error": f"the test's hub has no {path}"})
+            return
+        repo_id = "/".join(parts[2:4])
+        if repo_id not in self.server.hub:
+            self.send_json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+            return
+        if parts[4] == "preupload":
+            files = json.loads(body)["files"]
+            self.send_json(200, {"files": [{"path": f["path"], "uploadMode": "regular",
+                                            "shouldIgnore": False} for f in files]})
+            return
+        lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+        header, items = lines[0]["value"], lines[1:]
+        added = {item["value"]["path"]: base64.b64decode(item["value"]["content"])
+                 for item in items if item["key"] == "file"}
+        if len(added) != len(items):  # only files said regular: no LFS pointers, no deletions
+            self.send_json(400, {"error": f"the test's hub takes files only, got {items}"})
+            return
+        self.server.hub[repo_id].update(added)
+        self.server.commits.append({"repo": repo_id, "summary": header["summary"],
+                                    "revision": parts[5], "files": sorted(added)})
+        self.send_json(200, {"commitUrl": f"{self.server.url}/{repo_id}/commit/{COMMIT}",
+                             "commitOid": COMMIT, "pullRequestUrl": None})
 
     def respond(self, body: bool) -> None:
         try:
@@ -102,6 +174,12 @@ class _Server(http.server.ThreadingHTTPServer):
         self.ranges = True  # honour "Range: bytes=N-" (a resumed read)
         self.ranges_served: list[tuple[str, int]] = []
         self.requests: list[tuple[str, str]] = []
+        # uploads: the token every write must carry (None: none asked), the namespace of a
+        # repository created without one, what each creation asked, the commits taken
+        self.token: str | None = None
+        self.user = "mmgoal-test-user"
+        self.created: dict[str, dict] = {}  # repo id -> {"private": bool}
+        self.commits: list[dict] = []  # {"repo", "summary", "revision", "files"}
 
     @property
     def url(self) -> str:
@@ -117,6 +195,19 @@ class _Server(http.server.ThreadingHTTPServer):
         if len(parts) >= 5 and parts[2] == "resolve":
             return self.hub.get("/".join(parts[:2]), {}).get("/".join(parts[4:]))
         return None
+
+
+def client_env(server: _Server, hf_home: Path, token: str | None = None) -> dict[str, str]:
+    """The environment of a process that talks to ``server`` as its hub: online (the tests set
+    HF_HUB_OFFLINE, which huggingface_hub reads when imported: a fresh process),
+    ``HF_ENDPOINT`` the server's, ``HF_HOME`` an empty folder (no token saved on this
+    machine is read), ``HF_TOKEN`` ``token`` (None: no token)."""
+    unset = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(HF_HOME=str(hf_home), HF_ENDPOINT=server.url)
+    if token is not None:
+        env["HF_TOKEN"] = token
+    return env
 
 
 @contextmanager

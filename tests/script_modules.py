@@ -1,8 +1,10 @@
 """The repository's scripts (bench/*.py) and the modules of the ``mmgoal`` command's tools,
-imported for tests that call their functions or ``main`` in-process."""
+imported for tests that call their functions or ``main`` in-process, or the command run in
+a fresh process (:func:`run_command`)."""
 
 import importlib
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -26,3 +28,10 @@ def load_tool(command: str) -> ModuleType:
     from mmgoal.cli.main import COMMANDS
 
     return importlib.import_module(f"mmgoal.cli.{COMMANDS[command]}")
+
+
+def run_command(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -m mmgoal ARGS`` in a fresh process with the environment ``env``, from the
+    repository's root (its mmgoal)."""
+    return subprocess.run([sys.executable, "-m", "mmgoal", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)

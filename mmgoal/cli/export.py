@@ -9,6 +9,7 @@ layout of open_clip or Hugging Face transformers, for the code and hubs that loa
     mmgoal eval run1.pt           # the config travels inside the file
     mmgoal export work_dirs/clip --format open_clip --out clip_goal/
     mmgoal export work_dirs/hfclip --format hf --out hfclip_goal/
+    mmgoal export work_dirs/clip --format open_clip --out clip_goal/ --push-to-hub you/clip-goal
 
 and from Python ``mmgoal.load("run1.safetensors")``; ``open_clip.create_model_and_transforms(
 "local-dir:clip_goal")``; ``transformers.AutoModel.from_pretrained("hfclip_goal")``
@@ -34,6 +35,15 @@ refused.
 ``save_pretrained`` folder with the run's image processor and tokenizer. ``--out`` is
 then a new or empty folder, or an earlier export of that format. A model family with
 no outside format (VSE, SCAN, X-VLM) is an error that names the formats it has.
+
+``--push-to-hub NAMESPACE/NAME`` then uploads what the export wrote (the file, or the
+folder's files) to that Hugging Face hub model repository in a commit, at its root,
+through ``huggingface_hub`` (``HfApi.create_repo(exist_ok=True)``, then ``upload_file`` or
+``upload_folder``): the endpoint is ``HF_ENDPOINT``'s, the token ``HF_TOKEN``'s or the one
+``hf auth login`` saved. ``--private`` makes a repository it creates private;
+``--commit-message`` names the commit. With ``HF_HUB_OFFLINE`` set nothing is exported
+(the push could not happen); a push that fails (no token, no write access, the network,
+the hub) leaves the export written and says so.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import sys
 from pathlib import Path
 
 from mmgoal.cli.arguments import check_out_file, tool_parser
+from mmgoal.config import first_line
 from mmgoal.files import staged_folder
 from mmgoal.runs.run_dir import EXPORT_FOLDERS, export_folder_format, weights_file
 
@@ -125,6 +136,68 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
     return {"source": str(path), "files": written}
 
 
+def check_hub_repository(repo_id: str) -> None:
+    """Refuse a push before anything is exported: an ill-formed repository name, or offline.
+
+    Raises:
+        ValueError: saying which, and what to do.
+    """
+    from huggingface_hub.utils import validate_repo_id
+
+    from mmgoal.paths import OFFLINE_ENV, offline
+
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as error:  # huggingface_hub's HFValidationError
+        raise ValueError(f"--push-to-hub {repo_id!r} is not a hub repository name "
+                         f"({first_line(error)}); give NAMESPACE/NAME, such as "
+                         f"your-name/clip-goal") from None
+    if offline():
+        raise ValueError(f"--push-to-hub uploads to the Hugging Face hub, and {OFFLINE_ENV} is "
+                         f"set, so nothing was exported: run it with {OFFLINE_ENV} unset "
+                         f"(env -u {OFFLINE_ENV} mmgoal export ...), or export without "
+                         f"--push-to-hub")
+
+
+def push_to_hub(out: Path, files: list[str], repo_id: str, private: bool,
+                commit_message: str) -> str:
+    """Upload the export at ``out`` (a file, or the ``files`` of a folder) to the root of the
+    hub model repository ``repo_id``, created if missing (private with ``private``), in a
+    commit: huggingface_hub's endpoint and token, as it finds them.
+
+    Returns:
+        The commit's URL.
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo = api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+    if out.is_dir():
+        commit = api.upload_folder(repo_id=repo.repo_id, folder_path=out, allow_patterns=files,
+                                   commit_message=commit_message)
+    else:
+        commit = api.upload_file(path_or_fileobj=out, path_in_repo=out.name,
+                                 repo_id=repo.repo_id, commit_message=commit_message)
+    return commit.commit_url
+
+
+def push_failure(error: Exception, out: Path, repo_id: str) -> str:
+    """What a failed push says: what stays, what went wrong, what to do."""
+    from huggingface_hub import constants, get_token
+
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if status in (401, 403):
+        advice = ("no token was found: set HF_TOKEN or log in with `hf auth login`"
+                  if get_token() is None else
+                  f"the token (HF_TOKEN's, or the one `hf auth login` saved) may lack write "
+                  f"access to {repo_id}: give one that has it")
+    else:
+        advice = "check the repository name, the network and HF_ENDPOINT"
+    return (f"{out} is exported, but pushing it to {repo_id} on {constants.ENDPOINT} failed "
+            f"({first_line(error)}); {advice}, then run the command again (it exports over "
+            f"its own earlier export and pushes again)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = tool_parser(__doc__)
     parser.add_argument("source", type=Path, help="run directory or checkpoint file")
@@ -145,25 +218,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-custom-imports", action="store_true",
                         help="with --format open_clip/hf: import the custom_imports the run's "
                              "config names (the model is built)")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID",
+                        help="then upload the export to this Hugging Face hub model repository "
+                             "(NAMESPACE/NAME, created if missing), through huggingface_hub: "
+                             "HF_ENDPOINT, HF_TOKEN or `hf auth login`")
+    parser.add_argument("--private", action="store_true",
+                        help="with --push-to-hub: a repository it creates is private")
+    parser.add_argument("--commit-message",
+                        help="with --push-to-hub: the commit's message (default: Upload mmgoal "
+                             "export, FORMAT format)")
     args = parser.parse_args(argv)
+    if args.push_to_hub is None and (args.private or args.commit_message is not None):
+        parser.error("--private and --commit-message go with --push-to-hub")
     from mmgoal.runs.checkpoint import CheckpointWriteError  # torch: past --help
 
     try:
+        if args.push_to_hub is not None:
+            check_hub_repository(args.push_to_hub)
         if args.format != "mmgoal":
             summary = export_folder(args.source, args.out, args.format, args.which,
                                     args.trust_custom_imports)
-            print(f"{args.out}: {', '.join(summary['files'])} ({args.format}) from "
-                  f"{summary['source']}")
-            return 0
-        summary = export(args.source, args.out, args.which)
+            files = summary["files"]
+            print(f"{args.out}: {', '.join(files)} ({args.format}) from {summary['source']}")
+        else:
+            summary = export(args.source, args.out, args.which)
+            files = [args.out.name]
+            print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "
+                  f"from {summary['source']}")
     except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a plug-in
         print(f"error: {error}", file=sys.stderr)
         return 2
     except (CheckpointWriteError, OSError) as error:  # a full disk: --out is untouched
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "
-          f"from {summary['source']}")
+    if args.push_to_hub is None:
+        return 0
+    message = args.commit_message or f"Upload mmgoal export, {args.format} format"
+    try:
+        url = push_to_hub(args.out, files, args.push_to_hub, args.private, message)
+    except Exception as error:  # huggingface_hub's HTTP errors, the network's, a bad token
+        print(f"error: {push_failure(error, args.out, args.push_to_hub)}", file=sys.stderr)
+        return 1
+    print(f"pushed {', '.join(files)} to {args.push_to_hub}: {url}")
     return 0
 
 

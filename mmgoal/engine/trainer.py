@@ -216,9 +216,16 @@ class Trainer:
 
     # ---------------------------------------------------------- construction
     def _build_strategy(self) -> Strategy:
-        """The strategy on ``train.device``: a GPU asked for where there is none stops here,
-        before anything is built."""
+        """The strategy on ``train.device``: a GPU asked for where there is none, or
+        ``train.keep_epochs`` of a strategy without epoch checkpoints, stops here, before
+        anything is built."""
         train = self.config.train
+        kind = STRATEGIES.get(self.config.strategy["type"])
+        if train.keep_epochs and not getattr(kind, "supports_epoch_checkpoints", False):
+            raise ValueError(f"train.keep_epochs: {train.keep_epochs} keeps epoch checkpoints "
+                             f"of the torch and accelerate strategies (copies of last.pt); "
+                             f"{kind.__name__} keeps its newest checkpoint only: remove "
+                             f"keep_epochs, or train with the torch strategy")
         device = resolve_device(train.device)
         configure_cuda(device, train.matmul_precision, train.cudnn_benchmark)
         return STRATEGIES.build(self.config.strategy, device=device, precision=train.precision,
@@ -652,7 +659,8 @@ class Trainer:
         return model.to(self.strategy.device)
 
     def _end_of_epoch(self) -> None:
-        """Validation (and best.pt), the ``after_epoch`` hooks, then the epoch's checkpoint."""
+        """Validation (and best.pt), the ``after_epoch`` hooks, then the epoch's checkpoint
+        (kept as ``epoch_<epoch>.pt`` too, with ``train.keep_epochs``)."""
         epoch = self.epoch
         metrics: dict[str, float] = {}
         every = self.config.train.eval_every
@@ -670,6 +678,8 @@ class Trainer:
         self.batch_in_epoch = 0
         self.epoch_steps_done = False
         self.save()
+        if self.config.train.keep_epochs:
+            self.strategy.keep_epoch(self.checkpoint_dir, epoch, self.config.train.keep_epochs)
 
     def _validate(self, epoch: int, weights: dict[str, torch.Tensor] | None) -> dict[str, float]:
         """Every rank evaluates ``weights`` (every rank's ``full_state_dict()``: rank 0's,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,11 @@ def _write_atomically(path: str | os.PathLike, write: Any) -> None:
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
     """Atomically write ``state`` (plus a format tag) to ``path``."""
     _write_atomically(path, lambda tmp: torch.save({"format": FORMAT, **state}, tmp))
+
+
+def copy_checkpoint(source: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Atomically write a copy of the checkpoint file ``source`` (the same bytes) to ``path``."""
+    _write_atomically(path, lambda tmp: shutil.copyfile(source, tmp))
 
 
 def save_safetensors(state: dict[str, Any], path: str | os.PathLike) -> None:

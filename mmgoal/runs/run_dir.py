@@ -4,7 +4,9 @@ A run directory holds ``config.yaml``, ``metrics.jsonl``, ``report.json`` and
 ``checkpoints/``: ``best.pt`` (the float32 weights of the best epoch), and the
 strategy's resumable checkpoint, ``last.pt`` (torch) or ``deepspeed/<tag>/``
 (whose ``weights.pt`` is the tag's float32 model) with the pointer
-``deepspeed/latest`` naming the newest complete tag. The engine writes them
+``deepspeed/latest`` naming the newest complete tag; with ``train.keep_epochs: N``
+(torch, accelerate) also the resumable checkpoints of the last N epochs' ends, ``epoch_<E>.pt``
+(:func:`epoch_checkpoints`). The engine writes them
 (:mod:`mmgoal.engine.strategies`); the tools, the evaluation and the API read
 them back through :func:`weights_file` and :mod:`mmgoal.runs.loading`.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -44,6 +47,9 @@ CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
 BEST = "best.pt"  # float32 weights of the best epoch (any strategy)
 LAST = "last.pt"  # the torch strategy's resumable checkpoint
+# train.keep_epochs: the torch strategy's resumable checkpoint at the end of epoch E (0-based,
+# as metrics.jsonl and best.pt count epochs); exactly the names mmgoal writes
+EPOCH_CHECKPOINT = re.compile(r"epoch_(0|[1-9][0-9]*)\.pt")
 DEEPSPEED = "deepspeed"  # the DeepSpeed strategy's tags, under checkpoints/
 DEEPSPEED_WEIGHTS = "weights.pt"  # a DeepSpeed tag's consolidated float32 model
 LATEST = "latest"  # the pointer to the newest complete DeepSpeed tag
@@ -62,7 +68,8 @@ DEFAULT_LOGGERS = [{"type": "TensorBoardLogger"}, {"type": "WandbLogger"}]
 RESUMABLE = (
     "train.epochs", "train.log_every", "train.eval_every", "train.eval_before_training",
     "train.progress",
-    "train.checkpoint_every_steps", "train.max_nonfinite_steps", "train.device",
+    "train.checkpoint_every_steps", "train.keep_epochs", "train.max_nonfinite_steps",
+    "train.device",
     "train.cudnn_benchmark", "train.accumulate_steps", "train.clip_grad", "optimizer.lr",
     "data.train.batch_size",
     "data.num_workers", "data.eval_batch_size", "data.val", "data.test", "evaluation",
@@ -79,10 +86,39 @@ def read_pointer(path: Path) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
+def epoch_checkpoint_name(epoch: int) -> str:
+    """``epoch_<epoch>.pt``: the checkpoint ``train.keep_epochs`` keeps of the end of ``epoch``."""
+    return f"epoch_{epoch}.pt"
+
+
+def epoch_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """The epoch checkpoints of ``directory`` (a run's ``checkpoints/``), oldest first:
+    ``(epoch, path)`` of each file named exactly as mmgoal names them (``epoch_3.pt``; not
+    ``epoch_03.pt``, ``epoch_3.pt.bak``), a symbolic link left out (mmgoal did not write it)."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        matched = EPOCH_CHECKPOINT.fullmatch(path.name)
+        if matched and path.is_file() and not path.is_symlink():
+            found.append((int(matched.group(1)), path))
+    return sorted(found)
+
+
+def prune_epoch_checkpoints(directory: Path, keep: int) -> list[Path]:
+    """Delete the epoch checkpoints of ``directory`` but the newest ``keep``; return them."""
+    kept = epoch_checkpoints(directory)
+    older = [path for _, path in kept[:max(len(kept) - keep, 0)]]
+    for path in older:
+        path.unlink()
+    return older
+
+
 def has_checkpoint(directory: Path) -> bool:
     """Whether ``directory`` (a run's ``checkpoints/``) holds a resumable checkpoint of any
     strategy."""
-    return (directory / LAST).is_file() or (directory / DEEPSPEED / LATEST).is_file()
+    return ((directory / LAST).is_file() or (directory / DEEPSPEED / LATEST).is_file()
+            or bool(epoch_checkpoints(directory)))
 
 
 def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path:
@@ -90,8 +126,8 @@ def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path
 
     Args:
         which: ``best`` (``best.pt``), ``latest`` (a DeepSpeed tag's ``weights.pt``,
-            else ``last.pt``) or ``best_or_latest`` (best.pt where the run validated,
-            else the latest).
+            else ``last.pt``, else the newest ``epoch_<E>.pt``) or ``best_or_latest``
+            (best.pt where the run validated, else the latest).
 
     Raises:
         FileNotFoundError: nothing at ``path``, or a folder without such a checkpoint.
@@ -110,6 +146,9 @@ def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path
         tag = read_pointer(checkpoints / DEEPSPEED / LATEST)
         candidates.append(checkpoints / DEEPSPEED / tag / DEEPSPEED_WEIGHTS if tag is not None
                           else checkpoints / LAST)
+        kept = epoch_checkpoints(checkpoints)
+        if tag is None and kept:
+            candidates.append(kept[-1][1])
     for candidate in candidates:
         if candidate.is_file():
             return candidate
@@ -217,7 +256,8 @@ def run_written_files(work_dir: str | os.PathLike) -> list[Path]:
     loggers = stored.get("loggers") or [] if stored is not None else DEFAULT_LOGGERS
     # a checkpoint write that a kill interrupted leaves its temporary file
     unfinished = sorted((work_dir / CHECKPOINTS).glob(".*.tmp-*"))
-    paths = [work_dir / name for name in RUN_FILES] + unfinished + \
+    kept = [path for _, path in epoch_checkpoints(work_dir / CHECKPOINTS)]
+    paths = [work_dir / name for name in RUN_FILES] + kept + unfinished + \
         logger_files(work_dir, loggers)
     return list(dict.fromkeys(p for p in paths if p.exists() or p.is_symlink()))
 
@@ -243,13 +283,17 @@ def prepare_work_dir(work_dir: str | os.PathLike, resume: bool,
     Raises:
         ValueError: ``work_dir`` is a file; or it holds a run and neither ``resume``
             nor ``overwrite`` is given.
-        LinkedPathError: a run file (or ``checkpoints/``) is a symbolic link, which the
-            run would write through.
+        LinkedPathError: a run file (or ``checkpoints/``, or an ``epoch_<E>.pt`` there) is
+            a symbolic link, which the run would write through.
     """
     work_dir = Path(work_dir)
     check_is_folder(work_dir)
     for name in (CHECKPOINTS, *RUN_FILES):  # a received run folder's links: never followed
         refuse_link(work_dir / name)
+    if (work_dir / CHECKPOINTS).is_dir():  # where train.keep_epochs would write
+        for path in (work_dir / CHECKPOINTS).iterdir():
+            if EPOCH_CHECKPOINT.fullmatch(path.name):
+                refuse_link(path)
     if resume:
         return []
     written = run_written_files(work_dir)

@@ -127,8 +127,9 @@ class TrainConfig(ConfigSection):
 
     MINIMUM: ClassVar[dict[str, float]] = {
         "epochs": 0, "clip_grad": 0, "log_every": 1, "eval_every": 0,
-        "checkpoint_every_steps": 0, "max_nonfinite_steps": 1, "samples_per_epoch": 1,
-        "accumulate_steps": 1, "reference_batch": 1, "grad_cache_chunk": 1}
+        "checkpoint_every_steps": 0, "keep_epochs": 0, "max_nonfinite_steps": 1,
+        "samples_per_epoch": 1, "accumulate_steps": 1, "reference_batch": 1,
+        "grad_cache_chunk": 1}
     epochs: int = 10
     seed: int = 0
     clip_grad: float = 2.0
@@ -136,6 +137,9 @@ class TrainConfig(ConfigSection):
     eval_every: int = 1
     eval_before_training: bool = False
     checkpoint_every_steps: int = 0
+    # the resumable checkpoints of the last N epochs' ends kept as checkpoints/epoch_<E>.pt
+    # beside last.pt (docs/configs.md, "What a run writes"); 0: none
+    keep_epochs: int = 0
     max_nonfinite_steps: int = 5
     progress: bool = True
     samples_per_epoch: int | None = None

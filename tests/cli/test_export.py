@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from script_modules import load_tool
+from script_modules import load_tool, run_command
 
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 
@@ -122,3 +122,83 @@ def test_a_corrupt_exports_metadata_is_refused_with_a_sentence(tmp_path):
     broken.write_bytes(metadata_text)  # a header that is no longer JSON
     with pytest.raises(ValueError, match="cannot be read"):
         load_checkpoint(broken)
+
+
+TOKEN = "hf_mmgoal_test_token"
+
+
+def push(run, out, repo_id: str, env: dict, *options: str):
+    """``mmgoal export RUN --out OUT --push-to-hub REPO_ID OPTIONS`` in a fresh process."""
+    return run_command(["export", str(run), "--out", str(out), "--push-to-hub", repo_id,
+                        *options], env)
+
+
+@pytest.mark.slow
+def test_an_export_is_pushed_to_the_hub_byte_for_byte(tmp_path):
+    from hub_server import client_env, serving
+
+    run = good_run(tmp_path)
+    first, second = tmp_path / "model.safetensors", tmp_path / "model.pt"
+    with serving() as hub:
+        hub.token = TOKEN  # every write must carry it
+        env = client_env(hub, tmp_path / "hf", TOKEN)
+        pushed = push(run, first, "mmgoal-test/goal", env, "--private", "--commit-message",
+                      "GOAL fine-tune, epoch 0")
+        assert pushed.returncode == 0, pushed.stderr[-3000:]
+        assert hub.hub == {"mmgoal-test/goal": {"model.safetensors": first.read_bytes()}}
+        assert hub.created == {"mmgoal-test/goal": {"private": True}}
+        assert hub.commits == [{"repo": "mmgoal-test/goal", "summary": "GOAL fine-tune, epoch 0",
+                                "revision": "main", "files": ["model.safetensors"]}]
+        assert "pushed model.safetensors to mmgoal-test/goal: " in pushed.stdout
+        # to the repository it made: kept as it is, the new file added beside
+        again = push(run, second, "mmgoal-test/goal", env)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert hub.hub["mmgoal-test/goal"] == {"model.safetensors": first.read_bytes(),
+                                               "model.pt": second.read_bytes()}
+        assert hub.created == {"mmgoal-test/goal": {"private": True}}
+        assert hub.commits[-1]["summary"] == "Upload mmgoal export, mmgoal format"
+    assert torch.equal(load_checkpoint(second)["model"]["w"], torch.ones(2))
+
+
+@pytest.mark.slow
+def test_a_push_that_fails_says_why_and_leaves_the_export(tmp_path):
+    from hub_server import client_env, serving
+
+    run, out = good_run(tmp_path), tmp_path / "model.pt"
+    with serving() as hub:
+        hub.token = TOKEN
+        refused = push(run, out, "mmgoal-test/a", client_env(hub, tmp_path / "hf"))  # no token
+        assert refused.returncode == 1
+        assert (f"error: {out} is exported, but pushing it to mmgoal-test/a on {hub.url} failed "
+                f"(") in refused.stderr and "401 Unauthorized" in refused.stderr
+        assert "no token was found: set HF_TOKEN or log in with `hf auth login`, then run the " \
+               "command again" in refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert torch.equal(load_checkpoint(out)["model"]["w"], torch.ones(2))
+        out.unlink()
+        hub.fail["/api/models/mmgoal-test/b/commit/main"] = 500  # the hub breaks mid-push
+        broken = push(run, out, "mmgoal-test/b", client_env(hub, tmp_path / "hf", TOKEN))
+        assert broken.returncode == 1
+        assert f"pushing it to mmgoal-test/b on {hub.url} failed (" in broken.stderr
+        assert "500 Internal Server Error" in broken.stderr
+        assert "check the repository name, the network and HF_ENDPOINT" in broken.stderr
+        assert "Traceback" not in broken.stderr
+        assert hub.hub == {"mmgoal-test/b": {}} and not hub.commits
+    assert torch.equal(load_checkpoint(out)["model"]["w"], torch.ones(2))
+
+
+def test_a_push_that_cannot_happen_is_refused_before_anything_is_exported(tmp_path, capsys,
+                                                                          monkeypatch):
+    main, run, out = export_tool().main, good_run(tmp_path), tmp_path / "model.pt"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main([str(run), "--out", str(out), "--push-to-hub", "mmgoal-test/goal"]) == 2
+    assert ("error: --push-to-hub uploads to the Hugging Face hub, and HF_HUB_OFFLINE is set, "
+            "so nothing was exported: run it with HF_HUB_OFFLINE unset") in capsys.readouterr().err
+    assert main([str(run), "--out", str(out), "--push-to-hub", "mmgoal test/goal!"]) == 2
+    assert "error: --push-to-hub 'mmgoal test/goal!' is not a hub repository name (" \
+        in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(SystemExit) as stopped:
+        main([str(run), "--out", str(out), "--private"])
+    assert stopped.value.code == 2
+    assert "--private and --commit-message go with --push-to-hub" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import webdataset as wds
 from hf_folders import tiny_hf_folder
-from script_modules import load_tool
+from script_modules import load_tool, run_command
 
 import mmgoal
 from mmgoal import files
@@ -104,6 +104,33 @@ def test_an_open_clip_export_embeds_through_open_clip_as_through_mmgoal(tiny_ben
     assert outside.read_text() == "yours"
     assert (folder / "open_clip_model.safetensors").stat().st_ino == weights
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.slow
+def test_an_export_folder_is_pushed_to_the_hub_file_for_file(tiny_benchmark, tmp_path):
+    from hub_server import client_env, serving
+
+    out, _ = tiny_benchmark
+    model = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": MODEL_KWARGS}
+    run = tiny_run(out, model, {"tokenizer": None}, tmp_path / "run")
+    folder = tmp_path / "clip_goal"
+    assert load_tool("export").main([str(run), "--format", "open_clip", "--out",
+                                     str(folder)]) == 0
+    exported = sorted(p.name for p in folder.iterdir())
+    assert "open_clip_config.json" in exported and "open_clip_model.safetensors" in exported
+    (folder / "README.md").write_text("a note of yours beside an earlier export")
+    with serving() as hub:
+        hub.token = "hf_mmgoal_test_token"
+        pushed = run_command(["export", str(run), "--format", "open_clip", "--out", str(folder),
+                              "--push-to-hub", "mmgoal-test/clip-goal"],
+                             client_env(hub, tmp_path / "hf", hub.token))
+        assert pushed.returncode == 0, pushed.stderr[-3000:]
+        # the files the export wrote, each as it is on disk; not the folder's other files
+        assert hub.hub == {"mmgoal-test/clip-goal": {name: (folder / name).read_bytes()
+                                                     for name in exported}}
+        assert [(c["repo"], c["files"], c["summary"]) for c in hub.commits] == [
+            ("mmgoal-test/clip-goal", exported, "Upload mmgoal export, open_clip format")]
+        assert hub.created == {"mmgoal-test/clip-goal": {"private": False}}
 
 
 def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchmark, tmp_path):

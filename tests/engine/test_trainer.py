@@ -64,6 +64,27 @@ def stop_hook():
     HOOKS._entries.pop("StopAfterSteps")
 
 
+class RecordEpochWeights(Hook):
+    """Keeps a copy of the model's weights at each epoch's end (what its checkpoint will hold)
+    and the epoch checkpoints the folder holds then."""
+
+    def __init__(self):
+        self.weights, self.kept = {}, {}
+
+    def after_epoch(self, trainer, metrics):
+        self.weights[trainer.epoch] = {k: v.detach().clone()
+                                       for k, v in trainer.model.state_dict().items()}
+        self.kept[trainer.epoch] = sorted(p.name for p in trainer.checkpoint_dir.iterdir()
+                                          if p.name.startswith("epoch_"))
+
+
+@pytest.fixture
+def record_hook():
+    HOOKS.register("RecordEpochWeights", force=True)(RecordEpochWeights)
+    yield
+    HOOKS._entries.pop("RecordEpochWeights")
+
+
 @pytest.fixture
 def inf_hook():
     HOOKS.register("InfRunningVariances", force=True)(InfRunningVariances)
@@ -165,6 +186,72 @@ def test_run_directory_contents(tiny_benchmark, tmp_path):
     val_rsums = [r["rsum"] for r in records if r["type"] == "val"]
     assert best["metrics"]["rsum"] == max(val_rsums)
     assert report["best"]["epoch"] == val_rsums.index(max(val_rsums))
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_keep_epochs_keeps_the_last_epochs_and_resume_takes_the_newest_by_progress(
+        tiny_benchmark, tmp_path, record_hook, stop_hook, caplog):
+    import logging
+    import shutil
+
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=3, keep_epochs=2, samples_per_epoch=16)  # 2 steps an epoch
+    cfg["data"]["train"]["batch_size"], cfg["data"]["test"] = 8, None
+    run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    theirs = ["epoch_00.pt", "epoch_1.pt.bak", "my_epoch_0.pt"]  # not names mmgoal writes
+    for name in theirs:
+        (checkpoints / name).write_text("mine")
+    trainer = Trainer({**cfg, "hooks": [*cfg["hooks"], {"type": "RecordEpochWeights"}]}, run)
+    trainer.fit()
+    recorded = trainer.hooks[-1]
+    assert recorded.kept[1] == ["epoch_0.pt", "epoch_00.pt", "epoch_1.pt.bak"]  # written...
+    assert sorted(p.name for p in checkpoints.iterdir()) == sorted(  # ...and deleted at epoch 2
+        ["best.pt", "last.pt", "epoch_1.pt", "epoch_2.pt", *theirs])
+    assert all((checkpoints / name).read_text() == "mine" for name in theirs)
+    for epoch in (1, 2):  # epoch_<E>.pt: the end of epoch E (0-based), resumable
+        kept = load_checkpoint(checkpoints / f"epoch_{epoch}.pt")
+        assert kept["epoch"] == epoch + 1 and kept["step"] == 2 * (epoch + 1)
+        assert same_weights(kept["model"], recorded.weights[epoch])
+        assert "optimizer" in kept and "rng" in kept
+    assert not same_weights(recorded.weights[1], recorded.weights[2])
+    assert (checkpoints / "last.pt").read_bytes() == (checkpoints / "epoch_2.pt").read_bytes()
+
+    # a last.pt newer than the epoch checkpoints (a step into epoch 3) is the one resumed
+    longer = {**cfg, "train": {**cfg["train"], "epochs": 4}}
+    stopped = {**longer, "hooks": [*longer["hooks"], {"type": "StopAfterSteps", "steps": 7}]}
+    assert Trainer(stopped, run, resume=True).fit()["interrupted"]
+    assert Trainer(longer, run, resume=True).step == 7
+    # a last.pt older than the newest epoch checkpoint, though written after it, is not
+    shutil.copyfile(checkpoints / "epoch_1.pt", checkpoints / "last.pt")
+    with caplog.at_level(logging.INFO):
+        resumed = Trainer(longer, run, resume=True)
+    assert (resumed.epoch, resumed.step) == (3, 6)
+    assert same_weights(resumed.model.state_dict(), recorded.weights[2])
+    assert "epoch_2.pt (the end of epoch 2) is the newest checkpoint; last.pt is older " \
+           "(epoch 2, step 4)" in caplog.text
+    # without last.pt, the newest epoch checkpoint continues the run
+    (checkpoints / "last.pt").unlink()
+    resumed = Trainer(longer, run, resume=True)
+    assert (resumed.epoch, resumed.step) == (3, 6)
+    report = resumed.fit()
+    assert (report["epochs"], report["steps"]) == (4, 8)
+    assert sorted(p.name for p in checkpoints.glob("epoch_?.pt")) == ["epoch_2.pt", "epoch_3.pt"]
+
+
+def test_keep_epochs_is_refused_where_the_strategy_keeps_one_checkpoint(tiny_benchmark,
+                                                                        tmp_path):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, keep_epochs=2)
+    cfg["strategy"] = {"type": "deepspeed"}
+    with pytest.raises(ValueError, match="train.keep_epochs: 2 keeps epoch checkpoints of the "
+                                         "torch and accelerate strategies .copies of last.pt.; "
+                                         "DeepSpeedStrategy keeps its newest checkpoint only"):
+        Trainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_nonfinite_losses_are_skipped_then_stop_the_run(tiny_benchmark, tmp_path):

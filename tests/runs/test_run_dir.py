@@ -11,15 +11,20 @@ import time
 import pytest
 import yaml
 
+from mmgoal.files import LinkedPathError
 from mmgoal.runs.run_dir import (
     CHANGES_FILE,
     LOCK_FILE,
     RunFolderLocked,
+    epoch_checkpoints,
+    has_checkpoint,
     prepare_work_dir,
+    prune_epoch_checkpoints,
     record_changes,
     resume_changes,
     run_lock,
     stored_config,
+    weights_file,
 )
 
 
@@ -71,7 +76,7 @@ def test_overwrite_deletes_what_the_run_wrote_and_nothing_else(tmp_path):
     checkpoints = run / "checkpoints"
     (checkpoints / "deepspeed" / "epoch0000-step000000004").mkdir(parents=True)
     for name in ("best.pt", "last.pt", ".last.pt.tmp-4242", "best.pt.test.json",
-                 "model.safetensors", "notes.txt"):
+                 "model.safetensors", "notes.txt", "epoch_3.pt", "epoch_03.pt"):
         (checkpoints / name).write_text("x")
     (run / "curves").mkdir()  # a TensorBoard log_dir outside tensorboard/
     (run / "curves" / "events.out.tfevents.1.host").write_text("x")
@@ -88,14 +93,37 @@ def test_overwrite_deletes_what_the_run_wrote_and_nothing_else(tmp_path):
     deleted = prepare_work_dir(run, resume=False, overwrite=True)
     assert deleted == ["config.yaml", "metrics.jsonl", "checkpoints/best.pt",
                        "checkpoints/last.pt", "checkpoints/deepspeed",
-                       "checkpoints/.last.pt.tmp-4242", "curves", "wandb_id",
+                       "checkpoints/epoch_3.pt", "checkpoints/.last.pt.tmp-4242", "curves",
+                       "wandb_id",
                        "wandb/offline-run-20261201_000000-abc123",
                        "tensorboard/events.out.tfevents.2.host"]
     left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
     assert left == ["checkpoints", "checkpoints/best.pt.test.json",
-                    "checkpoints/model.safetensors", "checkpoints/notes.txt", "tensorboard",
-                    "tensorboard/my_notes.md", "wandb",
+                    "checkpoints/epoch_03.pt", "checkpoints/model.safetensors",
+                    "checkpoints/notes.txt", "tensorboard", "tensorboard/my_notes.md", "wandb",
                     "wandb/offline-run-20261201_000000-other"]
+
+
+def test_epoch_checkpoints_are_mmgoals_names_only_and_count_as_resumable(tmp_path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in ("epoch_10.pt", "epoch_9.pt", "epoch_2.pt", "epoch_01.pt", "epoch_x.pt",
+                 "epoch_3.pt.bak", "epoch_-1.pt"):
+        (checkpoints / name).write_text("x")
+    (checkpoints / "epoch_11.pt").symlink_to(checkpoints / "epoch_10.pt")  # not mmgoal's
+    (checkpoints / "epoch_12.pt").mkdir()
+    assert [(e, p.name) for e, p in epoch_checkpoints(checkpoints)] == [
+        (2, "epoch_2.pt"), (9, "epoch_9.pt"), (10, "epoch_10.pt")]  # by epoch, not by name
+    assert has_checkpoint(checkpoints)  # --auto-resume finds them without last.pt
+    assert weights_file(tmp_path / "run", "latest") == checkpoints / "epoch_10.pt"
+    (checkpoints / "last.pt").write_text("x")
+    assert weights_file(tmp_path / "run", "latest") == checkpoints / "last.pt"
+    assert [p.name for p in prune_epoch_checkpoints(checkpoints, 2)] == ["epoch_2.pt"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "epoch_-1.pt", "epoch_01.pt", "epoch_10.pt", "epoch_11.pt", "epoch_12.pt",
+        "epoch_3.pt.bak", "epoch_9.pt", "epoch_x.pt", "last.pt"]
+    with pytest.raises(LinkedPathError, match="epoch_11.pt is a symbolic link"):
+        prepare_work_dir(tmp_path / "run", resume=True)  # a resume would write through it
 
 
 def test_a_second_process_on_a_run_folder_is_refused_with_the_holders_name(tmp_path, capsys):

@@ -50,6 +50,7 @@ def test_overrides_of_defaulted_keys_and_of_a_components_options():
     # types and ranges, of the trainer's sections and of the components' own options
     ("train.epochs=two", "train.epochs must be an integer, got 'two'"),
     ("train.accumulate_steps=0", "train.accumulate_steps must be at least 1, got 0"),
+    ("train.keep_epochs=-1", "train.keep_epochs must be at least 0, got -1"),
     ("train.progress=1", "train.progress must be true or false, got 1"),
     ("data.train.batch_size=3.5", "data.train.batch_size must be an integer, got 3.5"),
     ("optimizer.lr=abc", "optimizer.lr must be a number, got 'abc'"),

@@ -93,6 +93,9 @@ class Strategy:
     plain_module = True
     # TrainingStep.cache_gradients' two passes fit its micro-batch frame (train.grad_cache_chunk)
     supports_grad_cache = False
+    # its resumable checkpoint is one file, kept of an epoch's end as epoch_<E>.pt
+    # (train.keep_epochs: keep_epoch)
+    supports_epoch_checkpoints = False
 
     def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
                  timeout_minutes: float = 60.0) -> None:
@@ -266,6 +269,12 @@ class Strategy:
     def save(self, directory: Path, state: dict) -> None:
         """Write a resumable checkpoint of everything plus the trainer's ``state``; first
         :meth:`check_finite` (a checkpoint holding NaN/inf is never written)."""
+        raise NotImplementedError
+
+    def keep_epoch(self, directory: Path, epoch: int, keep: int) -> None:
+        """Keep the resumable checkpoint :meth:`save` has just written at the end of ``epoch``
+        as ``epoch_<epoch>.pt``, and delete the epoch checkpoints older than the newest
+        ``keep`` (collective; ``train.keep_epochs``, where :attr:`supports_epoch_checkpoints`)."""
         raise NotImplementedError
 
     def read_state(self, directory: Path) -> dict:

@@ -25,8 +25,13 @@ from mmgoal.distributed import rng_state
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import Strategy, flag_last
 from mmgoal.registry import STRATEGIES
-from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
-from mmgoal.runs.run_dir import LAST
+from mmgoal.runs.checkpoint import copy_checkpoint, load_checkpoint, save_checkpoint
+from mmgoal.runs.run_dir import (
+    LAST,
+    epoch_checkpoint_name,
+    epoch_checkpoints,
+    prune_epoch_checkpoints,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ class TorchStrategy(Strategy):
     """
 
     supports_grad_cache = True
+    supports_epoch_checkpoints = True
 
     def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
                  bucket_mb: float = 25.0, find_unused_parameters: str | bool = "auto",
@@ -234,12 +240,31 @@ class TorchStrategy(Strategy):
                              "world_size": self.world_size}, directory / LAST)
         self.barrier()
 
+    def keep_epoch(self, directory: Path, epoch: int, keep: int) -> None:
+        if self.is_main:
+            copy_checkpoint(directory / LAST, directory / epoch_checkpoint_name(epoch))
+            for path in prune_epoch_checkpoints(directory, keep):
+                logger.info("train.keep_epochs %d: deleted %s", keep, path.name)
+        self.barrier()
+
     def read_state(self, directory: Path) -> dict:
-        path = directory / LAST
-        if not path.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {path}; start without --resume "
+        """The newest checkpoint by training progress: ``last.pt``, or the newest
+        ``epoch_<E>.pt`` where last.pt is missing or older (whatever the files' times)."""
+        last = directory / LAST
+        kept = epoch_checkpoints(directory)
+        if not last.is_file() and not kept:
+            raise FileNotFoundError(f"--resume: no checkpoint at {last}; start without --resume "
                                     f"or point --work-dir at the interrupted run")
-        return load_checkpoint(path)
+        state = load_checkpoint(last) if last.is_file() else None
+        # epoch_<E>.pt is the end of epoch E, which counts E + 1 epochs done; a last.pt that
+        # counts as many was written then or since
+        if kept and (state is None or state["epoch"] <= kept[-1][0]):
+            epoch, path = kept[-1]
+            logger.info("--resume: %s (the end of epoch %d) is the newest checkpoint; %s",
+                        path.name, epoch, f"{LAST} is older (epoch {state['epoch']}, step "
+                        f"{state['step']})" if state is not None else f"there is no {LAST}")
+            state = load_checkpoint(path)
+        return state
 
     def load(self, directory: Path, state: dict | None = None) -> dict:
         state = state if state is not None else self.read_state(directory)
