@@ -23,6 +23,7 @@ EXTRAS = {
     "eccv_caption": "coco",
     "peft": "lora",
     "datasets": "hf",
+    "sentencepiece": "hf",
 }
 
 
