@@ -3,13 +3,10 @@ gradients, and no tensor of the score matrix's size beside the scores and one gr
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from script_modules import load_script
 
 from mmgoal.objectives import mining, weights
 from mmgoal.objectives.classic import multi_similarity_rows
@@ -78,39 +75,12 @@ def test_blocks_give_the_autograd_formulas_loss_and_gradients(name, block_rows):
     assert any(g.abs().sum() > 0 for g in grads)
 
 
-class MatrixSizedTensors(TorchDispatchMode):
-    """Peak of the bytes held by new tensors of at least ``nbytes`` (views left out),
-    in units of ``unit`` bytes, while the mode is on."""
-
-    def __init__(self, nbytes: int, unit: int) -> None:
-        super().__init__()
-        self.nbytes, self.unit, self.live, self.peak, self.held = nbytes, unit, 0.0, 0.0, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if any(r.alias_info is not None for r in func._schema.returns):
-            return out  # a view or an in-place result: no new memory
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            if storage.nbytes() < self.nbytes or storage.data_ptr() in self.held:
-                continue
-            self.held[storage.data_ptr()] = storage.nbytes() / self.unit
-            self.live += self.held[storage.data_ptr()]
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(tensor, self._freed, storage.data_ptr())
-        return out
-
-    def _freed(self, key) -> None:
-        self.live -= self.held.pop(key)
-
-
 def peak_beside_scores(objective, n=64, reference=None):
     """Peak of matrix-sized tensors during a forward and backward, in score matrices."""
     scores = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).requires_grad_()
     positives = torch.eye(n, dtype=torch.bool)
-    with MatrixSizedTensors(nbytes=n * n, unit=4 * n * n) as counter:
+    with load_script("bench/objective_memory.py").matrix_sized_tensors(n * n, 4 * n * n) \
+            as counter:
         if reference is None:
             out = objective(ObjectiveInputs(scores, positives=positives))
             loss = sum(v for k, v in out.items() if k.endswith("_loss"))
