@@ -14,15 +14,15 @@ MODEL_KWARGS = {"embed_dim": 16,
 OPEN_CLIP = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": MODEL_KWARGS}
 
 
-def tiny_run(out: Path, model: dict, data: dict, work_dir: Path) -> Path:
+def tiny_run(out: Path, model: dict, data: dict, work_dir: Path, **sections) -> Path:
     """``model`` trained one epoch of InfoNCE on the tiny benchmark in ``out``, into
-    ``work_dir`` (its ``data`` keys over the run's)."""
+    ``work_dir`` (its ``data`` keys over the run's; ``sections``: more of the config)."""
     cfg = {"model": model, "objective": {"type": "InfoNCELoss"},
            "optimizer": {"type": "AdamW", "lr": 1e-3},
            "data": {"num_workers": 0, "image_size": None, **data,
                     "train": {"type": "ShardDataset", "batch_size": 16, "shuffle_buffer": 32,
                               "shards": str(out / "train-{000000..000002}.tar")},
                     "val": {"shards": str(out / "val-000000.tar")}},
-           "train": {"epochs": 1, "progress": False, "log_every": 1}}
+           "train": {"epochs": 1, "progress": False, "log_every": 1}, **sections}
     Trainer(cfg, work_dir).fit()
     return work_dir

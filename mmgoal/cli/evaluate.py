@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zeroshot", metavar="DIR",
                         help="also classify the images of this zero-shot classification set "
                              "(CLIP_benchmark's WebDataset layout or an image folder: "
-                             "docs/evaluation.md): top-1, top-5, mean per-class recall")
+                             "docs/models.md): top-1, top-5, mean per-class recall")
     parser.add_argument("--zeroshot-split", default="test",
                         help="the split of --zeroshot to classify (default test)")
     parser.add_argument("--no-retrieval", action="store_true",

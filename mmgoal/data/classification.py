@@ -1,5 +1,5 @@
-"""Image classification sets for zero-shot classification (docs/evaluation.md, "Zero-shot
-classification").
+"""Image classification sets for zero-shot classification (docs/models.md, "Fine-tune
+without forgetting").
 
 Two layouts are read, both as CLIP_benchmark and torchvision hold them:
 

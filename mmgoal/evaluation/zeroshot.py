@@ -1,5 +1,5 @@
-"""Zero-shot classification of a dual encoder (docs/evaluation.md, "Zero-shot
-classification"), as CLIP and CLIP_benchmark compute it.
+"""Zero-shot classification of a dual encoder (docs/models.md, "Fine-tune without
+forgetting"), as CLIP and CLIP_benchmark compute it.
 
 Each class is the normalised mean of its prompts' normalised text embeddings (every
 template with the class name in it); each image goes to the class whose embedding its

@@ -112,3 +112,20 @@ def test_bad_classification_sets_say_what_to_fix(tmp_path):
         read_classification_set(tmp_path / "s")
     with pytest.raises(SystemExit):  # --no-retrieval alone leaves nothing to evaluate
         load_tool("eval").main(["x.pt", "--no-retrieval"])
+
+
+def test_every_validation_logs_the_zero_shot_accuracy_beside_rsum(tiny_benchmark, tmp_path):
+    out, _ = tiny_benchmark
+    cset = write_synthetic_classification(tmp_path / "colours", "colour", count=16,
+                                          image_size=32)
+    run = tiny_run(out, OPEN_CLIP, {"tokenizer": None}, tmp_path / "run",
+                   evaluation={"zeroshot": {"root": str(tmp_path / "colours")}})
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r["type"] == "val"]
+    assert len(val) == 1 and "rsum" in val[0]
+    expected = evaluate_zeroshot(mmgoal.load(run, device="cpu"), cset, progress=False)
+    assert val[0]["zeroshot_top1"] == pytest.approx(expected["zeroshot_top1"], abs=1e-9)
+    assert val[0]["zeroshot_images"] == 16
+    with pytest.raises(ValueError, match=r"evaluation.zeroshot must be \{root: DIR"):
+        tiny_run(out, OPEN_CLIP, {"tokenizer": None}, tmp_path / "bad",
+                 evaluation={"zeroshot": {"folder": "x"}})
