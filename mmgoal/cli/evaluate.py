@@ -132,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rankings", help="JSON file for every COCO 5K test query's top "
                                            "items by COCO id, as eccv_caption's Metrics reads "
                                            "them ({\"i2t\": {image: [captions]}, \"t2i\": ...})")
+    parser.add_argument("--zeroshot", metavar="DIR",
+                        help="also classify the images of this zero-shot classification set "
+                             "(CLIP_benchmark's WebDataset layout or an image folder: "
+                             "docs/models.md): top-1, top-5, mean per-class recall")
+    parser.add_argument("--zeroshot-split", default="test",
+                        help="the split of --zeroshot to classify (default test)")
+    parser.add_argument("--no-retrieval", action="store_true",
+                        help="only the zero-shot classification, no retrieval split")
     parser.add_argument("--out", help="JSON file for the metrics (default: a run directory's "
                                       "eval_<split>.json, beside its config.yaml; "
                                       "<checkpoint>.<split>.json for a checkpoint file or "
@@ -144,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     from mmgoal.data.pipeline import IncompleteSplitError
 
     apply_loading_options(args)
+    if args.no_retrieval and not args.zeroshot:
+        parser.error("--no-retrieval leaves nothing to evaluate without --zeroshot DIR")
     if len(args.paths) > 2:
         parser.error(f"give [CONFIG] CHECKPOINT, got {len(args.paths)} paths; more checkpoints "
                      f"go after --ensemble")
@@ -209,6 +219,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     from mmgoal.distributed import world_info
     from mmgoal.evaluation.gallery import evaluate_retrieval
     from mmgoal.evaluation.retrieval import metrics_table
+    from mmgoal.evaluation.zeroshot import evaluate_zeroshot, format_zeroshot
     from mmgoal.runs.loading import load_for_evaluation, load_zero_shot
 
     main_rank = world_info()[0] == 0
@@ -226,13 +237,26 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     members = [first] + [load_for_evaluation(path, device=device, trust_custom_imports=trust)
                          for path in args.ensemble]
     cfg = first.config
-    split_cfg = first.split(args.split, args.shards, args.trust_data_paths)
+    zeroshot = {}
+    if args.zeroshot:
+        from mmgoal.data.classification import read_classification_set
+
+        cset = read_classification_set(args.zeroshot, args.zeroshot_split)
+        if main_rank:  # a small set: one process classifies it
+            zeroshot = evaluate_zeroshot(first, cset, cfg["data"]["eval_batch_size"])
+            say(format_zeroshot(zeroshot))
+    split_cfg = (None if args.no_retrieval
+                 else first.split(args.split, args.shards, args.trust_data_paths))
     # where the default outputs go: a run directory's own folder, else beside the file
-    beside = (Path(args.checkpoint) / f"eval_{args.split}" if args.checkpoint is not None
+    what = "zeroshot" if args.no_retrieval else args.split
+    beside = (Path(args.checkpoint) / f"eval_{what}" if args.checkpoint is not None
               and Path(args.checkpoint, "checkpoints").is_dir() else None)
     # a run directory's checkpoint file; zero-shot: the config
     args.checkpoint = str(first.checkpoint or args.config)
-    beside = str(beside or f"{args.checkpoint}.{args.split}")
+    beside = str(beside or f"{args.checkpoint}.{what}")
+    if split_cfg is None:  # zero-shot classification alone
+        return write_result(args, first, {"split": None, "zeroshot": args.zeroshot,
+                                          "metrics": zeroshot}, beside, main_rank)
     folds = args.folds or split_cfg["folds"]
     scoring = dict(cfg["evaluation"])
     if args.rerank_k is not None:
@@ -255,7 +279,9 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
             f"rsum {metrics['itc_rsum']:.2f})")
     result = {"split": args.split, "folds": folds, "checkpoint": str(args.checkpoint),
               "ensemble": list(args.ensemble), "protocols": scoring.protocols,
-              "metrics": metrics}
+              "metrics": {**metrics, **zeroshot}}
+    if args.zeroshot:
+        result["zeroshot"] = args.zeroshot
     if rankings is not None and main_rank:
         write_text(args.rankings, json.dumps(rankings))
         say(f"rankings of {len(rankings['i2t'])} images and {len(rankings['t2i'])} captions "
@@ -274,12 +300,19 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
         except ImportError as error:  # the metrics need no matplotlib: report and go on
             say(f"no PR curve: {error}", file=sys.stderr)
         result["attention"] = report.as_dict()
-    if (first.checkpoint is None and not args.out) or not main_rank:  # zero-shot: nothing
-        return 0                                                       # beside a config
+    return write_result(args, first, result, beside, main_rank)
+
+
+def write_result(args: argparse.Namespace, first, result: dict, beside: str,
+                 main_rank: bool) -> int:
+    """Rank 0 writes ``result`` to ``--out`` or beside the checkpoint (nothing beside a
+    config alone)."""
+    if (first.checkpoint is None and not args.out) or not main_rank:
+        return 0
     out = Path(args.out or f"{beside}.json")
     check_out(out)
     write_text(out, strict_json.dumps(result, indent=2))
-    say(f"metrics written to {out}")
+    print(f"metrics written to {out}")
     return 0
 
 

@@ -71,9 +71,20 @@ def check_out(out: Path) -> None:
     check_out_file(out, is_export, "an earlier export", "model.pt")
 
 
-def export(source: Path, out: Path, which: str = "best_or_latest") -> dict:
+def wise_ft_weights(path: Path, alpha: float, trust_custom_imports: bool = False) -> dict:
+    """The WiSE-FT weights at ``alpha`` of the checkpoint ``path`` (mmgoal/runs/wise_ft.py)."""
+    from mmgoal.runs.loading import load_for_evaluation
+    from mmgoal.runs.wise_ft import WiseFT
+
+    loaded = load_for_evaluation(path, device="cpu", trust_custom_imports=trust_custom_imports)
+    return WiseFT(loaded).weights(alpha)
+
+
+def export(source: Path, out: Path, which: str = "best_or_latest", wise_ft: float | None = None,
+           trust_custom_imports: bool = False) -> dict:
     """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``
-    (safetensors when its name ends in ``.safetensors``).
+    (safetensors when its name ends in ``.safetensors``); with ``wise_ft``, those mixed
+    with the pretrained start at that alpha.
 
     Raises:
         FileNotFoundError: no checkpoint at ``source``.
@@ -90,9 +101,13 @@ def export(source: Path, out: Path, which: str = "best_or_latest") -> dict:
     path = weights_file(source, which)
     state = load_checkpoint(path)
     check_finite_weights(state["model"], f"checkpoint {path}")
-    weights = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
+    model = (state["model"] if wise_ft is None
+             else wise_ft_weights(path, wise_ft, trust_custom_imports))
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in model.items()}
     exported = {"model": weights, "tokenizer": state["tokenizer"], "config": state["config"],
                 "epoch": state.get("epoch"), "exported_from": str(path)}
+    if wise_ft is not None:
+        exported["wise_ft_alpha"] = wise_ft
     (save_safetensors if out.suffix == ".safetensors" else save_checkpoint)(exported, out)
     return {"source": str(path), "tensors": len(weights),
             "parameters": sum(v.numel() for v in weights.values())}
@@ -111,8 +126,9 @@ def check_out_folder(out: Path, fmt: str) -> None:
 
 
 def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_latest",
-                  trust_custom_imports: bool = False) -> dict:
-    """Write the model of ``source`` in ``fmt``'s folder layout (the family's ``export_to``).
+                  trust_custom_imports: bool = False, wise_ft: float | None = None) -> dict:
+    """Write the model of ``source`` in ``fmt``'s folder layout (the family's ``export_to``);
+    with ``wise_ft``, its weights mixed with the pretrained start at that alpha.
 
     Raises:
         FileNotFoundError: no checkpoint at ``source``.
@@ -129,6 +145,10 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
         raise ValueError(f"a {type(loaded.model).__name__} model has no {fmt} format: it is "
                          f"exported as {others} (--format); open_clip's layout is for "
                          f"OpenCLIP runs, Hugging Face's for HFCLIP runs")
+    if wise_ft is not None:
+        from mmgoal.runs.wise_ft import WiseFT
+
+        loaded.model.load_state_dict(WiseFT(loaded).weights(wise_ft))
     # the family's writer (a library's save_pretrained among them) writes into a new folder;
     # its files then move into --out, never through a link there
     with staged_folder(out) as staging:
@@ -215,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", default="mmgoal", choices=["mmgoal", *EXPORT_FOLDERS],
                         help="mmgoal's own file (default), open_clip's folder (OpenCLIP "
                              "runs) or a Hugging Face save_pretrained folder (HFCLIP runs)")
+    parser.add_argument("--wise-ft", type=float, metavar="ALPHA",
+                        help="WiSE-FT: export (1 - ALPHA) x the pretrained weights the run "
+                             "started from + ALPHA x its fine-tuned ones (0 <= ALPHA <= 1; "
+                             "docs/models.md, 'Fine-tune without forgetting')")
     parser.add_argument("--trust-custom-imports", action="store_true",
                         help="with --format open_clip/hf: import the custom_imports the run's "
                              "config names (the model is built)")
@@ -230,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.push_to_hub is None and (args.private or args.commit_message is not None):
         parser.error("--private and --commit-message go with --push-to-hub")
+    if args.wise_ft is not None and not 0 <= args.wise_ft <= 1:
+        parser.error(f"--wise-ft ALPHA lies in [0, 1] (0: the pretrained start, 1: the "
+                     f"fine-tune), got {args.wise_ft}")
     from mmgoal.runs.checkpoint import CheckpointWriteError  # torch: past --help
 
     try:
@@ -237,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             check_hub_repository(args.push_to_hub)
         if args.format != "mmgoal":
             summary = export_folder(args.source, args.out, args.format, args.which,
-                                    args.trust_custom_imports)
+                                    args.trust_custom_imports, args.wise_ft)
             files = summary["files"]
             print(f"{args.out}: {', '.join(files)} ({args.format}) from {summary['source']}")
         else:
-            summary = export(args.source, args.out, args.which)
+            summary = export(args.source, args.out, args.which, args.wise_ft,
+                             args.trust_custom_imports)
             files = [args.out.name]
             print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "
                   f"from {summary['source']}")

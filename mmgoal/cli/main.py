@@ -42,6 +42,7 @@ COMMANDS = {
     "plot-curves": "plot_curves",
     "plot-weights": "plot_weights",
     "plot-attention": "plot_attention",
+    "wise-ft": "wise_ft",
     "configs": "configs",
 }
 # what the deepspeed launcher puts before the command (`python -m mmgoal --local_rank=0 train`)

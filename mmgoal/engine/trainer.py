@@ -43,6 +43,7 @@ import mmgoal
 from mmgoal import strict_json
 from mmgoal.config import config_text
 from mmgoal.contract import CrossAttentionModel, require
+from mmgoal.data.classification import read_classification_set
 from mmgoal.data.pipeline import (
     EvalReader,
     IncompleteSplitError,
@@ -65,6 +66,7 @@ from mmgoal.engine.step import TrainingStep
 from mmgoal.engine.strategies.base import Strategy
 from mmgoal.evaluation.gallery import EvaluationStopped, evaluate_retrieval
 from mmgoal.evaluation.retrieval import format_metrics
+from mmgoal.evaluation.zeroshot import evaluate_zeroshot
 from mmgoal.files import write_text
 from mmgoal.models.efficiency import compile_model
 from mmgoal.registry import (
@@ -90,6 +92,7 @@ from mmgoal.runs.checkpoint import (
 from mmgoal.runs.preprocessing import resolve_preprocessing
 from mmgoal.runs.run_dir import BEST, CHECKPOINTS, CONFIG_FILE
 from mmgoal.runs.schema import RunConfig
+from mmgoal.structures import Member
 
 logger = logging.getLogger(__name__)
 
@@ -696,8 +699,10 @@ class Trainer:
         try:
             with self.signals.validation() as stop:
                 # the extended COCO protocols are the test split's (5K test), not validation's
-                metrics = self.evaluate("val", self.evaluation_model(weights, current=True),
-                                        across_ranks=True, protocols=["coco"], stop=stop)
+                model = self.evaluation_model(weights, current=True)
+                metrics = self.evaluate("val", model, across_ranks=True, protocols=["coco"],
+                                        stop=stop)
+                metrics.update(self._zeroshot(model))
         except EvaluationStopped:
             set_rng_state(before)
             raise
@@ -706,6 +711,20 @@ class Trainer:
             logger.info("epoch %d val%s: %s", epoch, " (before training)" if epoch < 0 else "",
                         format_metrics(metrics))
         return metrics
+
+    def _zeroshot(self, model: torch.nn.Module) -> dict[str, float]:
+        """Rank 0 classifies ``evaluation.zeroshot``'s set (when the config names one) and
+        every rank gets the metrics (collective)."""
+        where = self.config.evaluation.zeroshot
+        if not where:
+            return {}
+        metrics = None
+        if self.is_main:
+            cset = read_classification_set(where["root"], where["split"])
+            metrics = evaluate_zeroshot(Member(model, self.eval_transform, self.tokenizer),
+                                        cset, self.config.data.eval_batch_size,
+                                        progress=self.config.train.progress)
+        return self.strategy.broadcast(metrics)
 
     def evaluate(self, split: str, model: torch.nn.Module | None = None,
                  across_ranks: bool = False, protocols: list[str] | None = None,

@@ -69,7 +69,7 @@ def _stop_if_asked(stop: Callable[[], bool] | None) -> None:
         raise EvaluationStopped("the evaluation was asked to stop and was dropped")
 
 
-def _in_eval_mode(encode: Callable) -> Callable:
+def in_eval_mode(encode: Callable) -> Callable:
     """``encode(model, ...)`` with ``model`` in eval mode; the model gets its own mode back
     however it ends (a stop, an error), so a stopped validation leaves training as it was."""
     @functools.wraps(encode)
@@ -124,7 +124,7 @@ def _keep_tokens(model: torch.nn.Module, features, keep: bool):
     return type(features)(features.embedding.detach().float())
 
 
-@_in_eval_mode
+@in_eval_mode
 @torch.no_grad()
 def encode_gallery(model: torch.nn.Module, reader: EvalReader | str | Sequence[str],
                    transform: Callable, tokenizer: Callable, progress: bool = True,

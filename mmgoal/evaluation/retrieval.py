@@ -106,10 +106,10 @@ def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1,
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
-    """One line: R@1/5/10 both ways and rsum."""
+    """One line: R@1/5/10 both ways and rsum (and the zero-shot top-1 where there is one)."""
     return " ".join(f"{k}={metrics[k]:.1f}" for k in
-                    ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum")
-                    if k in metrics)
+                    ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum",
+                     "zeroshot_top1") if k in metrics)
 
 
 def metrics_table(metrics: dict[str, float]) -> str:

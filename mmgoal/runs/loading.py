@@ -23,7 +23,7 @@ import torch
 from mmgoal.config import config_changes, describe_changes, first_line, override_key
 from mmgoal.data.remote import check_trusted_locations
 from mmgoal.data.transforms import build_transforms
-from mmgoal.devices import resolve_device
+from mmgoal.devices import module_device, resolve_device
 from mmgoal.registry import MODELS, TOKENIZERS, UnknownNameError
 from mmgoal.runs.checkpoint import (
     SHOWN_NAMES,
@@ -309,6 +309,25 @@ def pretrained_weights(cfg: dict) -> str | None:
     where it names none, or the class does not say."""
     said = getattr(MODELS.get(cfg["model"]["type"]), "pretrained_weights", None)
     return said(cfg["model"]) if said is not None else None
+
+
+def load_pretrained_start(loaded: LoadedModel) -> LoadedModel:
+    """The model of ``loaded``'s config with the pretrained weights the config names, on
+    its device: the weights a fine-tune of it started from (WiSE-FT's zero-shot end).
+
+    Raises:
+        ValueError: the config names no pretrained weights: the run started from random
+            weights, and has no pretrained start.
+    """
+    cfg = loaded.config
+    if not pretrained_weights(cfg):
+        raise ValueError(f"{loaded.config_source}: its {cfg['model']['type']} section names no "
+                         f"pretrained weights, so the run has no pretrained start to "
+                         f"interpolate with; WiSE-FT mixes a fine-tune with the weights it "
+                         f"started from (model.pretrained, a hub name, a tower's weights file)")
+    return _build_resolved(cfg, module_device(loaded.model),
+                           {"config_source": loaded.config_source,
+                            "given_keys": loaded.given_keys})
 
 
 def load_zero_shot(config: str | os.PathLike, overrides: Iterable[str] = (),

@@ -85,6 +85,10 @@ class ScoringConfig(ConfigSection):
         protocols: what the test split reports: ``coco`` (R@K, always computed), and on
             COCO 5K test ``eccv`` (ECCV Caption), ``cxc`` (CxC), ``pm`` (PM-COCO).
         pm_dir: the folder of PM-COCO's ``pm_*.json`` (for ``pm``).
+        zeroshot: ``{root: DIR, split: test}``, a zero-shot classification set
+            (docs/models.md, "Fine-tune without forgetting") that every validation also
+            classifies, logging ``zeroshot_top1`` beside rsum: what a fine-tune forgets,
+            epoch by epoch.
     """
 
     MINIMUM: ClassVar[dict[str, float]] = {"block_images": 1, "rerank_k": 0,
@@ -97,8 +101,16 @@ class ScoringConfig(ConfigSection):
     rerank_batch_size: int = 128
     protocols: list[str] = field(default_factory=lambda: ["coco"])
     pm_dir: str | None = None
+    zeroshot: dict | None = None
 
     def __post_init__(self) -> None:
+        if self.zeroshot is not None:
+            if (not isinstance(self.zeroshot, dict) or set(self.zeroshot) - {"root", "split"}
+                    or not isinstance(self.zeroshot.get("root"), str)):
+                raise ValueError(f"evaluation.zeroshot must be {{root: DIR, split: test}} "
+                                 f"(a zero-shot classification set, docs/models.md); got "
+                                 f"{self.zeroshot!r}")
+            self.zeroshot = {"split": "test", **self.zeroshot}
         unknown = [p for p in self.protocols if p not in PROTOCOLS]
         if unknown or not isinstance(self.protocols, list):
             raise ValueError(f"evaluation.protocols must be a list of {', '.join(PROTOCOLS)}; "

@@ -9,36 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 import webdataset as wds
+from clip_runs import MODEL_KWARGS, tiny_run
 from hf_folders import tiny_hf_folder
 from script_modules import load_tool, run_command
 
 import mmgoal
 from mmgoal import files
 from mmgoal.data.pipeline import decode_sample, expand_shards
-from mmgoal.engine.trainer import Trainer
 
 open_clip = pytest.importorskip("open_clip")
 transformers = pytest.importorskip("transformers")
 
-# ViT-B-32 shrunk by model_kwargs (the architecture changes: the export must carry it)
-MODEL_KWARGS = {"embed_dim": 16,
-                "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16,
-                               "head_width": 16},
-                "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32,
-                             "heads": 2, "layers": 1}}
 CAPTIONS = ["a red circle", "two blue squares left of a green triangle"]
-
-
-def tiny_run(out: Path, model: dict, data: dict, work_dir: Path) -> Path:
-    cfg = {"model": model, "objective": {"type": "InfoNCELoss"},
-           "optimizer": {"type": "AdamW", "lr": 1e-3},
-           "data": {"num_workers": 0, "image_size": None, **data,
-                    "train": {"type": "ShardDataset", "batch_size": 16, "shuffle_buffer": 32,
-                              "shards": str(out / "train-{000000..000002}.tar")},
-                    "val": {"shards": str(out / "val-000000.tar")}},
-           "train": {"epochs": 1, "progress": False, "log_every": 1}}
-    Trainer(cfg, work_dir).fit()
-    return work_dir
 
 
 def sample_images(out: Path) -> list:

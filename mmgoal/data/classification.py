@@ -1,0 +1,213 @@
+"""Image classification sets for zero-shot classification (docs/models.md, "Fine-tune
+without forgetting").
+
+Two layouts are read, both as CLIP_benchmark and torchvision hold them:
+
+- **WebDataset** (CLIP_benchmark's ``wds/`` layout): ``ROOT/classnames.txt`` (one class
+  name per line, in label order), ``ROOT/zeroshot_classification_templates.txt`` (one
+  prompt per line, the class name as ``{c}``), and per split ``ROOT/<split>/nshards.txt``
+  with the shards ``ROOT/<split>/0.tar ... <n-1>.tar``, each sample an image member
+  (jpg, jpeg, png, webp) and a ``cls`` member (its label, an integer).
+- **ImageFolder**: ``ROOT/<class>/<image>`` (or ``ROOT/<split>/<class>/<image>``), the
+  classes in sorted folder order; the class names are the folder names with ``_`` read as
+  a space, or ``ROOT/classnames.txt`` (in sorted folder order; or naming the folders
+  themselves, in label order); the prompts ``ROOT/zeroshot_classification_
+  templates.txt`` or :data:`DEFAULT_TEMPLATES`.
+
+:func:`write_synthetic_classification` writes a set of the synthetic scenes' shapes or
+colours in either layout, so that zero-shot classification is testable offline.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from PIL import Image
+
+from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES
+from mmgoal.files import write_atomically, write_text
+
+if TYPE_CHECKING:
+    from mmgoal.data.pipeline import SkipCounter
+
+CLASSNAMES = "classnames.txt"
+TEMPLATES = "zeroshot_classification_templates.txt"
+DEFAULT_TEMPLATES = ("a photo of a {c}.",)
+# the synthetic sets: what a class is, and the prompts (the scenes' captions name a shape
+# with its colour: "a small red circle")
+SYNTHETIC_TASKS = ("shape", "colour")
+SYNTHETIC_TEMPLATES = {"shape": ("a {c}.", "there is a {c}.", "a small {c}.", "a large {c}."),
+                       "colour": ("a {c} shape.", "something {c}.", "a small {c} shape.")}
+
+
+@dataclass
+class ClassificationSet:
+    """A split of a classification set: its class names, prompts and images.
+
+    Attributes:
+        root: the set's folder.
+        classnames: label ``k``'s name.
+        templates: prompts with the class name as ``{c}``.
+        shards: the split's shards (WebDataset layout), or None.
+        files: ``(image path, label)`` of every image (ImageFolder layout), or None.
+    """
+
+    root: Path
+    classnames: list[str]
+    templates: list[str]
+    shards: list[str] | None = None
+    files: list[tuple[Path, int]] | None = None
+
+
+def _lines(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+
+
+def read_classification_set(root: str | Path, split: str = "test") -> ClassificationSet:
+    """The ``split`` of the classification set in ``root`` (either layout of the module).
+
+    Raises:
+        FileNotFoundError: ``root`` is missing, or holds neither layout.
+        ValueError: a template without ``{c}``, a class name list of another length than
+            the classes, no class name at all.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"zero-shot classification set {root}: no such folder")
+    templates = _lines(root / TEMPLATES) if (root / TEMPLATES).is_file() else list(
+        DEFAULT_TEMPLATES)
+    if not templates or any("{c}" not in t for t in templates):
+        raise ValueError(f"{root / TEMPLATES}: every prompt must hold the class name as {{c}} "
+                         f"(a photo of a {{c}}.); got {templates[:3]}")
+    if (root / split / "nshards.txt").is_file():  # CLIP_benchmark's WebDataset layout
+        if not (root / CLASSNAMES).is_file():
+            raise FileNotFoundError(f"{root}: a WebDataset classification set needs "
+                                    f"{CLASSNAMES} (one class name per line, in label order)")
+        count = int((root / split / "nshards.txt").read_text().strip())
+        shards = [str(root / split / f"{index}.tar") for index in range(count)]
+        return ClassificationSet(root, _lines(root / CLASSNAMES), templates, shards=shards)
+    folder = root / split if (root / split).is_dir() else root
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    if not classes:
+        raise FileNotFoundError(
+            f"{root}: neither a WebDataset classification set ({split}/nshards.txt, "
+            f"{CLASSNAMES}) nor an image folder (one sub-folder of images per class)")
+    names = (_lines(root / CLASSNAMES) if (root / CLASSNAMES).is_file()
+             else [c.replace("_", " ") for c in classes])
+    if len(names) != len(classes):
+        raise ValueError(f"{root / CLASSNAMES} names {len(names)} classes, the folder has "
+                         f"{len(classes)} ({', '.join(classes[:5])}, ...)")
+    if set(names) == set(classes):  # the file names the folders: its order is the labels'
+        classes = names
+    files = [(path, label) for label, name in enumerate(classes)
+             for path in sorted((folder / name).iterdir())
+             if path.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS]
+    return ClassificationSet(root, names, templates, files=files)
+
+
+def _decoded(data: bytes | Path, where: str) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
+        return image.convert("RGB")
+    except Exception as error:  # PIL raises many types for broken files
+        raise ValueError(f"{where}: unreadable image ({error})") from error
+
+
+def iter_labelled_images(cset: ClassificationSet, skipped: SkipCounter,
+                         max_sample_bytes: int = MAX_SAMPLE_BYTES
+                         ) -> Iterator[tuple[Image.Image, int]]:
+    """``(RGB image, label)`` of every image of the set, in order; an image that cannot be
+    read, or a label outside the classes, is counted by ``skipped`` and left out. A shard
+    that cannot be read whole raises an
+    :class:`~mmgoal.data.pipeline.IncompleteSplitError` (an evaluation reads its split
+    whole)."""
+    n_classes = len(cset.classnames)
+    if cset.files is not None:
+        for path, label in cset.files:
+            try:
+                yield _decoded(path, str(path)), label
+            except ValueError as error:
+                skipped(error)
+        return
+    import webdataset as wds
+
+    from mmgoal.data.pipeline import whole_split
+    from mmgoal.data.remote import tar_samples
+
+    samples = wds.DataPipeline(wds.SimpleShardList(cset.shards),
+                               tar_samples(whole_split(skipped),
+                                           max_sample_bytes=max_sample_bytes))
+    for sample in samples:
+        where = f"sample {sample.get('__key__', '?')!r} of {sample.get('__url__', '?')}"
+        try:
+            member = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
+            if member is None or "cls" not in sample:
+                raise ValueError(f"{where} has no image member or no cls member")
+            label = int(sample["cls"].decode().strip())
+            if not 0 <= label < n_classes:
+                raise ValueError(f"{where}: label {label} outside the {n_classes} classes")
+            yield _decoded(sample[member], where), label
+        except (ValueError, UnicodeDecodeError) as error:
+            skipped(error)
+
+
+def write_synthetic_classification(out: str | Path, task: str = "shape", count: int = 200,
+                                   seed: int = 0, image_size: int = 64,
+                                   shard_size: int = 500, split: str = "test",
+                                   layout: str = "wds") -> ClassificationSet:
+    """A classification set of one-object synthetic scenes: the object's shape (6 classes)
+    or colour (8) is the class. Images are drawn as the retrieval benchmark's (its own
+    seeds: no scene of the benchmark), in CLIP_benchmark's WebDataset layout or as an
+    image folder (``layout``: ``wds`` or ``folder``), with the prompts of
+    :data:`SYNTHETIC_TEMPLATES`. Always the same set for the same arguments."""
+    from mmgoal.data.synthetic import COLOURS, SHAPES, _place_objects, render_scene
+
+    if task not in SYNTHETIC_TASKS:
+        raise ValueError(f"task must be one of {', '.join(SYNTHETIC_TASKS)}, got {task!r}")
+    if layout not in ("wds", "folder"):
+        raise ValueError(f"layout must be wds or folder, got {layout!r}")
+    out = Path(out)
+    classes = list(SHAPES) if task == "shape" else list(COLOURS)
+    items = []  # (key, png bytes, label)
+    for index in range(count):
+        rng = np.random.default_rng([seed, 30_000_000 + index])  # apart from the benchmark's
+        obj = _place_objects(rng, 1, image_size)
+        label = classes.index(obj[0].shape if task == "shape" else obj[0].colour)
+        buffer = io.BytesIO()
+        render_scene(rng, obj, image_size).save(buffer, format="PNG")
+        items.append((f"{index:06d}", buffer.getvalue(), label))
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / CLASSNAMES, "\n".join(classes) + "\n")
+    write_text(out / TEMPLATES, "\n".join(SYNTHETIC_TEMPLATES[task]) + "\n")
+    if layout == "folder":
+        for key, png, label in items:
+            folder = out / split / classes[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomically(folder / f"{key}.png", lambda tmp, png=png: tmp.write_bytes(png))
+    else:
+        (out / split).mkdir(exist_ok=True)
+        chunks = [items[i:i + shard_size] for i in range(0, len(items), shard_size)]
+        for number, chunk in enumerate(chunks):
+            write_atomically(out / split / f"{number}.tar",
+                             lambda tmp, chunk=chunk: _write_tar(tmp, chunk))
+        write_text(out / split / "nshards.txt", f"{len(chunks)}\n")
+    write_text(out / "meta.json", json.dumps({"task": task, "count": count, "seed": seed,
+                                              "image_size": image_size, "layout": layout}))
+    return read_classification_set(out, split)
+
+
+def _write_tar(path: Path, items: list[tuple[str, bytes, int]]) -> None:
+    with tarfile.open(path, "w") as archive:
+        for key, png, label in items:
+            for name, data in ((f"{key}.png", png), (f"{key}.cls", str(label).encode())):
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(data), 0
+                archive.addfile(info, io.BytesIO(data))

@@ -1,0 +1,74 @@
+"""WiSE-FT (Wortsman et al., "Robust fine-tuning of zero-shot models", CVPR 2022): the
+weight-space ensemble of a fine-tuned model and the pretrained weights it started from,
+``(1 - alpha) * start + alpha * fine-tuned`` (docs/models.md, "Fine-tune without
+forgetting"): ``alpha`` 0 is the zero-shot model, 1 the fine-tune; the points between
+often keep most of both its retrieval and the zero-shot accuracy it would lose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mmgoal.runs.loading import LoadedModel, load_pretrained_start
+
+
+def check_alpha(alpha: float) -> float:
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"a WiSE-FT alpha mixes the pretrained start (0) with the fine-tune "
+                         f"(1): it lies in [0, 1], got {alpha}")
+    return alpha
+
+
+def interpolate_weights(start: dict[str, torch.Tensor], finetuned: dict[str, torch.Tensor],
+                        alpha: float) -> dict[str, torch.Tensor]:
+    """``(1 - alpha) * start + alpha * finetuned`` of every floating tensor; the others
+    (step counters, token ids) are the fine-tune's.
+
+    Raises:
+        ValueError: the two hold other tensors or shapes (not one model's weights).
+    """
+    check_alpha(alpha)
+    if start.keys() != finetuned.keys():
+        missing = sorted(set(start) ^ set(finetuned))[:5]
+        raise ValueError(f"the fine-tune and its pretrained start hold different tensors "
+                         f"({', '.join(missing)}, ...): not one model's weights")
+    mixed = {}
+    for name, tuned in finetuned.items():
+        base = start[name]
+        if base.shape != tuned.shape:
+            raise ValueError(f"{name} is {tuple(tuned.shape)} in the fine-tune and "
+                             f"{tuple(base.shape)} in its pretrained start")
+        if tuned.is_floating_point():
+            base = base.to(device=tuned.device, dtype=torch.float32)
+            mixed[name] = torch.lerp(base, tuned.float(), alpha).to(tuned.dtype)
+        else:
+            mixed[name] = tuned
+    return mixed
+
+
+class WiseFT:
+    """The models between a fine-tune (``loaded``, as :func:`~mmgoal.runs.loading.
+    load_for_evaluation` gives it) and its pretrained start, one at a time.
+
+    Raises (on creation):
+        ValueError: the run has no pretrained start (its config names no pretrained
+            weights).
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.finetuned = {k: v.detach().clone() for k, v in loaded.model.state_dict().items()}
+        self.start_model = load_pretrained_start(loaded)
+        self.start = {k: v.detach().clone()
+                      for k, v in self.start_model.model.state_dict().items()}
+
+    def weights(self, alpha: float) -> dict[str, torch.Tensor]:
+        """The state dict at ``alpha``."""
+        return interpolate_weights(self.start, self.finetuned, alpha)
+
+    def at(self, alpha: float) -> LoadedModel:
+        """The model at ``alpha`` (the one model object, its weights set to ``alpha``'s:
+        a later call changes it)."""
+        self.start_model.model.load_state_dict(self.weights(alpha))
+        return dataclasses.replace(self.start_model, model=self.start_model.model.eval())
