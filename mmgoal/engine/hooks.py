@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mmgoal.objectives.adaptive_lam import AdaptiveLam
 from mmgoal.registry import HOOKS, OBJECTIVES
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class ObjectiveWarmup(Hook):
             trainer.objective = self.warmup_objective if warming else self._main_objective
             return
         objective = trainer.objective
+        # lam: auto measures the objective's own first steps, after the warm-up
+        for module in objective.modules():
+            if isinstance(module, AdaptiveLam):
+                module.paused = warming
         if self._saved is None:
             missing = [k for k in self.attributes if not hasattr(objective, k)]
             if missing:

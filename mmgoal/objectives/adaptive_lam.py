@@ -62,6 +62,12 @@ class AdaptiveLam(nn.Module):
     refuses anything else): a resumed run continues exactly. Checkpoints are
     written between steps, when no statistics are pending.
 
+    ``paused`` (set by ``ObjectiveWarmup`` while its warm-up holds) drops what the
+    objective sees: a warm-up that trains this objective with other attributes does not
+    measure ``lam``, which then measures the first ``steps`` steps after it. (A warm-up
+    that swaps in another objective never calls this one; a ``load_from`` loads model
+    weights alone, so a fine-tune's ``lam`` measures its own first steps too.)
+
     Args:
         momentum: the weight of the running ``lam`` at each update, in [0, 1).
         initial: ``lam`` until the first update.
@@ -75,6 +81,7 @@ class AdaptiveLam(nn.Module):
         self.steps = steps
         self.value = float(initial)
         self.updates = 0
+        self.paused = False
         self._positives: list[torch.Tensor] = []
         self._negatives: list[torch.Tensor] = []
 
@@ -95,7 +102,7 @@ class AdaptiveLam(nn.Module):
             positive_scores: (n_pos,) the score of every positive pair.
             negative_scores: (n_neg,) the hardest-negative score of every valid triplet.
         """
-        if self.holding:
+        if self.holding or self.paused:
             return
         self._positives.append(positive_scores.detach().flatten())
         self._negatives.append(negative_scores.detach().flatten())

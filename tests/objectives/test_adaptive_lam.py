@@ -1,5 +1,6 @@
 """``lam: auto``: mmgoal's adaptive lambda (mmgoal/objectives/adaptive_lam.py)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,38 @@ def test_lam_auto_inside_an_objective_sum_updates_as_alone():
         assert run_step(summed, scores) == run_step(alone, scores)
     assert summed.terms[0].adaptive_lam.value == alone.adaptive_lam.value == \
         pytest.approx(0.56, abs=1e-12)
+
+
+@pytest.mark.parametrize("warmup", [
+    {"objective": {"type": "TripletLoss", "max_violation": False}},  # another objective
+    {"attributes": {"reduction": "mean"}},  # GOAL itself, other attributes
+], ids=["swap", "attributes"])
+def test_lam_auto_measures_goals_own_first_steps_after_a_warm_up(warmup, tiny_benchmark,
+                                                                 tmp_path):
+    """An ObjectiveWarmup's epoch, then GOAL: lam is lam_init at GOAL's first step and
+    then the midpoint of that step's medians (lam_steps 1: held), whatever the warm-up
+    did to the scores."""
+    from mmgoal.engine.trainer import Trainer
+
+    out, _ = tiny_benchmark
+    cfg = load_run_config(QUICKSTART_GOAL.parent.parent / "quickstart.yaml", [
+        "model.embed_dim=16", "model.image_encoder.model_kwargs.widths=[8, 16]",
+        "model.text_encoder.word_dim=8", "model.text_encoder.hidden_size=16",
+        "data.image_size=32", "data.num_workers=0", "train.epochs=2", "train.progress=False",
+        "train.log_every=1", "train.eval_every=0", "data.train.batch_size=32",
+        f"data.train.shards={out}/train-{{000000..000002}}.tar", "data.val=None",
+        "data.test=None",
+        "objective={'type': 'GoalObjective', 'triplet': 'cir', 'pair': {'type': 'sig_ms', "
+        "'lam': 'auto', 'lam_init': 0.3, 'lam_steps': 1}}",
+        f"hooks=[{ {'type': 'ObjectiveWarmup', 'epochs': 1, **warmup}!r}]"])
+    Trainer(cfg, tmp_path / "run").fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    goal = [r for r in records if r.get("type") == "train" and r["epoch"] == 1]
+    warm = [r for r in records if r.get("type") == "train" and r["epoch"] == 0]
+    assert len(goal) == len(warm) == 3
+    assert all(r.get("lam", 0.3) == pytest.approx(0.3) for r in warm)  # nothing measured
+    first = goal[0]
+    assert first["lam"] == pytest.approx(0.3)
+    midpoint = (first["positive_median"] + first["negative_median"]) / 2
+    assert [r["lam"] for r in goal[1:]] == [pytest.approx(midpoint, abs=1e-6)] * 2
+    assert abs(midpoint - 0.3) > 1e-3  # the test could tell lam_init from the midpoint
