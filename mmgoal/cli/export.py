@@ -22,6 +22,12 @@ An ``--out`` ending in ``.safetensors`` writes the weights as safetensors with
 the config, tokenizer, source and format version (``mmgoal-safetensors/1``) as
 JSON in the file's metadata.
 
+A LoRA run (``model.peft``, docs/models.md "LoRA") is exported merged, in every
+format: each adapter's update is folded into the weight it adapts, the model is built
+from the run's config for that (``--trust-custom-imports`` imports its
+``custom_imports``), and the export's config has ``model.peft: null``, so it loads as
+the plain model and embeds as the adapted one did.
+
 ``--out`` is a new file or an earlier export: a run's own checkpoints (best.pt,
 last.pt) and other files are never overwritten, nothing is written through a symbolic
 link, and weights holding NaN/inf (written by an older mmgoal as its run diverged) are
@@ -60,31 +66,47 @@ def check_out(out: Path) -> None:
     check_out_file(out, is_export, "an earlier export", "model.pt")
 
 
-def export(source: Path, out: Path, which: str = "best_or_latest") -> dict:
+def has_adapters(config: dict | None) -> bool:
+    """Whether a run's config trains adapters (``model.peft``) that an export merges."""
+    return bool(((config or {}).get("model") or {}).get("peft"))
+
+
+def export(source: Path, out: Path, which: str = "best_or_latest",
+           trust_custom_imports: bool = False) -> dict:
     """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``
-    (safetensors when its name ends in ``.safetensors``).
+    (safetensors when its name ends in ``.safetensors``); a LoRA run's merged, with
+    ``model.peft: null`` in the config written.
 
     Raises:
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out`` (:func:`check_out`), or weights holding NaN/inf.
     """
+    from mmgoal.models.lora import merge_adapters
     from mmgoal.runs.checkpoint import (
         check_finite_weights,
         load_checkpoint,
         save_checkpoint,
         save_safetensors,
     )
+    from mmgoal.runs.loading import load_for_evaluation
 
     check_out(out)
     path = weights_file(source, which)
     state = load_checkpoint(path)
     check_finite_weights(state["model"], f"checkpoint {path}")
-    weights = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
-    exported = {"model": weights, "tokenizer": state["tokenizer"], "config": state["config"],
+    weights, config, merged = state["model"], state["config"], 0
+    if has_adapters(config):  # the model is built to merge them (its checkpoint's weights)
+        model = load_for_evaluation(path, device="cpu",
+                                    trust_custom_imports=trust_custom_imports).model
+        merged = merge_adapters(model)
+        weights = model.state_dict()
+        config = {**config, "model": {**config["model"], "peft": None}}
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    exported = {"model": weights, "tokenizer": state["tokenizer"], "config": config,
                 "epoch": state.get("epoch"), "exported_from": str(path)}
     (save_safetensors if out.suffix == ".safetensors" else save_checkpoint)(exported, out)
     return {"source": str(path), "tensors": len(weights),
-            "parameters": sum(v.numel() for v in weights.values())}
+            "parameters": sum(v.numel() for v in weights.values()), "merged": merged}
 
 
 def check_out_folder(out: Path, fmt: str) -> None:
@@ -107,11 +129,13 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out``, or a model family without that format.
     """
+    from mmgoal.models.lora import merge_adapters
     from mmgoal.runs.loading import load_for_evaluation
 
     check_out_folder(out, fmt)
     path = weights_file(source, which)
     loaded = load_for_evaluation(path, device="cpu", trust_custom_imports=trust_custom_imports)
+    merged = merge_adapters(loaded.model) if has_adapters(loaded.config) else 0
     formats = getattr(type(loaded.model), "EXPORT_FORMATS", ())
     if fmt not in formats:
         others = ", ".join(["mmgoal", *formats])
@@ -122,7 +146,13 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
     # its files then move into --out, never through a link there
     with staged_folder(out) as staging:
         written = loaded.model.export_to(fmt, staging, loaded.tokenizer, loaded.transform)
-    return {"source": str(path), "files": written}
+    return {"source": str(path), "files": written, "merged": merged}
+
+
+def merged_note(summary: dict) -> str:
+    """`` (LoRA adapters of 8 layers merged)`` where the export merged some, else ``""``."""
+    merged = summary["merged"]
+    return f" (LoRA adapters of {merged} layer{'s' * (merged != 1)} merged)" if merged else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="mmgoal's own file (default), open_clip's folder (OpenCLIP "
                              "runs) or a Hugging Face save_pretrained folder (HFCLIP runs)")
     parser.add_argument("--trust-custom-imports", action="store_true",
-                        help="with --format open_clip/hf: import the custom_imports the run's "
-                             "config names (the model is built)")
+                        help="with --format open_clip/hf, or a LoRA run (model.peft): import "
+                             "the custom_imports the run's config names (the model is built)")
     args = parser.parse_args(argv)
     from mmgoal.runs.checkpoint import CheckpointWriteError  # torch: past --help
 
@@ -153,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             summary = export_folder(args.source, args.out, args.format, args.which,
                                     args.trust_custom_imports)
             print(f"{args.out}: {', '.join(summary['files'])} ({args.format}) from "
-                  f"{summary['source']}")
+                  f"{summary['source']}{merged_note(summary)}")
             return 0
-        summary = export(args.source, args.out, args.which)
+        summary = export(args.source, args.out, args.which, args.trust_custom_imports)
     except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a plug-in
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -163,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "
-          f"from {summary['source']}")
+          f"from {summary['source']}{merged_note(summary)}")
     return 0
+
 
 
 if __name__ == "__main__":
