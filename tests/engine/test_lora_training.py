@@ -75,6 +75,23 @@ def test_a_lora_run_reports_what_trains_and_resumes_its_adapters_exactly(tiny_be
     assert all(torch.equal(resumed[name], final[name]) for name in final)
 
 
+def test_a_freeze_schedule_thaws_the_adapters_and_leaves_the_lora_base_frozen():
+    from types import SimpleNamespace
+
+    from mmgoal.engine.hooks import FreezeSchedule
+
+    model = MODELS.build(MODEL)
+    hook = FreezeSchedule(frozen=["model.visual"], unfreeze={1: ["model.visual"]})
+    trainable = []
+    for epoch in range(2):
+        hook.before_epoch(SimpleNamespace(model=model, epoch=epoch))
+        trainable.append({n for n, p in model.named_parameters() if p.requires_grad})
+    text = {name for name, _ in model.named_parameters() if trains(name)
+            and not name.startswith("model.visual.")}
+    assert trainable[0] == text  # the image tower's adapters wait; its base never trains
+    assert trainable[1] == {name for name, _ in model.named_parameters() if trains(name)}
+
+
 def rank_batch(rank: int, index: int, size: int = 4) -> dict:
     """This rank's pairs of step ``index``: random images and tokens, one image per caption."""
     generator = torch.Generator().manual_seed(100 * index + rank)
