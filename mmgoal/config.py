@@ -389,6 +389,16 @@ class AtLeast:
     minimum: float
 
 
+@dataclasses.dataclass(frozen=True)
+class BuiltBy:
+    """A config value that a registry builds, said in its type hint: ``Annotated[dict,
+    BuiltBy(ADAPTERS)] | None`` (a model's ``peft`` section) is checked by that registry's
+    ``check`` (its ``type``, keys and their types) with the rest of the config, where
+    :func:`check_value` meets it, rather than only when the model builds it."""
+
+    registry: Any  # a mmgoal.registry.Registry (which imports this module)
+
+
 # A width, a length, a count of layers or heads: a size that zero or less would not mean,
 # which a config (or a checkpoint's stored config) setting -1 would otherwise turn into a
 # "negative dimension" deep inside torch, or a silently shorter caption (``[:-1]``).
@@ -478,6 +488,8 @@ def _check_within(where: str, value: Any, hint: Any) -> None:
         for mark in marks:
             if isinstance(mark, AtLeast):
                 check_minimum(where, value, mark.minimum)
+            elif isinstance(mark, BuiltBy) and isinstance(value, Mapping):
+                mark.registry.check(value, where)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     homogeneous = origin in (list, collections.abc.Sequence, collections.abc.Iterable) or \
         (origin is tuple and len(args) == 2 and args[1] is Ellipsis)

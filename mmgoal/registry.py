@@ -307,6 +307,8 @@ ENCODERS = Registry("encoder", locations={
     **_at(f"{_ENCODERS}.hf_text", "HFTextEncoder"),
     **_at(f"{_ENCODERS}.regions", "PrecomputedRegionEncoder", "RoIRegionEncoder"),
     **_at(f"{_ENCODERS}.timm_image", "TimmImageEncoder")})
+# parameter-efficient fine-tuning of a model's own weights (model.peft: LoRA)
+ADAPTERS = Registry("adapter", locations=_at(f"{_MODELS}.lora", "lora"))
 POOLERS = Registry("pooler", locations=_at(f"{_MODELS}.layers.gpo", "GPO", "MaxPool",
                                            "MeanPool"))
 OBJECTIVES = Registry("objective", locations={

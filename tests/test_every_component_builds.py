@@ -86,6 +86,8 @@ EXAMPLES = {
     "HOOKS": {"ObjectiveWarmup": {"epochs": 1, "attributes": {"margin": 0.0}},
               "FreezeSchedule": {"frozen": ["image_encoder"], "unfreeze": {1: ["image_encoder"]}}},
     "POOLERS": {"MeanPool": {}, "MaxPool": {}, "GPO": {"d_pe": 8, "d_hidden": 4}},
+    # its hyperparameters; tests/models/test_lora.py puts it into OpenCLIP and HFCLIP models
+    "ADAPTERS": {"lora": {"r": 2, "alpha": 4.0}},
     # building a logger writes nothing; tests/engine/test_loggers.py opens them in a run
     "LOGGERS": {"TensorBoardLogger": {"flush_secs": 5}, "WandbLogger": {"mode": "offline"}},
     "TEXT_AUGMENTS": {"TokenAugment": {"p": 0.1}},

@@ -23,6 +23,12 @@ An ``--out`` ending in ``.safetensors`` writes the weights as safetensors with
 the config, tokenizer, source and format version (``mmgoal-safetensors/1``) as
 JSON in the file's metadata.
 
+A LoRA run (``model.peft``, docs/models.md "LoRA") is exported merged, in every
+format: each adapter's update is folded into the weight it adapts, the model is built
+from the run's config for that (``--trust-custom-imports`` imports its
+``custom_imports``), and the export's config has ``model.peft: null``, so it loads as
+the plain model and embeds as the adapted one did.
+
 ``--out`` is a new file or an earlier export: a run's own checkpoints (best.pt,
 last.pt) and other files are never overwritten, nothing is written through a symbolic
 link, and weights holding NaN/inf (written by an older mmgoal as its run diverged) are
@@ -71,46 +77,57 @@ def check_out(out: Path) -> None:
     check_out_file(out, is_export, "an earlier export", "model.pt")
 
 
-def wise_ft_weights(path: Path, alpha: float, trust_custom_imports: bool = False) -> dict:
-    """The WiSE-FT weights at ``alpha`` of the checkpoint ``path`` (mmgoal/runs/wise_ft.py)."""
-    from mmgoal.runs.loading import load_for_evaluation
-    from mmgoal.runs.wise_ft import WiseFT
-
-    loaded = load_for_evaluation(path, device="cpu", trust_custom_imports=trust_custom_imports)
-    return WiseFT(loaded).weights(alpha)
+def has_adapters(config: dict | None) -> bool:
+    """Whether a run's config trains adapters (``model.peft``) that an export merges."""
+    return bool(((config or {}).get("model") or {}).get("peft"))
 
 
-def export(source: Path, out: Path, which: str = "best_or_latest", wise_ft: float | None = None,
-           trust_custom_imports: bool = False) -> dict:
+def export(source: Path, out: Path, which: str = "best_or_latest",
+           trust_custom_imports: bool = False, wise_ft: float | None = None) -> dict:
     """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``
-    (safetensors when its name ends in ``.safetensors``); with ``wise_ft``, those mixed
-    with the pretrained start at that alpha.
+    (safetensors when its name ends in ``.safetensors``); a LoRA run's merged, with
+    ``model.peft: null`` in the config written; with ``wise_ft``, the weights mixed with
+    the pretrained start at that alpha (mmgoal/runs/wise_ft.py).
 
     Raises:
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out`` (:func:`check_out`), or weights holding NaN/inf.
     """
+    from mmgoal.models.lora import merge_adapters
     from mmgoal.runs.checkpoint import (
         check_finite_weights,
         load_checkpoint,
         save_checkpoint,
         save_safetensors,
     )
+    from mmgoal.runs.loading import load_for_evaluation
 
     check_out(out)
     path = weights_file(source, which)
     state = load_checkpoint(path)
     check_finite_weights(state["model"], f"checkpoint {path}")
-    model = (state["model"] if wise_ft is None
-             else wise_ft_weights(path, wise_ft, trust_custom_imports))
-    weights = {k: v.float() if v.is_floating_point() else v for k, v in model.items()}
-    exported = {"model": weights, "tokenizer": state["tokenizer"], "config": state["config"],
+    weights, config, merged = state["model"], state["config"], 0
+    if has_adapters(config) or wise_ft is not None:  # the model is built (its weights)
+        loaded = load_for_evaluation(path, device="cpu",
+                                     trust_custom_imports=trust_custom_imports)
+        if wise_ft is not None:
+            from mmgoal.runs.wise_ft import WiseFT
+
+            mix = WiseFT(loaded)  # merges the adapters of the start and the fine-tune
+            merged, weights = mix.merged, mix.weights(wise_ft)
+        else:
+            merged = merge_adapters(loaded.model)
+            weights = loaded.model.state_dict()
+        if has_adapters(config):
+            config = {**config, "model": {**config["model"], "peft": None}}
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    exported = {"model": weights, "tokenizer": state["tokenizer"], "config": config,
                 "epoch": state.get("epoch"), "exported_from": str(path)}
     if wise_ft is not None:
         exported["wise_ft_alpha"] = wise_ft
     (save_safetensors if out.suffix == ".safetensors" else save_checkpoint)(exported, out)
     return {"source": str(path), "tensors": len(weights),
-            "parameters": sum(v.numel() for v in weights.values())}
+            "parameters": sum(v.numel() for v in weights.values()), "merged": merged}
 
 
 def check_out_folder(out: Path, fmt: str) -> None:
@@ -134,11 +151,13 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out``, or a model family without that format.
     """
+    from mmgoal.models.lora import merge_adapters
     from mmgoal.runs.loading import load_for_evaluation
 
     check_out_folder(out, fmt)
     path = weights_file(source, which)
     loaded = load_for_evaluation(path, device="cpu", trust_custom_imports=trust_custom_imports)
+    merged = merge_adapters(loaded.model) if has_adapters(loaded.config) else 0
     formats = getattr(type(loaded.model), "EXPORT_FORMATS", ())
     if fmt not in formats:
         others = ", ".join(["mmgoal", *formats])
@@ -153,7 +172,13 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
     # its files then move into --out, never through a link there
     with staged_folder(out) as staging:
         written = loaded.model.export_to(fmt, staging, loaded.tokenizer, loaded.transform)
-    return {"source": str(path), "files": written}
+    return {"source": str(path), "files": written, "merged": merged}
+
+
+def merged_note(summary: dict) -> str:
+    """`` (LoRA adapters of 8 layers merged)`` where the export merged some, else ``""``."""
+    merged = summary["merged"]
+    return f" (LoRA adapters of {merged} layer{'s' * (merged != 1)} merged)" if merged else ""
 
 
 def check_hub_repository(repo_id: str) -> None:
@@ -240,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                              "started from + ALPHA x its fine-tuned ones (0 <= ALPHA <= 1; "
                              "docs/models.md, 'Fine-tune without forgetting')")
     parser.add_argument("--trust-custom-imports", action="store_true",
-                        help="with --format open_clip/hf: import the custom_imports the run's "
-                             "config names (the model is built)")
+                        help="with --format open_clip/hf, a LoRA run (model.peft) or "
+                             "--wise-ft: import the custom_imports the run's config names (the "
+                             "model is built)")
     parser.add_argument("--push-to-hub", metavar="REPO_ID",
                         help="then upload the export to this Hugging Face hub model repository "
                              "(NAMESPACE/NAME, created if missing), through huggingface_hub: "
@@ -266,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
             summary = export_folder(args.source, args.out, args.format, args.which,
                                     args.trust_custom_imports, args.wise_ft)
             files = summary["files"]
-            print(f"{args.out}: {', '.join(files)} ({args.format}) from {summary['source']}")
+            print(f"{args.out}: {', '.join(files)} ({args.format}) from {summary['source']}"
+                  f"{merged_note(summary)}")
         else:
-            summary = export(args.source, args.out, args.which, args.wise_ft,
-                             args.trust_custom_imports)
+            summary = export(args.source, args.out, args.which, args.trust_custom_imports,
+                             args.wise_ft)
             files = [args.out.name]
             print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "
-                  f"from {summary['source']}")
+                  f"from {summary['source']}{merged_note(summary)}")
     except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a plug-in
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -289,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"pushed {', '.join(files)} to {args.push_to_hub}: {url}")
     return 0
+
 
 
 if __name__ == "__main__":

@@ -104,7 +104,9 @@ class FreezeSchedule(Hook):
 
     The state follows from the epoch alone, so a resumed run freezes the same
     parameters. Frozen modules also keep their normalisation statistics
-    (batch norm in eval mode) when ``freeze_norm``.
+    (batch norm in eval mode) when ``freeze_norm``. What the model froze itself (a
+    LoRA model's base weights: ``model.peft``) stays frozen when its module thaws: the
+    optimizer does not hold it.
 
     Args:
         frozen: module paths frozen from the first epoch.
@@ -117,6 +119,7 @@ class FreezeSchedule(Hook):
         self.frozen = list(frozen)
         self.unfreeze = {int(epoch): list(paths) for epoch, paths in (unfreeze or {}).items()}
         self.freeze_norm = freeze_norm
+        self._model_frozen: set[int] | None = None  # ids, seen before the first epoch froze any
 
     def _module(self, trainer: Trainer, path: str):
         try:
@@ -138,9 +141,12 @@ class FreezeSchedule(Hook):
             self._module(trainer, path)
 
     def before_epoch(self, trainer: Trainer) -> None:
+        if self._model_frozen is None:
+            self._model_frozen = {id(p) for p in trainer.model.parameters() if not p.requires_grad}
         for path in self.frozen:
             for param in self._module(trainer, path).parameters():
-                param.requires_grad_(True)
+                if id(param) not in self._model_frozen:
+                    param.requires_grad_(True)
         for module in self.frozen_modules(trainer, trainer.epoch):
             for param in module.parameters(recurse=False):
                 param.requires_grad_(False)

@@ -29,9 +29,11 @@ parameter's learning rate and weight decay are the base values times
 The objective's parameters (InfoNCE's temperature) follow ``no_decay`` at the
 base rate. Parameters with the same factors share a group, named after them
 (:func:`group_name`); without ``no_decay`` and ``layer_decay`` there is one group
-per ``paramwise`` prefix and ``objective``, as there always was. Frozen
-parameters stay in their groups, so unfreezing them later (``FreezeSchedule``)
-needs no new optimizer: optimizers skip parameters without a gradient.
+per ``paramwise`` prefix and ``objective``, as there always was. Parameters
+frozen when the optimizer is built (a LoRA model's base weights: ``model.peft``,
+docs/models.md "LoRA") are left out: the optimizer holds what trains. Parameters
+frozen later (``FreezeSchedule``) stay in their groups, so unfreezing them needs no
+new optimizer: optimizers skip parameters without a gradient.
 """
 
 from __future__ import annotations
@@ -154,6 +156,14 @@ def owned_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, nn.
                 yield f"{path}.{leaf}" if path else leaf, param, owner
 
 
+def parameter_counts(*modules: nn.Module) -> dict[str, int]:
+    """``{"trainable": N, "total": M}``: the parameters of ``modules`` (a shared one once)
+    that are trainable now (what :func:`build_optimizer` gives the optimizer), and all."""
+    params = {id(p): p for module in modules for p in module.parameters()}.values()
+    return {"trainable": sum(p.numel() for p in params if p.requires_grad),
+            "total": sum(p.numel() for p in params)}
+
+
 def transformer_layers(tower: nn.Module, where: str) -> tuple[dict[str, int], int]:
     """The layer of each parameter of a tower (by its name in the tower), and its block count L.
 
@@ -235,7 +245,8 @@ def parameter_groups(module: nn.Module, lr: float, weight_decay: float,
 
     Returns:
         Optimizer parameter groups in the order their first parameters come, each with
-        a ``name`` (:func:`group_name`), ``params``, ``lr`` and ``weight_decay``.
+        a ``name`` (:func:`group_name`), ``params``, ``lr`` and ``weight_decay``; the
+        parameters that are frozen now (``requires_grad`` false) are in none.
 
     Raises:
         ValueError: a paramwise prefix or layer-decay tower names no module; a tower
@@ -250,7 +261,8 @@ def parameter_groups(module: nn.Module, lr: float, weight_decay: float,
             top = sorted({m.split(".")[0] for m in known})
             raise ValueError(f"optimizer.{where}: the model has no module {path!r}; "
                              f"top-level modules: {', '.join(top)}")
-    owned = list(owned_parameters(module))
+    owned = [(name, param, owner) for name, param, owner in owned_parameters(module)
+             if param.requires_grad]
     layer_of: dict[str, tuple[str, int]] = {}
     scale_of: dict[tuple[str, int], float] = {}
     for tower in towers:

@@ -10,7 +10,8 @@ owns the device (``train.device``), processes, optimizer, precision
 ``checkpoints/`` (the strategy's resumable checkpoint: model, optimizer, step,
 position in the epoch, every rank's RNG state; and ``best.pt``, the float32
 weights of the best epoch by validation rsum) and ``report.json`` (test metrics
-of the best checkpoint under ``"test"``). Rank 0 alone writes them and shows
+of the best checkpoint under ``"test"``, the trainable and total parameter counts
+under ``"parameters"``). Rank 0 alone writes them and shows
 progress bars; the loggers of ``loggers:`` (TensorBoard, W&B:
 :mod:`mmgoal.engine.loggers`) get the records of ``metrics.jsonl`` there too.
 
@@ -56,6 +57,7 @@ from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
 from mmgoal.distributed import rng_state, set_rng_state
 from mmgoal.engine.metric_log import MetricLog
+from mmgoal.engine.optimizers import parameter_counts
 from mmgoal.engine.signals import (
     StopSignals,
     StopWhileWaitingForData,
@@ -141,6 +143,8 @@ class Trainer:
         self.preprocessing = resolve_preprocessing(self.config.to_dict())
         self.tokenizer = self._build_tokenizer(resumed or start_from)
         model, objective, constraints = self._build_model_and_objective()
+        # what trains (a LoRA model's adapters: model.peft), counted before a strategy shards it
+        self.parameter_counts = parameter_counts(model, objective, *constraints)
         # load_from: what the checkpoint and the model did not share (None without it)
         self.handoff = (self._load_weights(model, start_from, self.config.load_from)
                         if start_from is not None else None)
@@ -314,6 +318,9 @@ class Trainer:
                     "%d steps per epoch (%d samples); base lr %s", self.strategy.describe(),
                     self.global_batch, self.train_set.batch_size, self.strategy.world_size,
                     self.accumulate_steps, self.steps_per_epoch, self.samples_per_epoch, lr)
+        counts = self.parameter_counts
+        logger.info("trainable parameters: %d of %d (%.2f%%)", counts["trainable"],
+                    counts["total"], 100 * counts["trainable"] / max(counts["total"], 1))
 
     @property
     def optimizer(self):
@@ -747,7 +754,8 @@ class Trainer:
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,
                                   "train_seconds": seconds, "best": self.best,
-                                  "skipped_samples": self.skipped_samples}
+                                  "skipped_samples": self.skipped_samples,
+                                  "parameters": self.parameter_counts}
         if self.config.data.test:
             current = self.best["epoch"] < 0  # no validation: the trained model as it is
             if current:

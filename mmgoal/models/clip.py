@@ -39,6 +39,7 @@ from torch import nn
 
 from mmgoal.config import PositiveInt, close_match_hints, first_line
 from mmgoal.models.efficiency import enable_grad_checkpointing
+from mmgoal.models.lora import LoRATargets, PeftSection
 from mmgoal.models.pretrained import check_weights_fit, load_hf_model, weights_file_shapes
 from mmgoal.paths import (
     OPEN_CLIP_CONFIG,
@@ -49,7 +50,7 @@ from mmgoal.paths import (
     open_clip_source,
     resolve_path,
 )
-from mmgoal.registry import MODELS, TRANSFORMS
+from mmgoal.registry import ADAPTERS, MODELS, TRANSFORMS
 from mmgoal.structures import ImageFeatures, Preprocessing, TextFeatures
 
 logger = logging.getLogger(__name__)
@@ -338,10 +339,19 @@ class OpenCLIP(nn.Module):
         model_kwargs: overrides of the architecture, as ``create_model``'s keyword
             arguments (``embed_dim``, ``vision_cfg``, ``text_cfg``... each replaced whole).
         grad_checkpointing: recompute the towers' activations in the backward.
+        peft: adapters trained in place of the weights (``{type: lora, r: 8, ...}``:
+            :class:`~mmgoal.models.lora.LoRA`; by default on the attention's queries,
+            keys and values, ``attn.in_proj_weight``); ``None``: every weight trains.
     """
 
+    # model.peft's defaults: torch's MultiheadAttention of open_clip's blocks multiplies
+    # its in_proj_weight itself (mmgoal/models/lora.py)
+    LORA_TARGETS = LoRATargets(target_parameters=("attn.in_proj_weight",),
+                               trainable=("logit_scale", "logit_bias"))
+
     def __init__(self, model_name: str, pretrained: str | None = None,
-                 model_kwargs: dict | None = None, grad_checkpointing: bool = False) -> None:
+                 model_kwargs: dict | None = None, grad_checkpointing: bool = False,
+                 peft: PeftSection = None) -> None:
         super().__init__()
         import open_clip
 
@@ -378,6 +388,8 @@ class OpenCLIP(nn.Module):
         self.model_name = model_name
         self.architecture = architecture  # the model_cfg it was built with, model_kwargs in
         self.tag = pretrained if tag_cfg else None  # whose preprocessing the model reads
+        if peft is not None:
+            ADAPTERS.build(peft).apply(self.model, self.LORA_TARGETS, f"OpenCLIP {model_name}")
         if grad_checkpointing:
             enable_grad_checkpointing(self)
 
@@ -528,10 +540,20 @@ class HFCLIP(nn.Module):
         config: instead of ``path``, a config of random weights, e.g. ``{model_type: clip,
             text_config: {...}, vision_config: {...}}`` (no preprocessing of its own).
         grad_checkpointing: recompute the towers' activations in the backward.
+        peft: adapters trained in place of the weights (``{type: lora, r: 8, ...}``:
+            :class:`~mmgoal.models.lora.LoRA`; by default on the attention's query, key,
+            value and output projections); ``None``: every weight trains.
     """
 
+    # model.peft's defaults: the encoder layers' attention projections, named by their
+    # self_attn (SigLIP's pooling head is a torch MultiheadAttention: mmgoal/models/lora.py)
+    LORA_TARGETS = LoRATargets(
+        target_modules=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                        "self_attn.out_proj"),
+        trainable=("logit_scale", "logit_bias"))
+
     def __init__(self, path: str | None = None, config: dict | None = None,
-                 grad_checkpointing: bool = False) -> None:
+                 grad_checkpointing: bool = False, peft: PeftSection = None) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModel
 
@@ -546,6 +568,9 @@ class HFCLIP(nn.Module):
                 raise ValueError("HFCLIP config needs a model_type (clip or siglip)")
             self.model = AutoModel.from_config(AutoConfig.for_model(model_type, **config))
         hf_model_type(self.model.config)
+        if peft is not None:
+            ADAPTERS.build(peft).apply(self.model, self.LORA_TARGETS,
+                                       f"HFCLIP {path or self.model.config.model_type}")
         if grad_checkpointing:
             enable_grad_checkpointing(self)
 

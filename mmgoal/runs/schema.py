@@ -39,6 +39,7 @@ from mmgoal.data.remote import expand_shards
 from mmgoal.data.tars import MAX_SAMPLE_BYTES
 from mmgoal.extras import require_extra
 from mmgoal.registry import (
+    ADAPTERS,
     CONSTRAINTS,
     DATASETS,
     ENCODERS,
@@ -341,8 +342,8 @@ def check_test_shards(cfg: dict) -> None:
 REGISTRY_OF_SECTION: dict[str, Registry] = RunConfig.components()
 SECTIONS: dict[str, type[ConfigSection]] = RunConfig.sections()
 # Where a nested ``type`` (an encoder inside a model, a term of an objective) is looked up.
-NESTED_REGISTRIES = (MODELS, ENCODERS, POOLERS, OBJECTIVES, DATASETS, TOKENIZERS, TRANSFORMS,
-                     TEXT_AUGMENTS, TRIPLET_WEIGHTS, PAIR_WEIGHTS, HOOKS, CONSTRAINTS)
+NESTED_REGISTRIES = (MODELS, ENCODERS, POOLERS, ADAPTERS, OBJECTIVES, DATASETS, TOKENIZERS,
+                     TRANSFORMS, TEXT_AUGMENTS, TRIPLET_WEIGHTS, PAIR_WEIGHTS, HOOKS, CONSTRAINTS)
 
 
 def resolve_config(cfg: dict, schema: type[ConfigSection] = RunConfig) -> dict:

