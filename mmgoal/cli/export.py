@@ -87,7 +87,7 @@ def export(source: Path, out: Path, which: str = "best_or_latest",
     """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``
     (safetensors when its name ends in ``.safetensors``); a LoRA run's merged, with
     ``model.peft: null`` in the config written; with ``wise_ft``, the weights mixed with
-    the pretrained start at that alpha (mmgoal/runs/wise_ft.py).
+    the pretrained start at that alpha (mmgoal/evaluation/wise_ft.py).
 
     Raises:
         FileNotFoundError: no checkpoint at ``source``.
@@ -111,7 +111,7 @@ def export(source: Path, out: Path, which: str = "best_or_latest",
         loaded = load_for_evaluation(path, device="cpu",
                                      trust_custom_imports=trust_custom_imports)
         if wise_ft is not None:
-            from mmgoal.runs.wise_ft import WiseFT
+            from mmgoal.evaluation.wise_ft import WiseFT
 
             mix = WiseFT(loaded)  # merges the adapters of the start and the fine-tune
             merged, weights = mix.merged, mix.weights(wise_ft)
@@ -165,7 +165,7 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
                          f"exported as {others} (--format); open_clip's layout is for "
                          f"OpenCLIP runs, Hugging Face's for HFCLIP runs")
     if wise_ft is not None:
-        from mmgoal.runs.wise_ft import WiseFT
+        from mmgoal.evaluation.wise_ft import WiseFT
 
         loaded.model.load_state_dict(WiseFT(loaded).weights(wise_ft))
     # the family's writer (a library's save_pretrained among them) writes into a new folder;

@@ -106,10 +106,10 @@ def run(args) -> int:
     from mmgoal.data.classification import read_classification_set
     from mmgoal.data.pipeline import EvalReader
     from mmgoal.evaluation.gallery import evaluate_retrieval
+    from mmgoal.evaluation.wise_ft import WiseFT
     from mmgoal.evaluation.zeroshot import evaluate_zeroshot
     from mmgoal.runs.loading import load_for_evaluation
     from mmgoal.runs.schema import ScoringConfig
-    from mmgoal.runs.wise_ft import WiseFT
 
     loaded = load_for_evaluation(args.source, device=args.device,
                                  trust_custom_imports=args.trust_custom_imports)

@@ -11,9 +11,9 @@ from script_modules import load_tool
 
 import mmgoal
 from mmgoal.data.classification import read_classification_set, write_synthetic_classification
+from mmgoal.evaluation.wise_ft import WiseFT, interpolate_weights
 from mmgoal.evaluation.zeroshot import evaluate_zeroshot
 from mmgoal.runs.loading import load_for_evaluation
-from mmgoal.runs.wise_ft import WiseFT, interpolate_weights
 
 open_clip = pytest.importorskip("open_clip")
 safetensors_torch = pytest.importorskip("safetensors.torch")
