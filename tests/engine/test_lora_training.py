@@ -2,6 +2,7 @@
 the adapters and resume them exactly, and under DDP and DeepSpeed ZeRO-2 the frozen weights
 stay put while the adapters move alike on every rank."""
 
+import copy
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clip_runs import MODEL_KWARGS
 from ranks import run_ranks  # tests/ranks.py
 
 from mmgoal.distributed import id_hashes
@@ -20,12 +22,7 @@ from mmgoal.runs.checkpoint import load_checkpoint
 pytest.importorskip("open_clip")
 pytest.importorskip("peft")
 
-# ViT-B-32 shrunk to one block of width 32 per tower (tests/models/test_lora.py's)
-TINY = {"embed_dim": 16,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16,
-                       "head_width": 16},
-        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2,
-                     "layers": 1}}
+TINY = copy.deepcopy(MODEL_KWARGS)  # ViT-B-32 shrunk to one block of width 32 per tower
 MODEL = {"type": "OpenCLIP", "model_name": "ViT-B-32", "model_kwargs": TINY,
          "peft": {"type": "lora", "r": 4, "alpha": 8}}
 # A (4, 32) and B (96, 4) on each tower's attn.in_proj_weight, and logit_scale

@@ -1,8 +1,11 @@
 """LoRA through peft (``model.peft``): what it adapts, what trains, the mistakes it refuses,
 and a merge that embeds as the adapted model with the plain model's weights."""
 
+import copy
+
 import pytest
 import torch
+from clip_runs import MODEL_KWARGS
 
 from mmgoal.engine.optimizers import build_optimizer, parameter_counts
 from mmgoal.models.lora import merge_adapters
@@ -13,12 +16,7 @@ from mmgoal.structures import ObjectiveInputs
 pytest.importorskip("open_clip")
 pytest.importorskip("peft")
 
-# ViT-B-32 shrunk to one block of width 32 per tower
-TINY = {"embed_dim": 16,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16,
-                       "head_width": 16},
-        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2,
-                     "layers": 1}}
+TINY = copy.deepcopy(MODEL_KWARGS)  # ViT-B-32 shrunk to one block of width 32 per tower
 TOWERS = ("visual.transformer", "transformer")  # open_clip's image and text blocks
 
 
