@@ -150,6 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=16384, help="batch (default 16,384)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--objectives", nargs="+", choices=list(OBJECTIVES),
+                        default=list(OBJECTIVES), metavar="NAME",
+                        help=f"what to measure (default all: {', '.join(OBJECTIVES)})")
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -162,7 +165,7 @@ def main() -> None:
     print(f"{'objective':<28} {'mmgoal resident':>17} {'allocated':>9} "
           f"{'autograd resident':>19} {'allocated':>9} {'ratio resident':>14} "
           f"{'allocated':>9} {'time':>6}")
-    for name in OBJECTIVES:
+    for name in args.objectives:
         ours = run_worker(name, "mmgoal", args.n, args.threads)
         mine = (f"{name:<28} {ours['peak_mib']:>9,.0f} ({ours['peak_mib'] / matrix_mib:>4.2f}) "
                 f"{ours['allocated']:>9.2f}")

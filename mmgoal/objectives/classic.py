@@ -165,23 +165,25 @@ class _SoftmaxTerms(RowTerm):
     def __init__(self, n_images: int, n_texts: int) -> None:
         self.divisors = {"i2t": 2 * n_images, "t2i": 2 * n_texts}
 
-    def _parts(self, scores, positives, temperature):
-        counts = torch.count_nonzero(positives, dim=1).to(scores.dtype)
-        return scores / temperature, counts
-
     def loss(self, direction, scores, positives, temperature):
-        x, counts = self._parts(scores, positives, temperature)
+        x = scores / temperature
+        counts = torch.count_nonzero(positives, dim=1).to(scores.dtype)
         lse = torch.logsumexp(x, dim=1).masked_fill_(counts == 0, 0.0)
-        positive_means = x.masked_fill_(~positives, 0.0).sum(1) / counts.clamp(min=1)
-        return (lse - positive_means).sum() / self.divisors[direction], lse
+        rows, cols = positives.nonzero(as_tuple=True)  # few: one or a few per anchor
+        positive_sums = x.new_zeros(len(x)).index_add_(0, rows, x[rows, cols])
+        return (lse - positive_sums / counts.clamp(min=1)).sum() / self.divisors[direction], lse
 
     def grad(self, direction, scores, positives, lse, temperature):
-        x, counts = self._parts(scores, positives, temperature)
-        dx = (x - lse[:, None]).exp_().mul_((counts > 0)[:, None])  # the softmax
-        dx -= positives / counts.clamp(min=1)[:, None]
+        counts = torch.count_nonzero(positives, dim=1).to(scores.dtype)
+        # the softmax, in the one block this allocates
+        dx = (scores / temperature).sub_(lse[:, None]).exp_()
+        dx[counts == 0] = 0.0
+        rows, cols = positives.nonzero(as_tuple=True)
+        dx[rows, cols] -= 1 / counts[rows]
         dx /= self.divisors[direction]
-        # x = s / T: d/ds = dx / T, d/dT = -sum(dx x) / T
-        return dx / temperature, (-(dx * x).sum() / temperature,)
+        # x = s / T: d/ds = dx / T, d/dT = -sum(dx x) / T = -sum(dx s) / T^2
+        grad_temperature = -(dx.reshape(-1) @ scores.reshape(-1)) / temperature ** 2
+        return dx.div_(temperature), (grad_temperature,)
 
 
 @OBJECTIVES.register()
