@@ -165,6 +165,7 @@ def main() -> None:
     print(f"{'objective':<28} {'mmgoal resident':>17} {'allocated':>9} "
           f"{'autograd resident':>19} {'allocated':>9} {'ratio resident':>14} "
           f"{'allocated':>9} {'time':>6}")
+    ratios: dict[str, list[float]] = {"allocated": [], "resident": [], "time": []}
     for name in args.objectives:
         ours = run_worker(name, "mmgoal", args.n, args.threads)
         mine = (f"{name:<28} {ours['peak_mib']:>9,.0f} ({ours['peak_mib'] / matrix_mib:>4.2f}) "
@@ -178,6 +179,12 @@ def main() -> None:
               f"{base['allocated']:>9.2f} {ours['peak_mib'] / base['peak_mib']:>14.2f} "
               f"{ours['allocated'] / base['allocated']:>9.2f} "
               f"{ours['seconds'] / base['seconds']:>6.2f}", flush=True)
+        ratios["allocated"].append(ours["allocated"] / base["allocated"])
+        ratios["resident"].append(ours["peak_mib"] / base["peak_mib"])
+        ratios["time"].append(ours["seconds"] / base["seconds"])
+    if ratios["time"]:
+        print(f"objective memory at n = {args.n:,}, ratio to the autograd formulas: "
+              + ", ".join(f"{key} {min(v):.2f}-{max(v):.2f}" for key, v in ratios.items()))
 
 
 if __name__ == "__main__":
