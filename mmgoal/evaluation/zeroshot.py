@@ -98,7 +98,7 @@ def zero_shot_logits(model: torch.nn.Module, transform, tokenizer, cset: Classif
     if not logits:
         raise ValueError(f"no readable image in the classification set {cset.root} "
                          f"({skipped.summary()})")
-    return torch.cat(logits).cpu(), torch.tensor(labels)
+    return torch.cat(logits).cpu(), torch.tensor(labels, device="cpu")
 
 
 def evaluate_zeroshot(member: Member, cset: ClassificationSet, batch_size: int = 256,

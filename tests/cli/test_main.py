@@ -54,7 +54,8 @@ def test_every_tool_is_a_shim_of_one_command_and_every_command_has_one():
 
 
 def test_the_deepspeed_launchers_local_rank_before_the_command_is_taken(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # recorded as it was: restored (absent) after
+    monkeypatch.delenv("LOCAL_RANK")
     assert take_local_rank(["--local_rank=1", "train", "q.yaml"]) == ["train", "q.yaml"]
     assert os.environ["LOCAL_RANK"] == "1"
     monkeypatch.delenv("LOCAL_RANK")

@@ -396,6 +396,7 @@ def test_the_transformers_trainer_example_of_docs_objectives_steps_by_goal_loss_
     then one SGD step of it: every parameter moves by GoalLoss's gradient through the
     model's get_image_features / get_text_features."""
     import json
+    import os
     import re
     import subprocess
     import sys
@@ -408,8 +409,13 @@ def test_the_transformers_trainer_example_of_docs_objectives_steps_by_goal_loss_
                    if "class GoalTrainer(Trainer)" in block)
     (tmp_path / "example.py").write_text(example)
     step = Path(__file__).with_name("goal_trainer_step.py")
+    # one process, as a user runs the page: no launcher's variables (accelerate, under the
+    # Trainer, would join a process group they describe)
+    launched = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launched}
     result = subprocess.run([sys.executable, str(step), "example.py", str(tmp_path / "sgd")],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     # the example's print(goal.last_stats), with lam: auto's lam
     assert re.search(r"^\{'active_fraction': \S+, 'positive_median': \S+, "
