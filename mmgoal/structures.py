@@ -99,9 +99,6 @@ class ScoreShare:
         total: a tensor of this share -> its sum over every share (likewise).
         offset: the position in the batch of this share's first image (and text): its
             rows are images ``offset, offset + 1, ...``, its columns texts alike.
-        paired: every image's one positive is the text at its own position (a batch of
-            distinct images, one caption each), so an objective may take each anchor's
-            positive as its position instead of reading the masks.
     """
 
     rows: torch.Tensor
@@ -113,17 +110,13 @@ class ScoreShare:
     gather: Callable[[torch.Tensor], torch.Tensor] = _as_is
     total: Callable[[torch.Tensor], torch.Tensor] = _as_is
     offset: int = 0
-    paired: bool = False
 
     @classmethod
     def whole(cls, scores: torch.Tensor, positives: torch.Tensor) -> ScoreShare:
         """All of ``scores`` (n_img, n_txt) and ``positives``: one process's share."""
         # count_nonzero reads the mask as it is (a sum would convert it to int64 first)
         count = int(torch.count_nonzero(positives))
-        paired = (scores.shape[0] == scores.shape[1] == count
-                  and bool(positives.diagonal().all()))
-        return cls(scores, positives, positives, count, scores.shape[0], lambda: scores,
-                   paired=paired)
+        return cls(scores, positives, positives, count, scores.shape[0], lambda: scores)
 
     @functools.cached_property
     def columns(self) -> torch.Tensor:
@@ -133,6 +126,12 @@ class ScoreShare:
         for under ``torch.no_grad`` (by a mining step)."""
         with torch.set_grad_enabled(self.rows.requires_grad):
             return self.fetch_columns()
+
+    @property
+    def one_matrix(self) -> bool:
+        """The columns are the rows' own tensor (one process's whole matrix): both
+        directions read, and write their gradient into, one tensor."""
+        return self.columns is self.rows
 
     @property
     def n_texts(self) -> int:

@@ -77,11 +77,6 @@ def check_out(out: Path) -> None:
     check_out_file(out, is_export, "an earlier export", "model.pt")
 
 
-def has_adapters(config: dict | None) -> bool:
-    """Whether a run's config trains adapters (``model.peft``) that an export merges."""
-    return bool(((config or {}).get("model") or {}).get("peft"))
-
-
 def export(source: Path, out: Path, which: str = "best_or_latest",
            trust_custom_imports: bool = False, wise_ft: float | None = None) -> dict:
     """Write the weights of ``source`` (a run folder or a checkpoint file) to ``out``
@@ -93,7 +88,7 @@ def export(source: Path, out: Path, which: str = "best_or_latest",
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out`` (:func:`check_out`), or weights holding NaN/inf.
     """
-    from mmgoal.models.lora import merge_adapters
+    from mmgoal.models.lora import has_adapters, merge_adapters
     from mmgoal.runs.checkpoint import (
         check_finite_weights,
         load_checkpoint,
@@ -151,7 +146,7 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out``, or a model family without that format.
     """
-    from mmgoal.models.lora import merge_adapters
+    from mmgoal.models.lora import has_adapters, merge_adapters
     from mmgoal.runs.loading import load_for_evaluation
 
     check_out_folder(out, fmt)

@@ -292,7 +292,7 @@ def local_share(model: nn.Module, images, texts, all_images, all_texts, groups: 
     return ScoreShare(rows, positives_from_groups(mine, groups),
                       positives_from_groups(groups, mine), int(counts.pow(2).sum()),
                       len(groups), columns, gather_varying_length, sum_over_ranks,
-                      rank * batch, paired=len(counts) == len(groups))
+                      rank * batch)
 
 
 def global_losses(outputs: dict[str, torch.Tensor], world: int, parts_are_means: bool = False,

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from mmgoal.models.lora import has_adapters, merge_adapters
 from mmgoal.runs.loading import LoadedModel, load_pretrained_start
 
 
@@ -64,9 +65,7 @@ class WiseFT:
     def __init__(self, loaded: LoadedModel) -> None:
         self.start_model = load_pretrained_start(loaded)
         self.merged = 0
-        if loaded.config["model"].get("peft"):
-            from mmgoal.models.lora import merge_adapters
-
+        if has_adapters(loaded.config):
             self.merged = merge_adapters(loaded.model)
             merge_adapters(self.start_model.model)
         self.finetuned = {k: v.detach().clone() for k, v in loaded.model.state_dict().items()}

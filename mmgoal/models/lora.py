@@ -205,6 +205,12 @@ class LoRA:
         return list(entries)
 
 
+def has_adapters(config: dict | None) -> bool:
+    """Whether a run's config trains adapters (``model.peft``), which an export or a
+    WiSE-FT mix merges first."""
+    return bool(((config or {}).get("model") or {}).get("peft"))
+
+
 def merge_adapters(model: nn.Module) -> int:
     """Fold every LoRA adapter of ``model`` into the weight it adapts and put the plain layer
     back (peft's ``merge_and_unload``, for a model adapted in place): the model is then the

@@ -123,7 +123,7 @@ def in_row_blocks(term: RowTerm, share: ScoreShare, *params: torch.Tensor,
     with the gradient for the share's rows, its columns and ``params``."""
     check_block_rows(block)
     if "t2i" in term.directions:
-        columns = None if share.columns is share.rows else share.columns
+        columns = None if share.one_matrix else share.columns
         column_positives = share.column_positives
     else:  # never fetch the columns of an objective on the image rows alone
         columns, column_positives = None, share.row_positives

@@ -299,7 +299,7 @@ class GoalObjective(nn.Module):
         """
         dtype = torch.promote_types(share.rows.dtype, torch.float32)
         rows = share.rows.detach().to(dtype)
-        whole = share.columns is share.rows  # one process: both directions read one matrix
+        whole = share.one_matrix
         columns = rows if whole else share.columns.detach().to(dtype)
         sides = (("i2t", rows, share.row_positives, rows, share.row_positives),
                  ("t2i", columns, share.column_positives, columns.T, share.column_positives.T))
