@@ -91,8 +91,7 @@ def read_classification_set(root: str | Path, split: str = "test") -> Classifica
         if not (root / CLASSNAMES).is_file():
             raise FileNotFoundError(f"{root}: a WebDataset classification set needs "
                                     f"{CLASSNAMES} (one class name per line, in label order)")
-        count = int((root / split / "nshards.txt").read_text().strip())
-        shards = [str(root / split / f"{index}.tar") for index in range(count)]
+        shards = _listed_shards(root / split)
         return ClassificationSet(root, _lines(root / CLASSNAMES), templates, shards=shards)
     folder = root / split if (root / split).is_dir() else root
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
@@ -111,6 +110,25 @@ def read_classification_set(root: str | Path, split: str = "test") -> Classifica
              for path in sorted((folder / name).iterdir())
              if path.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS]
     return ClassificationSet(root, names, templates, files=files)
+
+
+def _listed_shards(folder: Path) -> list[str]:
+    """The shards ``folder/nshards.txt`` counts, ``0.tar`` to ``<n-1>.tar``, each of which
+    must be there: a count from a file (anyone's) allocates no more names than the folder
+    has shards. Absolute paths: a folder named ``pipe:...`` stays a folder."""
+    listed = folder / "nshards.txt"
+    with open(listed, "rb") as file:
+        text = file.read(32).decode("ascii", errors="replace").strip()
+    present = sum(1 for path in folder.iterdir() if path.suffix == ".tar")
+    if not text.isdigit() or not 0 < int(text) <= present:
+        raise ValueError(f"{listed} must hold the number of the split's shards (0.tar ... "
+                         f"<n-1>.tar, {present} .tar files there); got {text!r}")
+    shards = [folder.absolute() / f"{index}.tar" for index in range(int(text))]
+    missing = [path.name for path in shards if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{listed} counts {len(shards)} shards; {folder} lacks "
+                                f"{', '.join(missing[:5])}")
+    return [str(path) for path in shards]
 
 
 def _decoded(data: bytes | Path, where: str) -> Image.Image:

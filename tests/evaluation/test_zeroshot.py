@@ -110,6 +110,17 @@ def test_bad_classification_sets_say_what_to_fix(tmp_path):
     (tmp_path / "s" / "zeroshot_classification_templates.txt").write_text("a photo\n")
     with pytest.raises(ValueError, match=r"every prompt must hold the class name as \{c\}"):
         read_classification_set(tmp_path / "s")
+    (tmp_path / "s" / "zeroshot_classification_templates.txt").write_text("a {c}\n")
+    count = tmp_path / "s" / "test" / "nshards.txt"
+    for text in ("1000000000000", "two", "0"):  # never a list of 10^12 names
+        count.write_text(text)
+        with pytest.raises(ValueError, match=r"must hold the number of the split's shards "
+                                             r"\(0.tar \.\.\. <n-1>.tar, 1 .tar files there\)"):
+            read_classification_set(tmp_path / "s")
+    (tmp_path / "s" / "test" / "0.tar").rename(tmp_path / "s" / "test" / "7.tar")
+    count.write_text("1")
+    with pytest.raises(FileNotFoundError, match="lacks 0.tar"):
+        read_classification_set(tmp_path / "s")
     with pytest.raises(SystemExit):  # --no-retrieval alone leaves nothing to evaluate
         load_tool("eval").main(["x.pt", "--no-retrieval"])
 
