@@ -25,6 +25,14 @@ def tool_parser(doc: str, **kwargs) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=summary(doc), **kwargs)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def names_shipped_config(text: str) -> bool:
     """``text`` is no file but names a config (``quickstart``: :func:`find_config`)."""
     if Path(text).exists():

@@ -2,13 +2,17 @@
 
     mmgoal score-stats work_dirs/sweep/conxcon/default/seed0 [--split test] [--pairs 512]
     mmgoal score-stats configs/clip/clip_vit_b_32_coco.yaml   # a checkpoint as it is
+    mmgoal score-stats RUN --shards "data/synthetic/train-{000000..000009}.tar" \
+        --batch-size 2048 --pairs 4096     # the hardest negative of a batch of 2,048
 
 Scores the first ``--pairs`` images of the split against their first captions
 with a run's best checkpoint (else its latest), a checkpoint file, or the model
 a config builds with the weights it names (a CLIP checkpoint before
 fine-tuning: where to set GOAL's ``lam``), and prints the median positive score and
-the median and quartiles of each image's hardest-negative score. A collapsed
-model has positives and hardest negatives in the same narrow band.
+the median and quartiles of each image's hardest-negative score among the captions
+of its batch (``--batch-size``, default 128: the larger the batch, the harder its
+hardest negative, so measure at the training batch size). A collapsed model has
+positives and hardest negatives in the same narrow band.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from mmgoal.cli.arguments import (
     apply_loading_options,
     config_argument,
     names_shipped_config,
+    positive_int,
     tool_parser,
 )
 
@@ -40,10 +45,11 @@ def load_model(source: Path, trust_custom_imports: bool = False) -> LoadedModel:
 
 
 def score_stats(source: Path, split: str, pairs: int, trust_custom_imports: bool = False,
-                shards: list[str] | None = None, trust_data_paths: bool = False
-                ) -> dict[str, float]:
+                shards: list[str] | None = None, trust_data_paths: bool = False,
+                batch_size: int = 128) -> dict[str, float]:
     """The statistics the module docstring names, of ``pairs`` pairs of ``split`` (or of
-    ``shards``; the config's are read as :meth:`LoadedModel.split` allows)."""
+    ``shards``; the config's are read as :meth:`LoadedModel.split` allows), each image's
+    hardest negative taken among the ``batch_size`` captions of its batch."""
     import torch
 
     from mmgoal.data.pipeline import EvalReader, iter_eval_batches
@@ -54,7 +60,7 @@ def score_stats(source: Path, split: str, pairs: int, trust_custom_imports: bool
     split_cfg = loaded.split(split, shards, trust_data_paths)
     positive, negative = [], []
     with torch.no_grad():
-        for batch in iter_eval_batches(EvalReader(split_cfg["shards"], 128, split_cfg.get(
+        for batch in iter_eval_batches(EvalReader(split_cfg["shards"], batch_size, split_cfg.get(
                 "caption_key")), transform):
             captions = [c[0] for c in batch["captions"]]
             texts = model.encode_text(tokenizer(captions))
@@ -76,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="run directories, checkpoints, or configs whose "
                                                 "model loads pretrained weights")
     parser.add_argument("--split", default="test", choices=("val", "test"))
-    parser.add_argument("--pairs", type=int, default=512)
+    parser.add_argument("--pairs", type=positive_int, default=512)
+    parser.add_argument("--batch-size", type=positive_int, default=128,
+                        help="the hardest negative is taken among this many captions")
     add_data_options(parser)
     add_loading_options(parser)
     args = parser.parse_args(argv)
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             s = score_stats(Path(config_argument(run) if names_shipped_config(run) else run),
                             args.split, args.pairs, args.trust_custom_imports, args.shards,
-                            args.trust_data_paths)
+                            args.trust_data_paths, args.batch_size)
         except (FileNotFoundError, ValueError, KeyError, ImportError) as error:
             print(f"error: {run}: {error}", file=sys.stderr)
             return 2

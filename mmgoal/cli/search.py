@@ -29,7 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmgoal.cli.arguments import add_loading_options, apply_loading_options, tool_parser
+from mmgoal.cli.arguments import (
+    add_loading_options,
+    apply_loading_options,
+    positive_int,
+    tool_parser,
+)
 from mmgoal.data.remote import expand_shards
 from mmgoal.data.tars import IMAGE_EXTENSIONS
 from mmgoal.extras import pyplot
@@ -92,13 +97,6 @@ class ImageGallery:
             if len(found) == len(wanted):
                 break
         return found
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def is_image_file(path: Path) -> bool:

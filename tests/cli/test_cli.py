@@ -12,6 +12,7 @@ import yaml
 from fault_hooks import InfRunningVariances
 from script_modules import load_tool
 
+from mmgoal.data.pipeline import EvalReader, iter_eval_batches
 from mmgoal.registry import HOOKS
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 
@@ -76,6 +77,19 @@ def test_finetune_then_evaluate_agree(tiny_config_file, tmp_path):
     stats = load_tool("score-stats").score_stats(work, "test", 1000)
     assert f"positive median {stats['positive_median']:.2f}" in result.stdout
     assert stats["negative_q25"] <= stats["negative_median"] <= stats["negative_q75"]
+    # in batches of 4, each image's hardest negative is the best of its batch's 3 others
+    loaded = load_tool("score-stats").load_model(work)
+    reader = EvalReader(loaded.split("test")["shards"], 40)
+    batch = next(iter_eval_batches(reader, loaded.transform))
+    with torch.no_grad():
+        texts = loaded.model.encode_text(loaded.tokenizer([c[0] for c in batch["captions"]]))
+        sims = loaded.model.similarity(loaded.model.encode_image(batch), texts)
+    blocks = sims.reshape(10, 4, 10, 4).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # 10 x 4 x 4
+    hardest = blocks.masked_fill(torch.eye(4, dtype=torch.bool), -2).amax(-1).flatten()
+    small = load_tool("score-stats").score_stats(work, "test", 1000, batch_size=4)
+    assert small["negative_median"] == pytest.approx(hardest.median().item(), abs=1e-6)
+    assert small["positive_median"] == pytest.approx(stats["positive_median"], abs=1e-6)
+    assert small["negative_median"] < stats["negative_median"]
     # ...and resumes where it has a checkpoint (here: the end, so nothing is trained)
     result = run_tool("tools/finetune.py", tiny_config_file, "--work-dir", work,
                       "--cfg-options", "optimizer.lr=0.003", "--auto-resume")

@@ -1,0 +1,305 @@
+"""The batch-size scaling study: five objectives x global batch sizes x seeds.
+
+    python bench/batch_scaling.py --out work_dirs/batch_scaling            # everything
+    python bench/batch_scaling.py --out W --phase train --jobs 2           # the runs only
+    python bench/batch_scaling.py --out W --phase report --page-dir docs/results
+
+Run from the folder that holds the synthetic benchmark's ``data/synthetic``
+(``mmgoal make-synthetic --out data/synthetic``). First one start per seed,
+``OUT/start/seed<k>`` (``configs/goal/batch_scaling/start.yaml``: the sweep's dual
+encoder trained with InfoNCE at batch 128). Then each start is fine-tuned under
+``configs/goal/batch_scaling/<objective>.yaml`` at every batch size, into
+``OUT/<objective>/b<batch>/seed<k>``, with the learning rate of the square-root rule,
+``--base-lr`` x sqrt(batch / ``--base-batch``); every size sees the same samples (the
+configs' 5 epochs). GOAL ``cir x sig_ms`` gets the measured ``lam`` of its batch size:
+the midpoint of the starts' median positive and hardest-negative score in batches of
+that size. Before the grid, InfoNCE is fine-tuned at the larger sizes with the other
+two rules (the base rate unchanged, and the linear rule) for seed 0, into
+``OUT/lr_rule/<rule>/b<batch>``: the check of the rule the grid uses.
+
+A finished run (its report.json) is not trained again, so the command resumes an
+interrupted study; ``--jobs`` runs that many trainings at once, each on one thread
+(OMP_NUM_THREADS=1), and each run's wall and CPU seconds and peak resident memory
+are written to ``<run>.time.txt`` (GNU time) beside its log, ``<run>.log``.
+
+The ``report`` phase measures each run's median positive and hardest-negative score
+in batches of its own training size (its best checkpoint on the training split),
+tabulates each batch size with ``mmgoal compare-runs`` (InfoNCE is the control of the
+paired differences) and draws two plots: test rsum against batch size (mean over
+seeds, the seeds' range shaded) and the median hardest-negative score against batch
+size. It writes ``batch_scaling_tables.md``, ``batch_scaling_rsum.png`` and
+``batch_scaling_negatives.png`` into ``--page-dir`` (default: OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "goal" / "batch_scaling"
+OBJECTIVES = {"infonce": "InfoNCE", "triplet": "TripletLoss (hardest negative)",
+              "siglip": "SigLIP", "goal_nca_con": "GOAL nca x con",
+              "goal_cir_sig_ms": "GOAL cir x sig_ms (lam 0.86)"}
+MMGOAL = [sys.executable, "-m", "mmgoal"]
+
+
+def learning_rate(batch: int, base_lr: float, base_batch: int, rule: str = "sqrt") -> float:
+    """The learning rate of ``rule`` (``sqrt``, ``linear`` or ``constant``) at ``batch``."""
+    ratio = batch / base_batch
+    factor = {"sqrt": math.sqrt(ratio), "linear": ratio, "constant": 1.0}[rule]
+    return base_lr * factor
+
+
+def train(config: Path, work_dir: Path, options: list[str]) -> str:
+    """One run (skipped when finished); a line saying what happened."""
+    if (work_dir / "report.json").is_file():
+        return f"{work_dir}: finished before"
+    work_dir.parent.mkdir(parents=True, exist_ok=True)
+    command = ["/usr/bin/time", "-o", f"{work_dir}.time.txt", "-f",
+               "wall_s %e\nuser_s %U\nsystem_s %S\nmax_rss_kib %M", *MMGOAL, "train",
+               str(config), "--work-dir", str(work_dir), "--auto-resume", "--cfg-options",
+               *options]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    with open(f"{work_dir}.log", "a") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return f"{work_dir}: {'done' if done.returncode == 0 else f'FAILED (rc {done.returncode})'}"
+
+
+def run_all(runs: list[tuple[Path, Path, list[str]]], jobs: int) -> None:
+    start = time.time()
+    with ThreadPoolExecutor(jobs) as pool:
+        for index, line in enumerate(pool.map(lambda run: train(*run), runs), 1):
+            print(f"[{index}/{len(runs)}, {time.time() - start:.0f} s] {line}", flush=True)
+
+
+def fine_tune(args: argparse.Namespace, config: str, work_dir: Path, batch: int, lr: float,
+              seed: int, *extra: str) -> tuple[Path, Path, list[str]]:
+    best = args.out / "start" / f"seed{seed}" / "checkpoints" / "best.pt"
+    return (CONFIGS / f"{config}.yaml", work_dir,
+            [f"load_from={best}", f"data.train.batch_size={batch}", f"optimizer.lr={lr:.6g}",
+             f"train.seed={seed}", *extra])
+
+
+def measured_lam(args: argparse.Namespace) -> dict[int, float]:
+    """Per batch size: the midpoint of the starts' median positive and hardest-negative
+    score in batches of that size, averaged over the seeds, to 2 decimals."""
+    lam = {}
+    for batch in args.batches:
+        stats = [measure_scores(args.out / "start" / f"seed{seed}", batch, args.train_shards,
+                                args.pairs) for seed in range(args.seeds)]
+        lam[batch] = round(statistics.mean(
+            (s["positive_median"] + s["negative_median"]) / 2 for s in stats), 2)
+    return lam
+
+
+def run_grid(args: argparse.Namespace) -> None:
+    """The starts, then the learning-rate check, then the grid seed by seed."""
+    run_all([(CONFIGS / "start.yaml", args.out / "start" / f"seed{seed}",
+              [f"train.seed={seed}"]) for seed in range(args.seeds)], args.jobs)
+    lam = measured_lam(args)
+    print(f"measured lam per batch size: {lam}", flush=True)
+    runs = [fine_tune(args, "infonce", args.out / "lr_rule" / rule / f"b{batch}", batch,
+                      learning_rate(batch, args.base_lr, args.base_batch, rule), 0)
+            for batch in args.batches if batch != args.base_batch
+            for rule in ("constant", "linear")]
+    for seed in range(args.seeds):
+        for batch in args.batches:
+            lr = learning_rate(batch, args.base_lr, args.base_batch)
+            for name in args.objectives:
+                extra = [f"objective.pair.lam={lam[batch]}"] if name == "goal_cir_sig_ms" \
+                    else []
+                runs.append(fine_tune(args, name, args.out / name / f"b{batch}" / f"seed{seed}",
+                                      batch, lr, seed, *extra))
+    run_all(runs, args.jobs)
+
+
+def seed_runs(out: Path, name: str, batch: int) -> list[Path]:
+    """The finished runs of one cell."""
+    return sorted(d for d in (out / name / f"b{batch}").glob("seed*")
+                  if (d / "report.json").is_file())
+
+
+def measure_scores(run: Path, batch: int, shards: str, pairs: int) -> dict:
+    """The run's median positive and hardest-negative score in training batches of
+    ``batch`` (its best checkpoint on ``shards``), kept in ``<run>.scores_b<batch>.json``."""
+    from mmgoal.cli.score_stats import score_stats
+
+    cached = Path(f"{run}.scores_b{batch}.json")
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    stats = score_stats(run, "train", pairs, shards=[shards], batch_size=batch)
+    cached.write_text(json.dumps(stats))
+    return stats
+
+
+def cost(run: Path) -> dict[str, float]:
+    """GNU time's record of a run: wall and CPU seconds, peak resident MiB."""
+    fields = dict(line.split() for line in Path(f"{run}.time.txt").read_text().splitlines()
+                  if len(line.split()) == 2 and not line.startswith("Command"))
+    return {"wall_s": float(fields["wall_s"]),
+            "cpu_s": float(fields["user_s"]) + float(fields["system_s"]),
+            "rss_mib": float(fields["max_rss_kib"]) / 1024}
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def rsum(run: Path) -> float:
+    return json.loads((run / "report.json").read_text())["test"]["rsum"]
+
+
+def seed_of(run: Path) -> int:
+    return int(run.name.removeprefix("seed"))
+
+
+def report(args: argparse.Namespace) -> str:
+    """The Markdown tables; the plots are drawn beside them."""
+    from mmgoal.cli.compare_runs import compare, read_run
+
+    out, batches, names = args.out, args.batches, args.objectives
+    cells = {(name, b): seed_runs(out, name, b) for name in names for b in batches}
+    scores = {run: measure_scores(run, b, args.train_shards, args.pairs)
+              for (name, b), runs in cells.items() for run in runs}
+    lines = ["## The learning-rate rule (InfoNCE, seed 0: test rsum)", "",
+             "| rule | " + " | ".join(f"batch {b}" for b in batches) + " |",
+             "|---|" + "---|" * len(batches)]
+    for rule in ("constant", "sqrt", "linear"):
+        row = []
+        for b in batches:
+            run = out / "lr_rule" / rule / f"b{b}" if rule != "sqrt" and b != args.base_batch \
+                else out / "infonce" / f"b{b}" / "seed0"
+            lr = learning_rate(b, args.base_lr, args.base_batch, rule)
+            row.append(f"{rsum(run):.1f} (lr {lr:.3g})" if (run / "report.json").is_file()
+                       else "-")
+        lines.append(f"| {rule} | " + " | ".join(row) + " |")
+    control = {b: {seed_of(r): rsum(r) for r in cells["infonce", b]} for b in batches}
+    lines += ["", "## Test rsum (mean ± std over seeds) and the paired difference to "
+              "InfoNCE", "", "| objective | " + " | ".join(
+                  f"batch {b} | Δ vs InfoNCE (ahead)" for b in batches) + " |",
+              "|---|" + "---|---|" * len(batches)]
+    for name in names:
+        row = []
+        for b in batches:
+            runs = cells[name, b]
+            paired = [rsum(r) - control[b][seed_of(r)] for r in runs if seed_of(r) in control[b]]
+            ahead = f" ({sum(d > 1e-6 for d in paired)}/{len(paired)})" if paired else ""
+            row += [f"{spread([rsum(r) for r in runs])} (n={len(runs)})",
+                    "" if name == "infonce" else spread(paired) + ahead]
+        lines.append(f"| {OBJECTIVES[name]} | " + " | ".join(row) + " |")
+    lines += ["", f"## Median scores in training batches of the run's size (best checkpoint, "
+              f"{args.pairs} training pairs): positive / hardest negative, mean over seeds", "",
+              "| objective | " + " | ".join(f"batch {b}" for b in batches) + " |",
+              "|---|" + "---|" * len(batches)]
+    for name in names:
+        row = []
+        for b in batches:
+            runs = cells[name, b]
+            row.append(" / ".join(f"{statistics.mean(scores[r][k] for r in runs):.2f}"
+                                  for k in ("positive_median", "negative_median"))
+                       if runs else "-")
+        lines.append(f"| {OBJECTIVES[name]} | " + " | ".join(row) + " |")
+    lines += ["", "## What a run costs (mean over seeds): wall s / CPU s / peak resident MiB",
+              "", "| objective | " + " | ".join(f"batch {b}" for b in batches) + " |",
+              "|---|" + "---|" * len(batches)]
+    for name in names:
+        row = []
+        for b in batches:
+            costs = [cost(r) for r in cells[name, b] if Path(f"{r}.time.txt").is_file()]
+            row.append(" / ".join(f"{statistics.mean(c[k] for c in costs):.0f}"
+                                  for k in ("wall_s", "cpu_s", "rss_mib")) if costs else "-")
+        lines.append(f"| {OBJECTIVES[name]} | " + " | ".join(row) + " |")
+    total = sum(cost(Path(str(t).removesuffix(".time.txt")))["cpu_s"]
+                for t in out.rglob("*.time.txt"))
+    lines += ["", f"CPU time of the whole study (the starts, the learning-rate check and the "
+              f"grid): {total / 3600:.2f} h.", ""]
+    for b in batches:
+        groups = [(OBJECTIVES[n], [read_run(r) for r in cells[n, b]]) for n in names
+                  if cells[n, b]]
+        if groups:
+            lines += [f"## Batch {b}: `mmgoal compare-runs`", "", compare(groups)]
+    draw(args, cells, scores)
+    return "\n".join(lines)
+
+
+def draw(args: argparse.Namespace, cells: dict, scores: dict) -> None:
+    """rsum and the median hardest-negative score against batch size, one line per
+    objective (mean over seeds; the seeds' range shaded)."""
+    from mmgoal.extras import pyplot
+    from mmgoal.files import save_figure
+
+    plt = pyplot("the batch-scaling plots")
+    for what, ylabel, path in (("rsum", "test rsum", "batch_scaling_rsum.png"),
+                               ("negative_median", "median hardest-negative score (dashed: "
+                                "median positive)", "batch_scaling_negatives.png")):
+        figure, axes = plt.subplots(figsize=(6.4, 4.2))
+        for index, name in enumerate(args.objectives):
+            colour = f"C{index}"
+            keys = [what, "positive_median"] if what != "rsum" else [what]
+            for key, style in zip(keys, ("-", "--")):
+                xs, mean, low, high = [], [], [], []
+                for b in args.batches:
+                    values = [rsum(r) if key == "rsum" else scores[r][key]
+                              for r in cells[name, b]]
+                    if values:
+                        xs.append(b)
+                        mean.append(statistics.mean(values))
+                        low.append(min(values))
+                        high.append(max(values))
+                axes.plot(xs, mean, style, marker="o", color=colour,
+                          label=OBJECTIVES[name] if style == "-" else None)
+                axes.fill_between(xs, low, high, color=colour, alpha=0.15)
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(args.batches, [str(b) for b in args.batches])
+        axes.set_xlabel("global batch size (same samples seen; lr by the square-root rule)")
+        axes.set_ylabel(ylabel)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        save_figure(figure, (args.page_dir or args.out) / path, dpi=120)
+        plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("work_dirs/batch_scaling"))
+    parser.add_argument("--phase", choices=("all", "train", "report"), default="all")
+    parser.add_argument("--batches", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES),
+                        choices=list(OBJECTIVES))
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    parser.add_argument("--base-lr", type=float, default=1e-4)
+    parser.add_argument("--base-batch", type=int, default=128)
+    parser.add_argument("--jobs", type=int, default=2, help="trainings at once")
+    parser.add_argument("--page-dir", type=Path, help="where the tables and plots go")
+    parser.add_argument("--train-shards", default="data/synthetic/train-{000000..000009}.tar",
+                        help="the training split the scores are measured on")
+    parser.add_argument("--pairs", type=int, default=4096,
+                        help="pairs the score medians are measured on")
+    args = parser.parse_args(argv)
+    if args.phase in ("all", "train"):
+        run_grid(args)
+    if args.phase in ("all", "report"):
+        tables = report(args)
+        page_dir = args.page_dir or args.out
+        page_dir.mkdir(parents=True, exist_ok=True)
+        (page_dir / "batch_scaling_tables.md").write_text(tables)
+        print(tables)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
