@@ -11,11 +11,12 @@ encoder trained with InfoNCE at batch 128). Then each start is fine-tuned under
 ``configs/goal/batch_scaling/<objective>.yaml`` at every batch size, into
 ``OUT/<objective>/b<batch>/seed<k>``, with the learning rate of the square-root rule,
 ``--base-lr`` x sqrt(batch / ``--base-batch``); every size sees the same samples (the
-configs' 5 epochs). GOAL ``cir x sig_ms`` gets the measured ``lam`` of its batch size:
-the midpoint of the starts' median positive and hardest-negative score in batches of
-that size. Before the grid, InfoNCE is fine-tuned at the larger sizes with the other
-two rules (the base rate unchanged, and the linear rule) for seed 0, into
-``OUT/lr_rule/<rule>/b<batch>``: the check of the rule the grid uses.
+configs' 5 epochs). InfoNCE goes on from the temperature its start learnt (the
+fine-tune loads the model only), and GOAL ``cir x sig_ms`` gets the measured ``lam``
+of its batch size: the midpoint of the starts' median positive and hardest-negative
+score in batches of that size. Before the grid, InfoNCE is fine-tuned at the larger
+sizes with the other two rules (the base rate unchanged, and the linear rule) for seed
+0, into ``OUT/lr_rule/<rule>/b<batch>``: the check of the rule the grid uses.
 
 A finished run (its report.json) is not trained again, so the command resumes an
 interrupted study; ``--jobs`` runs that many trainings at once, each on one thread
@@ -80,9 +81,21 @@ def run_all(runs: list[tuple[Path, Path, list[str]]], jobs: int) -> None:
             print(f"[{index}/{len(runs)}, {time.time() - start:.0f} s] {line}", flush=True)
 
 
+def learnt_temperature(start: Path) -> float:
+    """The temperature the start's InfoNCE had learnt at its last logged step."""
+    records = [json.loads(line) for line in (start / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    return next(r["temperature"] for r in reversed(records)
+                if r.get("type") == "train" and "temperature" in r)
+
+
 def fine_tune(args: argparse.Namespace, config: str, work_dir: Path, batch: int, lr: float,
               seed: int, *extra: str) -> tuple[Path, Path, list[str]]:
+    """A fine-tune of seed ``seed``'s start; InfoNCE goes on from the start's temperature
+    (``load_from`` loads the model, not the objective's state)."""
     best = args.out / "start" / f"seed{seed}" / "checkpoints" / "best.pt"
+    if config == "infonce":
+        extra = (f"objective.temperature={learnt_temperature(best.parents[1]):.6g}", *extra)
     return (CONFIGS / f"{config}.yaml", work_dir,
             [f"load_from={best}", f"data.train.batch_size={batch}", f"optimizer.lr={lr:.6g}",
              f"train.seed={seed}", *extra])

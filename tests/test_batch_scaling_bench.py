@@ -50,6 +50,12 @@ def test_the_grid_gives_each_run_its_start_batch_rate_and_lam(tmp_path, monkeypa
     trained = []
     monkeypatch.setattr(bench, "run_all", lambda runs, jobs: trained.extend(runs))
     monkeypatch.setattr(bench, "measured_lam", lambda args: {128: 0.91, 512: 0.93})
+    for seed, temperature in ((0, 0.0081), (1, 0.0098)):  # the starts' last logged values
+        (tmp_path / "start" / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / "start" / f"seed{seed}" / "metrics.jsonl").write_text("\n".join(
+            json.dumps(r) for r in ({"type": "train", "temperature": 0.05},
+                                    {"type": "train", "temperature": temperature},
+                                    {"type": "val", "rsum": 400.0})))
     bench.run_grid(arguments(tmp_path, objectives=["infonce", "goal_cir_sig_ms"]))
     starts, rest = trained[:2], trained[2:]
     assert [(c.name, w.name, o) for c, w, o in starts] == [
@@ -61,7 +67,11 @@ def test_the_grid_gives_each_run_its_start_batch_rate_and_lam(tmp_path, monkeypa
     assert runs["goal_cir_sig_ms/b512/seed1"] == [
         f"load_from={tmp_path}/start/seed1/checkpoints/best.pt", "data.train.batch_size=512",
         "optimizer.lr=0.0002", "train.seed=1", "objective.pair.lam=0.93"]
-    assert runs["infonce/b128/seed0"][-2:] == ["optimizer.lr=0.0001", "train.seed=0"]
+    # InfoNCE goes on from the temperature its start learnt
+    assert runs["infonce/b128/seed0"][-3:] == ["optimizer.lr=0.0001", "train.seed=0",
+                                               "objective.temperature=0.0081"]
+    assert runs["lr_rule/constant/b512"][-1] == "objective.temperature=0.0081"
+    assert runs["infonce/b512/seed1"][-1] == "objective.temperature=0.0098"
     assert len(runs) == 2 + 2 * 2 * 2
 
 
