@@ -57,7 +57,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mmgoal.cli.arguments import check_out_file, tool_parser
+from mmgoal.cli.arguments import (
+    add_offline_option,
+    apply_loading_options,
+    check_out_file,
+    tool_parser,
+)
 from mmgoal.config import first_line
 from mmgoal.files import staged_folder
 from mmgoal.runs.run_dir import EXPORT_FOLDERS, export_folder_format, weights_file
@@ -272,12 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit-message",
                         help="with --push-to-hub: the commit's message (default: Upload mmgoal "
                              "export, FORMAT format)")
+    add_offline_option(parser)
     args = parser.parse_args(argv)
     if args.push_to_hub is None and (args.private or args.commit_message is not None):
         parser.error("--private and --commit-message go with --push-to-hub")
     if args.wise_ft is not None and not 0 <= args.wise_ft <= 1:
         parser.error(f"--wise-ft ALPHA lies in [0, 1] (0: the pretrained start, 1: the "
                      f"fine-tune), got {args.wise_ft}")
+    if args.offline and args.push_to_hub is not None:
+        parser.error("--offline downloads nothing and --push-to-hub uploads: give one of them")
+    apply_loading_options(args)  # --offline: a --wise-ft start named on the hub is not fetched
     from mmgoal.runs.checkpoint import CheckpointWriteError  # torch: past --help
 
     try:

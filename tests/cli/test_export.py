@@ -197,6 +197,10 @@ def test_a_push_that_cannot_happen_is_refused_before_anything_is_exported(tmp_pa
     assert main([str(run), "--out", str(out), "--push-to-hub", "mmgoal test/goal!"]) == 2
     assert "error: --push-to-hub 'mmgoal test/goal!' is not a hub repository name (" \
         in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --offline (for a --wise-ft start) cannot push
+        main([str(run), "--out", str(out), "--push-to-hub", "mmgoal-test/goal", "--offline"])
+    assert "--offline downloads nothing and --push-to-hub uploads: give one of them" \
+        in capsys.readouterr().err
     assert not out.exists()
     with pytest.raises(SystemExit) as stopped:
         main([str(run), "--out", str(out), "--private"])
