@@ -1,6 +1,6 @@
 """The batch-size scaling study: five objectives x global batch sizes x seeds.
 
-    python bench/batch_scaling.py --out work_dirs/batch_scaling            # everything
+    python bench/batch_scaling.py --out work_dirs/batch_scaling --lr-rule 2048=constant
     python bench/batch_scaling.py --out W --phase train --jobs 2           # the runs only
     python bench/batch_scaling.py --out W --phase report --page-dir docs/results
 
@@ -17,6 +17,9 @@ of its batch size: the midpoint of the starts' median positive and hardest-negat
 score in batches of that size. Before the grid, InfoNCE is fine-tuned at the larger
 sizes with the other two rules (the base rate unchanged, and the linear rule) for seed
 0, into ``OUT/lr_rule/<rule>/b<batch>``: the check of the rule the grid uses.
+``--lr-rule 2048=constant`` gives the grid another rule at a size (the published
+study's, chosen by that check: docs/results/batch_scaling.md); the check then runs
+the other two there.
 
 A finished run (its report.json) is not trained again, so the command resumes an
 interrupted study; ``--jobs`` runs that many trainings at once, each on one thread
@@ -50,6 +53,9 @@ OBJECTIVES = {"infonce": "InfoNCE", "triplet": "TripletLoss (hardest negative)",
               "siglip": "SigLIP", "goal_nca_con": "GOAL nca x con",
               "goal_cir_sig_ms": "GOAL cir x sig_ms (lam 0.86)"}
 MMGOAL = [sys.executable, "-m", "mmgoal"]
+
+
+RULES = ("constant", "sqrt", "linear")
 
 
 def learning_rate(batch: int, base_lr: float, base_batch: int, rule: str = "sqrt") -> float:
@@ -113,6 +119,22 @@ def measured_lam(args: argparse.Namespace) -> dict[int, float]:
     return lam
 
 
+def grid_rule(args: argparse.Namespace, batch: int) -> str:
+    """The learning-rate rule of the grid's runs at ``batch``: ``--lr-rule``'s, else sqrt."""
+    return args.lr_rule.get(batch, "sqrt")
+
+
+def parse_rules(specs: list[str]) -> dict[int, str]:
+    """``["2048=constant"]`` -> ``{2048: "constant"}``."""
+    rules = {}
+    for spec in specs:
+        batch, _, rule = spec.partition("=")
+        if not batch.isdigit() or rule not in RULES:
+            raise SystemExit(f"--lr-rule {spec!r}: give BATCH=RULE, RULE one of {RULES}")
+        rules[int(batch)] = rule
+    return rules
+
+
 def run_grid(args: argparse.Namespace) -> None:
     """The starts, then the learning-rate check, then the grid seed by seed."""
     run_all([(CONFIGS / "start.yaml", args.out / "start" / f"seed{seed}",
@@ -122,10 +144,10 @@ def run_grid(args: argparse.Namespace) -> None:
     runs = [fine_tune(args, "infonce", args.out / "lr_rule" / rule / f"b{batch}", batch,
                       learning_rate(batch, args.base_lr, args.base_batch, rule), 0)
             for batch in args.batches if batch != args.base_batch
-            for rule in ("constant", "linear")]
+            for rule in RULES if rule != grid_rule(args, batch)]
     for seed in range(args.seeds):
         for batch in args.batches:
-            lr = learning_rate(batch, args.base_lr, args.base_batch)
+            lr = learning_rate(batch, args.base_lr, args.base_batch, grid_rule(args, batch))
             for name in args.objectives:
                 extra = [f"objective.pair.lam={lam[batch]}"] if name == "goal_cir_sig_ms" \
                     else []
@@ -189,13 +211,14 @@ def report(args: argparse.Namespace) -> str:
     lines = ["## The learning-rate rule (InfoNCE, seed 0: test rsum)", "",
              "| rule | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---|" + "---|" * len(batches)]
-    for rule in ("constant", "sqrt", "linear"):
+    for rule in RULES:
         row = []
         for b in batches:
-            run = out / "lr_rule" / rule / f"b{b}" if rule != "sqrt" and b != args.base_batch \
-                else out / "infonce" / f"b{b}" / "seed0"
+            run = out / "infonce" / f"b{b}" / "seed0" if rule == grid_rule(args, b) or \
+                b == args.base_batch else out / "lr_rule" / rule / f"b{b}"
             lr = learning_rate(b, args.base_lr, args.base_batch, rule)
-            row.append(f"{rsum(run):.1f} (lr {lr:.3g})" if (run / "report.json").is_file()
+            grid = " (the grid's)" if rule == grid_rule(args, b) and b != args.base_batch else ""
+            row.append(f"{rsum(run):.1f} (lr {lr:.3g}){grid}" if (run / "report.json").is_file()
                        else "-")
         lines.append(f"| {rule} | " + " | ".join(row) + " |")
     control = {b: {seed_of(r): rsum(r) for r in cells["infonce", b]} for b in batches}
@@ -296,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
     parser.add_argument("--base-lr", type=float, default=1e-4)
     parser.add_argument("--base-batch", type=int, default=128)
+    parser.add_argument("--lr-rule", nargs="+", default=[], metavar="BATCH=RULE",
+                        help="the grid's rule at that batch size instead of sqrt (constant, "
+                             "sqrt, linear); the learning-rate check then runs the other two")
     parser.add_argument("--jobs", type=int, default=2, help="trainings at once")
     parser.add_argument("--page-dir", type=Path, help="where the tables and plots go")
     parser.add_argument("--train-shards", default="data/synthetic/train-{000000..000009}.tar",
@@ -303,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4096,
                         help="pairs the score medians are measured on")
     args = parser.parse_args(argv)
+    args.lr_rule = parse_rules(args.lr_rule)
     if args.phase in ("all", "train"):
         run_grid(args)
     if args.phase in ("all", "report"):

@@ -33,7 +33,7 @@ def fabricate(out, name, batch, seed, rsum):
 def arguments(out, **changes):
     values = {"out": out, "batches": [128, 512], "objectives": ["infonce", "siglip"],
               "seeds": 2, "base_lr": 1e-4, "base_batch": 128, "jobs": 1, "page_dir": None,
-              "train_shards": "unused", "pairs": 4096}
+              "train_shards": "unused", "pairs": 4096, "lr_rule": {}}
     return argparse.Namespace(**{**values, **changes})
 
 
@@ -73,6 +73,15 @@ def test_the_grid_gives_each_run_its_start_batch_rate_and_lam(tmp_path, monkeypa
     assert runs["lr_rule/constant/b512"][-1] == "objective.temperature=0.0081"
     assert runs["infonce/b512/seed1"][-1] == "objective.temperature=0.0098"
     assert len(runs) == 2 + 2 * 2 * 2
+    # another rule for the grid at 512: the check runs the other two
+    trained.clear()
+    bench.run_grid(arguments(tmp_path, objectives=["infonce"],
+                             lr_rule=bench.parse_rules(["512=constant"])))
+    runs = {str(w.relative_to(tmp_path)): o for _, w, o in trained[2:]}
+    assert list(runs)[:2] == ["lr_rule/sqrt/b512", "lr_rule/linear/b512"]
+    assert "optimizer.lr=0.0001" in runs["infonce/b512/seed1"]
+    with pytest.raises(SystemExit, match="give BATCH=RULE, RULE one of"):
+        bench.parse_rules(["512=cubic"])
 
 
 def test_the_report_pairs_each_objective_with_infonce_at_its_batch_size(tmp_path):
@@ -96,7 +105,7 @@ def test_the_report_pairs_each_objective_with_infonce_at_its_batch_size(tmp_path
     assert row("Median scores", "InfoNCE")[1:] == ["0.90 / 0.82", "0.90 / 0.86"]
     # the lr check's runs are missing: said, not an error; sqrt is the grid's own run
     assert "| constant | 400.0 (lr 0.0001) | - |" in tables
-    assert "| sqrt | 400.0 (lr 0.0001) | 380.0 (lr 0.0002) |" in tables
+    assert "| sqrt | 400.0 (lr 0.0001) | 380.0 (lr 0.0002) (the grid's) |" in tables
     assert row("What a run costs", "InfoNCE")[1:] == ["100 / 101 / 1024", "100 / 104 / 1024"]
     assert "the grid): 0.23 h." in tables  # (2 x 101 + 2 x 104) x 2 objectives = 820 s
     assert (tmp_path / "batch_scaling_rsum.png").stat().st_size > 0
