@@ -51,7 +51,7 @@ from pathlib import Path
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "goal" / "batch_scaling"
 OBJECTIVES = {"infonce": "InfoNCE", "triplet": "TripletLoss (hardest negative)",
               "siglip": "SigLIP", "goal_nca_con": "GOAL nca x con",
-              "goal_cir_sig_ms": "GOAL cir x sig_ms (lam 0.86)"}
+              "goal_cir_sig_ms": "GOAL cir x sig_ms (measured lam)"}
 MMGOAL = [sys.executable, "-m", "mmgoal"]
 
 
@@ -175,10 +175,14 @@ def measure_scores(run: Path, batch: int, shards: str, pairs: int) -> dict:
     return stats
 
 
-def cost(run: Path) -> dict[str, float]:
-    """GNU time's record of a run: wall and CPU seconds, peak resident MiB."""
-    fields = dict(line.split() for line in Path(f"{run}.time.txt").read_text().splitlines()
-                  if len(line.split()) == 2 and not line.startswith("Command"))
+def cost(run: Path) -> dict[str, float] | None:
+    """GNU time's record of a run: wall and CPU seconds, peak resident MiB; None while the
+    run is going (or where it was killed: GNU time writes at the end)."""
+    record = Path(f"{run}.time.txt")
+    fields = dict(line.split() for line in record.read_text().splitlines()
+                  if len(line.split()) == 2) if record.is_file() else {}
+    if "max_rss_kib" not in fields:
+        return None
     return {"wall_s": float(fields["wall_s"]),
             "cpu_s": float(fields["user_s"]) + float(fields["system_s"]),
             "rss_mib": float(fields["max_rss_kib"]) / 1024}
@@ -253,12 +257,12 @@ def report(args: argparse.Namespace) -> str:
     for name in names:
         row = []
         for b in batches:
-            costs = [cost(r) for r in cells[name, b] if Path(f"{r}.time.txt").is_file()]
+            costs = [c for c in map(cost, cells[name, b]) if c is not None]
             row.append(" / ".join(f"{statistics.mean(c[k] for c in costs):.0f}"
                                   for k in ("wall_s", "cpu_s", "rss_mib")) if costs else "-")
         lines.append(f"| {OBJECTIVES[name]} | " + " | ".join(row) + " |")
-    total = sum(cost(Path(str(t).removesuffix(".time.txt")))["cpu_s"]
-                for t in out.rglob("*.time.txt"))
+    total = sum(c["cpu_s"] for t in out.rglob("*.time.txt")
+                if (c := cost(Path(str(t).removesuffix(".time.txt")))) is not None)
     lines += ["", f"CPU time of the whole study (the starts, the learning-rate check and the "
               f"grid): {total / 3600:.2f} h.", ""]
     for b in batches:
