@@ -275,40 +275,55 @@ def report(args: argparse.Namespace) -> str:
 
 
 def draw(args: argparse.Namespace, cells: dict, scores: dict) -> None:
-    """rsum and the median hardest-negative score against batch size, one line per
-    objective (mean over seeds; the seeds' range shaded)."""
+    """Against batch size, one line per objective (mean over seeds; the seeds' range
+    shaded): test rsum beside its paired difference to InfoNCE, and the median
+    hardest-negative and positive scores."""
     from mmgoal.extras import pyplot
     from mmgoal.files import save_figure
 
     plt = pyplot("the batch-scaling plots")
-    for what, ylabel, path in (("rsum", "test rsum", "batch_scaling_rsum.png"),
-                               ("negative_median", "median hardest-negative score (dashed: "
-                                "median positive)", "batch_scaling_negatives.png")):
-        figure, axes = plt.subplots(figsize=(6.4, 4.2))
-        for index, name in enumerate(args.objectives):
-            colour = f"C{index}"
-            keys = [what, "positive_median"] if what != "rsum" else [what]
-            for key, style in zip(keys, ("-", "--")):
-                xs, mean, low, high = [], [], [], []
-                for b in args.batches:
-                    values = [rsum(r) if key == "rsum" else scores[r][key]
-                              for r in cells[name, b]]
-                    if values:
-                        xs.append(b)
-                        mean.append(statistics.mean(values))
-                        low.append(min(values))
-                        high.append(max(values))
-                axes.plot(xs, mean, style, marker="o", color=colour,
-                          label=OBJECTIVES[name] if style == "-" else None)
-                axes.fill_between(xs, low, high, color=colour, alpha=0.15)
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(args.batches, [str(b) for b in args.batches])
-        axes.set_xlabel("global batch size (same samples seen; lr by the square-root rule)")
-        axes.set_ylabel(ylabel)
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
+    control = {b: {seed_of(r): rsum(r) for r in cells["infonce", b]} for b in args.batches
+               } if "infonce" in args.objectives else None
+    measures = {  # what -> a run's value of it (None: not available)
+        "rsum": lambda r, b: rsum(r),
+        "paired": lambda r, b: rsum(r) - control[b][seed_of(r)]
+        if control and seed_of(r) in control[b] else None,
+        "negative_median": lambda r, b: scores[r]["negative_median"],
+        "positive_median": lambda r, b: scores[r]["positive_median"]}
+    panels = {"batch_scaling_rsum.png": [("rsum", "test rsum", ["rsum"]),
+                                         ("paired", "test rsum minus InfoNCE's (same seed)",
+                                          ["paired"])],
+              "batch_scaling_negatives.png": [(
+                  "negatives", "median score in batches of the training size\n"
+                  "(solid: hardest negative, dashed: positive)",
+                  ["negative_median", "positive_median"])]}
+    rules = ", ".join(f"{b}: {'base' if b == args.base_batch else grid_rule(args, b)}"
+                      for b in args.batches)
+    for path, specs in panels.items():
+        figure, all_axes = plt.subplots(1, len(specs), figsize=(6.4 * len(specs), 4.4),
+                                        squeeze=False)
+        for axes, (_, ylabel, keys) in zip(all_axes[0], specs):
+            for index, name in enumerate(args.objectives):
+                for key, style in zip(keys, ("-", "--")):
+                    value = measures[key]
+                    points = [(b, [v for r in cells[name, b]
+                                   if (v := value(r, b)) is not None]) for b in args.batches]
+                    points = [(b, values) for b, values in points if values]
+                    if not points or (key == "paired" and name == "infonce"):
+                        continue
+                    xs = [b for b, _ in points]
+                    axes.plot(xs, [statistics.mean(v) for _, v in points], style, marker="o",
+                              color=f"C{index}", label=OBJECTIVES[name] if style == "-" else None)
+                    axes.fill_between(xs, [min(v) for _, v in points],
+                                      [max(v) for _, v in points], color=f"C{index}", alpha=0.15)
+            axes.set_xscale("log", base=2)
+            axes.set_xticks(args.batches, [str(b) for b in args.batches])
+            axes.set_xlabel(f"global batch size (same epochs; lr rule {rules})")
+            axes.set_ylabel(ylabel)
+            axes.grid(alpha=0.3)
+            axes.legend(fontsize=8)
         figure.tight_layout()
-        save_figure(figure, (args.page_dir or args.out) / path, dpi=120)
+        save_figure(figure, (args.page_dir or args.out) / path, dpi=110)
         plt.close(figure)
 
 
