@@ -53,6 +53,7 @@ OBJECTIVES = {"infonce": "InfoNCE", "triplet": "TripletLoss (hardest negative)",
               "siglip": "SigLIP", "goal_nca_con": "GOAL nca x con",
               "goal_cir_sig_ms": "GOAL cir x sig_ms (measured lam)"}
 MMGOAL = [sys.executable, "-m", "mmgoal"]
+GNU_TIME = Path("/usr/bin/time")  # each run's CPU seconds and peak memory
 
 
 RULES = ("constant", "sqrt", "linear")
@@ -70,7 +71,7 @@ def train(config: Path, work_dir: Path, options: list[str]) -> str:
     if (work_dir / "report.json").is_file():
         return f"{work_dir}: finished before"
     work_dir.parent.mkdir(parents=True, exist_ok=True)
-    command = ["/usr/bin/time", "-o", f"{work_dir}.time.txt", "-f",
+    command = [str(GNU_TIME), "-o", f"{work_dir}.time.txt", "-f",
                "wall_s %e\nuser_s %U\nsystem_s %S\nmax_rss_kib %M", *MMGOAL, "train",
                str(config), "--work-dir", str(work_dir), "--auto-resume", "--cfg-options",
                *options]
@@ -188,12 +189,11 @@ def cost(run: Path) -> dict[str, float] | None:
             "rss_mib": float(fields["max_rss_kib"]) / 1024}
 
 
-def spread(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+def spread(values: list[float]) -> str:
+    """``mean ± std`` as ``mmgoal compare-runs`` writes it; ``-`` for no values."""
+    from mmgoal.cli.compare_runs import mean_std
+
+    return mean_std(values) if values else "-"
 
 
 def rsum(run: Path) -> float:
@@ -202,6 +202,16 @@ def rsum(run: Path) -> float:
 
 def seed_of(run: Path) -> int:
     return int(run.name.removeprefix("seed"))
+
+
+def paired_to_infonce(cells: dict) -> dict:
+    """Per cell ``(objective, batch)``: each run's rsum minus InfoNCE's of the same batch
+    size and seed (none where InfoNCE has no such run)."""
+    control = {b: {seed_of(r): rsum(r) for r in runs} for (name, b), runs in cells.items()
+               if name == "infonce"}
+    return {(name, b): [rsum(r) - control[b][seed_of(r)] for r in runs
+                        if seed_of(r) in control.get(b, {})]
+            for (name, b), runs in cells.items()}
 
 
 def report(args: argparse.Namespace) -> str:
@@ -225,7 +235,7 @@ def report(args: argparse.Namespace) -> str:
             row.append(f"{rsum(run):.1f} (lr {lr:.3g}){grid}" if (run / "report.json").is_file()
                        else "-")
         lines.append(f"| {rule} | " + " | ".join(row) + " |")
-    control = {b: {seed_of(r): rsum(r) for r in cells["infonce", b]} for b in batches}
+    paired = paired_to_infonce(cells)
     lines += ["", "## Test rsum (mean ± std over seeds) and the paired difference to "
               "InfoNCE", "", "| objective | " + " | ".join(
                   f"batch {b} | Δ vs InfoNCE (ahead)" for b in batches) + " |",
@@ -233,11 +243,10 @@ def report(args: argparse.Namespace) -> str:
     for name in names:
         row = []
         for b in batches:
-            runs = cells[name, b]
-            paired = [rsum(r) - control[b][seed_of(r)] for r in runs if seed_of(r) in control[b]]
-            ahead = f" ({sum(d > 1e-6 for d in paired)}/{len(paired)})" if paired else ""
+            runs, deltas = cells[name, b], paired[name, b]
+            ahead = f" ({sum(d > 1e-6 for d in deltas)}/{len(deltas)})" if deltas else ""
             row += [f"{spread([rsum(r) for r in runs])} (n={len(runs)})",
-                    "" if name == "infonce" else spread(paired) + ahead]
+                    "" if name == "infonce" else spread(deltas) + ahead]
         lines.append(f"| {OBJECTIVES[name]} | " + " | ".join(row) + " |")
     lines += ["", f"## Median scores in training batches of the run's size (best checkpoint, "
               f"{args.pairs} training pairs): positive / hardest negative, mean over seeds", "",
@@ -270,31 +279,26 @@ def report(args: argparse.Namespace) -> str:
                   if cells[n, b]]
         if groups:
             lines += [f"## Batch {b}: `mmgoal compare-runs`", "", compare(groups)]
-    draw(args, cells, scores)
+    draw(args, {"rsum": {cell: [rsum(r) for r in runs] for cell, runs in cells.items()},
+                "paired": {cell: deltas for cell, deltas in paired.items()
+                           if cell[0] != "infonce"},
+                **{key: {cell: [scores[r][key] for r in runs] for cell, runs in cells.items()}
+                   for key in ("negative_median", "positive_median")}})
     return "\n".join(lines)
 
 
-def draw(args: argparse.Namespace, cells: dict, scores: dict) -> None:
+def draw(args: argparse.Namespace, values: dict[str, dict]) -> None:
     """Against batch size, one line per objective (mean over seeds; the seeds' range
     shaded): test rsum beside its paired difference to InfoNCE, and the median
-    hardest-negative and positive scores."""
+    hardest-negative and positive scores. ``values``: measure -> cell -> the runs' values."""
     from mmgoal.extras import pyplot
     from mmgoal.files import save_figure
 
     plt = pyplot("the batch-scaling plots")
-    control = {b: {seed_of(r): rsum(r) for r in cells["infonce", b]} for b in args.batches
-               } if "infonce" in args.objectives else None
-    measures = {  # what -> a run's value of it (None: not available)
-        "rsum": lambda r, b: rsum(r),
-        "paired": lambda r, b: rsum(r) - control[b][seed_of(r)]
-        if control and seed_of(r) in control[b] else None,
-        "negative_median": lambda r, b: scores[r]["negative_median"],
-        "positive_median": lambda r, b: scores[r]["positive_median"]}
-    panels = {"batch_scaling_rsum.png": [("rsum", "test rsum", ["rsum"]),
-                                         ("paired", "test rsum minus InfoNCE's (same seed)",
-                                          ["paired"])],
+    panels = {"batch_scaling_rsum.png": [("test rsum", ["rsum"]),
+                                         ("test rsum minus InfoNCE's (same seed)", ["paired"])],
               "batch_scaling_negatives.png": [(
-                  "negatives", "median score in batches of the training size\n"
+                  "median score in batches of the training size\n"
                   "(solid: hardest negative, dashed: positive)",
                   ["negative_median", "positive_median"])]}
     rules = ", ".join(f"{b}: {'base' if b == args.base_batch else grid_rule(args, b)}"
@@ -302,14 +306,12 @@ def draw(args: argparse.Namespace, cells: dict, scores: dict) -> None:
     for path, specs in panels.items():
         figure, all_axes = plt.subplots(1, len(specs), figsize=(6.4 * len(specs), 4.4),
                                         squeeze=False)
-        for axes, (_, ylabel, keys) in zip(all_axes[0], specs):
+        for axes, (ylabel, keys) in zip(all_axes[0], specs):
             for index, name in enumerate(args.objectives):
                 for key, style in zip(keys, ("-", "--")):
-                    value = measures[key]
-                    points = [(b, [v for r in cells[name, b]
-                                   if (v := value(r, b)) is not None]) for b in args.batches]
-                    points = [(b, values) for b, values in points if values]
-                    if not points or (key == "paired" and name == "infonce"):
+                    points = [(b, values[key][name, b]) for b in args.batches
+                              if values[key].get((name, b))]
+                    if not points:
                         continue
                     xs = [b for b, _ in points]
                     axes.plot(xs, [statistics.mean(v) for _, v in points], style, marker="o",
@@ -350,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.lr_rule = parse_rules(args.lr_rule)
     if args.phase in ("all", "train"):
+        if not GNU_TIME.is_file():
+            raise SystemExit(f"the runs are timed with GNU time, and {GNU_TIME} is missing: "
+                             f"install it (apt-get install time)")
         run_grid(args)
     if args.phase in ("all", "report"):
         tables = report(args)
