@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from mmgoal.contract import MatchingModel, require
+from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.devices import module_device, move_to_device
 from mmgoal.evaluation.gallery import score_gallery
 from mmgoal.evaluation.rerank import itm_rerank
@@ -226,11 +227,9 @@ def rgb_image(image: ImageLike) -> Image.Image:
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     path = Path(image)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"image {path} does not exist")
     try:
-        with Image.open(path) as opened:
-            return opened.convert("RGB")
-    except (OSError, Image.DecompressionBombError, SyntaxError) as error:
-        raise ValueError(f"image {path} cannot be read as an image ({error}); give a JPEG, "
-                         f"PNG or another format Pillow reads") from None
+        return decode_image(path, f"image {path}").convert("RGB")
+    except ImageDecodeError as error:
+        raise ValueError(f"{error}; give a JPEG, PNG or another format Pillow reads") from None

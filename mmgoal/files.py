@@ -10,6 +10,12 @@ never sees half a file, and a symbolic link where mmgoal would write is refused 
 :class:`LinkedPathError` that names it. The files mmgoal appends to (``metrics.jsonl``,
 ``config_changes.jsonl``) and the run lock are opened with ``O_NOFOLLOW``
 (:func:`open_unlinked`). docs/received_files.md is the whole set of receive-side rules.
+
+Files mmgoal reads that a user points it at (images, caption and class-name files, annotation
+files, configs) go through :func:`open_regular`: a device, FIFO or socket (``/dev/zero``
+behind a link, a named pipe called ``pipe.jpg``) is refused before it is opened, as it
+would fill memory or block for ever; :func:`read_bytes` and :func:`read_text` also refuse a
+file past a size bound, before reading it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
@@ -25,6 +32,112 @@ from typing import IO
 
 class LinkedPathError(ValueError):
     """A symbolic link stands where mmgoal would write a file: refused, not followed."""
+
+
+class NotAFileError(ValueError):
+    """A device, FIFO, socket or folder where mmgoal reads a file: refused, never opened."""
+
+
+class OversizedFileError(ValueError):
+    """A file larger than what mmgoal reads for its kind: refused unread."""
+
+
+# What mmgoal reads whole, by kind of file. A list of names, prompts or one image's captions
+# is KBs (ImageNet-21k's class names are 0.4 MB); a data set's annotation file is MBs (COCO's
+# Karpathy JSON is 140 MB); a text file past its bound is not what the user meant.
+MAX_LIST_BYTES = 16 << 20
+MAX_ANNOTATION_BYTES = 1 << 30
+# One image file (a 20-megapixel JPEG is about 10 MB); shard samples have their own bound
+MAX_IMAGE_BYTES = 64 << 20
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISDIR, "a folder"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _not_a_file(path: str | os.PathLike, what: str, mode: int) -> NotAFileError:
+    return NotAFileError(f"{what} {path} is {_kind(mode)}, not a file; mmgoal reads no "
+                         f"devices, FIFOs or sockets (it could fill memory or wait for ever): "
+                         f"give a regular file")
+
+
+def check_regular(path: str | os.PathLike, what: str = "file") -> os.stat_result:
+    """The ``stat`` of ``path`` (links followed) when it is a regular file, read nothing.
+
+    Raises:
+        FileNotFoundError: nothing there (or a dangling link).
+        NotAFileError: a device, FIFO, socket or folder.
+    """
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise _not_a_file(path, what, info.st_mode)
+    return info
+
+
+def open_regular(path: str | os.PathLike, what: str = "file") -> IO[bytes]:
+    """``path`` opened for reading in binary, when it is a regular file: it is checked before
+    it is opened (opening a device can act) and again once open without blocking (a FIFO
+    swapped in between would otherwise wait for a writer for ever).
+
+    Args:
+        what: what the file is, for messages (``caption file``).
+
+    Raises:
+        FileNotFoundError: nothing there.
+        NotAFileError: a device, FIFO, socket or folder.
+    """
+    check_regular(path, what)
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno == errno.ENXIO:  # a socket swapped in
+            raise NotAFileError(f"{what} {path} is a socket, not a file") from None
+        raise
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_a_file(path, what, info.st_mode)
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), refused unread when it
+    holds more than ``limit`` bytes.
+
+    Raises:
+        FileNotFoundError, NotAFileError: as :func:`open_regular`.
+        OversizedFileError: past ``limit``, saying so.
+    """
+    with open_regular(path, what) as stream:
+        size = os.fstat(stream.fileno()).st_size
+        data = stream.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
+        raise OversizedFileError(f"{what} {path} holds {max(size, len(data)):,} bytes, more "
+                                 f"than the {limit:,} mmgoal reads for a {what}: it is not "
+                                 f"read (is it the right file?)")
+    return data
+
+
+def read_text(path: str | os.PathLike, what: str, limit: int = MAX_LIST_BYTES,
+              encoding: str = "utf-8") -> str:
+    """The text of the regular file ``path``, bounded as :func:`read_bytes` bounds it.
+
+    Raises:
+        FileNotFoundError, NotAFileError, OversizedFileError: as :func:`read_bytes`.
+        ValueError: the bytes are not ``encoding`` text, naming the file.
+    """
+    data = read_bytes(path, what, limit)
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} {path} is not {encoding.upper()} text ({error})") from None
 
 
 def refuse_link(path: str | os.PathLike) -> None:

@@ -208,7 +208,8 @@ def test_one_string_is_one_query_and_bad_calls_say_what_to_pass(tiny_quickstart_
         mmgoal.load(run, device="cpu", batch_size=0)
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png at all")
-    with pytest.raises(ValueError, match=rf"image {broken} cannot be read as an image"):
+    with pytest.raises(ValueError, match=rf"image {broken}: unreadable image \(not an image format "
+                                         rf"PIL knows\); give a JPEG, PNG"):
         model.encode_images([broken])
 
 

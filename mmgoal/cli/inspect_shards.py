@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import tool_parser
+from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.data.remote import expand_shards, open_shard
 from mmgoal.data.tars import (
     IMAGE_EXTENSIONS,
@@ -77,12 +77,11 @@ def check_sample(key: str, members: dict[str, bytes], caption_key: str | None,
     image_ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
     if image_ext is not None:
         try:
-            image = Image.open(io.BytesIO(members[image_ext]))
-            image.load()
+            image = decode_image(members[image_ext], key)
             stats["widths"].append(image.size[0])
             stats["heights"].append(image.size[1])
-        except Exception as error:  # PIL raises many types for broken files
-            problems.append(f"{key}: unreadable image ({error})")
+        except ImageDecodeError as error:
+            problems.append(str(error))
     for name in ("regions.npy", "boxes.npy"):
         if name in members:
             try:

@@ -79,10 +79,13 @@ def source_options(source: str, rest: list[str]) -> dict:
         if not token.startswith("--") or name not in parameters:
             known = ", ".join("--" + p.replace("_", "-") for p in parameters)
             raise ValueError(f"source {source!r} takes no option {token!r}; it takes: {known}")
+        kind = hints.get(name)
+        if kind is bool:  # a switch: its presence says yes
+            options[name] = True
+            continue
         value = next(it, None)
         if value is None or value.startswith("--"):
             raise ValueError(f"option {token} needs a value")
-        kind = hints.get(name)
         options[name] = (int(value) if kind in (int, int | None) else
                          float(value) if kind in (float, float | None) else value)
     return options

@@ -19,13 +19,22 @@ from __future__ import annotations
 
 import csv
 import importlib
+import io
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from mmgoal.data.conversion import ShardSource, SkippedItem, image_member, split_names
+from mmgoal.data.conversion import (
+    ShardSource,
+    SkippedItem,
+    image_member,
+    split_names,
+    within,
+)
 from mmgoal.extras import require_extra
+from mmgoal.files import open_regular, read_text
 from mmgoal.registry import SHARD_SOURCES
 
 logger = logging.getLogger(__name__)
@@ -49,13 +58,24 @@ def given_splits(what: str, **inputs: str | None) -> dict[str, Path]:
     return given
 
 
-def caption_list(value: Any) -> list[str]:
-    """A caption field as a list of captions: a string is one, a list is several; empty
-    and blank captions are left out."""
+def caption_list(value: Any, where: str) -> list[str]:
+    """A caption field as a list of captions: a string is one, a list of strings is several;
+    empty and blank captions (and nulls in a list) are left out.
+
+    Raises:
+        SkippedItem: a value that is not text (a number, a mapping, a list holding one):
+            refused, never turned into text (a mapping's field names are no captions).
+    """
     if value is None:
         return []
-    values = [value] if isinstance(value, str) else list(value)
-    return [text.strip() for text in values if isinstance(text, str) and text.strip()]
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, (list, tuple)) or not all(
+            text is None or isinstance(text, str) for text in values):
+        shown = repr(value)
+        raise SkippedItem("caption not text", f"{where}: a {type(value).__name__} "
+                          f"({shown[:60]}{'...' * (len(shown) > 60)}), not a string or a list "
+                          f"of strings")
+    return [text.strip() for text in values if text is not None and text.strip()]
 
 
 def captioned_image(split: str, image_id: str | int, captions: list[str],
@@ -75,8 +95,9 @@ class CSVSource(ShardSource):
     column and the caption column. Rows that name the same image path are one sample
     with the captions of all of them, in the file's order (COCO written as a CSV has
     five rows per image); a sample's ``image_id`` is the image path as the file writes
-    it. A row without an image path, or an image without a caption, is skipped and
-    counted.
+    it. A row without an image path, an image without a caption, a row with more fields
+    than the header (a caption holding the separator, unquoted) and an image outside the
+    image root are skipped and counted, each under its reason with the file and line.
 
     Args:
         train: the training split's CSV file.
@@ -88,7 +109,10 @@ class CSVSource(ShardSource):
             may be written as the two characters backslash and t.
         image_root: the folder relative image paths are relative to (default: the
             folder of each split's CSV file; open_clip reads them from its working
-            directory).
+            directory); an image must lie inside it.
+        allow_outside: also take images outside the image root (absolute paths, ``..``,
+            links to elsewhere), which a CSV someone sends could use to copy your files
+            into shards you later share.
         max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
         jpeg_quality: re-encode every image as JPEG at this quality.
     """
@@ -96,8 +120,8 @@ class CSVSource(ShardSource):
     def __init__(self, train: str | None = None, val: str | None = None,
                  test: str | None = None, img_key: str = "filepath",
                  caption_key: str = "title", separator: str = "\t",
-                 image_root: str | None = None, max_size: int | None = None,
-                 jpeg_quality: int | None = None) -> None:
+                 image_root: str | None = None, allow_outside: bool = False,
+                 max_size: int | None = None, jpeg_quality: int | None = None) -> None:
         files = given_splits("CSV file", train=train, val=val, test=test)
         separator = "\t" if separator == "\\t" else separator
         if len(separator) != 1:
@@ -105,6 +129,7 @@ class CSVSource(ShardSource):
                              f"{separator!r}")
         self.roots = {split: Path(image_root) if image_root else path.parent
                       for split, path in files.items()}
+        self.allow_outside = allow_outside
         self.max_size, self.jpeg_quality = max_size, jpeg_quality
         self.by_split = {split: read_csv_images(path, img_key, caption_key, separator)
                          for split, path in files.items()}
@@ -117,33 +142,46 @@ class CSVSource(ShardSource):
     def splits(self) -> list[str]:
         return list(self.by_split)
 
-    def items(self, split: str) -> list[tuple[str, list[str], int]]:
+    def items(self, split: str) -> list[CSVItem]:
         return self.by_split[split]
 
-    def sample(self, split: str, item: tuple[str, list[str], int]) -> dict:
-        path, captions, line = item
+    def sample(self, split: str, item: CSVItem) -> dict:
+        path, captions, line, refused = item
+        if refused is not None:
+            raise SkippedItem(refused, f"{self.files[split]} line {line}: {path}")
         if not path:
             raise SkippedItem("no image path", f"{self.files[split]} line {line}")
         if not captions:
             raise SkippedItem("no captions", f"{path} ({self.files[split]} line {line})")
-        member = image_member(self.roots[split] / path, self.max_size, self.jpeg_quality)
+        root = self.roots[split]
+        member = image_member(root / path, self.max_size, self.jpeg_quality,
+                              root=None if self.allow_outside else root)
         return captioned_image(split, path, captions, member)
 
 
+# A CSV source's item: (image path, its captions, the line of its first row, None), or a row
+# refused whole: (what it holds, [], its line, the reason)
+CSVItem = tuple[str, list[str], int, "str | None"]
+EXTRA_FIELDS = "more fields than the header"
+
+
 def read_csv_images(path: Path, img_key: str, caption_key: str, separator: str
-                    ) -> list[tuple[str, list[str], int]]:
-    """(image path, its captions, the line of its first row) of every image a CSV file
-    names, in the order of their first rows.
+                    ) -> list[CSVItem]:
+    """The items of every image a CSV file names, in the order of their first rows, and of
+    every row refused whole (:data:`CSVItem`), in the file's order.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file lacks a column; the message names those it has.
+        ValueError: the file lacks a column (the message names those it has), or is not
+            a regular file.
     """
     if not path.is_file():
         raise FileNotFoundError(f"CSV file {path} does not exist")
-    images: dict[str, tuple[str, list[str], int]] = {}
+    images: dict[str, CSVItem] = {}
+    refused: list[CSVItem] = []
     # utf-8-sig: a spreadsheet's byte order mark would otherwise join the first column's name
-    with path.open(newline="", encoding="utf-8-sig") as file:
+    with io.TextIOWrapper(open_regular(path, "CSV file"), newline="",
+                          encoding="utf-8-sig") as file:
         rows = csv.reader(file, delimiter=separator)
         try:
             header = next(rows, [])
@@ -155,13 +193,20 @@ def read_csv_images(path: Path, img_key: str, caption_key: str, separator: str
                 if not row:
                     continue
                 image = row[image_column] if image_column < len(row) else ""
+                if any(field.strip() for field in row[len(header):]):  # a separator in a
+                    # caption, unquoted: the fields past the header would be dropped
+                    shown = separator.join(row)
+                    refused.append((f"{len(row)} fields, the header {len(header)} (quote a "
+                                    f"field holding {separator!r}): {shown[:80]}", [],
+                                    rows.line_num, EXTRA_FIELDS))
+                    continue
                 caption = row[caption_column] if caption_column < len(row) else ""
-                entry = images.setdefault(image, (image, [], rows.line_num))
-                entry[1].extend(caption_list(caption))
+                entry = images.setdefault(image, (image, [], rows.line_num, None))
+                entry[1].extend(caption_list(caption, f"{path} line {rows.line_num}"))
         except (csv.Error, UnicodeDecodeError) as error:
             raise ValueError(f"{path} cannot be read as a UTF-8 CSV file "
                              f"({error})") from error
-    return list(images.values())
+    return list(images.values()) + refused
 
 
 def csv_column_error(path: Path, key: str, option: str, header: list[str],
@@ -186,20 +231,24 @@ class FolderSource(ShardSource):
     the image's path in the folder without its extension (``dogs/cat``). An image
     without a caption file, or with an empty one, is skipped and counted; so is a
     second image of one name (``cat.png`` beside ``cat.jpg``: they would share a
-    caption file).
+    caption file), a file that is no regular file (a device, a FIFO named ``pipe.jpg``)
+    and a link to a file outside the folder.
 
     Args:
         train: the training split's folder.
         val: the validation split's.
         test: the test split's (at least one of the three).
+        allow_outside: also take images and caption files that are symbolic links to
+            files outside the folder (a folder someone sends could link your own files).
         max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
         jpeg_quality: re-encode every image as JPEG at this quality.
     """
 
     def __init__(self, train: str | None = None, val: str | None = None,
-                 test: str | None = None, max_size: int | None = None,
-                 jpeg_quality: int | None = None) -> None:
+                 test: str | None = None, allow_outside: bool = False,
+                 max_size: int | None = None, jpeg_quality: int | None = None) -> None:
         self.roots = given_splits("folder", train=train, val=val, test=test)
+        self.allow_outside = allow_outside
         self.max_size, self.jpeg_quality = max_size, jpeg_quality
         self.by_split = {split: folder_images(root) for split, root in self.roots.items()}
         named: set[str] = set()
@@ -225,8 +274,9 @@ class FolderSource(ShardSource):
         if f"{split}/{item}" in self.second_of_name:
             raise SkippedItem("another image has its name",
                               f"{path} (its caption file is the other's)")
-        captions = caption_file_captions(path)
-        member = image_member(path, self.max_size, self.jpeg_quality)
+        root = None if self.allow_outside else self.roots[split]
+        captions = caption_file_captions(path, root)
+        member = image_member(path, self.max_size, self.jpeg_quality, root=root)
         return captioned_image(split, Path(item).with_suffix("").as_posix(), captions, member)
 
 
@@ -250,26 +300,29 @@ def folder_images(root: Path) -> list[str]:
     return images
 
 
-def caption_file_captions(image: Path) -> list[str]:
-    """The captions of ``image``'s caption file (``.txt``, else ``.json``).
+def caption_file_captions(image: Path, root: Path | None = None) -> list[str]:
+    """The captions of ``image``'s caption file (``.txt``, else ``.json``), which must lie
+    in ``root`` as the image must (:func:`~mmgoal.data.conversion.within`).
 
     Raises:
-        SkippedItem: neither file exists, it cannot be read, or it holds no caption.
+        SkippedItem: neither file exists, it cannot be read (not a regular file, past
+            :data:`~mmgoal.files.MAX_LIST_BYTES`, not UTF-8), or it holds no caption.
     """
     text_file, json_file = image.with_suffix(".txt"), image.with_suffix(".json")
-    if not text_file.is_file() and not json_file.is_file():
+    if not os.path.lexists(text_file) and not os.path.lexists(json_file):
         raise SkippedItem("no caption file", f"{image} has no {text_file.name} or "
                                              f"{json_file.name}")
-    caption_file = text_file if text_file.is_file() else json_file
+    caption_file = text_file if os.path.lexists(text_file) else json_file
+    within(root, caption_file)
     try:
-        text = caption_file.read_text(encoding="utf-8")
+        text = read_text(caption_file, "caption file")
         if caption_file is text_file:
-            captions = caption_list(text.splitlines())
+            captions = caption_list(text.splitlines(), str(caption_file))
         else:
             meta = json.loads(text)
             captions = caption_list(meta.get("captions", meta.get("caption"))
-                                    if isinstance(meta, dict) else None)
-    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+                                    if isinstance(meta, dict) else None, str(caption_file))
+    except (OSError, ValueError) as error:  # NotAFileError and UnicodeDecodeError: ValueErrors
         raise SkippedItem("unreadable caption file", f"{caption_file} ({error})") from error
     if not captions:
         raise SkippedItem("no captions", f"{caption_file} holds no caption"
@@ -289,8 +342,10 @@ class HFSource(ShardSource):
     as they are), a path or bytes; the caption column a string or a list of strings. A
     sample's ``image_id`` is the ``id_key`` column's value, and rows with the same value
     are one sample with the captions of all of them; without ``id_key`` every row is an
-    image, ``{split}-{row:07d}``. A row without an image, or without a caption, is
-    skipped and counted. Needs the ``hf`` extra (``pip install 'mmgoal[hf]'``).
+    image, ``{split}-{row:07d}``. A row without an image, without a caption or with a
+    null id, and an image file outside the dataset's folder, are skipped and counted; a
+    caption column that is not text, or an id column that is not one value a row, is
+    refused at once. Needs the ``hf`` extra (``pip install 'mmgoal[hf]'``).
 
     Args:
         dataset: the ``save_to_disk`` folder, or a hub id.
@@ -300,16 +355,19 @@ class HFSource(ShardSource):
         splits: which splits to convert (default: all of them), comma-separated.
         names: shard names of the dataset's splits (``"validation=val"``: the name the
             configs use).
+        allow_outside: also read image files the dataset names by path outside its folder
+            (for a hub id: outside the ``datasets`` cache).
         max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
         jpeg_quality: re-encode every image as JPEG at this quality.
     """
 
     def __init__(self, dataset: str, image_key: str = "image", caption_key: str = "caption",
                  id_key: str | None = None, splits: str | None = None,
-                 names: str = "validation=val", max_size: int | None = None,
-                 jpeg_quality: int | None = None) -> None:
+                 names: str = "validation=val", allow_outside: bool = False,
+                 max_size: int | None = None, jpeg_quality: int | None = None) -> None:
         require_extra("datasets", "mmgoal make-shards hf")
         self.dataset, self.image_key, self.caption_key = dataset, image_key, caption_key
+        self.allow_outside = allow_outside
         self.id_key, self.max_size, self.jpeg_quality = id_key, max_size, jpeg_quality
         loaded = self._load()
         wanted = splits.split(",") if splits else list(loaded)
@@ -328,6 +386,8 @@ class HFSource(ShardSource):
                 if key is not None and key not in columns:
                     raise ValueError(f"{dataset} split {split!r} has no column {key!r} "
                                      f"({option}); its columns are: {', '.join(columns)}")
+            check_column_kinds(loaded[split].features, caption_key, id_key,
+                               f"{dataset} split {split!r}")
         self._datasets = {name: self._readable(loaded[split])
                           for name, split in self.inputs.items()}
 
@@ -378,16 +438,25 @@ class HFSource(ShardSource):
         if self.id_key is None:
             return [(f"{split}-{row:07d}", [row]) for row in range(len(dataset))]
         rows: dict[Any, list[int]] = {}
+        unnamed = []  # a null id names no image: its row is refused, never joined to others
         for row, image_id in enumerate(dataset[self.id_key]):
-            rows.setdefault(image_id, []).append(row)
-        return list(rows.items())
+            if image_id is None:
+                unnamed.append((None, [row]))
+            else:
+                rows.setdefault(image_id, []).append(row)
+        return list(rows.items()) + unnamed
 
     def sample(self, split: str, item: tuple[str | int, list[int]]) -> dict:
         image_id, rows = item
         dataset = self._split(split)
         records = [dataset[row] for row in rows]
         where = f"{self.inputs[split]} row {rows[0]}"
-        captions = [text for record in records for text in caption_list(record[self.caption_key])]
+        if image_id is None:
+            raise SkippedItem("no image id", f"{self.dataset} {where}: its {self.id_key!r} "
+                                             f"(--id-key) is null")
+        captions = [text for row, record in zip(rows, records) for text in caption_list(
+            record[self.caption_key], f"{self.dataset} {self.inputs[split]} row {row} column "
+                                      f"{self.caption_key!r}")]
         if not captions:
             raise SkippedItem("no captions", f"{self.dataset} {where}")
         image = records[0][self.image_key]
@@ -397,5 +466,35 @@ class HFSource(ShardSource):
             name, data = (image, None) if isinstance(image, str) else (None, image)
         if name is None and data is None:
             raise SkippedItem("missing image", f"{self.dataset} {where} has no image")
-        member = image_member(Path(name or where), self.max_size, self.jpeg_quality, data)
+        root = None
+        if data is None and not self.allow_outside:  # a file the dataset names: in its folder
+            root = Path(self.dataset) if Path(self.dataset).is_dir() else Path(
+                importlib.import_module("datasets").config.HF_DATASETS_CACHE)
+        member = image_member(Path(name or where), self.max_size, self.jpeg_quality, data, root)
         return captioned_image(split, image_id, captions, member)
+
+
+def check_column_kinds(features: dict, caption_key: str, id_key: str | None,
+                       where: str) -> None:
+    """Refuse a caption column that is not text (a string, or a list of strings) and an id
+    column that is not a plain value: a mapping's field names are no captions, a list is
+    no image id.
+
+    Raises:
+        ValueError: naming the column, its kind and the option.
+    """
+    datasets = importlib.import_module("datasets")
+
+    def text(feature: Any) -> bool:
+        return isinstance(feature, datasets.Value) and feature.dtype in ("string",
+                                                                         "large_string")
+
+    caption = features[caption_key]
+    if not text(caption) and not text(getattr(caption, "feature", None)):
+        raise ValueError(f"{where}: the caption column {caption_key!r} (--caption-key) holds "
+                         f"{caption}, not text (a string or a list of strings); give the "
+                         f"column of the captions themselves")
+    if id_key is not None and not isinstance(features[id_key], datasets.Value):
+        raise ValueError(f"{where}: the id column {id_key!r} (--id-key) holds "
+                         f"{features[id_key]}, not one value per row (a number or a "
+                         f"string); give a column of image ids, or leave --id-key out")

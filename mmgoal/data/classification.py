@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
+from mmgoal.data.images import decode_image
 from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES
-from mmgoal.files import write_atomically, write_text
+from mmgoal.files import read_text, write_atomically, write_text
 
 if TYPE_CHECKING:
     from mmgoal.data.pipeline import SkipCounter
@@ -67,7 +68,9 @@ class ClassificationSet:
 
 
 def _lines(path: Path) -> list[str]:
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines()
+    """The non-blank lines of a set's list file (class names, prompts), bounded by
+    :data:`~mmgoal.files.MAX_LIST_BYTES`."""
+    return [line.strip() for line in read_text(path, "list file").splitlines()
             if line.strip()]
 
 
@@ -82,7 +85,7 @@ def read_classification_set(root: str | Path, split: str = "test") -> Classifica
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"zero-shot classification set {root}: no such folder")
-    templates = _lines(root / TEMPLATES) if (root / TEMPLATES).is_file() else list(
+    templates = _lines(root / TEMPLATES) if (root / TEMPLATES).exists() else list(
         DEFAULT_TEMPLATES)
     if not templates or any("{c}" not in t for t in templates):
         raise ValueError(f"{root / TEMPLATES}: every prompt must hold the class name as {{c}} "
@@ -99,7 +102,7 @@ def read_classification_set(root: str | Path, split: str = "test") -> Classifica
         raise FileNotFoundError(
             f"{root}: neither a WebDataset classification set ({split}/nshards.txt, "
             f"{CLASSNAMES}) nor an image folder (one sub-folder of images per class)")
-    names = (_lines(root / CLASSNAMES) if (root / CLASSNAMES).is_file()
+    names = (_lines(root / CLASSNAMES) if (root / CLASSNAMES).exists()
              else [c.replace("_", " ") for c in classes])
     if len(names) != len(classes):
         raise ValueError(f"{root / CLASSNAMES} names {len(names)} classes, the folder has "
@@ -132,11 +135,15 @@ def _listed_shards(folder: Path) -> list[str]:
 
 
 def _decoded(data: bytes | Path, where: str) -> Image.Image:
+    """An RGB image (:func:`~mmgoal.data.images.decode_image`: a regular file only, bounded).
+
+    Raises:
+        ValueError: naming ``where`` and why.
+    """
     try:
-        image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
-        return image.convert("RGB")
-    except Exception as error:  # PIL raises many types for broken files
-        raise ValueError(f"{where}: unreadable image ({error})") from error
+        return decode_image(data, where).convert("RGB")
+    except OSError as error:  # a file gone since the folder was listed
+        raise ValueError(f"{where}: {error.strerror or error}") from error
 
 
 def iter_labelled_images(cset: ClassificationSet, skipped: SkipCounter,

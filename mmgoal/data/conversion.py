@@ -7,8 +7,9 @@ writes each shard as one task (several in parallel with ``workers``), and next
 to it ``.{split}-{index:06d}.stats.json`` with what the shard holds and what was
 skipped and why. A shard is written to a temporary name and renamed when
 complete, and its stats after it; so a conversion killed at any moment and run
-again with ``resume`` redoes only the shards without stats, and the result is
-byte for byte that of an uninterrupted run. ``summary.json`` records the options
+again with ``resume`` redoes the shards that are not finished (a finished shard has stats
+and is there, whole, of the size they record: one cut short or deleted is written again),
+and the result is byte for byte that of an uninterrupted run. ``summary.json`` records the options
 of a conversion when it starts, and ``resume`` refuses other options (shards of
 two shard sizes would hold some items twice and miss others). Sample keys are
 made safe for WebDataset, which reads a member name up to its first dot as the
@@ -31,12 +32,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from tqdm import tqdm
 
+from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.tars import IMAGE_EXTENSIONS
-from mmgoal.files import write_text
+from mmgoal.files import (
+    MAX_IMAGE_BYTES,
+    NotAFileError,
+    OversizedFileError,
+    read_bytes,
+    read_text,
+    write_text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +82,8 @@ class ShardSource:
 
 
 def image_member(path: Path, max_size: int | None = None, jpeg_quality: int | None = None,
-                 data: bytes | None = None) -> tuple[str, bytes, int, int]:
+                 data: bytes | None = None, root: Path | None = None
+                 ) -> tuple[str, bytes, int, int]:
     """An image file as a sample member: (extension, bytes, width, height).
 
     The file is decoded whole to catch truncated images. Its bytes are kept as
@@ -86,23 +96,27 @@ def image_member(path: Path, max_size: int | None = None, jpeg_quality: int | No
         data: the file's bytes when they are not on disk (a Hugging Face dataset's
             image column); the extension then comes from the name or, without one,
             from the decoded format.
+        root: the folder of the source the file must lie in, links followed
+            (:func:`within`); ``None``: anywhere.
 
     Raises:
-        SkippedItem: the file is missing or unreadable.
+        SkippedItem: the file is missing, outside ``root``, not a regular file (a device,
+            a FIFO), too large or unreadable.
     """
     if data is None:
+        within(root, path)
         try:
-            data = path.read_bytes()
+            data = read_bytes(path, "image", MAX_IMAGE_BYTES)
+        except NotAFileError as error:
+            raise SkippedItem("not a regular file", str(error)) from error
+        except OversizedFileError as error:
+            raise SkippedItem("oversized image", str(error)) from error
         except OSError as error:
             raise SkippedItem("missing image", f"{path} ({error.strerror})") from error
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except UnidentifiedImageError as error:  # its message names the BytesIO, not the file
-        raise SkippedItem("unreadable image", f"{path} (not an image format PIL "
-                                              f"knows)") from error
-    except Exception as error:  # PIL raises many types for broken files
-        raise SkippedItem("unreadable image", f"{path} ({error})") from error
+        image = decode_image(data, str(path))
+    except ImageDecodeError as error:
+        raise SkippedItem("unreadable image", str(error)) from error
     width, height = image.size
     extension = (path.suffix.lstrip(".") or image.format or "").lower().replace("jpeg", "jpg")
     too_large = max_size is not None and max(width, height) > max_size
@@ -114,6 +128,24 @@ def image_member(path: Path, max_size: int | None = None, jpeg_quality: int | No
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=jpeg_quality or 95)
     return "jpg", buffer.getvalue(), image.size[0], image.size[1]
+
+
+def within(root: Path | None, path: Path) -> None:
+    """Refuse ``path`` where it leads outside the folder ``root`` (``..``, an absolute path,
+    a symbolic link to elsewhere): a converter copies no file from outside the source it was
+    given, since a list someone sends could otherwise pull your own files into shards you
+    later share. ``root`` ``None``: the user allowed it (``--allow-outside``).
+
+    Raises:
+        SkippedItem: outside ``root``.
+    """
+    if root is None or not os.path.exists(path):  # nothing there: the read says it is missing
+        return
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
+        raise SkippedItem("outside the source folder",
+                          f"{path} leads to {real}, outside {root} (--allow-outside takes "
+                          f"files from anywhere)")
 
 
 def safe_key(key: str) -> str:
@@ -164,17 +196,48 @@ def convert_shard(task: tuple[ShardSource, Path, str, int, Sequence[Any]]) -> di
                 sample = source.sample(split, item)
             except SkippedItem as error:
                 skipped[error.reason] += 1
-                if len(examples) < MAX_EXAMPLES:
-                    examples.append(str(error))
+                if len(examples) < MAX_EXAMPLES or skipped[error.reason] == 1:  # every reason
+                    examples.append(str(error))                            # is shown once
                 continue
             writer.write({**sample, "__key__": safe_key(str(sample["__key__"]))})
             samples += 1
             captions += len(json.loads(sample["json"]).get("captions", [])) \
                 if "json" in sample else 0
+    shard = shard_path(out_dir, split, index)
     stats = {"split": split, "index": index, "items": len(items), "samples": samples,
-             "captions": captions, "skipped": dict(skipped), "examples": examples}
+             "captions": captions, "skipped": dict(skipped), "examples": examples,
+             "bytes": shard.stat().st_size if samples else 0}
     path = stats_path(out_dir, split, index)
     write_text(path, json.dumps(stats))
+    return stats
+
+
+def shard_path(out_dir: Path, split: str, index: int) -> Path:
+    return out_dir / f"{split}-{index:06d}.tar"
+
+
+def finished_stats(out_dir: Path, split: str, index: int) -> dict | None:
+    """The stats of shard ``index`` of ``split`` where it is finished: its stats file is
+    there and readable, and the shard is there, a file of the size the stats record (an
+    empty shard: no file). None where it must be written again (killed before its stats, cut
+    short, deleted, or stats of an mmgoal that recorded no size); a shard that is there but
+    not as its stats say is logged."""
+    path, shard = stats_path(out_dir, split, index), shard_path(out_dir, split, index)
+    if not path.is_file():
+        return None
+    try:
+        stats = json.loads(read_text(path, "shard stats file"))
+    except ValueError as error:  # not JSON, or too large to be stats
+        logger.warning("%s cannot be read (%s): its shard is written again", path, error)
+        return None
+    size = stats.get("bytes") if isinstance(stats, dict) else None
+    present = shard.stat().st_size if shard.is_file() and not shard.is_symlink() else None
+    if not isinstance(size, int) or present != (size or None):
+        found = "missing" if present is None else f"{present:,} bytes"
+        logger.warning("%s is %s where its stats say %s: it is written again", shard, found,
+                       "no shard (no samples)" if size == 0 else f"{size:,} bytes"
+                       if isinstance(size, int) else "nothing of its size")
+        return None
     return stats
 
 
@@ -198,6 +261,13 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
         ValueError: ``resume`` with options other than those ``out_dir`` was started with.
     """
     out_dir = Path(out_dir)
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise FileNotFoundError(f"--out {out_dir} is a symbolic link to {os.readlink(out_dir)}, "
+                                f"which does not exist: create that folder, or give another "
+                                f"--out")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"--out {out_dir} is a file, not a folder: give a folder for the "
+                              f"shards")
     out_dir.mkdir(parents=True, exist_ok=True)
     options = json.loads(json.dumps({**(options or {}), "shard_size": shard_size}))
     if resume:
@@ -211,10 +281,10 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
              for split in source.splits()
              for index, items in enumerate(source.plan(split, shard_size))]
     done = {}
-    for _, _, split, index, _ in tasks:
-        path = stats_path(out_dir, split, index)
-        if resume and path.is_file():
-            done[(split, index)] = json.loads(path.read_text())
+    for _, _, split, index, _ in tasks if resume else ():
+        stats = finished_stats(out_dir, split, index)
+        if stats is not None:
+            done[(split, index)] = stats
     todo = [t for t in tasks if (t[2], t[3]) not in done]
     if done:
         logger.info("resuming: %d of %d shards already written", len(done), len(tasks))
@@ -235,8 +305,9 @@ def check_same_options(out_dir: Path, options: dict) -> None:
     ``summary.json`` records (a folder without them is not checked)."""
     path = out_dir / "summary.json"
     try:
-        recorded = json.loads(path.read_text()).get("options") if path.is_file() else None
-    except ValueError as error:
+        recorded = json.loads(read_text(path, "conversion summary")).get("options") \
+            if path.is_file() else None
+    except (ValueError, AttributeError) as error:
         raise ValueError(f"{path} is not valid JSON ({error}); it records the options "
                          f"--resume must match: delete it to resume unchecked") from error
     if recorded is None:
@@ -273,8 +344,20 @@ def summarise(results: list[dict]) -> dict:
         split["captions"] += stats["captions"]
         for reason, count in stats["skipped"].items():
             split["skipped"][reason] = split["skipped"].get(reason, 0) + count
-        split["examples"] = (split["examples"] + stats["examples"])[:MAX_EXAMPLES]
+        split["examples"] = first_examples(split["examples"] + stats["examples"])
     return summary
+
+
+def first_examples(examples: list[str]) -> list[str]:
+    """The first :data:`MAX_EXAMPLES` examples, and the first of every other reason (an
+    example is ``reason: detail``)."""
+    kept, reasons = [], set()
+    for example in examples:
+        reason = example.split(":", 1)[0]
+        if len(kept) < MAX_EXAMPLES or reason not in reasons:
+            kept.append(example)
+        reasons.add(reason)
+    return kept
 
 
 def format_summary(summary: dict) -> str:

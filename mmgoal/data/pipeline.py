@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 import webdataset as wds
-from PIL import Image
 
+from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.data.remote import (
     RETRIES,
     TIMEOUT,
@@ -370,10 +370,9 @@ def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
     image_ext = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
     if image_ext is not None:
         try:
-            image = Image.open(io.BytesIO(sample[image_ext]))
-            out["image"] = image.convert("RGB")
-        except Exception as error:  # PIL raises many types for broken files
-            raise CorruptSampleError(f"{where}: unreadable image ({error})") from error
+            out["image"] = decode_image(sample[image_ext], where).convert("RGB")
+        except ImageDecodeError as error:
+            raise CorruptSampleError(str(error)) from error
     elif "regions" not in out:
         raise CorruptSampleError(f"{where} has no image member ({', '.join(IMAGE_EXTENSIONS)}) "
                                  f"and no regions.npy")

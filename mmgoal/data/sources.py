@@ -66,10 +66,12 @@ class KarpathySource(ShardSource):
             ``caption_ids``, the COCO caption id of each caption (null where none of its
             image's annotations has its text), which the ECCV Caption, CxC and PM-COCO
             protocols need (:mod:`mmgoal.data.coco`).
+        allow_outside: also take images whose path leads outside ``image_root``.
     """
 
     def __init__(self, json: str, image_root: str, max_size: int | None = None,
-                 jpeg_quality: int | None = None, coco_captions: str | None = None) -> None:
+                 jpeg_quality: int | None = None, coco_captions: str | None = None,
+                 allow_outside: bool = False) -> None:
         path = Path(json)
         if not path.is_file():
             raise FileNotFoundError(f"Karpathy split file {path} does not exist")
@@ -82,6 +84,7 @@ class KarpathySource(ShardSource):
         if not self.image_root.is_dir():
             raise FileNotFoundError(f"image root {self.image_root} is not a folder")
         self.max_size, self.jpeg_quality = max_size, jpeg_quality
+        self.allow_outside = allow_outside
         self.by_split: dict[str, list[dict]] = {}
         first_split: dict = {}
         repeated = []
@@ -121,7 +124,9 @@ class KarpathySource(ShardSource):
         if not captions:
             raise SkippedItem("no captions", item["filename"])
         path = self.image_root / item.get("filepath", "") / item["filename"]
-        extension, data, width, height = image_member(path, self.max_size, self.jpeg_quality)
+        extension, data, width, height = image_member(
+            path, self.max_size, self.jpeg_quality,
+            root=None if self.allow_outside else self.image_root)
         meta = {"image_id": image_id, "captions": captions, "filename": item["filename"],
                 "split": split, "width": width, "height": height}
         if "imgid" in item:

@@ -64,7 +64,7 @@ def test_make_shards_help_lists_the_options_of_every_source():
     assert "precomputed: --data-dir [--splits]" in result.stdout
     assert ("csv: [--train] [--val] [--test] [--img-key] [--caption-key] [--separator] "
             "[--image-root]") in result.stdout
-    assert "folder: [--train] [--val] [--test] [--max-size]" in result.stdout
+    assert "folder: [--train] [--val] [--test] [--allow-outside] [--max-size]" in result.stdout
     assert "hf: --dataset [--image-key] [--caption-key] [--id-key] [--splits]" in result.stdout
 
 

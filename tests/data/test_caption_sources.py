@@ -117,21 +117,30 @@ def test_csv_rows_of_an_image_become_one_sample_with_their_captions(csv_files, t
     assert read_back(tmp_path / "out", "train") == {
         "images/a.png": ["a red square", "the same square, again"],
         "images/b.png": ["a green square"], "images/img.with.dots.png": ["dots in its name"]}
-    assert read_back(tmp_path / "out", "test") == {
-        "images/c.png": ["a blue square"], str(root.parent / "elsewhere.jpg"):
-            ["from another folder"]}
+    # an image outside --image-root (the CSV's folder) is skipped unless --allow-outside
+    assert read_back(tmp_path / "out", "test") == {"images/c.png": ["a blue square"]}
     assert summary["splits"]["train"]["skipped"] == {"unreadable image": 1, "missing image": 1,
                                                      "no image path": 1}
-    assert summary["splits"]["test"]["skipped"] == {}
-    assert f"unreadable image: {root / 'images' / 'corrupt.png'} (not an image format PIL " \
-           f"knows)" in summary["splits"]["train"]["examples"]
-    for sample in shard_samples(tmp_path / "out").values():  # the files' bytes, as they were
+    absolute = root.parent / "elsewhere.jpg"
+    assert summary["splits"]["test"]["skipped"] == {"outside the source folder": 1}
+    assert summary["splits"]["test"]["examples"] == [
+        f"outside the source folder: {root / absolute} leads to {absolute}, outside {root} "
+        f"(--allow-outside takes files from anywhere)"]
+    assert f"unreadable image: {root / 'images' / 'corrupt.png'}: unreadable image (not an " \
+           f"image format PIL knows)" in summary["splits"]["train"]["examples"]
+    source = SHARD_SOURCES.build({"type": "csv", "train": str(root / "train.csv"),
+                                  "test": str(root / "test.csv"), "allow_outside": True})
+    convert(source, tmp_path / "anywhere", shard_size=2, progress=False)
+    assert read_back(tmp_path / "anywhere", "test") == {
+        "images/c.png": ["a blue square"], str(absolute): ["from another folder"]}
+    for sample in shard_samples(tmp_path / "anywhere").values():  # the bytes as they were
         meta = json.loads(sample["json"])
         extension = "jpg" if meta["image_id"].endswith(".jpg") else "png"
         assert sample[extension] == files[meta["image_id"]]
         assert (meta["width"], meta["height"]) == Image.open(io.BytesIO(sample[extension])).size
     check_a_worker_converts_as_the_parent_does(source)
-    check_resume_redoes_only_unfinished_shards(source, tmp_path / "resumed", 2, tmp_path / "out")
+    check_resume_redoes_only_unfinished_shards(source, tmp_path / "resumed", 2,
+                                               tmp_path / "anywhere")
 
 
 def test_csv_columns_separator_and_image_root_are_options(csv_files, tmp_path):

@@ -2,6 +2,7 @@
 both layouts; the metrics against a hand-computed case; bad input."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -96,8 +97,9 @@ def test_an_image_folder_gives_the_webdataset_sets_metrics_and_skips_a_bad_image
     assert a == pytest.approx(b, abs=1e-9)
     bad = folder_set.files[0][0]
     bad.write_bytes(b"not a png")
+    os.mkfifo(bad.with_name("fifo.png"))  # never opened: it would wait for a writer for ever
     c = evaluate_zeroshot(loaded, read_classification_set(tmp_path / "folder"), progress=False)
-    assert c["zeroshot_images"] == 39 and c["zeroshot_skipped"] == 1
+    assert c["zeroshot_images"] == 39 and c["zeroshot_skipped"] == 2
 
 
 def test_bad_classification_sets_say_what_to_fix(tmp_path):
@@ -110,7 +112,14 @@ def test_bad_classification_sets_say_what_to_fix(tmp_path):
     (tmp_path / "s" / "zeroshot_classification_templates.txt").write_text("a photo\n")
     with pytest.raises(ValueError, match=r"every prompt must hold the class name as \{c\}"):
         read_classification_set(tmp_path / "s")
-    (tmp_path / "s" / "zeroshot_classification_templates.txt").write_text("a {c}\n")
+    for name in ("zeroshot_classification_templates.txt", "classnames.txt"):
+        with open(tmp_path / "s" / name, "r+b") as file:  # 3 GB, sparse: refused unread
+            file.truncate(3_000_000_000)
+        with pytest.raises(ValueError, match=rf"list file {tmp_path / 's' / name} holds "
+                                             rf"3,000,000,000 bytes, more than the 16,777,216 "
+                                             rf"mmgoal reads for a list file"):
+            read_classification_set(tmp_path / "s")
+        (tmp_path / "s" / name).write_text("a {c}\n" if "templates" in name else "a\nb\n")
     count = tmp_path / "s" / "test" / "nshards.txt"
     for text in ("1000000000000", "two", "0"):  # never a list of 10^12 names
         count.write_text(text)
