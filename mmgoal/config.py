@@ -38,6 +38,8 @@ from typing import Annotated, Any
 
 import yaml
 
+from mmgoal.files import OversizedFileError, read_text
+
 BASE_KEY = "_base_"
 # The configs shipped with the package (the repository's configs/ is a link to it); the
 # _base_ fragments under it are not configs of their own.
@@ -71,21 +73,35 @@ ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+01
 MAX_EXPANDED_VALUES = 100_000
 
 
-def _expanded_values(node: yaml.Node, seen: dict[int, int], limit: int) -> int:
+class _SelfContaining(ValueError):
+    """An alias inside the value its anchor names (``a: &x {b: *x}``)."""
+
+
+def _expanded_values(node: yaml.Node, seen: dict[int, int], limit: int,
+                     inside: set[int] | None = None) -> int:
     """How many values ``node`` stands for once every alias is copied out (stops counting
     past ``limit``); ``seen`` holds the nodes counted so far (an alias is the same node
-    object as its anchor)."""
+    object as its anchor), ``inside`` the nodes ``node`` lies in.
+
+    Raises:
+        _SelfContaining: an alias of a node met inside that node (a value holding itself
+            cannot be copied out: it has no end).
+    """
+    inside = set() if inside is None else inside
+    if id(node) in inside:
+        raise _SelfContaining(node.start_mark.line + 1)
     if id(node) in seen:
         return seen[id(node)]
-    seen[id(node)] = 1  # a recursive alias counts once
+    inside.add(id(node))
     total = 1
     children = node.value if isinstance(node, yaml.SequenceNode) else \
         [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) \
         else []
     for child in children:
-        total += _expanded_values(child, seen, limit)
+        total += _expanded_values(child, seen, limit, inside)
         if total > limit:
             break
+    inside.discard(id(node))
     seen[id(node)] = total
     return total
 
@@ -111,6 +127,10 @@ def read_yaml(text: str, where: str) -> Any:
                              f"which mmgoal refuses to build; write the repeated parts out, "
                              f"or share them through _base_ files")
         return loader.construct_document(node)
+    except _SelfContaining as error:
+        raise ValueError(f"{where}: the value anchored on line {error} holds an alias of "
+                         f"itself (a: &x {{b: *x}}), a value with no end that no config is; "
+                         f"write the inner value out") from None
     except RecursionError:
         raise ValueError(f"{where} nests its values too deeply to be a config") from None
     finally:
@@ -134,7 +154,7 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:
         ValueError: malformed YAML, a cycle of bases, or an override of a key
             that does not exist.
     """
-    cfg = _load_with_bases(Path(path), chain=())
+    cfg = _load_with_bases(Path(path), chain=(), loaded={})
     for override in overrides:
         apply_override(cfg, override)
     return cfg
@@ -191,32 +211,34 @@ MAX_CONFIG_BYTES = 1 << 20
 
 
 def read_config_text(path: Path, where: str = "") -> str:
-    """The text of the config file ``path``, refused unread past :data:`MAX_CONFIG_BYTES`.
+    """The text of the config file ``path``, refused unread past :data:`MAX_CONFIG_BYTES`
+    (:func:`mmgoal.files.read_text`: a device or FIFO is never opened).
 
     Raises:
-        ValueError: the file is larger, or is not UTF-8 text.
+        ValueError: the file is larger, not a regular file, or not UTF-8 text.
     """
-    with open(path, "rb") as stream:
-        data = stream.read(MAX_CONFIG_BYTES + 1)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ValueError(f"config {path}{where} is larger than {MAX_CONFIG_BYTES:,} bytes, "
-                         f"and a config is a few KB: it is not read (is it the right file?)")
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"config {path}{where} is not UTF-8 text ({error})") from None
+        return read_text(path, "config", MAX_CONFIG_BYTES)
+    except OversizedFileError:
+        raise ValueError(f"config {path}{where} is larger than {MAX_CONFIG_BYTES:,} bytes, and "
+                         f"a config is a few KB: it is not read (is it the right file?)") from None
 
 
-def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict:
+def _load_with_bases(path: Path, chain: tuple[Path, ...], loaded: dict[Path, dict]) -> dict:
+    """The file ``path`` merged over its bases; ``loaded`` keeps every file resolved so far,
+    so each file is read and merged once however many files name it (a chain whose every
+    file names one base twice would otherwise be read 2**depth times)."""
     path = path.resolve()
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ValueError(f"config _base_ files form a cycle: {cycle}")
+    if path in loaded:
+        return loaded[path]
     where = f" (a _base_ of {chain[-1]})" if chain else ""
     if path.is_dir():
         raise FileNotFoundError(f"config {path} is a folder, not a YAML file{where}; a run "
                                 f"folder's own config is {path / 'config.yaml'}")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"config file {path} does not exist{where}")
     try:
         data = read_yaml(read_config_text(path, where), f"config {path}") or {}
@@ -227,10 +249,18 @@ def _load_with_bases(path: Path, chain: tuple[Path, ...]) -> dict:
     bases = data.pop(BASE_KEY, [])
     if isinstance(bases, str):
         bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
+        raise ValueError(f"config {path}: _base_ must be a file name or a list of them, got "
+                         f"{bases!r}")
+    # a base named twice is merged once, at its last place: merging it again there
+    # changes nothing, as the later merge wins
+    resolved = [(path.parent / base).resolve() for base in bases]
     merged: dict = {}
-    for base in bases:
-        merged = merge_configs(merged, _load_with_bases(path.parent / base, (*chain, path)))
-    return strip_delete_keys(merge_configs(merged, data))
+    for index, base in enumerate(resolved):
+        if base not in resolved[index + 1:]:
+            merged = merge_configs(merged, _load_with_bases(base, (*chain, path), loaded))
+    loaded[path] = strip_delete_keys(merge_configs(merged, data))
+    return loaded[path]
 
 
 def merge_configs(base: Mapping, update: Mapping) -> dict:

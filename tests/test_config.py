@@ -168,3 +168,38 @@ def test_describe_changes_lists_each_change_then_how_many_more():
                                          "'SCAN'; seed: 0 -> 1")
     assert describe_changes(changes, 1) == "model.embed_dim: 16 -> 8 (and 2 more)"
     assert describe_changes(changes, 3) == describe_changes(changes)
+
+
+def test_each_base_is_read_and_merged_once_however_often_it_is_named(tmp_path, monkeypatch):
+    import mmgoal.config
+
+    write(tmp_path / "c0.yaml", "depth: 0\nkeep: {a: 1}\n")
+    for depth in range(1, 17):  # each names the one before twice: 2**16 reads before
+        write(tmp_path / f"c{depth}.yaml", f"_base_: [c{depth - 1}.yaml, c{depth - 1}.yaml]\n"
+                                           f"depth: {depth}\n")
+    reads = []
+    read = mmgoal.config.read_config_text
+    monkeypatch.setattr(mmgoal.config, "read_config_text",
+                        lambda path, where="": reads.append(path) or read(path, where))
+    assert load_config(tmp_path / "c16.yaml") == {"depth": 16, "keep": {"a": 1}}
+    assert len(reads) == len(set(reads)) == 17
+    # a base named twice is merged at its last place: as merging it twice would give
+    write(tmp_path / "a.yaml", "x: a\ny: a\n")
+    write(tmp_path / "b.yaml", "x: b\nz: b\n")
+    write(tmp_path / "aba.yaml", "_base_: [a.yaml, b.yaml, a.yaml]\n")
+    assert load_config(tmp_path / "aba.yaml") == {"x": "a", "y": "a", "z": "b"}
+    write(tmp_path / "bad.yaml", "_base_: {a: 1}\n")
+    with pytest.raises(ValueError, match=r"_base_ must be a file name or a list of them, got "
+                                         r"\{'a': 1\}"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_an_anchor_holding_its_own_alias_is_a_sentence(tmp_path):
+    path = write(tmp_path / "self.yaml", "model: {type: x}\ntrain: &a {epochs: 1, x: *a}\n")
+    with pytest.raises(ValueError, match=rf"^config {path}: the value anchored on line 2 holds "
+                                         rf"an alias of itself \(a: &x \{{b: \*x\}}\), a value "
+                                         rf"with no end"):
+        load_config(path)
+    write(tmp_path / "list.yaml", "a: &l [1, *l]\n")
+    with pytest.raises(ValueError, match="line 1 holds an alias of itself"):
+        load_config(tmp_path / "list.yaml")
