@@ -84,6 +84,13 @@ def test_an_export_never_imports_what_its_config_names(tiny_quickstart_run, tmp_
     evaluate = load_tool("eval")
     assert evaluate.main([str(export), "--device", "cpu"]) == 0
     assert not marker.exists()
+    # mmgoal export copies the weights without building the model: it says so all the same
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert load_tool("export").main([str(export), "--out", str(tmp_path / "re.pt")]) == 0
+    assert not marker.exists()
+    assert f"{export} lists custom_imports payload_module; they were not imported" in \
+        caplog.text
     # asked for, the modules are imported, and the log says which, from where
     with caplog.at_level(logging.INFO):
         mmgoal.load(export, device="cpu", trust_custom_imports=True)

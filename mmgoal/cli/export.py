@@ -39,8 +39,10 @@ refused.
 ``preprocess_cfg``) and ``open_clip_model.safetensors``, as open_clip's
 ``push_to_hf_hub`` lays them out. ``--format hf`` (``HFCLIP`` runs) writes a
 ``save_pretrained`` folder with the run's image processor and tokenizer. ``--out`` is
-then a new or empty folder, or an earlier export of that format. A model family with
-no outside format (VSE, SCAN, X-VLM) is an error that names the formats it has.
+then a new or empty folder, or an earlier export of that format, which mmgoal knows by the
+``.mmgoal-export.json`` it wrote there (its format and files): a file of the folder that the
+earlier export did not write is never replaced, and a folder without it is refused. A model
+family with no outside format (VSE, SCAN, X-VLM) is an error that names the formats it has.
 
 ``--push-to-hub NAMESPACE/NAME`` then uploads what the export wrote (the file, or the
 folder's files) to that Hugging Face hub model repository in a commit, at its root,
@@ -54,6 +56,8 @@ the hub) leaves the export written and says so.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -64,8 +68,8 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.config import first_line
-from mmgoal.files import staged_folder
-from mmgoal.runs.run_dir import EXPORT_FOLDERS, export_folder_format, weights_file
+from mmgoal.files import LinkedPathError, staged_folder, write_text
+from mmgoal.runs.run_dir import EXPORT_FOLDERS, EXPORT_MANIFEST, weights_file
 
 
 def is_export(out: Path) -> bool:
@@ -101,13 +105,17 @@ def export(source: Path, out: Path, which: str = "best_or_latest",
         save_safetensors,
     )
     from mmgoal.runs.loading import load_for_evaluation
+    from mmgoal.runs.schema import warn_not_imported
 
     check_out(out)
     path = weights_file(source, which)
     state = load_checkpoint(path)
     check_finite_weights(state["model"], f"checkpoint {path}")
     weights, config, merged = state["model"], state["config"], 0
-    if has_adapters(config) or wise_ft is not None:  # the model is built (its weights)
+    builds = has_adapters(config) or wise_ft is not None  # the model is built (its weights)
+    if not builds and (config or {}).get("custom_imports") and not trust_custom_imports:
+        warn_not_imported(list(config["custom_imports"]), str(path))  # as eval says it
+    if builds:
         loaded = load_for_evaluation(path, device="cpu",
                                      trust_custom_imports=trust_custom_imports)
         if wise_ft is not None:
@@ -125,21 +133,54 @@ def export(source: Path, out: Path, which: str = "best_or_latest",
                 "epoch": state.get("epoch"), "exported_from": str(path)}
     if wise_ft is not None:
         exported["wise_ft_alpha"] = wise_ft
-    (save_safetensors if out.suffix == ".safetensors" else save_checkpoint)(exported, out)
+    (save_safetensors if out.suffix == ".safetensors" else save_checkpoint)(exported, out,
+                                                                          AGAIN)
     return {"source": str(path), "tensors": len(weights),
             "parameters": sum(v.numel() for v in weights.values()), "merged": merged}
 
 
-def check_out_folder(out: Path, fmt: str) -> None:
+# What a failed export tells the user to do once the disk has room
+AGAIN = "run the export again"
+
+
+def check_out_folder(out: Path, fmt: str) -> set[str]:
     """Refuse an ``--out`` for a folder format that is a file, or a folder holding anything
-    but an earlier export of that format."""
+    but an earlier export of that format by mmgoal (its :data:`EXPORT_MANIFEST` says so).
+
+    Returns:
+        The files the earlier export wrote there (which the new one may replace).
+    """
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; --format {fmt} writes a folder: give a new "
                          f"folder name")
-    if out.is_dir() and any(out.iterdir()) and export_folder_format(out) != fmt:
-        raise ValueError(f"--out {out} is a folder holding other files, not an earlier "
-                         f"--format {fmt} export, so nothing is written into it; give a new "
-                         f"or empty folder")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return set()
+    manifest = earlier_export(out)
+    if manifest is None or manifest["format"] != fmt:
+        what = (f"an earlier --format {manifest['format']} export" if manifest else
+                f"files mmgoal did not write ({', '.join(held[:3])}"
+                f"{', ...' if len(held) > 3 else ''}), no earlier export of mmgoal's (it "
+                f"would hold {EXPORT_MANIFEST})")
+        raise ValueError(f"--out {out} is a folder holding {what}, so nothing is written into "
+                         f"it; give a new or empty folder")
+    return set(manifest["files"])
+
+
+def earlier_export(out: Path) -> dict | None:
+    """The manifest of the folder export mmgoal wrote at ``out``, or None: none, or one that
+    is not what mmgoal writes."""
+    from mmgoal.files import MAX_LIST_BYTES, read_text
+
+    try:
+        manifest = json.loads(read_text(out / EXPORT_MANIFEST, "export manifest",
+                                        MAX_LIST_BYTES))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") not in EXPORT_FOLDERS or \
+            not isinstance(manifest.get("files"), list):
+        return None
+    return manifest
 
 
 def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_latest",
@@ -152,9 +193,10 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
         ValueError: a bad ``out``, or a model family without that format.
     """
     from mmgoal.models.lora import has_adapters, merge_adapters
+    from mmgoal.runs.checkpoint import CheckpointWriteError
     from mmgoal.runs.loading import load_for_evaluation
 
-    check_out_folder(out, fmt)
+    ours = check_out_folder(out, fmt)
     path = weights_file(source, which)
     loaded = load_for_evaluation(path, device="cpu", trust_custom_imports=trust_custom_imports)
     merged = merge_adapters(loaded.model) if has_adapters(loaded.config) else 0
@@ -169,9 +211,28 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
 
         loaded.model.load_state_dict(WiseFT(loaded).weights(wise_ft))
     # the family's writer (a library's save_pretrained among them) writes into a new folder;
-    # its files then move into --out, never through a link there
-    with staged_folder(out) as staging:
-        written = loaded.model.export_to(fmt, staging, loaded.tokenizer, loaded.transform)
+    # its files then move into --out, never through a link there nor over a file mmgoal did
+    # not write
+    try:
+        with staged_folder(out) as staging:
+            written = loaded.model.export_to(fmt, staging, loaded.tokenizer, loaded.transform)
+            foreign = sorted(name for name in written if name not in ours and
+                             os.path.lexists(out / name))
+            if foreign:
+                raise ValueError(f"--out {out} holds {', '.join(foreign)}, which the earlier "
+                                 f"export did not write and this one would replace; nothing "
+                                 f"was written: move them away, or give a new folder")
+            write_text(staging / EXPORT_MANIFEST, json.dumps(
+                {"format": fmt, "files": written, "source": str(path)}, indent=2))
+    except (ValueError, LinkedPathError):
+        raise
+    except Exception as error:  # a full disk: the library's own error (SafetensorError...)
+        reason = getattr(error, "strerror", None) or first_line(error)
+        kept = "the earlier export there is intact" if ours else "nothing was written there"
+        raise CheckpointWriteError(f"could not write the {fmt} export into {out} ({reason}); "
+                                   f"{kept}: an export is written beside it and moved in only "
+                                   f"once complete. Free space (or fix the folder), then "
+                                   f"{AGAIN}") from error
     return {"source": str(path), "files": written, "merged": merged}
 
 

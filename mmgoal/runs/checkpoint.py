@@ -95,10 +95,15 @@ class CheckpointWriteError(RuntimeError):
     would have replaced is intact."""
 
 
-def _write_atomically(path: str | os.PathLike, write: Any) -> None:
+# What a failed checkpoint write tells the user to do once the space is there
+RESUME = "continue with --resume"
+
+
+def _write_atomically(path: str | os.PathLike, write: Any, then: str = RESUME) -> None:
     """``write(temporary_path)``, then renamed over ``path`` (:func:`mmgoal.files.write_atomically`:
     durable, with the umask's permissions, never through a link); the temporary files of
-    earlier writes a kill interrupted are removed first.
+    earlier writes a kill interrupted are removed first. ``then``: what to do once the
+    folder has room (``continue with --resume``; an export: run it again).
 
     Raises:
         CheckpointWriteError: the write failed (no space left...); ``path`` is untouched.
@@ -115,12 +120,13 @@ def _write_atomically(path: str | os.PathLike, write: Any) -> None:
         raise CheckpointWriteError(
             f"could not write {path} ({reason}); {kept}: a checkpoint is written to a "
             f"temporary file and renamed only once complete. Free space (or fix the folder), "
-            f"then continue with --resume") from error
+            f"then {then}") from error
 
 
-def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """Atomically write ``state`` (plus a format tag) to ``path``."""
-    _write_atomically(path, lambda tmp: torch.save({"format": FORMAT, **state}, tmp))
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, then: str = RESUME) -> None:
+    """Atomically write ``state`` (plus a format tag) to ``path`` (``then``: as
+    :func:`_write_atomically`)."""
+    _write_atomically(path, lambda tmp: torch.save({"format": FORMAT, **state}, tmp), then)
 
 
 def copy_checkpoint(source: str | os.PathLike, path: str | os.PathLike) -> None:
@@ -128,7 +134,7 @@ def copy_checkpoint(source: str | os.PathLike, path: str | os.PathLike) -> None:
     _write_atomically(path, lambda tmp: shutil.copyfile(source, tmp))
 
 
-def save_safetensors(state: dict[str, Any], path: str | os.PathLike) -> None:
+def save_safetensors(state: dict[str, Any], path: str | os.PathLike, then: str = RESUME) -> None:
     """Atomically write an exported model as safetensors: ``state["model"]`` as the
     tensors, every other entry (config, tokenizer, epoch...) JSON in the metadata,
     with the format version under ``format``.
@@ -152,7 +158,7 @@ def save_safetensors(state: dict[str, Any], path: str | os.PathLike) -> None:
     metadata = {"format": SAFETENSORS_FORMAT, "aliases": json.dumps(aliases)}
     metadata.update({key: strict_json.dumps(value) for key, value in state.items()
                      if key != "model"})
-    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), then)
 
 
 def _load_safetensors(path: Path) -> dict[str, Any]:

@@ -59,6 +59,10 @@ LOCK_FILE = ".mmgoal-run.lock"  # held by the process writing the run (run_lock)
 # reads the folder back (its export_folder_section)
 EXPORT_FOLDERS = {"open_clip": ("open_clip_config.json", "OpenCLIP"),
                   "hf": ("config.json", "HFCLIP")}
+# What mmgoal export writes beside a folder export's files: the format and the files it
+# wrote. A folder is an earlier export of mmgoal's (which a new export may write over) by
+# this file alone, never by a library's file name, which anyone's folder may hold.
+EXPORT_MANIFEST = ".mmgoal-export.json"
 # What a run writes in its folder; the loggers' files are theirs to name (a logger class's
 # written_files, mmgoal/engine/loggers.py), from the run's own config.
 RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "train.log", "report.json", CHANGES_FILE,

@@ -435,8 +435,7 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
         import_custom_modules(cfg["custom_imports"], beside=beside)
     elif cfg["custom_imports"]:
         not_imported = list(cfg["custom_imports"])
-        logger.warning("%s lists custom_imports %s; they were not imported (%s)", source,
-                       ", ".join(not_imported), TRUST_HINT)
+        warn_not_imported(not_imported, source)
     overrides = list(overrides)
     for override in overrides:
         apply_override(cfg, override, known_keys)
@@ -453,6 +452,12 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
                           f"section, e.g. --cfg-options '{section}={{type: NAME, option: "
                           f"value}}'") from None
     return cfg
+
+
+def warn_not_imported(modules: list[str], source: str) -> None:
+    """Say that ``source``'s config lists ``custom_imports`` that were not imported."""
+    logger.warning("%s lists custom_imports %s; they were not imported (%s)", source,
+                   ", ".join(modules), TRUST_HINT)
 
 
 TRUST_HINT = ("a received config or checkpoint could run code through them; if you trust it, "

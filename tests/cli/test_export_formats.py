@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import webdataset as wds
+from safetensors import SafetensorError
 from clip_runs import MODEL_KWARGS, tiny_run
 from hf_folders import tiny_hf_folder
 from script_modules import load_tool, run_command
@@ -73,6 +74,36 @@ def test_an_open_clip_export_embeds_through_open_clip_as_through_mmgoal(tiny_ben
     # an earlier export of the format is written over; any other folder is not
     assert export.main([str(run), "--format", "open_clip", "--out", str(folder)]) == 0
     assert export.main([str(run), "--format", "open_clip", "--out", str(run)]) == 2
+    # a folder of someone else's that holds open_clip's file names is not mmgoal's export:
+    # what mmgoal wrote there says which is (issue 55, case 6)
+    theirs_folder = tmp_path / "downloaded"
+    theirs_folder.mkdir()
+    for name in ("open_clip_config.json", "open_clip_model.safetensors"):
+        (theirs_folder / name).write_text(f"their {name}")
+    capsys.readouterr()
+    assert export.main([str(run), "--format", "open_clip", "--out", str(theirs_folder)]) == 2
+    assert (f"--out {theirs_folder} is a folder holding files mmgoal did not write "
+            f"(open_clip_config.json, open_clip_model.safetensors), no earlier export of "
+            f"mmgoal's") in capsys.readouterr().err
+    assert (theirs_folder / "open_clip_config.json").read_text() == \
+        "their open_clip_config.json"
+    # a full disk: a sentence that says what to do, the earlier export intact (case 9)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: "
+                              "StorageFull, message: \"No space left on device\" })")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("safetensors.torch.save_file", disk_full)
+        assert export.main([str(run), "--format", "open_clip", "--out", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: could not write the open_clip export into {folder} (Error while "
+            f"serializing") in err and err.rstrip().endswith(
+        "the earlier export there is intact: an export is written beside it and moved in only "
+        "once complete. Free space (or fix the folder), then run the export again")
+    assert "Traceback" not in err and "--resume" not in err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     # a link where the export would write (a received folder's) is refused, not followed,
     # and nothing of the export reaches the folder (issue 39, item 4)
     outside = tmp_path / "yours.json"
@@ -98,8 +129,10 @@ def test_an_export_folder_is_pushed_to_the_hub_file_for_file(tiny_benchmark, tmp
     folder = tmp_path / "clip_goal"
     assert load_tool("export").main([str(run), "--format", "open_clip", "--out",
                                      str(folder)]) == 0
-    exported = sorted(p.name for p in folder.iterdir())
+    exported = sorted(p.name for p in folder.iterdir() if p.name != ".mmgoal-export.json")
     assert "open_clip_config.json" in exported and "open_clip_model.safetensors" in exported
+    # what mmgoal wrote is what lets it write there again; it is not pushed
+    assert json.loads((folder / ".mmgoal-export.json").read_text())["files"] == exported
     (folder / "README.md").write_text("a note of yours beside an earlier export")
     with serving() as hub:
         hub.token = "hf_mmgoal_test_token"
@@ -225,8 +258,9 @@ def test_a_family_without_an_outside_format_says_which_it_has(tiny_quickstart_ru
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
     assert export.main([str(run), "--format", "hf", "--out", str(tmp_path / "taken")]) == 2
-    assert "is a folder holding other files, not an earlier --format hf export" in \
-        capsys.readouterr().err
+    assert (f"--out {tmp_path / 'taken'} is a folder holding files mmgoal did not write "
+            f"(notes.txt), no earlier export of mmgoal's (it would hold .mmgoal-export.json), "
+            f"so nothing is written into it") in capsys.readouterr().err
 
 
 def test_a_config_alone_is_evaluated_zero_shot_with_the_weights_it_names(tiny_benchmark,
