@@ -175,11 +175,12 @@ def open_unlinked(path: str | os.PathLike, flags: int, what: str) -> IO:
     return os.fdopen(descriptor, mode)
 
 
-def remove_stale_temporaries(path: Path) -> list[Path]:
+def remove_stale_temporaries(path: Path, name: str | None = None) -> list[Path]:
     """Delete the temporary files of earlier writes of ``path`` whose process is gone (a
-    SIGKILLed save leaves a full-size ``.<name>.tmp-<pid>``); return them."""
+    SIGKILLed save leaves a full-size ``.<name>.tmp-<pid>``); return them. ``name``: a glob
+    of the targets' names instead (``*``: of every file in ``path``'s folder)."""
     stale = []
-    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+    for tmp in path.parent.glob(f".{name or path.name}.tmp-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
             tmp.unlink(missing_ok=True)

@@ -242,6 +242,20 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return check_state(state, path)
 
 
+def checkpoint_progress(path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(epochs done, step)`` that the resumable checkpoint ``path`` holds, read from its
+    content without loading its tensors (a memory map); None where it cannot be read or
+    holds no progress."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # anything torch cannot read is no checkpoint of progress
+        return None
+    progress = (state.get("epoch"), state.get("step")) if isinstance(state, dict) else ()
+    if len(progress) != 2 or not all(isinstance(v, int) for v in progress):
+        return None
+    return progress
+
+
 def shape_mismatches(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> list[str]:
     """``name (checkpoint shape) vs (model shape)`` for each shared name whose shapes differ."""
     return [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in weights

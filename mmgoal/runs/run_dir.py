@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,8 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from mmgoal.config import config_changes, describe_changes, load_config
-from mmgoal.files import open_unlinked, refuse_link, write_text
+from mmgoal.files import open_unlinked, refuse_link, remove_stale_temporaries, write_text
 from mmgoal.registry import LOGGERS
+from mmgoal.runs.checkpoint import checkpoint_progress
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -109,13 +113,47 @@ def epoch_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def epoch_checkpoints_by_progress(directory: Path) -> list[tuple[tuple[int, int], Path]]:
+    """The epoch checkpoints of ``directory``, oldest first by the progress each holds
+    (``(epochs done, step)``, :func:`~mmgoal.runs.checkpoint.checkpoint_progress`), never by
+    its name: a copy of ``epoch_1.pt`` named ``epoch_7.pt`` is the end of epoch 1 (said in
+    the log; of two at the same progress, it is the older). A file whose progress cannot be
+    read counts by its name, with no step."""
+    ordered = []
+    for epoch, path in epoch_checkpoints(directory):
+        progress = checkpoint_progress(path)
+        if progress is None:
+            progress = (epoch + 1, -1)
+        elif progress[0] != epoch + 1:
+            logger.warning("%s holds the end of epoch %d (step %d), not of epoch %d as its name "
+                           "says: it counts as what it holds", path, progress[0] - 1,
+                           progress[1], epoch)
+        ordered.append((progress, progress[0] == epoch + 1, path))
+    return [(progress, path) for progress, _, path in sorted(ordered)]
+
+
 def prune_epoch_checkpoints(directory: Path, keep: int) -> list[Path]:
-    """Delete the epoch checkpoints of ``directory`` but the newest ``keep``; return them."""
-    kept = epoch_checkpoints(directory)
+    """Delete the epoch checkpoints of ``directory`` but the newest ``keep`` by progress
+    (:func:`epoch_checkpoints_by_progress`); return them."""
+    kept = epoch_checkpoints_by_progress(directory)
     older = [path for _, path in kept[:max(len(kept) - keep, 0)]]
     for path in older:
         path.unlink()
     return older
+
+
+def clear_unfinished_copies(directory: Path) -> list[Path]:
+    """Delete the temporary files that writes killed in ``directory`` (a run's
+    ``checkpoints/``) left, whatever they were writing (a ``train.keep_epochs`` copy is never
+    written again under its name); an epoch copy lost so is said in the log. Returns them."""
+    stale = remove_stale_temporaries(directory / "x", name="*")
+    for tmp in stale:
+        target = tmp.name[1:].rsplit(".tmp-", 1)[0]
+        if EPOCH_CHECKPOINT.fullmatch(target) and not (directory / target).exists():
+            logger.warning("train.keep_epochs: %s was being written when the run was stopped, "
+                           "so the end of that epoch is not kept (its unfinished copy, %s, is "
+                           "removed)", target, tmp.name)
+    return stale
 
 
 def has_checkpoint(directory: Path) -> bool:
@@ -150,7 +188,7 @@ def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path
         tag = read_pointer(checkpoints / DEEPSPEED / LATEST)
         candidates.append(checkpoints / DEEPSPEED / tag / DEEPSPEED_WEIGHTS if tag is not None
                           else checkpoints / LAST)
-        kept = epoch_checkpoints(checkpoints)
+        kept = epoch_checkpoints_by_progress(checkpoints)
         if tag is None and kept:
             candidates.append(kept[-1][1])
     for candidate in candidates:

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import webdataset as wds
-from safetensors import SafetensorError
 from clip_runs import MODEL_KWARGS, tiny_run
 from hf_folders import tiny_hf_folder
+from safetensors import SafetensorError
 from script_modules import load_tool, run_command
 
 import mmgoal

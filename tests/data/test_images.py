@@ -25,7 +25,8 @@ def test_an_image_past_the_pixel_bound_is_refused_where_pil_only_warns(monkeypat
                                                r"1,000 mmgoal decodes \(PIL\.Image\."
                                                r"MAX_IMAGE_PIXELS\)"):
         decode_image(png(40, 40), "big.png")
-    with pytest.raises(ImageDecodeError, match=r"^x: unreadable image \(not an image format PIL knows\)"):
+    with pytest.raises(ImageDecodeError, match=r"^x: unreadable image \(not an image format PIL "
+                                               r"knows\)"):
         decode_image(b"not an image", "x")
 
 

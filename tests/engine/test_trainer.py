@@ -1,6 +1,7 @@
 import json
 import math
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -231,8 +232,8 @@ def test_keep_epochs_keeps_the_last_epochs_and_resume_takes_the_newest_by_progre
         resumed = Trainer(longer, run, resume=True)
     assert (resumed.epoch, resumed.step) == (3, 6)
     assert same_weights(resumed.model.state_dict(), recorded.weights[2])
-    assert "epoch_2.pt (the end of epoch 2) is the newest checkpoint; last.pt is older " \
-           "(epoch 2, step 4)" in caplog.text
+    assert "epoch_2.pt (the end of epoch 2, step 6) is the newest checkpoint; last.pt is " \
+           "older (epoch 2, step 4)" in caplog.text
     # without last.pt, the newest epoch checkpoint continues the run
     (checkpoints / "last.pt").unlink()
     resumed = Trainer(longer, run, resume=True)
@@ -240,6 +241,28 @@ def test_keep_epochs_keeps_the_last_epochs_and_resume_takes_the_newest_by_progre
     report = resumed.fit()
     assert (report["epochs"], report["steps"]) == (4, 8)
     assert sorted(p.name for p in checkpoints.glob("epoch_?.pt")) == ["epoch_2.pt", "epoch_3.pt"]
+
+    # what a checkpoint holds is its progress, not its name: a copy of epoch_2.pt named
+    # epoch_9.pt neither rolls the run back nor outlives the real epoch checkpoints
+    shutil.copyfile(checkpoints / "epoch_2.pt", checkpoints / "epoch_9.pt")
+    # killed while copying last.pt to epoch_3.pt: its temporary file (of a dead process) is
+    # removed when the run resumes, and the lost copy said
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (checkpoints / "epoch_3.pt").rename(checkpoints / f".epoch_3.pt.tmp-{gone.pid}")
+    five = {**cfg, "train": {**cfg["train"], "epochs": 5}}
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        resumed = Trainer(five, run, resume=True)
+        assert (resumed.epoch, resumed.step) == (4, 8)
+        resumed.fit()
+    assert sorted(p.name for p in checkpoints.glob("epoch_?.pt")) == ["epoch_2.pt", "epoch_4.pt"]
+    assert not list(checkpoints.glob(".*.tmp-*"))
+    assert (f"{checkpoints / 'epoch_9.pt'} holds the end of epoch 2 (step 6), not of epoch 9 "
+            f"as its name says") in caplog.text
+    assert (f"train.keep_epochs: epoch_3.pt was being written when the run was stopped, so "
+            f"the end of that epoch is not kept (its unfinished copy, .epoch_3.pt.tmp-"
+            f"{gone.pid}, is removed)") in caplog.text
 
 
 def test_keep_epochs_is_refused_where_the_strategy_keeps_one_checkpoint(tiny_benchmark,

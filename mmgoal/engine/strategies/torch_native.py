@@ -28,8 +28,9 @@ from mmgoal.registry import STRATEGIES
 from mmgoal.runs.checkpoint import copy_checkpoint, load_checkpoint, save_checkpoint
 from mmgoal.runs.run_dir import (
     LAST,
+    clear_unfinished_copies,
     epoch_checkpoint_name,
-    epoch_checkpoints,
+    epoch_checkpoints_by_progress,
     prune_epoch_checkpoints,
 )
 
@@ -242,27 +243,31 @@ class TorchStrategy(Strategy):
 
     def keep_epoch(self, directory: Path, epoch: int, keep: int) -> None:
         if self.is_main:
+            clear_unfinished_copies(directory)
             copy_checkpoint(directory / LAST, directory / epoch_checkpoint_name(epoch))
             for path in prune_epoch_checkpoints(directory, keep):
                 logger.info("train.keep_epochs %d: deleted %s", keep, path.name)
         self.barrier()
 
     def read_state(self, directory: Path) -> dict:
-        """The newest checkpoint by training progress: ``last.pt``, or the newest
-        ``epoch_<E>.pt`` where last.pt is missing or older (whatever the files' times)."""
+        """The newest checkpoint by the training progress it holds: ``last.pt``, or the
+        newest ``epoch_<E>.pt`` where last.pt is missing or older (whatever the files' names
+        and times say)."""
         last = directory / LAST
-        kept = epoch_checkpoints(directory)
+        if self.is_main:
+            clear_unfinished_copies(directory)
+        kept = epoch_checkpoints_by_progress(directory)
         if not last.is_file() and not kept:
             raise FileNotFoundError(f"--resume: no checkpoint at {last}; start without --resume "
                                     f"or point --work-dir at the interrupted run")
         state = load_checkpoint(last) if last.is_file() else None
-        # epoch_<E>.pt is the end of epoch E, which counts E + 1 epochs done; a last.pt that
-        # counts as many was written then or since
-        if kept and (state is None or state["epoch"] <= kept[-1][0]):
-            epoch, path = kept[-1]
-            logger.info("--resume: %s (the end of epoch %d) is the newest checkpoint; %s",
-                        path.name, epoch, f"{LAST} is older (epoch {state['epoch']}, step "
-                        f"{state['step']})" if state is not None else f"there is no {LAST}")
+        # a last.pt at the same progress was written then or since
+        if kept and (state is None or (state["epoch"], state["step"]) < kept[-1][0]):
+            (epochs, step), path = kept[-1]
+            logger.info("--resume: %s (the end of epoch %d, step %d) is the newest checkpoint; "
+                        "%s", path.name, epochs - 1, step, f"{LAST} is older (epoch "
+                        f"{state['epoch']}, step {state['step']})" if state is not None
+                        else f"there is no {LAST}")
             state = load_checkpoint(path)
         return state
 
