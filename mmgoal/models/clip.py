@@ -375,8 +375,12 @@ class OpenCLIP(nn.Module):
             if quiet is not None:
                 logging.getLogger().addFilter(quiet)
             # weights_only by name: only architecture keys come from the config
+            # on the default device: the meta device, where a received config is first
+            # checked (mmgoal/runs/loading.py), allocates nothing
             self.model = open_clip.create_model(open_clip_source(model_name), pretrained=weights,
-                                                weights_only=True, **(model_kwargs or {}))
+                                                weights_only=True,
+                                                device=torch.get_default_device(),
+                                                **(model_kwargs or {}))
         except (TypeError, KeyError) as error:  # architecture keys of another model family
             raise ValueError(f"OpenCLIP {model_name} cannot be built with model_kwargs "
                              f"{sorted(model_kwargs or {})} ({type(error).__name__}: {error}); "

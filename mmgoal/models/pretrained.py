@@ -245,6 +245,7 @@ def load_hf_model(path: str, what: str) -> nn.Module:
     against its weights first (:func:`check_weights_fit`): transformers builds the model
     the config describes and allocates every tensor the file does not fill, so a
     config.json claiming a huge hidden size would take gigabytes before the load failed.
+    On the meta device: the model its config describes, without weights.
 
     Raises:
         ValueError: a config that does not describe the folder's weights; a file that
@@ -252,6 +253,10 @@ def load_hf_model(path: str, what: str) -> nn.Module:
     """
     from transformers import AutoConfig, AutoModel
 
+    if torch.get_default_device().type == "meta":  # a skeleton's shapes (runs/loading.py):
+        # the architecture its config describes, no weights read (transformers refuses
+        # from_pretrained there)
+        return AutoModel.from_config(from_pretrained(AutoConfig, path, what))
     folder = Path(resolve_path(path))
     files = hf_weights_files(folder) if folder.is_dir() else []
     listed = [weights_file_shapes(file) for file in files]

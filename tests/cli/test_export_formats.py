@@ -230,6 +230,29 @@ def test_a_lora_run_is_exported_merged_and_every_format_embeds_as_the_adapted_mo
         torch.testing.assert_close(theirs.encode_text(tokenize(CAPTIONS), normalize=True),
                                    expected[1], atol=1e-5, rtol=0)
     assert_embeds_as(mmgoal.load(folder, device="cpu"), images, *expected)
+    check_huge_adapters_are_refused_on_the_meta_device(run, tmp_path)
+
+
+def check_huge_adapters_are_refused_on_the_meta_device(run: Path, tmp_path: Path) -> None:
+    """A received copy of the LoRA run whose config claims rank 150,000 adapters (GBs) is
+    refused from the model built on the meta device, before any memory is taken."""
+    from mmgoal.runs import loading
+    from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
+
+    state = load_checkpoint(run / "checkpoints" / "best.pt")
+    model = {**state["config"]["model"], "peft": {**state["config"]["model"]["peft"],
+                                                  "r": 150_000}}
+    received = tmp_path / "received.pt"
+    save_checkpoint({**state, "config": {**state["config"], "model": model}}, received)
+    checked = []
+    with pytest.MonkeyPatch.context() as patch:
+        check = loading.check_same_model
+        patch.setattr(loading, "check_same_model", lambda built, *args: checked.append(
+            next(built.parameters()).device.type) or check(built, *args))
+        with pytest.raises(ValueError, match=r"does not fit the model this config builds "
+                                             r"\(.*shapes differ: .*lora_A"):
+            mmgoal.load(received, device="cpu")
+    assert checked == ["meta"]  # the adapters were never allocated
 
 
 def test_an_hf_lora_run_is_exported_merged_for_transformers(tiny_benchmark, tmp_path):
@@ -238,6 +261,7 @@ def test_an_hf_lora_run_is_exported_merged_for_transformers(tiny_benchmark, tmp_
     source = tiny_hf_folder(tmp_path / "base", "clip")
     run = tiny_run(out, {"type": "HFCLIP", "path": str(source), "peft": LORA}, {},
                    tmp_path / "run")
+    check_huge_adapters_are_refused_on_the_meta_device(run, tmp_path)
     folder = tmp_path / "hf_lora"
     assert load_tool("export").main([str(run), "--format", "hf", "--out", str(folder)]) == 0
     theirs = transformers.AutoModel.from_pretrained(folder).eval()
