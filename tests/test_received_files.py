@@ -406,3 +406,38 @@ def test_the_configs_sample_bound_reaches_the_evaluation(tiny_quickstart_run, tm
                           "--cfg-options", "data.max_sample_bytes=100"]) == 2
     assert "error: no readable sample in" in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()
+
+
+def relabel(path, tensor: str, dtype: str) -> None:
+    """Rewrite the safetensors header of ``path`` so that ``tensor`` says ``dtype`` (of the
+    same byte width: the file stays valid)."""
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header[tensor]["dtype"] = dtype
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(size)
+    assert len(text) == size
+    data[8:8 + size] = text
+    path.write_bytes(bytes(data))
+
+
+def test_a_tensor_relabelled_in_a_safetensors_header_is_refused(tiny_quickstart_run, tmp_path,
+                                                                caplog):
+    run, _ = tiny_quickstart_run
+    export = received_export(run, tmp_path)
+    relabel(export, "image_proj.weight", "I32")  # the same bytes, read as integers
+    with pytest.raises(ValueError, match=r"image_proj.weight is int32 where the model holds "
+                                         r"float32: its values would not be the weights it "
+                                         r"names"):
+        mmgoal.load(export, device="cpu")
+    # two floating types: converted, and said
+    state = load_checkpoint(run / "checkpoints" / "best.pt")
+    state["model"]["image_proj.weight"] = state["model"]["image_proj.weight"].double()
+    wide = tmp_path / "wide.safetensors"
+    save_safetensors({"model": state["model"], "tokenizer": state["tokenizer"],
+                      "config": state["config"], "epoch": 0, "exported_from": "x"}, wide)
+    with caplog.at_level(logging.WARNING):
+        loaded = mmgoal.load(wide, device="cpu")
+    assert "1 tensors are of another floating type than the model's (image_proj.weight is " \
+           "torch.float64, the model torch.float32); they are converted" in caplog.text
+    assert loaded.model.image_proj.weight.dtype == torch.float32

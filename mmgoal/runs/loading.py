@@ -150,6 +150,7 @@ def check_same_model(model: torch.nn.Module, state: dict[str, Any], model_cfg: d
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
     if not (mismatched or missing or unexpected):
+        check_same_dtypes(own, weights, source)
         return
     saved_cfg = (state.get("config") or {}).get("model")
     details = []
@@ -168,6 +169,33 @@ def check_same_model(model: torch.nn.Module, state: dict[str, Any], model_cfg: d
                        f"{summarise_keys(unexpected)}")
     raise ValueError(f"{source} does not fit the model this config builds ({'; '.join(details)});"
                      f" give the config it was trained with (its run's config.yaml)")
+
+
+def check_same_dtypes(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
+                      source: str) -> None:
+    """Refuse a tensor whose dtype is not its model tensor's, but for two floating dtypes
+    (float16 weights into a float32 model), which are converted with a warning: a float32
+    weight relabelled int32 in a safetensors header (the same bytes) would load as numbers
+    no training made.
+
+    Raises:
+        ValueError: naming the first tensors and their dtypes.
+    """
+    differing = [k for k in weights if k in own and weights[k].dtype != own[k].dtype]
+    refused = [f"{k} is {str(weights[k].dtype).removeprefix('torch.')} where the model holds "
+               f"{str(own[k].dtype).removeprefix('torch.')}" for k in differing
+               if not (weights[k].is_floating_point() and own[k].is_floating_point())]
+    if refused:
+        more = len(refused) - SHOWN_NAMES
+        raise ValueError(f"{source}: {'; '.join(refused[:SHOWN_NAMES])}"
+                         f"{f' (and {more} more)' if more > 0 else ''}: its values would "
+                         f"not be the weights it names (a header altered, "
+                         f"or a file written by something else); use the run's own checkpoint "
+                         f"or export it again")
+    if differing:
+        logger.warning("%s: %d tensors are of another floating type than the model's (%s is "
+                       "%s, the model %s); they are converted", source, len(differing),
+                       differing[0], weights[differing[0]].dtype, own[differing[0]].dtype)
 
 
 def model_from_checkpoint(cfg: dict, state: dict[str, Any], source: str = "the checkpoint",
