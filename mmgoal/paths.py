@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mmgoal.config import first_line
+from mmgoal.files import MAX_ANNOTATION_BYTES, read_bytes
 
 PACKAGE_SCHEME = "pkg://"
 
@@ -115,7 +116,7 @@ def unreadable_files(folder: str | Path) -> list[str]:
     for file in sorted(Path(folder).iterdir()):
         try:
             if file.suffix == ".json":
-                json.loads(file.read_bytes())
+                json.loads(read_bytes(file, "JSON file", MAX_ANNOTATION_BYTES))
             elif file.suffix == ".safetensors":
                 with safe_open(str(file), "pt"):
                     pass

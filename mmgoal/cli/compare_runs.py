@@ -29,7 +29,7 @@ from pathlib import Path
 
 from mmgoal.cli.arguments import tool_parser
 from mmgoal.config import load_config
-from mmgoal.files import write_text
+from mmgoal.files import MAX_ANNOTATION_BYTES, read_text, write_text
 
 SCORE_KEYS = ("positive_median", "negative_median", "lam")
 
@@ -46,7 +46,7 @@ def read_run(run: Path) -> dict:
     if not report_path.is_file():
         raise FileNotFoundError(f"{run} has no report.json: the run has not finished "
                                 f"(resume it, or leave it out of the glob)")
-    report = json.loads(report_path.read_text())
+    report = json.loads(read_text(report_path, "run report"))
     if "test" not in report:
         raise ValueError(f"{run}/report.json has no test metrics: the run had no data.test "
                          f"split (evaluate its checkpoint with mmgoal eval, or leave "
@@ -55,7 +55,7 @@ def read_run(run: Path) -> dict:
     last: dict[str, float] = {}
     metrics = run / "metrics.jsonl"
     if metrics.is_file():
-        for line in metrics.read_text().splitlines():
+        for line in read_text(metrics, "metrics log", MAX_ANNOTATION_BYTES).splitlines():
             record = json.loads(line) if line.strip() else {}
             if record.get("type") == "train":
                 last.update({k: record[k] for k in SCORE_KEYS if record.get(k) is not None})

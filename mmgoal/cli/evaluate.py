@@ -41,7 +41,7 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.extras import pyplot
-from mmgoal.files import save_figure, write_text
+from mmgoal.files import read_text, save_figure, write_text
 from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
 
 if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
@@ -181,7 +181,7 @@ def is_evaluation(out: Path) -> bool:
     if out.stat().st_size >= 2**24:
         return False
     try:
-        previous = json.loads(out.read_text())
+        previous = json.loads(read_text(out, "results file"))
     except (ValueError, UnicodeDecodeError):
         return False
     return isinstance(previous, dict) and {"split", "metrics"} <= set(previous)

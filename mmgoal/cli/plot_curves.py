@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mmgoal.cli.arguments import tool_parser
 from mmgoal.extras import pyplot
-from mmgoal.files import save_figure
+from mmgoal.files import MAX_ANNOTATION_BYTES, read_text, save_figure
 
 
 def read_curves(run: Path) -> dict[str, dict[str, list]]:
@@ -30,7 +30,8 @@ def read_curves(run: Path) -> dict[str, dict[str, list]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; give a run directory (its "
                                 f"--work-dir) or a metrics.jsonl file")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in read_text(path, "metrics log", MAX_ANNOTATION_BYTES)
+               .splitlines() if line.strip()]
     train = [r for r in records if r.get("type") == "train"]
     val = [r for r in records if r.get("type") == "val"]
     losses = sorted({k for r in train for k in r if k.endswith("_loss")})

@@ -38,7 +38,7 @@ from mmgoal.cli.arguments import (
 from mmgoal.data.remote import expand_shards
 from mmgoal.data.tars import IMAGE_EXTENSIONS
 from mmgoal.extras import pyplot
-from mmgoal.files import save_figure
+from mmgoal.files import read_text, save_figure
 
 if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
     from PIL import Image
@@ -166,7 +166,8 @@ def image_gallery(retriever: Retriever, shards: list[str], images: list[str],
 def read_texts(path: str) -> list[str]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"--texts {path} does not exist")
-    texts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    texts = [line.strip() for line in read_text(path, "texts file").splitlines()
+             if line.strip()]
     if not texts:
         raise ValueError(f"--texts {path} holds no caption (one per line)")
     return texts

@@ -44,7 +44,7 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.config import config_changes, describe_changes, parse_value
-from mmgoal.files import write_text
+from mmgoal.files import read_text, write_text
 from mmgoal.registry import OBJECTIVES
 from mmgoal.runs.run_dir import stored_config
 from mmgoal.runs.schema import check_data_paths, load_run_config, resolve_config
@@ -170,7 +170,7 @@ def finished_report(work_dir: Path, cfg: dict) -> dict | None:
         raise ValueError(f"{work_dir} holds a finished run of another config "
                          f"({describe_changes(differ, 5)}); its result is not reused for this "
                          f"one: give the sweep another --out, or remove that run folder")
-    return json.loads(report_path.read_text())
+    return json.loads(read_text(report_path, "run report"))
 
 
 def mean_std(values: list[float]) -> str:

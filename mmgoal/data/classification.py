@@ -33,7 +33,7 @@ from PIL import Image
 
 from mmgoal.data.images import decode_image
 from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES
-from mmgoal.files import read_text, write_atomically, write_text
+from mmgoal.files import open_regular, read_text, write_atomically, write_text
 
 if TYPE_CHECKING:
     from mmgoal.data.pipeline import SkipCounter
@@ -120,7 +120,7 @@ def _listed_shards(folder: Path) -> list[str]:
     must be there: a count from a file (anyone's) allocates no more names than the folder
     has shards. Absolute paths: a folder named ``pipe:...`` stays a folder."""
     listed = folder / "nshards.txt"
-    with open(listed, "rb") as file:
+    with open_regular(listed, "shard count file") as file:
         text = file.read(32).decode("ascii", errors="replace").strip()
     present = sum(1 for path in folder.iterdir() if path.suffix == ".tar")
     if not text.isdigit() or not 0 < int(text) <= present:

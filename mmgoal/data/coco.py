@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from mmgoal.files import MAX_ANNOTATION_BYTES, read_text
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,7 +54,8 @@ class CaptionIds:
                                         f"are annotations/captions_val2014.json (and _train2014) "
                                         f"of COCO's 2014 annotations")
             try:
-                annotations = json.loads(path.read_text())["annotations"]
+                annotations = json.loads(read_text(path, "COCO caption annotation file",
+                                                   MAX_ANNOTATION_BYTES))["annotations"]
                 for annotation in annotations:
                     self.by_image.setdefault(int(annotation["image_id"]), []).append(
                         (int(annotation["id"]), str(annotation["caption"])))

@@ -16,6 +16,8 @@ import re
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+from mmgoal.files import MAX_LIST_BYTES, read_bytes, read_text
+
 _PHRASE = re.compile(r"\[/EN#(\d+)/(\S+) ([^\]]*)\]")
 
 
@@ -53,7 +55,8 @@ def parse_sentence(line: str) -> tuple[str, list[dict]]:
 def parse_annotation(path: str | Path) -> dict:
     """An ``Annotations/<id>.xml`` -> ``{"width", "height", "boxes": {entity id: [xyxy]}}``."""
     try:
-        root = ElementTree.parse(path).getroot()
+        root = ElementTree.fromstring(read_bytes(path, "Flickr30K Entities annotation file",
+                                                 MAX_LIST_BYTES))
         size = root.find("size")
         width = int(size.findtext("width")) if size is not None else None
         height = int(size.findtext("height")) if size is not None else None
@@ -85,7 +88,7 @@ def read_image_entities(root: str | Path, image_id: str | int) -> dict | None:
         return None
     boxes = parse_annotation(annotation)
     captions, entities = [], []
-    for line in sentences.read_text().splitlines():
+    for line in read_text(sentences, "Flickr30K Entities sentence file").splitlines():
         if not line.strip():
             continue
         caption, phrases = parse_sentence(line)

@@ -45,6 +45,7 @@ from mmgoal.data.remote import (
     tar_samples,
 )
 from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES, ShardError
+from mmgoal.files import open_regular
 from mmgoal.registry import DATASETS, TEXT_AUGMENTS
 
 logger = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ def shard_keys(url: str) -> frozenset[str]:
 def _shard_keys(url: str, _mtime_ns: int, _size: int) -> frozenset[str]:
     keys: set[str] = set()
     try:
-        with tarfile.open(url) as archive:
+        with open_regular(url, "shard") as stream, tarfile.open(fileobj=stream) as archive:
             for member in archive:
                 if member.isfile():
                     keys.add(Path(member.name).name.split(".", 1)[0])
@@ -290,7 +291,7 @@ def _same_bytes(a: str, b: str) -> bool:
     """Whether files ``a`` and ``b`` (of one size) are the same file or hold the same bytes."""
     if Path(a).samefile(b):
         return True
-    with open(a, "rb") as first, open(b, "rb") as second:
+    with open_regular(a, "shard") as first, open_regular(b, "shard") as second:
         while True:
             chunk = first.read(CHUNK_BYTES)
             if chunk != second.read(CHUNK_BYTES):

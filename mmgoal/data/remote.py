@@ -46,6 +46,7 @@ from mmgoal.data.tars import (
     ShardError,
     tar_stream_samples,
 )
+from mmgoal.files import open_regular
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +387,7 @@ def open_shard(url: str, retries: int = RETRIES, timeout: float = TIMEOUT,
     if is_remote(url):
         return io.BufferedReader(ResilientStream(url, retries, timeout, min_rate=min_rate),
                                  buffer_size=CHUNK)
-    return open(url.removeprefix("file://"), "rb")
+    return open_regular(url.removeprefix("file://"), "shard")  # never a FIFO, a device
 
 
 def _opened_shards(sources: Iterable[dict], handler: Callable[[Exception], bool],

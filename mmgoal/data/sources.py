@@ -31,6 +31,7 @@ from mmgoal.data.conversion import (
 )
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
 from mmgoal.data.remote import expand_shards
+from mmgoal.files import MAX_ANNOTATION_BYTES, check_regular, open_regular, read_text
 from mmgoal.registry import SHARD_SOURCES
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ def karpathy_image_id(item: dict) -> int | str:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path, "annotation file", MAX_ANNOTATION_BYTES))
     except ValueError as error:
         raise ValueError(f"{path} is not valid JSON ({error})") from error
 
@@ -215,13 +216,15 @@ class PrecomputedSource(ShardSource):
     def _array(self, name: str) -> np.ndarray | None:
         if name not in self._arrays:
             path = self.data_dir / name
-            self._arrays[name] = np.load(path, mmap_mode="r") if path.is_file() else None
+            self._arrays[name] = np.load(path, mmap_mode="r") if path.exists() and \
+                check_regular(path, "feature file") else None
         return self._arrays[name]
 
     def _captions(self, split: str) -> list[str]:
         key = f"{split}_caps.txt"
         if key not in self._arrays:
-            self._arrays[key] = (self.data_dir / key).read_text().splitlines()
+            self._arrays[key] = read_text(self.data_dir / key, "caption file",
+                                          MAX_ANNOTATION_BYTES).splitlines()
         return self._arrays[key]
 
     def splits(self) -> list[str]:
@@ -271,7 +274,8 @@ class PrecomputedSource(ShardSource):
         key = f"{split}_ids.txt"
         if key not in self._arrays:
             path = self.data_dir / key
-            self._arrays[key] = path.read_text().split() if path.is_file() else None
+            self._arrays[key] = read_text(path, "id file", MAX_ANNOTATION_BYTES).split() \
+                if path.exists() else None
         return self._arrays[key]
 
 
@@ -312,7 +316,7 @@ class EntitiesSource(ShardSource):
             index = int(Path(url).stem.rsplit("-", 1)[1])
             while len(plans) < index:
                 plans.append([])
-            with tarfile.open(url) as archive:
+            with open_regular(url, "shard") as stream, tarfile.open(fileobj=stream) as archive:
                 keys = dict.fromkeys(Path(m.name).name.split(".", 1)[0]
                                      for m in archive if m.isfile())
             plans.append([(url, key) for key in keys])
@@ -337,7 +341,7 @@ class EntitiesSource(ShardSource):
         """Every member of ``url`` by sample key (one shard held at a time)."""
         if getattr(self, "_cached_url", None) != url:
             grouped: dict[str, dict[str, bytes]] = {}
-            with tarfile.open(url) as archive:
+            with open_regular(url, "shard") as stream, tarfile.open(fileobj=stream) as archive:
                 for member in archive:
                     if member.isfile():
                         key, ext = Path(member.name).name.split(".", 1)

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from mmgoal.extras import require_extra
-from mmgoal.files import write_text
+from mmgoal.files import read_text, write_text
 from mmgoal.registry import LOGGERS
 
 # Keys of a record that place it (the x axis, its kind) rather than measure anything.
@@ -206,7 +206,7 @@ class WandbLogger(Logger):
         id_file = Path(work_dir) / cls.ID_FILE
         if not id_file.is_file():
             return []
-        run_id = id_file.read_text().strip()
+        run_id = read_text(id_file, "run id file").strip()
         wandb_dir = Path(work_dir) / dir / "wandb"
         runs = sorted(wandb_dir.glob(f"*-{run_id}")) if run_id else []
         latest = wandb_dir / "latest-run"
@@ -223,7 +223,7 @@ class WandbLogger(Logger):
             self.run = wandb.init(
                 **{k: v for k, v in self.init_options.items() if v is not None},
                 dir=str(run_dir), config=config, resume="allow",
-                id=id_file.read_text().strip() if id_file.is_file() else None)
+                id=read_text(id_file, "run id file").strip() if id_file.is_file() else None)
         except wandb.errors.Error as error:  # no login, no network in online mode
             raise LoggerError(f"WandbLogger could not start a W&B run ({error}); log in with "
                               f"`wandb login`, or set mode: offline in its config and upload "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mmgoal import strict_json
 from mmgoal.engine.loggers import Logger
-from mmgoal.files import open_unlinked, write_text
+from mmgoal.files import MAX_ANNOTATION_BYTES, open_unlinked, read_text, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class MetricLog:
         ``step`` logs those steps again (a run killed after its last checkpoint)."""
         if not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines(keepends=True)
+        text = read_text(self.path, "metrics log", MAX_ANNOTATION_BYTES)
+        kept = [line for line in text.splitlines(keepends=True)
                 if json.loads(line).get("step", 0) <= step]
         write_text(self.path, "".join(kept))
 

@@ -69,7 +69,7 @@ from mmgoal.engine.strategies.base import Strategy
 from mmgoal.evaluation.gallery import EvaluationStopped, evaluate_retrieval
 from mmgoal.evaluation.retrieval import format_metrics
 from mmgoal.evaluation.zeroshot import evaluate_zeroshot
-from mmgoal.files import write_text
+from mmgoal.files import read_text, write_text
 from mmgoal.models.efficiency import compile_model
 from mmgoal.registry import (
     CONSTRAINTS,
@@ -493,7 +493,7 @@ class Trainer:
                            "%d)%s", self.epoch, self.config.train.epochs, self.epoch,
                            "; its report stands" if report_file.is_file() else "")
             if report_file.is_file():
-                return self.strategy.broadcast(json.loads(report_file.read_text())
+                return self.strategy.broadcast(json.loads(read_text(report_file, "run report"))
                                                if self.is_main else None)
         try:
             self.log.open(self.config.to_dict(), self.step)

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmgoal.files import MAX_ANNOTATION_BYTES, check_regular, read_text
 from mmgoal.runs.schema import PROTOCOLS, ScoringConfig, package_data_dir
 
 __all__ = ["PROTOCOLS", "protocol_metrics", "protocol_rankings", "load_reference"]
@@ -78,7 +79,8 @@ def _read_positives(i2t: Path, t2i: Path) -> dict[str, dict[int, list[int]]]:
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist (the positives of a COCO protocol)")
         out[direction] = {int(query): [int(item) for item in items]
-                          for query, items in json.loads(path.read_text()).items()}
+                          for query, items in json.loads(read_text(
+                              path, "ECCV Caption positives file", MAX_ANNOTATION_BYTES)).items()}
     return out
 
 
@@ -102,6 +104,7 @@ def load_reference(protocols: tuple[str, ...], pm_dir: str | None = None) -> Coc
         elif protocol in METRICS:
             positives[protocol] = _read_positives(data / f"{protocol}_image_to_caption.json",
                                                   data / f"{protocol}_caption_to_image.json")
+    check_regular(data / "coco_test_ids.npy", "ECCV Caption id file")
     captions = tuple(int(c) for c in np.load(data / "coco_test_ids.npy", allow_pickle=False))
     caption_image = {caption: images[0] for caption, images in original["t2i"].items()}
     return CocoReference(tuple(original["i2t"]), captions, caption_image, positives)

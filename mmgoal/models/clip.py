@@ -38,6 +38,7 @@ from PIL import Image
 from torch import nn
 
 from mmgoal.config import PositiveInt, close_match_hints, first_line
+from mmgoal.files import read_text
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.lora import LoRATargets, PeftSection
 from mmgoal.models.pretrained import check_weights_fit, load_hf_model, weights_file_shapes
@@ -148,7 +149,7 @@ def open_clip_folder_config(model_name: str) -> dict:
     else:
         path = Path(hub_file(location, OPEN_CLIP_CONFIG, f"OpenCLIP {model_name}"))
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_text(path, "open_clip model config"))
     except ValueError as error:
         raise ValueError(f"OpenCLIP {model_name}: {path} is not JSON ({error})") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_cfg"), dict):

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmgoal.files import MAX_LIST_BYTES, read_bytes
 from mmgoal.paths import from_pretrained, resolve_path
 from mmgoal.registry import CHECKPOINT_REMAPS
 
@@ -232,7 +233,8 @@ def hf_weights_files(folder: Path) -> list[Path]:
         index = folder / f"{name}.index.json"
         if index.is_file():
             try:
-                shards = set(json.loads(index.read_bytes())["weight_map"].values())
+                shards = set(json.loads(read_bytes(index, "weights index", MAX_LIST_BYTES))[
+                    "weight_map"].values())
             except (ValueError, KeyError, TypeError, AttributeError):
                 return []  # from_pretrained reads it next, and says what is wrong
             return [folder / shard for shard in sorted(shards)]

@@ -26,7 +26,7 @@ import torch
 
 from mmgoal import strict_json
 from mmgoal.config import config_changes, first_line
-from mmgoal.files import LinkedPathError, write_atomically
+from mmgoal.files import LinkedPathError, check_regular, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +223,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} is a folder, not a checkpoint file; give "
                                 f"a file such as {path / 'checkpoints' / 'best.pt'}")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    check_regular(path, "checkpoint")  # a FIFO or device: never opened
     if path.suffix in CONFIG_SUFFIXES:
         raise ValueError(f"{path} is a config, not a checkpoint: a tool that takes both wants "
                          f"[CONFIG] CHECKPOINT, the config first")

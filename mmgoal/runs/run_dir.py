@@ -41,7 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from mmgoal.config import config_changes, describe_changes, load_config
-from mmgoal.files import open_unlinked, refuse_link, remove_stale_temporaries, write_text
+from mmgoal.files import (
+    MAX_ANNOTATION_BYTES,
+    open_unlinked,
+    read_text,
+    refuse_link,
+    remove_stale_temporaries,
+    write_text,
+)
 from mmgoal.registry import LOGGERS
 from mmgoal.runs.checkpoint import checkpoint_progress
 
@@ -91,7 +98,7 @@ def write_pointer(path: Path, value: str) -> None:
 
 
 def read_pointer(path: Path) -> str | None:
-    return path.read_text().strip() if path.is_file() else None
+    return read_text(path, "pointer file").strip() if path.is_file() else None
 
 
 def epoch_checkpoint_name(epoch: int) -> str:
@@ -258,7 +265,7 @@ def run_lock(work_dir: str | os.PathLike, wait_seconds: float = 0.0) -> Iterator
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    holder = path.read_text().strip() or "another process"
+                    holder = read_text(path, "run lock").strip() or "another process"
                     waited = f" (waited {wait_seconds:g} s)" if wait_seconds else ""
                     raise RunFolderLocked(
                         f"--work-dir {work_dir} is in use by {holder}{waited}: two processes "
@@ -417,7 +424,8 @@ def read_changes(work_dir: str | os.PathLike) -> Iterable[dict]:
     path = Path(work_dir) / CHANGES_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_text(path, "run log", MAX_ANNOTATION_BYTES)
+            .splitlines() if line.strip()]
 
 
 def _set(cfg: dict, keys: list[str], value: Any) -> None:

@@ -38,6 +38,7 @@ from mmgoal.config import (
 from mmgoal.data.remote import expand_shards
 from mmgoal.data.tars import MAX_SAMPLE_BYTES
 from mmgoal.extras import require_extra
+from mmgoal.files import open_regular
 from mmgoal.registry import (
     ADAPTERS,
     CONSTRAINTS,
@@ -326,7 +327,7 @@ def check_test_shards(cfg: dict) -> None:
                  None)
     if first is None:  # remote shards: checked when the test split is read
         return
-    with tarfile.open(first) as archive:
+    with open_regular(first, "shard") as stream, tarfile.open(fileobj=stream) as archive:
         meta = next((json.load(archive.extractfile(m)) for m in archive
                      if m.isfile() and m.name.endswith(".json")), {})
     if meta.get("caption_ids") is None:

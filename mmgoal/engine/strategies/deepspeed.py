@@ -47,6 +47,7 @@ from mmgoal.distributed import launched_world_size, process_group_backend, rng_s
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import Strategy, cpu_float_state, prune_except
 from mmgoal.extras import require_extra
+from mmgoal.files import read_text
 from mmgoal.registry import STRATEGIES
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 from mmgoal.runs.run_dir import DEEPSPEED, DEEPSPEED_WEIGHTS, LATEST, read_pointer, write_pointer
@@ -193,7 +194,7 @@ def read_deepspeed_json(config: str | dict | None) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"DeepSpeed config {path} does not exist")
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path, "DeepSpeed config"))
     except ValueError as error:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON ({error})") from error
 
