@@ -50,7 +50,6 @@ from mmgoal.files import (
     write_text,
 )
 from mmgoal.registry import LOGGERS
-from mmgoal.runs.checkpoint import checkpoint_progress
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +125,8 @@ def epoch_checkpoints_by_progress(directory: Path) -> list[tuple[tuple[int, int]
     its name: a copy of ``epoch_1.pt`` named ``epoch_7.pt`` is the end of epoch 1 (said in
     the log; of two at the same progress, it is the older). A file whose progress cannot be
     read counts by its name, with no step."""
+    from mmgoal.runs.checkpoint import checkpoint_progress  # torch: not for a tool's --help
+
     ordered = []
     for epoch, path in epoch_checkpoints(directory):
         progress = checkpoint_progress(path)
