@@ -183,9 +183,11 @@ def test_bad_input_is_explained(test_split, tmp_path, capsys):
         (["--texts", str(tmp_path / "nowhere.txt"), "--image", str(tmp_path / "scene.png")],
          f"error: --texts {tmp_path / 'nowhere.txt'} does not exist"),
         (["--images", str(tmp_path / "broken"), *query],
-         f"error: image {tmp_path / 'broken' / 'b.png'} cannot be read as an image"),
+         f"error: image {tmp_path / 'broken' / 'b.png'}: unreadable image (not an image "
+         f"format PIL knows)"),
         (["--images", shards, "--image", str(tmp_path / "broken" / "b.png"), "--device", "cpu"],
-         f"error: image {tmp_path / 'broken' / 'b.png'} cannot be read as an image"),
+         f"error: image {tmp_path / 'broken' / 'b.png'}: unreadable image (not an image "
+         f"format PIL knows)"),
         (["--images", str(tmp_path / "nocaptions-000000.tar"), "--image",
           str(tmp_path / "scene.png"), "--device", "cpu"],
          "error: the shards hold no captions for --image to rank"),
