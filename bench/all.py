@@ -23,10 +23,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # the front door, data pipeline, trainer, the race against open_clip's trainer, distributed
-# ITM, the feature gather, local scoring, gradient caching, evaluation encoding, evaluation
-# on 2 ranks, objectives, their memory in blocks, SCAN scoring, the COCO protocols
-SCRIPTS = ("startup", "data", "trainer", "clip_train", "itm", "gather", "local_scoring",
-           "grad_cache", "eval", "eval_ranks", "objectives", "objective_memory", "scan_eval",
+# ITM, the feature gather, the objectives on score tiles (one process and ranks), gradient
+# caching, evaluation encoding, evaluation on 2 ranks, GOAL's combinations, SCAN scoring,
+# the COCO protocols
+SCRIPTS = ("startup", "data", "trainer", "clip_train", "itm", "gather", "tiles",
+           "grad_cache", "eval", "eval_ranks", "objectives", "scan_eval",
            "protocols")
 RATIO = re.compile(r"(ratio|overhead).*\d", re.IGNORECASE)  # not a table's header
 

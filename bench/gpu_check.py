@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -324,68 +325,65 @@ def goal_rows(device: torch.device, dry_run: bool) -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------- local scoring, caching
-LOCAL_OBJECTIVES = {"InfoNCELoss": {"type": "InfoNCELoss"},
+# ------------------------------------------------------- score tiles, caching
+TILED_OBJECTIVES = {"InfoNCELoss": {"type": "InfoNCELoss"},
+                    "SigLIPLoss": {"type": "SigLIPLoss"},
                     "TripletLoss": {"type": "TripletLoss"},
                     "GoalObjective cir x sig_ms": {"type": "GoalObjective", "triplet": "cir",
-                                          "pair": "sig_ms"}}
+                                                   "pair": "sig_ms"}}
 
 
-def share_steps(base: torch.Tensor, world: int, objective) -> dict[str, Callable[[], None]]:
-    """Forward + backward of ``objective`` on the whole scores ``base`` (``replicated``) and
-    on one rank's share of them (``local``: its rows and columns, as a
-    :class:`~mmgoal.structures.ScoreShare` whose columns and O(n) gathers stay on this
-    device: the collectives are not measured, the arithmetic and memory are)."""
-    from mmgoal.objectives.mining import positives_from_groups
-    from mmgoal.structures import ScoreShare
+def clip_loss_step(images: torch.Tensor, texts: torch.Tensor) -> None:
+    """open_clip's ``ClipLoss`` as it computes (the two logit matrices, cross-entropy both
+    ways), forward and backward: the baseline the tiles are measured against."""
+    logits = images @ texts.T / 0.07
+    labels = torch.arange(len(images), device=images.device)
+    ((F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2).backward()
 
-    n = len(base)
-    share = n // world
-    ids = torch.arange(n, device=base.device)
 
-    def backward(out: dict) -> None:
+def tiled_step(objective, images: torch.Tensor, texts: torch.Tensor) -> Callable[[], None]:
+    """Forward + backward of ``objective`` on the score tiles of ``images`` and ``texts``."""
+    from mmgoal.scoring import DotScorer, ScoreTiles
+
+    def step() -> None:
+        tiles = ScoreTiles(DotScorer(images, texts), len(images), len(texts),
+                           torch.arange(len(images), device=images.device))
+        out = objective(ObjectiveInputs(None, tiles=tiles))
         sum(v for k, v in out.items() if k.endswith("_loss")).backward()
-
-    def replicated() -> None:
-        backward(objective(ObjectiveInputs(base.clone().requires_grad_())))
-
-    def local() -> None:
-        own = base[:share].clone().requires_grad_()
-        columns = base[:, :share].clone().requires_grad_()
-        backward(objective(ObjectiveInputs(None, share=ScoreShare(
-            own, positives_from_groups(ids[:share], ids),
-            positives_from_groups(ids, ids[:share]), n, n, lambda: columns))))
-
-    return {"replicated": replicated, "local": local}
+    return step
 
 
-def local_scoring_rows(device: torch.device, dry_run: bool) -> list[dict]:
-    """One rank's objective work at a global batch ``n`` on ``world`` ranks, replicated (the
-    whole ``n x n`` matrix) against local (its ``n / world`` rows and columns)."""
-    plan = [(64, 4)] if dry_run else [(16384, 8), (32768, 8), (32768, 32)]
-    repeats = 1 if dry_run else 5
+def tiled_rows(device: torch.device, dry_run: bool) -> list[dict]:
+    """Forward + backward of objectives on the score tiles of n ViT-B/16-sized embeddings
+    (d 512) in one process, n = 64k and 256k, where the score matrix alone would be 16 and
+    256 GiB; open_clip's ``ClipLoss`` beside them where it fits. Peak memory is above the
+    embeddings and their gradients."""
+    sizes, repeats = ([256], 1) if dry_run else ([65536, 262144], 2)
     rows = []
-    for n, world in plan:
+    for n in sizes:
         torch.manual_seed(0)
-        base = (F.normalize(torch.randn(n, 256, device=device), dim=-1)
-                @ F.normalize(torch.randn(n, 256, device=device), dim=-1).T)
-        for name, cfg in LOCAL_OBJECTIVES.items():
-            results = {}
-            for mode, step in share_steps(base, world, OBJECTIVES.build(cfg).to(device)).items():
-                reset_peak(device)
-                held = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" \
-                    else 0.0  # the scores themselves: not the objective's
+        images = F.normalize(torch.randn(n, 512, device=device), dim=-1).requires_grad_()
+        texts = F.normalize(torch.randn(n, 512, device=device), dim=-1).requires_grad_()
+        steps = {name: tiled_step(OBJECTIVES.build(cfg).to(device), images, texts)
+                 for name, cfg in TILED_OBJECTIVES.items()}
+        steps["ClipLoss (open_clip's formula)"] = functools.partial(clip_loss_step, images,
+                                                                    texts)
+        for name, step in steps.items():
+            images.grad = texts.grad = None
+            reset_peak(device)
+            held = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+            try:
                 seconds = timed(step, device, repeats)
-                peak = peak_gib(device)
-                results[mode] = (seconds, None if peak is None else peak - held)
-            (whole, whole_peak), (part, part_peak) = results["replicated"], results["local"]
-            rows.append({"objective": name, "n": n, "world": world,
-                         "replicated_ms": whole * 1e3, "local_ms": part * 1e3,
-                         "time_ratio": part / whole, "replicated_gib": whole_peak,
-                         "local_gib": part_peak,
-                         "memory_ratio": part_peak / whole_peak if whole_peak else None})
-            print(f"  {name} n={n} {world} ranks: local/replicated time "
-                  f"{part / whole:.2f}", flush=True)
+            except torch.OutOfMemoryError:
+                rows.append({"objective": name, "n": n, "ms": None, "peak_gib": None,
+                             "note": "out of memory"})
+                print(f"  {name} n={n}: out of memory", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            peak = peak_gib(device)
+            rows.append({"objective": name, "n": n, "ms": seconds * 1e3,
+                         "peak_gib": None if peak is None else peak - held, "note": ""})
+            print(f"  {name} n={n}: {seconds * 1e3:.0f} ms", flush=True)
     return rows
 
 
@@ -538,16 +536,13 @@ def report(info: dict, tests: dict | None, training: list[dict], trainer: list[d
          ("time ratio", "time_ratio", 2), ("peak memory ratio", "memory_ratio", 2)], goal)
     if local:
         lines += section(
-            "Local scoring: one rank's objective",
-            "Forward + backward of the objective on one rank's share of a global batch of n "
-            "(docs/distributed.md, \"Local scoring\"): `replicated`, the whole n x n "
-            "matrix; `local`, the rank's n / world rows and columns (the all-to-all and the "
-            "O(n) gathers are not measured here); median of 5; peak memory above the scores "
-            "held before.",
-            [("objective", "objective", None), ("n", "n", None), ("ranks", "world", None),
-             ("replicated ms", "replicated_ms", 1), ("local ms", "local_ms", 1),
-             ("time ratio", "time_ratio", 2), ("replicated GiB", "replicated_gib", 2),
-             ("local GiB", "local_gib", 2), ("memory ratio", "memory_ratio", 2)], local)
+            "Score tiles on one GPU",
+            "Forward + backward of each objective on the score tiles of n embeddings (d "
+            "512, ViT-B/16's), one process (docs/objectives.md, \"Score tiles\"), beside "
+            "open_clip's `ClipLoss` formula on the same embeddings; median of 2; peak "
+            "memory above the embeddings.",
+            [("objective", "objective", None), ("n", "n", None), ("ms", "ms", 0),
+             ("peak GiB", "peak_gib", 2), ("", "note", None)], local)
     if cache:
         lines += section(
             "Gradient caching",
@@ -606,8 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     scan = scan_rows(device, args.dry_run)
     print("GOAL objectives ...", flush=True)
     goal = goal_rows(device, args.dry_run)
-    print("local scoring ...", flush=True)
-    local = local_scoring_rows(device, args.dry_run)
+    print("score tiles ...", flush=True)
+    local = tiled_rows(device, args.dry_run)
     print("gradient caching ...", flush=True)
     cache = grad_cache_rows(device, args.dry_run)
     print("gallery encoding ...", flush=True)

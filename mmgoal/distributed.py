@@ -129,50 +129,6 @@ class _AllGather(torch.autograd.Function):
         return mine
 
 
-class _ExchangeColumns(torch.autograd.Function):
-    """``rows`` (B, world * B) of every rank -> this rank's columns (world * B, B): the
-    blocks ``rows_s[:, rank's columns]`` of every rank ``s``, in one all-to-all; the
-    backward sends each block's gradient back to the rank whose rows it came from."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor) -> torch.Tensor:
-        world = world_info()[1]
-        batch = rows.shape[0]
-        blocks = rows.reshape(batch, world, batch).transpose(0, 1).contiguous()
-        received = torch.empty_like(blocks)
-        dist.all_to_all_single(received, blocks)  # received[s] = rows_s[:, my columns]
-        return received.reshape(world * batch, batch)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        world = world_info()[1]
-        batch = grad.shape[1]
-        blocks = grad.reshape(world, batch, batch).contiguous()
-        returned = torch.empty_like(blocks)
-        dist.all_to_all_single(returned, blocks)  # returned[t] = my rows' block of t's columns
-        return returned.transpose(0, 1).reshape(batch, world * batch)
-
-
-def exchange_columns(rows: torch.Tensor) -> torch.Tensor:
-    """This rank's columns of the global score matrix from every rank's rows (local
-    scoring), the global batch in rank order, ``B`` image-text pairs a rank.
-
-    Args:
-        rows: (B, world * B) this rank's images against every text.
-
-    Returns:
-        (world * B, B): every image against this rank's texts; the gradient flows back to
-        the ranks whose rows the scores are. One process: ``rows`` itself.
-    """
-    world = world_info()[1]
-    if world == 1:
-        return rows
-    if rows.shape[1] != world * rows.shape[0]:
-        raise ValueError(f"local scoring exchanges square blocks: a rank's rows are (B, world "
-                         f"x B), got {tuple(rows.shape)} on {world} ranks")
-    return _ExchangeColumns.apply(rows)
-
-
 def _shapes(tensors: Sequence[torch.Tensor]) -> list[list[torch.Size]]:
     """Every rank's shapes of ``tensors`` (the same number, of the same ranks, on every
     rank), in one collective: ``shapes[rank][i]``."""
@@ -453,3 +409,32 @@ def _tensor_fields(value: Any) -> dict[str, torch.Tensor | None]:
         raise TypeError(f"cannot gather {type(value).__name__}; give a tensor or a dataclass "
                         f"of tensors (ImageFeatures, TextFeatures)")
     return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+
+
+def global_losses(outputs: dict[str, torch.Tensor], world: int, parts_are_means: bool = False,
+                  statistics: bool = False) -> dict[str, torch.Tensor]:
+    """A rank's part of each ``*_loss`` made the global loss: its value the sum of every
+    rank's part (one all-reduce of them all), its gradient ``world`` times the part's, so
+    that the data-parallel average of the ranks' gradients is the global loss's gradient.
+
+    Args:
+        parts_are_means: each part is a mean over the rank's share (an attention
+            constraint's ``reduction: mean``; equal shares): the value is the mean of the
+            parts, the gradient the part's own.
+        statistics: also average the other scalar outputs over the ranks (in the same
+            all-reduce); an objective on score tiles makes its statistics global itself.
+    """
+    keys = [key for key, value in outputs.items() if key.endswith("_loss")
+            or (statistics and value.numel() == 1)]
+    if not keys:
+        return outputs
+    totals = torch.stack([outputs[key].detach().to(torch.float64).reshape(()) for key in keys])
+    dist.all_reduce(totals)
+    for key, total in zip(keys, totals):
+        value = outputs[key]
+        if key.endswith("_loss") and not parts_are_means:
+            value = value * world
+        else:
+            total = total / world
+        outputs[key] = value + (total.to(value.dtype) - value).detach()
+    return outputs

@@ -8,12 +8,14 @@ and slices them; they live below all of them so that none imports another for th
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mmgoal.scoring import ScoreTiles
 
 
 @dataclass
@@ -70,100 +72,29 @@ class Attention:
     lambda_softmax: float
 
 
-def _as_is(values: torch.Tensor) -> torch.Tensor:
-    """One process's gather and total: the share is the whole batch."""
-    return values
-
-
-@dataclass
-class ScoreShare:
-    """A share of a batch's score matrix ``S`` (n_img, n_txt) for an objective that works
-    on rows (docs/distributed.md, "Local scoring"): with several ranks, this rank's images
-    against every text of the global batch, and every image against this rank's texts; in
-    one process, the whole matrix both ways (:meth:`whole`).
-
-    An objective that works on rows computes its image-anchored terms from ``rows`` and its
-    text-anchored terms from ``columns`` (:meth:`directions`), and returns this share's
-    part of the global loss: the parts of every rank sum to the one-process loss.
-
-    Attributes:
-        rows: (n_rows, n_txt) the rows of ``S`` of this rank's images.
-        row_positives: (n_rows, n_txt) bool; column_positives: (n_img, n_cols) bool.
-        positive_count: the matching pairs of the whole batch.
-        n_images: the images of the whole batch.
-        fetch_columns: gives ``columns`` (a collective with several ranks: an objective
-            asks for them on every rank or on none); ``columns`` is fetched once.
-        gather: (k,) values of this share -> those of every share, in rank order, on
-            every rank (no gradient; a collective with several ranks): what an objective
-            needs of the whole batch in O(n), such as every positive pair's score.
-        total: a tensor of this share -> its sum over every share (likewise).
-        offset: the position in the batch of this share's first image (and text): its
-            rows are images ``offset, offset + 1, ...``, its columns texts alike.
-    """
-
-    rows: torch.Tensor
-    row_positives: torch.Tensor
-    column_positives: torch.Tensor
-    positive_count: int
-    n_images: int
-    fetch_columns: Callable[[], torch.Tensor]
-    gather: Callable[[torch.Tensor], torch.Tensor] = _as_is
-    total: Callable[[torch.Tensor], torch.Tensor] = _as_is
-    offset: int = 0
-
-    @classmethod
-    def whole(cls, scores: torch.Tensor, positives: torch.Tensor) -> ScoreShare:
-        """All of ``scores`` (n_img, n_txt) and ``positives``: one process's share."""
-        # count_nonzero reads the mask as it is (a sum would convert it to int64 first)
-        count = int(torch.count_nonzero(positives))
-        return cls(scores, positives, positives, count, scores.shape[0], lambda: scores)
-
-    @functools.cached_property
-    def columns(self) -> torch.Tensor:
-        """(n_img, n_cols) the columns of ``S`` of this rank's texts (fetched when first
-        asked for: an objective on the image rows alone, SigLIP's, never holds them), with
-        a gradient back to their rows whenever the rows have one, even when first asked
-        for under ``torch.no_grad`` (by a mining step)."""
-        with torch.set_grad_enabled(self.rows.requires_grad):
-            return self.fetch_columns()
-
-    @property
-    def one_matrix(self) -> bool:
-        """The columns are the rows' own tensor (one process's whole matrix): both
-        directions read, and write their gradient into, one tensor."""
-        return self.columns is self.rows
-
-    @property
-    def n_texts(self) -> int:
-        return self.rows.shape[1]
-
-    def directions(self) -> tuple[tuple[str, torch.Tensor, torch.Tensor], ...]:
-        """``(direction, scores, positives)`` with anchors along dimension 0: ``i2t`` (this
-        share's image rows against every text) and ``t2i`` (this share's text columns
-        against every image, transposed)."""
-        return (("i2t", self.rows, self.row_positives),
-                ("t2i", self.columns.T, self.column_positives.T))
-
-
 @dataclass
 class ObjectiveInputs:
     """What an objective receives for one batch (``TrainingStep`` fills it in).
 
-    Objectives on scores alone read ``scores`` and ``positives``; per-pair
-    objectives (ITM, MLM, box grounding) read the model, the features and the
-    batch as well.
+    An objective that works on tiles (``works_on_tiles``, every registered one) reads
+    ``tiles``: the batch's scores as tiles, never the whole matrix (docs/reference/
+    objectives.md, "Score tiles"); a plug-in written against a whole matrix reads
+    ``scores`` and ``positives``. Per-pair objectives (ITM, MLM, box grounding) read the
+    model, the features and the batch as well.
 
     Attributes:
         scores: (n_img, n_txt) the model's similarities of the batch (with several
-            processes: of the global batch, gathered from every rank).
+            processes: of the global batch, gathered from every rank), for an objective
+            that does not work on tiles; None otherwise.
         positives: (n_img, n_txt) bool, the matching pairs; ``None``: the diagonal.
         image_features, text_features: the features that were scored.
         local_image_features, local_text_features: this rank's own features.
         batch: this rank's collated batch.
         model: the model being trained (its heads: ``match_logits``, ``mlm_logits``, ...).
         generator: for random draws (ITM's negatives, MLM's masks); ``None``: torch's.
-        share: under local scoring (several ranks, an objective that works on rows), this
-            rank's :class:`ScoreShare`; ``scores`` and ``positives`` are then None.
+        tiles: the batch's scores as :class:`~mmgoal.scoring.ScoreTiles` (this rank's
+            images against every text under local scoring); ``scores`` and ``positives``
+            are then None.
     """
 
     scores: torch.Tensor | None
@@ -175,7 +106,7 @@ class ObjectiveInputs:
     batch: dict | None = None
     model: Any = None
     generator: torch.Generator | None = None
-    share: ScoreShare | None = None
+    tiles: ScoreTiles | None = None
 
 
 @dataclass(frozen=True)

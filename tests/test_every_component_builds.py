@@ -63,7 +63,7 @@ EXAMPLES = {
                    "NTXentHardLoss": {"tau": 5.0}, "BinomialDevianceLoss": {"beta": 20.0},
                    "CircleLoss": {"margin": 0.3}, "MultiSimilarityLoss": {"eps": 0.2},
                    "InfoNCELoss": {"temperature": 0.05},
-                   "SigLIPLoss": {"init_bias": -5.0, "block_rows": 3},
+                   "SigLIPLoss": {"init_bias": -5.0},
                    "ITMLoss": {"weight": 0.5, "temperature": 0.1},
                    "ObjectiveSum": {"terms": [{"type": "InfoNCELoss"}, {"type": "ITMLoss"}]},
                    # need a [MASK] tokenizer, the batch and heads: test_pretraining.py

@@ -30,10 +30,10 @@ def test_the_dry_run_fills_every_row_of_the_report(tmp_path):
     assert re.search(r"\| cpu \| fp32 \| 64 \| \d+ \|", text)  # the whole trainer
     # gallery encoding at 0 and 2 workers against the bare loop
     assert len(re.findall(r"\| cpu \| [02] \| 64 \| [\d,]+ \| [\d,]+ \| \d", text)) == 2
-    # one rank's share against the whole matrix, and the cached step against plain ones
-    local = text.split("## Local scoring", 1)[1].split("## ", 1)[0]
-    objectives = r"(InfoNCELoss|TripletLoss|GoalObjective cir x sig_ms)"
-    assert len(re.findall(rf"\| {objectives} \| 64 \| 4 \| \d", local)) == 3
+    # the tiled objectives beside open_clip's formula, and the cached step against plain ones
+    tiled = text.split("## Score tiles on one GPU", 1)[1].split("## ", 1)[0]
+    objectives = r"(InfoNCELoss|SigLIPLoss|TripletLoss|GoalObjective cir x sig_ms|ClipLoss)"
+    assert len(re.findall(rf"\| {objectives}[^|]* \| 256 \| \d", tiled)) == 5
     cache = text.split("## Gradient caching", 1)[1].split("## ", 1)[0]
     assert re.search(r"\| plain \| 4 \| \d", cache) and re.search(r"\| plain \| 16 \| \d", cache)
     assert re.search(r"\| grad_cache_chunk: 4 \| 16 \| \d", cache)

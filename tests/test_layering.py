@@ -57,7 +57,7 @@ def layer_of(module: str) -> str:
         return top
     if top in CORE:
         return "core"
-    if top in ("structures", "contract"):
+    if top in ("structures", "contract", "scoring"):
         return "structures"
     if top in ("data", "models", "objectives", "runs", "evaluation", "engine", "api", "cli"):
         return top

@@ -8,26 +8,23 @@ attention constraints are its children, and its ``forward`` returns the losses.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mmgoal.distributed import (
-    exchange_columns,
     gather_features,
     gather_groups,
-    gather_varying_length,
+    global_losses,
     rng_state,
     set_rng_state,
-    sum_over_ranks,
     world_info,
 )
 from mmgoal.objectives.mining import positives_from_groups
-from mmgoal.structures import ObjectiveInputs, ScoreShare, cat_features
+from mmgoal.scoring import ScoreTiles, scorer_for
+from mmgoal.structures import ObjectiveInputs, cat_features
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +32,15 @@ logger = logging.getLogger(__name__)
 class TrainingStep(nn.Module):
     """Model + objective + constraints; ``forward(batch)`` gives the batch's losses.
 
-    With several processes the objective sees the global batch. Under ``local`` scoring
-    (docs/distributed.md, "Local scoring") a rank scores only its images against every
-    text; the columns of its texts come from the other ranks' rows (one all-to-all), and
-    an objective that works on rows (``works_on_rows``) computes its part of the global
-    loss from that :class:`~mmgoal.structures.ScoreShare`: the score matrix and the
-    objective's work are divided by the number of ranks. An objective that does not, and
-    ``replicated`` scoring, score the whole global matrix on every rank.
+    With several processes the objective sees the global batch. An objective that works on
+    score tiles (``works_on_tiles``: every registered one) reads the batch's scores as
+    :class:`~mmgoal.scoring.ScoreTiles`, never the whole matrix; under ``local`` scoring
+    (docs/distributed.md, "Local scoring") a rank streams only its images against every
+    text and computes its part of the global loss, the columns' statistics combined over
+    the ranks (O(n) numbers): the objective's memory and work are divided by the number of
+    ranks. An objective that does not work on tiles (a plug-in written against the whole
+    matrix) gets the whole global score matrix on every rank; so does every objective
+    under ``replicated`` scoring (each rank then computes all the tiles).
 
     Args:
         model: encodes images and texts and scores them (the model contract).
@@ -53,11 +52,14 @@ class TrainingStep(nn.Module):
         grad_cache_chunk: ``train.grad_cache_chunk``: encode a batch this many pairs at a
             time, caching the features' gradients (:meth:`cache_gradients`, docs/
             distributed.md "Gradient caching"); ``None``: the whole batch with its graph.
+        tile_rows, tile_cols: ``train.tile_rows``/``tile_cols``, the score tiles' shape
+            (``None``: the scorer's default, :mod:`mmgoal.scoring`).
     """
 
     def __init__(self, model: nn.Module, objective: nn.Module,
                  constraints: list[nn.Module] | None = None, gather: bool = True,
-                 scoring: str = "local", grad_cache_chunk: int | None = None) -> None:
+                 scoring: str = "local", grad_cache_chunk: int | None = None,
+                 tile_rows: int | None = None, tile_cols: int | None = None) -> None:
         super().__init__()
         self.model = model
         self.objective = objective
@@ -65,7 +67,8 @@ class TrainingStep(nn.Module):
         self.gather = gather
         self.scoring = scoring
         self.grad_cache_chunk = grad_cache_chunk
-        self._said_replicated: set[str] = set()  # objectives whose replicated scoring was said
+        self.tile = (tile_rows, tile_cols)
+        self._said_whole: set[str] = set()  # objectives whose whole matrix was said
 
     def encode(self, batch: dict) -> tuple:
         """The batch's image and text features (the towers' work)."""
@@ -97,23 +100,29 @@ class TrainingStep(nn.Module):
                         local_image_features=image_features,
                         local_text_features=text_features, batch=batch, model=self.model)
         rank, world = world_info()
-        if self.gather and world > 1:
+        gathered = self.gather and world > 1
+        if gathered:
             all_images = gather_features(image_features)
             all_texts = gather_features(text_features)
             groups = gather_groups(batch["image_ids"], device=groups.device)
             features.update(image_features=all_images, text_features=all_texts)
-        local = self.gather and world > 1 and self.scoring == "local"
-        if local and getattr(objective, "works_on_rows", False):
-            outputs = global_losses(objective(ObjectiveInputs(
-                None, share=local_share(self.model, image_features, text_features, all_images,
-                                        all_texts, groups, rank),
-                **features)), world)
+        if getattr(objective, "works_on_tiles", False):
+            sharded = gathered and self.scoring == "local"
+            own = slice(rank * len(batch["image_groups"]),
+                        (rank + 1) * len(batch["image_groups"])) if sharded else None
+            tiles = ScoreTiles(scorer_for(self.model, all_images, all_texts),
+                               len(groups), len(groups), groups, rows=own, own_texts=own,
+                               tile_rows=self.tile[0], tile_cols=self.tile[1])
+            outputs = objective(ObjectiveInputs(None, tiles=tiles, **features))
+            if sharded:
+                outputs = global_losses(outputs, world)
         else:
-            if local and type(objective).__name__ not in self._said_replicated:
-                self._said_replicated.add(type(objective).__name__)
-                logger.info("train.scoring local: %s works on the whole score matrix, so "
-                            "every rank scores the global batch (docs/distributed.md, "
-                            "'Local scoring')", type(objective).__name__)
+            name = type(objective).__name__
+            if name not in self._said_whole:
+                self._said_whole.add(name)
+                logger.info("%s works on the whole score matrix (it declares no "
+                            "works_on_tiles): the %d x %d scores of the batch are built on "
+                            "every rank (docs/plugins.md)", name, len(groups), len(groups))
             # Per-pair objectives (MLM, box grounding) take this rank's own pairs.
             outputs = objective(ObjectiveInputs(
                 self.model.similarity(all_images, all_texts), positives_from_groups(groups),
@@ -267,58 +276,3 @@ def refuse_batch_norm(model: nn.Module) -> None:
                          f"their running statistics twice a step; put them in eval mode "
                          f"(frozen statistics), use a model with LayerNorm or GroupNorm, or "
                          f"leave grad_cache_chunk unset")
-
-
-def local_share(model: nn.Module, images, texts, all_images, all_texts, groups: torch.Tensor,
-                rank: int) -> ScoreShare:
-    """This rank's :class:`~mmgoal.structures.ScoreShare` of the global batch: its
-    ``images`` against ``all_texts`` (the rows) and ``all_images`` against its ``texts``
-    (the columns, computed when an objective asks), their positives from the global
-    batch's image ``groups``.
-
-    The columns of a model that scores pooled features (a dual encoder, CLIP) are one more
-    ``n x B`` product of the gathered images with the rank's texts, as open_clip's local
-    loss computes them; those of a model whose scoring is the costly part (cross
-    attention: ``similarity_uses_tokens``) come from the other ranks' rows, which already
-    hold them, by one all-to-all of ``B x B`` blocks (:func:`exchange_columns`)."""
-    rows = model.similarity(images, all_texts)
-    batch = rows.shape[0]
-    mine = groups[rank * batch:(rank + 1) * batch]
-    counts = torch.unique(groups, return_counts=True)[1]
-    if getattr(model, "similarity_uses_tokens", False):
-        columns = functools.partial(exchange_columns, rows)
-    else:
-        columns = functools.partial(model.similarity, all_images, texts)
-    return ScoreShare(rows, positives_from_groups(mine, groups),
-                      positives_from_groups(groups, mine), int(counts.pow(2).sum()),
-                      len(groups), columns, gather_varying_length, sum_over_ranks,
-                      rank * batch)
-
-
-def global_losses(outputs: dict[str, torch.Tensor], world: int, parts_are_means: bool = False,
-                  statistics: bool = False) -> dict[str, torch.Tensor]:
-    """A rank's part of each ``*_loss`` made the global loss: its value the sum of every
-    rank's part (one all-reduce of them all), its gradient ``world`` times the part's, so
-    that the data-parallel average of the ranks' gradients is the global loss's gradient.
-
-    Args:
-        parts_are_means: each part is a mean over the rank's share (an attention
-            constraint's ``reduction: mean``; equal shares): the value is the mean of the
-            parts, the gradient the part's own.
-        statistics: also average the other scalar outputs over the ranks (in the same
-            all-reduce); an objective on rows makes its statistics global itself.
-    """
-    keys = [key for key, value in outputs.items() if key.endswith("_loss")
-            or (statistics and value.numel() == 1)]
-    if not keys:
-        return outputs
-    totals = torch.stack([outputs[key].detach().to(torch.float64).reshape(()) for key in keys])
-    dist.all_reduce(totals)
-    for key, total in zip(keys, totals):
-        value = outputs[key]
-        if key.endswith("_loss") and not parts_are_means:
-            value = value * world
-        else:
-            total = total / world
-        outputs[key] = value + (total.to(value.dtype) - value).detach()
-    return outputs

@@ -309,7 +309,9 @@ class Trainer:
                              f"grad_cache_chunk (docs/distributed.md, 'Gradient caching')")
         return TrainingStep(model, objective, constraints,
                             gather=self.config.train.gather_features,
-                            scoring=self.config.train.scoring, grad_cache_chunk=chunk)
+                            scoring=self.config.train.scoring, grad_cache_chunk=chunk,
+                            tile_rows=self.config.train.tile_rows,
+                            tile_cols=self.config.train.tile_cols)
 
     def _log_setup(self) -> None:
         lr = ("from the DeepSpeed scheduler" if self.strategy.owns_schedule else

@@ -470,6 +470,9 @@ class OpenCLIP(nn.Module):
         """``batch["tokens"]`` (B, context_length) -> (B, embed_dim) unit vectors."""
         return TextFeatures(self.model.encode_text(batch["tokens"], normalize=True))
 
+    # similarity is the embeddings' dot product: score tiles are products (mmgoal/scoring.py)
+    dot_product_scores = True
+
     def similarity(self, image_features: ImageFeatures,
                    text_features: TextFeatures) -> torch.Tensor:
         """(n_images, n_texts) cosine similarities."""
@@ -645,6 +648,9 @@ class HFCLIP(nn.Module):
         features = pooled_features(self.model.get_text_features(
             input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()))
         return TextFeatures(F.normalize(features, dim=-1))
+
+    # similarity is the embeddings' dot product: score tiles are products (mmgoal/scoring.py)
+    dot_product_scores = True
 
     def similarity(self, image_features: ImageFeatures,
                    text_features: TextFeatures) -> torch.Tensor:

@@ -144,6 +144,9 @@ class DualEncoder(nn.Module):
         return TextFeatures(F.normalize(pooled, dim=-1), tokens=states,
                             mask=length_mask(lengths, states.shape[1]))
 
+    # similarity is the embeddings' dot product: score tiles are products (mmgoal/scoring.py)
+    dot_product_scores = True
+
     def similarity(self, image_features: ImageFeatures,
                    text_features: TextFeatures) -> torch.Tensor:
         """(n_images, n_texts) cosine similarities."""

@@ -20,6 +20,7 @@ from mmgoal.models.layers.cross_attention import (
     POOLINGS,
     at_least_float32,
     scan_attention,
+    scan_pair_similarity,
     scan_similarity,
 )
 from mmgoal.models.layers.gpo import MeanPool
@@ -128,6 +129,14 @@ class SCAN(nn.Module):
         return scan_similarity(image_features.tokens, image_features.mask, text_features.tokens,
                                text_features.mask, self.direction, self.lambda_softmax,
                                self.pooling, self.lambda_lse)
+
+    def pair_similarity(self, image_features: ImageFeatures,
+                        text_features: TextFeatures) -> torch.Tensor:
+        """(B,) stacked cross attention scores of aligned pairs (image ``b``, text ``b``):
+        what score tiles read of the O(n) pairs an objective chose."""
+        return scan_pair_similarity(image_features.tokens, image_features.mask,
+                                    text_features.tokens, text_features.mask, self.direction,
+                                    self.lambda_softmax, self.pooling, self.lambda_lse)
 
     def attention(self, image_features: ImageFeatures, text_features: TextFeatures,
                   direction: str | None = None) -> Attention:

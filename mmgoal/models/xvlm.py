@@ -125,6 +125,9 @@ class XVLM(nn.Module):
         return TextFeatures(F.normalize(self.text_proj(states[:, 0]), dim=-1), tokens=states,
                             mask=mask)
 
+    # similarity is the embeddings' dot product: score tiles are products (mmgoal/scoring.py)
+    dot_product_scores = True
+
     def similarity(self, image_features: ImageFeatures,
                    text_features: TextFeatures) -> torch.Tensor:
         """(n_images, n_texts) ITC cosines (the objective applies the temperature)."""

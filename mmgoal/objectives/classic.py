@@ -9,15 +9,17 @@ directions.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.contract import TemperatureModel
-from mmgoal.objectives.blocks import BLOCK_ROWS, RowTerm, check_block_rows, in_row_blocks
 from mmgoal.objectives.hard_negative import HardNegativeLoss, check_reduction
-from mmgoal.objectives.mining import score_share
+from mmgoal.objectives.mining import score_tiles
 from mmgoal.registry import OBJECTIVES
+from mmgoal.scoring import HardestNegative, LogSumExp, Tile, for_cols, for_rows
 from mmgoal.structures import ObjectiveInputs
 
 
@@ -113,15 +115,20 @@ def multi_similarity_rows(sims: torch.Tensor, positives: torch.Tensor, alpha: fl
             + _log1p_sum_exp(beta * (sims - lam), keep_neg) / beta)
 
 
-class _MultiSimilarityTerms(RowTerm):
-    """:func:`multi_similarity_rows` of a block, over ``divisor``."""
+def segment_log1p_sum_exp(values: torch.Tensor, segments: torch.Tensor, n_segments: int
+                          ) -> torch.Tensor:
+    """``log(1 + sum_{k in segment} e^{values_k})`` of every segment (``-inf`` values: left
+    out), stable, with the gradient of ``values``. (k,) -> (n_segments,)."""
+    top = torch.zeros(n_segments, dtype=values.dtype, device=values.device)
+    top = top.scatter_reduce(0, segments, values.detach(), reduce="amax", include_self=True)
+    sums = torch.exp(-top).index_add(0, segments, torch.exp(values - top[segments]))
+    return top + torch.log(sums)
 
-    def __init__(self, loss: MultiSimilarityLoss, divisor: int) -> None:
-        self.hp = (loss.alpha, loss.beta, loss.lam, loss.eps)
-        self.divisor = divisor
 
-    def loss(self, direction, scores, positives):
-        return multi_similarity_rows(scores, positives, *self.hp).sum() / self.divisor, None
+def _segment_min(values: torch.Tensor, segments: torch.Tensor, n_segments: int) -> torch.Tensor:
+    """Each segment's smallest value (``inf`` for an empty one). (k,) -> (n_segments,)."""
+    return values.new_full((n_segments,), torch.inf).scatter_reduce(
+        0, segments, values, reduce="amin", include_self=True)
 
 
 @OBJECTIVES.register()
@@ -133,57 +140,78 @@ class MultiSimilarityLoss(nn.Module):
             ``beta`` 10 matches GOAL's ``sig`` default).
         eps: pair-mining margin.
         reduction: ``sum`` or ``mean`` over anchors.
-        block_rows: anchors whose terms are computed at once (docs/objectives.md).
+
+    On score tiles (:mod:`mmgoal.scoring`): an anchor keeps its negatives above its lowest
+    positive less ``eps`` (known from the positive scores before any tile), so one pass
+    reduces each anchor's hardest negative and the log-sum-exp of its kept negatives; the
+    kept positives (below the hardest negative plus ``eps``) are O(n) pairs scored with
+    their gradient, and the backward recomputes each tile once for the negatives' part.
     """
 
     def __init__(self, alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
-                 eps: float = 0.1, reduction: str = "sum", block_rows: int = BLOCK_ROWS
-                 ) -> None:
+                 eps: float = 0.1, reduction: str = "sum") -> None:
         super().__init__()
-        self.block_rows = check_block_rows(block_rows)
         self.alpha, self.beta, self.lam, self.eps = alpha, beta, lam, eps
         self.reduction = check_reduction(reduction)
 
-    works_on_rows = True  # each anchor's terms are its row's (ScoreShare)
+    works_on_tiles = True
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        share = score_share(inputs)
-        # the mean is over every anchor of the batch, both directions
-        divisor = share.n_images + share.n_texts if self.reduction == "mean" else 1
-        loss = in_row_blocks(_MultiSimilarityTerms(self, divisor), share,
-                             block=self.block_rows)
-        return {"ms_loss": loss}
+        tiles = score_tiles(inputs)
+        alpha, beta, lam, eps = self.alpha, self.beta, self.lam, self.eps
+        n_rows = tiles.rows.stop - tiles.rows.start
+        i2t = (tiles.positive_rows, tiles.positive_cols)
+        t2i = (tiles.own_positive_rows, tiles.own_positive_cols)
+        s_i2t, s_t2i = tiles.pair_scores(*i2t), tiles.pair_scores(*t2i)
+        every_text, their_images = tiles.all_text_positives()
+        row_min = _segment_min(s_i2t.detach(), i2t[0] - tiles.rows.start, n_rows)
+        col_min = _segment_min(tiles.pair_scores(their_images, every_text).detach(), every_text,
+                               tiles.n_texts)
+        kept = (lambda tile, offset: tile.negatives & (tile.scores + eps > for_rows(row_min)(
+                    tile, offset)),
+                lambda tile, offset: tile.negatives & (tile.scores + eps > for_cols(col_min)(
+                    tile)))
+        hardest, negatives = HardestNegative(), LogSumExp(beta, kept)
+        tiles.statistics(hardest, negatives)
+        # the negatives' terms log(1 + sum e^{beta (s - lam)}) / beta: dense
+        row_terms = F.softplus(negatives.row - beta * lam)
+        col_terms = F.softplus(negatives.col - beta * lam)
+        value = (row_terms.sum() + col_terms[tiles.own_texts].sum()) / beta
+        # the positives' terms: O(n) pairs, with their gradient
+        for (anchors, s_p, max_neg, n) in (
+                (i2t[0] - tiles.rows.start, s_i2t, hardest.row_value, n_rows),
+                (t2i[1], s_t2i, hardest.col_value, tiles.n_texts)):
+            values = (-alpha * (s_p - lam)).masked_fill(s_p.detach() - eps >= max_neg[anchors],
+                                                        -math.inf)
+            value = value + segment_log1p_sum_exp(values, anchors, n).sum() / alpha
+        divisor = tiles.n_images + tiles.n_texts if self.reduction == "mean" else 1
+
+        def weight(tile: Tile) -> tuple[torch.Tensor, tuple]:
+            """e^{beta (s - lam)} / (1 + sum) at each anchor's kept negatives."""
+            shifted = tile.scores * beta - beta * lam
+            rows = shifted - for_rows(row_terms)(tile, tiles.rows.start)
+            weights = rows.exp_().mul_(kept[0](tile, tiles.rows.start))
+            cols = (shifted - for_cols(col_terms)(tile)).exp_().mul_(kept[1](tile, 0))
+            return weights.add_(cols).div_(divisor), ()
+
+        loss = tiles.dense_loss(value.detach() / divisor, weight) \
+            + (value - value.detach()) / divisor
+        return {"ms_loss": loss.to(tiles.scorer.dtype)}
 
 
-class _SoftmaxTerms(RowTerm):
-    """InfoNCE's term of every anchor of a block, ``x = s / T``: ``logsumexp(x_a)`` less
-    the mean of ``x`` over the anchor's positives (the cross-entropy of the softmax with
-    the target spread uniformly over them; 0 for an anchor without one), over twice the
-    direction's anchors in the batch (the mean of the two directions' means). Its
-    derivative is ``softmax(x_a) - target_a``, from the row's kept ``logsumexp``."""
-
-    def __init__(self, n_images: int, n_texts: int) -> None:
-        self.divisors = {"i2t": 2 * n_images, "t2i": 2 * n_texts}
-
-    def loss(self, direction, scores, positives, temperature):
-        x = scores / temperature
-        counts = torch.count_nonzero(positives, dim=1).to(scores.dtype)
-        lse = torch.logsumexp(x, dim=1).masked_fill_(counts == 0, 0.0)
-        rows, cols = positives.nonzero(as_tuple=True)  # few: one or a few per anchor
-        positive_sums = x.new_zeros(len(x)).index_add_(0, rows, x[rows, cols])
-        return (lse - positive_sums / counts.clamp(min=1)).sum() / self.divisors[direction], lse
-
-    def grad(self, direction, scores, positives, lse, temperature):
-        counts = torch.count_nonzero(positives, dim=1).to(scores.dtype)
-        # the softmax, in the one block this allocates
-        dx = (scores / temperature).sub_(lse[:, None]).exp_()
-        dx[counts == 0] = 0.0
-        rows, cols = positives.nonzero(as_tuple=True)
-        dx[rows, cols] -= 1 / counts[rows]
-        dx /= self.divisors[direction]
-        # x = s / T: d/ds = dx / T, d/dT = -sum(dx x) / T = -sum(dx s) / T^2
-        grad_temperature = -(dx.reshape(-1) @ scores.reshape(-1)) / temperature ** 2
-        return dx.div_(temperature), (grad_temperature,)
+def softmax_sum(x: torch.Tensor, row_lse: torch.Tensor, col_lse: torch.Tensor,
+                row_factor: torch.Tensor, col_factor: torch.Tensor) -> torch.Tensor:
+    """``exp(x - row_lse) row_factor + exp(x - col_lse) col_factor`` of a tile ``x`` (r, c),
+    the per-row values (r, 1) and per-column ones (1, c): with one exp where every row's and
+    column's log-sum-exp lies near the tile's largest value (``x`` is overwritten)."""
+    top = x.max()
+    row_shift, col_shift = top - row_lse, top - col_lse
+    limit = 60.0 if x.dtype != torch.float64 else 600.0
+    if bool(torch.maximum(row_shift.max(), col_shift.max()) <= limit):
+        scales = (row_shift.exp() * row_factor) + (col_shift.exp() * col_factor)
+        return x.sub_(top).exp_().mul_(scales)
+    rows = (x - row_lse).exp_().mul_(row_factor)
+    return rows.add_(x.sub_(col_lse).exp_().mul_(col_factor))
 
 
 @OBJECTIVES.register()
@@ -202,11 +230,15 @@ class InfoNCELoss(nn.Module):
     (the trainer passes ``model``), the loss's temperature is then a buffer, not a
     parameter: nothing the optimizer would hold without a gradient.
 
+    On score tiles (:mod:`mmgoal.scoring`), as Inf-CL computes it: one pass reduces every
+    row's and column's log-sum-exp (a running maximum and sum); the positives' part is
+    O(n) pairs scored with their gradient; the backward recomputes each tile once, its
+    ``dl/dS`` the two softmaxes less nothing (the targets are the positives' part).
+
     Args:
         temperature: initial temperature (0.07 in CLIP and X-VLM).
         learnable: optimise the temperature with the model.
         min_temperature, max_temperature: clamp range (X-VLM: 0.001, 0.5).
-        block_rows: anchors whose terms are computed at once (docs/objectives.md).
         model: the model it trains (set by the trainer, not the config).
 
     Returns (from ``forward``): ``infonce_loss`` (mean of both directions) and
@@ -215,9 +247,8 @@ class InfoNCELoss(nn.Module):
 
     def __init__(self, temperature: float = 0.07, learnable: bool = True,
                  min_temperature: float = 0.001, max_temperature: float = 0.5,
-                 block_rows: int = BLOCK_ROWS, model: nn.Module | None = None) -> None:
+                 model: nn.Module | None = None) -> None:
         super().__init__()
-        self.block_rows = check_block_rows(block_rows)
         if not min_temperature <= temperature <= max_temperature:
             raise ValueError(f"temperature {temperature} lies outside "
                              f"[{min_temperature}, {max_temperature}]")
@@ -228,14 +259,48 @@ class InfoNCELoss(nn.Module):
             self.register_buffer("temperature", value)
         self.min_temperature, self.max_temperature = min_temperature, max_temperature
 
-    works_on_rows = True  # each direction's terms are its anchors' (ScoreShare)
+    works_on_tiles = True
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        share = score_share(inputs)
+        tiles = score_tiles(inputs)
         own = inputs.model.temperature() if isinstance(inputs.model, TemperatureModel) \
             else self.temperature
-        temperature = own.clamp(self.min_temperature, self.max_temperature)
-        term = _SoftmaxTerms(share.n_images, share.n_texts)
-        loss = in_row_blocks(term, share, temperature.to(share.rows.dtype),
-                             block=self.block_rows)
-        return {"infonce_loss": loss, "temperature": temperature.detach()}
+        temperature = own.clamp(self.min_temperature, self.max_temperature).to(tiles.dtype)
+        n_rows = tiles.rows.stop - tiles.rows.start
+        every_text, _ = tiles.all_text_positives()
+        row_count = torch.bincount(tiles.positive_rows - tiles.rows.start, minlength=n_rows)
+        col_count = torch.bincount(every_text, minlength=tiles.n_texts)
+        # a direction's terms are means over its anchors with a positive, halved
+        row_factor = (row_count > 0).to(tiles.dtype) / (2 * tiles.n_images)
+        col_factor = (col_count > 0).to(tiles.dtype) / (2 * tiles.n_texts)
+        scale = 1 / temperature.detach()
+        lse = LogSumExp(scale)
+        tiles.statistics(lse)
+        row_lse = torch.where(row_count > 0, lse.row, torch.zeros_like(lse.row))
+        col_lse = torch.where(col_count > 0, lse.col, torch.zeros_like(lse.col))
+        value = (row_lse * row_factor).sum() + (col_lse * col_factor)[tiles.own_texts].sum()
+        # the targets: minus the mean of s / T over each anchor's positives, O(n) pairs
+        i2t = (tiles.positive_rows, tiles.positive_cols)
+        t2i = (tiles.own_positive_rows, tiles.own_positive_cols)
+        targets = torch.zeros((), dtype=tiles.dtype, device=tiles.device)
+        for (images, texts), anchors, count, factor in (
+                (i2t, i2t[0] - tiles.rows.start, row_count, row_factor),
+                (t2i, t2i[1], col_count, col_factor)):
+            s_p = tiles.pair_scores(images, texts)
+            share = factor[anchors] / count[anchors].clamp(min=1)
+            targets = targets - (s_p * share).sum() / temperature
+
+        def weight(tile: Tile) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
+            """``softmax / T`` of both directions; ``-sum(softmax s) / T^2`` for T."""
+            # (an anchor without positives: factor 0, its lse finite)
+            row_lse = for_rows(lse.row)(tile, tiles.rows.start)
+            probabilities = softmax_sum(tile.scores * scale, row_lse, for_cols(lse.col)(tile),
+                                        for_rows(row_factor)(tile, tiles.rows.start),
+                                        for_cols(col_factor)(tile))
+            grad_temperature = -torch.dot(probabilities.view(-1),
+                                          tile.scores.view(-1)) * scale ** 2
+            return probabilities.mul_(scale), (grad_temperature,)
+
+        loss = tiles.dense_loss(value, weight, (temperature,)) + targets
+        return {"infonce_loss": loss.to(tiles.scorer.dtype),
+                "temperature": temperature.detach().to(own.dtype)}

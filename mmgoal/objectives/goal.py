@@ -4,17 +4,22 @@ Every triplet-family loss has the gradient ``T(s_p, s_n) * P+`` on the positive
 and ``T(s_p, s_n) * P-`` on the negative of each hardest-negative triplet
 (docs/reference/goal.md). ``GoalObjective`` assembles that gradient ``G =
 dl/dS`` for any triplet weight x pair weight, including the combinations that
-no loss integrates to, and hands it to autograd through :class:`_GradientIs`, an
-autograd function whose backward writes ``G``'s O(n) entries, scaled by whatever
-gradient flows in (loss scaling, accumulation), into one (n_img, n_txt) tensor: no
-dense ``G`` is formed in the forward pass. Autograd carries it on into the encoders
-(for a dual encoder ``dl/dx_i = sum_j G[i, j] y_j``, the paper's eq. 2-4). Unlike the
-authors' code it honours the incoming gradient, handles several positives per row, and
-has no Python loop over the batch.
+no loss integrates to. ``G`` has entries only at the positive pairs and each
+anchor's mined negative, so it never needs the score matrix: one pass over the score
+tiles (:mod:`mmgoal.scoring`) mines each anchor's hardest negative and the sums of its
+multi-similarity set ``R-`` (whose threshold comes from the positive scores, computed
+first), then the O(n) chosen pairs are scored again with their gradient and ``G``'s
+entries are put on them (``loss = violation + sum g s - sum g s`` detached: the value
+is the logged violation, the gradient exactly ``G``, times whatever gradient flows
+in). For a dual encoder the backward is a gather of O(n) feature rows, the paper's
+eq. 2-4; for SCAN, a cross attention of O(n) pairs. Unlike the authors' code it honours
+the incoming gradient, handles several positives per row, and has no Python loop over
+the batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -24,10 +29,16 @@ from torch import nn
 from mmgoal.config import close_match_hints
 from mmgoal.objectives.adaptive_lam import AdaptiveLam
 from mmgoal.objectives.hard_negative import check_reduction
-from mmgoal.objectives.mining import check_positives, mine_direction, score_share
-from mmgoal.objectives.weights import RelativeScores
+from mmgoal.objectives.mining import check_positives, mine_triplets, score_tiles
+from mmgoal.objectives.weights import (
+    NegativeSums,
+    RelativeScores,
+    negative_set_statistics,
+    negative_sums,
+)
 from mmgoal.registry import OBJECTIVES, PAIR_WEIGHTS, TRIPLET_WEIGHTS
-from mmgoal.structures import ObjectiveInputs, ScoreShare
+from mmgoal.scoring import HardestNegative, MatrixScorer, ScoreTiles
+from mmgoal.structures import ObjectiveInputs
 
 WEIGHT_REGISTRIES = {"triplet": TRIPLET_WEIGHTS, "pair": PAIR_WEIGHTS}
 # lam: auto, mmgoal's adaptive lambda (mmgoal/objectives/adaptive_lam.py), and the options
@@ -164,58 +175,18 @@ def _misplaced_options_error(specs: Mapping[str, Any], misplaced: Mapping[str, A
     return ValueError(". ".join(problems))
 
 
-class GradientEntries(NamedTuple):
-    """A sparse ``G``: ``G[rows[k], cols[k]] += values[k]`` (an index may repeat)."""
-
-    rows: torch.Tensor
-    cols: torch.Tensor
-    values: torch.Tensor
-    shape: tuple[int, int]
-
-    def dense(self, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """``G`` (times ``scale``, a scalar) in the values' dtype, written once."""
-        values = self.values if scale is None else self.values * scale.to(self.values.dtype)
-        grad = self.values.new_zeros(self.shape)
-        return grad.index_put_((self.rows, self.cols), values, accumulate=True)
-
-
-class _GradientIs(torch.autograd.Function):
-    """``value`` (the logged violation) forward; ``G`` times the incoming gradient backward.
-
-    It replaces the surrogate ``(G.detach() * S).sum()``, whose forward multiplied and
-    summed a dense ``G`` and whose backward multiplied it again: here the backward
-    writes the entries, scaled by the incoming (scalar) gradient, into one tensor of
-    each score tensor's shape (the score matrix; under local scoring the rank's rows and
-    its columns).
-    """
-
-    @staticmethod
-    def forward(ctx, value: torch.Tensor, entries: tuple[GradientEntries, ...],
-                *scores: torch.Tensor) -> torch.Tensor:
-        ctx.entries, ctx.dtypes = entries, [tensor.dtype for tensor in scores]
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return None, None, *(entries.dense(grad_output).to(dtype)
-                             for entries, dtype in zip(ctx.entries, ctx.dtypes))
-
-
 class GoalGradient(NamedTuple):
-    """What :meth:`GoalObjective.share_gradient` computes for one share of the scores.
+    """What :meth:`GoalObjective.tile_gradient` computes on a batch's score tiles.
 
     Attributes:
-        scores: the score tensors ``G`` is the gradient of (the matrix; under local
-            scoring the rank's rows and columns), with ``entries``, ``G``'s nonzero
-            entries in each.
-        violation: the weighted violation ``sum T (s_n - s_p)`` of the share's triplets.
-        weight_sum: the sum of their triplet weights.
+        loss: the logged violation, whose gradient with respect to the scores is ``G``.
+        violation: the weighted violation ``sum T (s_n - s_p)`` of this rank's triplets.
+        weight_sum: the sum of the triplet weights of the whole batch.
         positive_scores: every positive pair's score, of the whole batch.
         hardest: every valid triplet's hardest-negative score, of the whole batch.
     """
 
-    scores: tuple[torch.Tensor, ...]
-    entries: tuple[GradientEntries, ...]
+    loss: torch.Tensor
     violation: torch.Tensor
     weight_sum: torch.Tensor
     positive_scores: torch.Tensor
@@ -281,73 +252,81 @@ class GoalObjective(nn.Module):
     def extra_repr(self) -> str:
         return f"triplet={self.triplet_weight}, pair={self.pair_weight}, reduction={self.reduction}"
 
-    @torch.no_grad()
-    def share_gradient(self, share: ScoreShare) -> GoalGradient:
-        """``G = dl/dS``'s nonzero entries on a share of the scores, with its statistics.
+    def tile_gradient(self, tiles: ScoreTiles) -> GoalGradient:
+        """``G = dl/dS`` of this rank's triplets (its images' and its own texts'), put on the
+        scores of their O(n) pairs, with the batch's statistics.
 
-        Each direction's triplets are its anchors' (the share's image rows, its text
-        columns), so ``G``'s entries lie in the share; the batch-wide numbers the weights
-        read (the positive scores of ``R+``, the threshold of ``R-``, ``lam: auto``'s
-        medians) are O(n) and gathered (:attr:`ScoreShare.gather`). Under local scoring
-        the shares' ``G`` sum to one process's.
-
-        ``G`` is nonzero only at the positives and the mined negatives, so it is kept
-        as their entries (O(n) values) until the backward pass writes it once: no dense
-        ``G`` is formed, multiplied or summed in the forward pass. Weights are computed in
-        float32 from the detached scores whatever their dtype (float64 scores keep
-        float64), so bf16/fp16 training gets exact weights.
+        One pass over the tiles mines every anchor's hardest negative and, for a pair
+        weight that compares with the batch (``R-``), the anchor's sums over its negatives
+        above the threshold, which comes from the positive scores, computed first. The
+        batch-wide numbers the weights read (the positive scores of ``R+``, the threshold
+        of ``R-``, ``lam: auto``'s medians) are O(n) and gathered; under local scoring the
+        ranks' ``G`` sum to one process's. Weights are computed in float32 at least from
+        detached scores whatever their dtype (float64 scores keep float64), so bf16/fp16
+        training gets exact weights.
         """
-        dtype = torch.promote_types(share.rows.dtype, torch.float32)
-        rows = share.rows.detach().to(dtype)
-        whole = share.one_matrix
-        columns = rows if whole else share.columns.detach().to(dtype)
-        sides = (("i2t", rows, share.row_positives, rows, share.row_positives),
-                 ("t2i", columns, share.column_positives, columns.T, share.column_positives.T))
-        mined = []
-        for direction, scores, positives, block, block_positives in sides:
-            triplets = mine_direction(block, block_positives)
-            mined.append((direction, scores, positives, triplets, *triplets.scores(block)))
-        own_positives = mined[0][4]  # the i2t triplets hold every positive pair once
-        own_hardest = torch.cat([s_n[triplets.valid] for *_, triplets, _, s_n in mined])
-        positive_scores, hardest = share.gather(own_positives), share.gather(own_hardest)
         triplet, pair = self.triplet_weight, self.pair_weight
+        positives = {"i2t": tiles.pair_scores(tiles.positive_rows, tiles.positive_cols),
+                     "t2i": tiles.pair_scores(tiles.own_positive_rows, tiles.own_positive_cols)}
+        positive_scores = tiles.gather(positives["i2t"].detach())
         pair_kwargs = dict(pair.options)
         if self.adaptive_lam is not None:
             pair_kwargs["lam"] = self.adaptive_lam.value
-            if self.training:
-                self.adaptive_lam.observe(own_positives, own_hardest)
-        divisor = max(share.positive_count, 1) if self.reduction == "mean" else 1
-        violation, weight_sum = rows.new_zeros(()), rows.new_zeros(())
-        entries = {}  # id(score tensor) -> its (rows, cols, values)
-        shared: dict = {}  # per-anchor sums the two directions' comparison sets share
-        for direction, scores, positives, triplets, s_p, s_n in mined:
-            t = triplet.fn(s_p, s_n, **triplet.options) * triplets.valid
+        hardest, asked, sums = HardestNegative(), NegativeSums(), {}
+        if pair.takes_relative:  # what R- needs, asked of the weight on one dummy triplet
+            one = positive_scores.new_zeros(1)
+            pair.fn(one, one, **{**pair_kwargs,
+                                 "relative": RelativeScores(one, one, one, 0.0, asked)})
+            threshold = (positive_scores.min() if len(positive_scores)
+                         else positive_scores.new_tensor(math.inf)) - pair.options["eps"]
+            sums = negative_set_statistics(asked, threshold)
+        tiles.statistics(hardest, *sums.values())
+        mined = mine_triplets(tiles, hardest)
+        divisor = max(tiles.positive_count, 1) if self.reduction == "mean" else 1
+        violation = positive_scores.new_zeros(())
+        surrogate = positive_scores.new_zeros(())
+        weight_sum = positive_scores.new_zeros(())
+        own_hardest = []
+        for triplets in mined:
+            rows = triplets.direction == "i2t"
+            anchors = triplets.anchors - (tiles.rows.start if rows else 0)
+            s_p = positives[triplets.direction]
+            s_n = tiles.pair_scores(*triplets.negative_pairs())
+            # the mined negative's score as the tiles gave it (the R- sums are of those)
+            values = (hardest.row_value if rows else hardest.col_value)[anchors]
+            p, n = s_p.detach(), torch.where(triplets.valid, values, s_n.detach())
+            t = triplet.fn(p, n, **triplet.options) * triplets.valid
             if pair.takes_relative:
                 pair_kwargs["relative"] = RelativeScores(
-                    scores, positives, direction, triplets.anchors, s_p, s_n, positive_scores,
-                    pair.options["eps"], shared)
-            w_pos, w_neg = pair.fn(s_p, s_n, **pair_kwargs)
-            anchors = torch.cat([triplets.anchors, triplets.anchors])
-            others = torch.cat([triplets.others, triplets.negatives])
-            where = (anchors, others) if direction == "i2t" else (others, anchors)
-            entries.setdefault(id(scores), []).append(
-                (*where, torch.cat([-t * w_pos, t * w_neg]) / divisor))
-            violation += (t * (s_n - s_p)).sum() / divisor
+                    p, n, positive_scores, pair.options["eps"],
+                    negative_sums(asked, sums, rows, anchors))
+            w_pos, w_neg = pair.fn(p, n, **pair_kwargs)
+            surrogate = surrogate + ((-t * w_pos) * s_p).sum() / divisor \
+                + ((t * w_neg) * s_n).sum() / divisor
+            violation += (t * (n - p)).sum() / divisor
             weight_sum += t.sum()
-        sources = (share.rows,) if whole else (share.rows, share.columns)
-        sparse = tuple(GradientEntries(*(torch.cat(part) for part in zip(*found)),
-                                       tuple(source.shape))
-                       for source, found in zip(sources, entries.values()))
-        return GoalGradient(sources, sparse, violation, share.total(weight_sum),
-                            positive_scores, hardest)
+            own_hardest.append(n[triplets.valid])
+        own_hardest = torch.cat(own_hardest)
+        if self.adaptive_lam is not None and self.training:
+            self.adaptive_lam.observe(positives["i2t"].detach(), own_hardest)
+        # value: the logged violation; gradient: exactly G (times the incoming gradient)
+        loss = violation.detach() + surrogate - surrogate.detach()
+        return GoalGradient(loss, violation, tiles.total(weight_sum), positive_scores,
+                            tiles.gather(own_hardest))
 
     def gradient(self, sims: torch.Tensor, positives: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``G = dl/dS`` of a whole score matrix as a dense (n_img, n_txt) tensor (float32,
         or float64 for float64 scores), the logged violation, the mean triplet weight and
         the score medians (:meth:`forward`'s statistics)."""
-        result = self.share_gradient(ScoreShare.whole(sims, check_positives(sims, positives)))
-        return (result.entries[0].dense(), result.violation, *self._statistics(result))
+        scores = sims.detach().to(torch.promote_types(sims.dtype, torch.float32))
+        scores.requires_grad_()
+        tiles = ScoreTiles(MatrixScorer(scores), *scores.shape,
+                           positives=check_positives(scores, positives))
+        result = self.tile_gradient(tiles)
+        (grad,) = torch.autograd.grad(result.loss, scores, allow_unused=True)
+        grad = torch.zeros_like(scores) if grad is None else grad
+        return (grad.detach(), result.violation, *self._statistics(result))
 
     @staticmethod
     def _statistics(result: GoalGradient) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -358,18 +337,16 @@ class GoalObjective(nn.Module):
                     "negative_median": result.hardest.median()} if len(result.hardest) else {})
         return mean_weight, medians
 
-    works_on_rows = True  # each direction's triplets are its anchors' (ScoreShare)
+    works_on_tiles = True  # every anchor's triplets come from its row or column's tiles
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        share = score_share(inputs)
-        result = self.share_gradient(share)
-        # value: the logged violation; gradient: exactly G (times the incoming gradient)
-        loss = _GradientIs.apply(result.violation.to(share.rows.dtype), result.entries,
-                                 *result.scores)
+        tiles = score_tiles(inputs)
+        result = self.tile_gradient(tiles)
         mean_weight, medians = self._statistics(result)
-        outputs = {"goal_loss": loss, "active_fraction": mean_weight, **medians}
+        outputs = {"goal_loss": result.loss.to(tiles.scorer.dtype), "active_fraction": mean_weight,
+                   **medians}
         if self.adaptive_lam is not None:
-            outputs["lam"] = torch.tensor(self.adaptive_lam.value, device=share.rows.device)
+            outputs["lam"] = torch.tensor(self.adaptive_lam.value, device=tiles.device)
         return outputs
 
     def finish_step(self, applied: bool) -> None:

@@ -18,9 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmgoal.distributed import check_equal_shapes, gather_with_grad, id_hashes, world_info
+from mmgoal.distributed import (
+    check_equal_shapes,
+    gather_with_grad,
+    global_losses,
+    id_hashes,
+    world_info,
+)
 from mmgoal.objectives.goal import GoalObjective
-from mmgoal.objectives.mining import positives_from_groups
+from mmgoal.objectives.mining import diagonal_positives, positives_from_groups
+from mmgoal.scoring import DotScorer, MatrixScorer, ScoreTiles, check_tile
 from mmgoal.structures import ObjectiveInputs
 
 # How far a row's norm may be from 1 and still count as L2-normalised: bf16 embeddings
@@ -157,10 +164,11 @@ class GoalLoss(nn.Module):
         reduction: ``sum`` over triplets (VSE++) or ``mean`` over positives.
         gather: with ``torch.distributed`` initialised and more than one rank,
             all-gather the embeddings (and image ids) of every rank, gradients
-            flowing back to this rank's own rows, so that each rank scores the
-            global batch and mines its hardest negatives there, as open_clip's
-            ``gather_with_grad``. Under DDP's gradient average this gives exactly
-            one process's gradient of the global loss, with no rescaling
+            flowing back to their owners, so that the hardest negatives are mined in
+            the global batch, as open_clip's ``gather_with_grad``; each rank streams
+            its own images against every text (its share of the tiles, the columns'
+            statistics combined over the ranks) and the loss returned is the global
+            one, whose gradient under DDP's average is exactly one process's
             (:mod:`mmgoal.distributed`). Every rank must pass the same number of
             pairs; without ``torch.distributed`` it changes nothing.
         step_each_call: with ``lam: auto``, every training-mode call is one
@@ -169,6 +177,8 @@ class GoalLoss(nn.Module):
             skipped step). ``False`` (gradient accumulation, a ``GradScaler`` that
             may skip steps): call :meth:`step` after each optimizer step instead,
             or ``lam`` never moves. Nothing to do for a fixed ``lam``.
+        tile_rows, tile_cols: the score tiles' shape (``None``: 1024 x 4096): the largest
+            tensor the loss makes, whatever the batch (docs/objectives.md, "Score tiles").
         check_values: refuse embeddings whose rows are not L2-normalised or hold NaN
             or inf, and scores that hold NaN or inf (a ``ValueError`` saying how many).
             Each check is one reduction that the call waits for on a GPU (one per
@@ -196,9 +206,12 @@ class GoalLoss(nn.Module):
     def __init__(self, triplet: str | Mapping[str, Any] = "con",
                  pair: str | Mapping[str, Any] = "con", reduction: str = "sum", *,
                  gather: bool = False, step_each_call: bool = True,
-                 check_values: bool = True) -> None:
+                 check_values: bool = True, tile_rows: int | None = None,
+                 tile_cols: int | None = None) -> None:
         super().__init__()
         self.objective = GoalObjective(triplet, pair, reduction)
+        self.tile_rows = None if tile_rows is None else check_tile(tile_rows, "tile_rows")
+        self.tile_cols = None if tile_cols is None else check_tile(tile_cols, "tile_cols")
         self.gather = gather
         self.step_each_call = step_each_call
         self.check_values = check_values
@@ -258,15 +271,29 @@ class GoalLoss(nn.Module):
         n_pairs = len(scores if scores is not None else image_embeds)
         device = (scores if scores is not None else image_embeds).device
         ids = None if image_ids is None else _ids_tensor(image_ids, n_pairs, device)
-        if scores is None:
-            if self.gather and world_info()[1] > 1:
+        rank, world = world_info()
+        sharded = scores is None and self.gather and world > 1
+        if scores is not None:  # the matrix given: its tiles are slices of it
+            positives = (positives_from_groups(ids) if ids is not None
+                         else diagonal_positives(scores))
+            tiles = ScoreTiles(MatrixScorer(scores), n_pairs, n_pairs, positives=positives,
+                               tile_rows=self.tile_rows, tile_cols=self.tile_cols)
+        else:  # never the matrix: this rank's rows of the global batch, in tiles
+            own = None
+            if sharded:
                 check_equal_shapes(image_embeds, text_embeds)
                 image_embeds, text_embeds = (gather_with_grad(image_embeds),
                                              gather_with_grad(text_embeds))
                 ids = None if ids is None else gather_with_grad(ids)
-            scores = image_embeds @ text_embeds.T
-        positives = None if ids is None else positives_from_groups(ids)
-        outputs = self.objective(ObjectiveInputs(scores, positives))
+                own = slice(rank * n_pairs, (rank + 1) * n_pairs)
+            count = len(image_embeds)
+            groups = ids if ids is not None else torch.arange(count, device=device)
+            tiles = ScoreTiles(DotScorer(image_embeds, text_embeds), count, count, groups,
+                               rows=own, own_texts=own, tile_rows=self.tile_rows,
+                               tile_cols=self.tile_cols)
+        outputs = self.objective(ObjectiveInputs(None, tiles=tiles))
+        if sharded:  # this rank's part, made the global loss (mmgoal.distributed)
+            outputs = global_losses(outputs, world)
         loss = outputs.pop("goal_loss")
         self._stats = {key: value.detach() for key, value in outputs.items()}
         if self.step_each_call and self.training and self.objective.adaptive_lam is not None:

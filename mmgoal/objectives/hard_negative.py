@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmgoal.objectives.blocks import take_scores
-from mmgoal.objectives.mining import mine_direction, score_share
+from mmgoal.objectives.mining import mine_triplets, score_tiles
 from mmgoal.structures import ObjectiveInputs
 
 REDUCTIONS = ("sum", "mean")
@@ -27,13 +26,15 @@ class HardNegativeLoss(nn.Module):
     adds the triplet losses; ``mean`` divides by the number of positives.
     Subclasses set ``name`` (the output key is ``{name}_loss``).
 
-    It works on rows (:class:`~mmgoal.structures.ScoreShare`): each direction's triplets
-    are its anchors', so under local scoring a rank computes those of its images and its
-    texts, and the parts of every rank sum to the one-process loss.
+    It works on score tiles (:mod:`mmgoal.scoring`): one pass mines every anchor's
+    hardest negative, then the O(n) triplets' pairs are scored again with their
+    gradient, so the backward touches no tile. Under local scoring a rank computes the
+    triplets of its images and its own texts, and the parts of every rank sum to the
+    one-process loss.
     """
 
     name = "loss"
-    works_on_rows = True
+    works_on_tiles = True
 
     def __init__(self, reduction: str = "sum") -> None:
         super().__init__()
@@ -44,14 +45,12 @@ class HardNegativeLoss(nn.Module):
         raise NotImplementedError
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        share = score_share(inputs)
-        triplets = {direction: mine_direction(scores, positives)
-                    for direction, scores, positives in share.directions()}
-        taken = take_scores(share, {direction: [(t.anchors, t.others), (t.anchors, t.negatives)]
-                                    for direction, t in triplets.items()})
-        loss = share.rows.new_zeros(())
-        for direction, (s_p, s_n) in taken.items():
-            loss = loss + (self.triplet_loss(s_p, s_n) * triplets[direction].valid).sum()
+        tiles = score_tiles(inputs)
+        loss = torch.zeros((), dtype=tiles.dtype, device=tiles.device)
+        for triplets in mine_triplets(tiles):
+            s_p = tiles.pair_scores(triplets.images, triplets.texts)
+            s_n = tiles.pair_scores(*triplets.negative_pairs())
+            loss = loss + (self.triplet_loss(s_p, s_n) * triplets.valid).sum()
         if self.reduction == "mean":
-            loss = loss / max(share.positive_count, 1)
-        return {f"{self.name}_loss": loss}
+            loss = loss / max(tiles.positive_count, 1)
+        return {f"{self.name}_loss": loss.to(tiles.scorer.dtype)}

@@ -3,7 +3,9 @@
 For every text one negative image, and for every image one negative text, is
 drawn with probabilities ``softmax(S / temperature)`` over the batch, entries of
 the same image set to zero; the fusion layers then classify the positive pairs
-and the negatives (cross entropy on the 2-way ITM head).
+and the negatives (cross entropy on the 2-way ITM head). The draws are made on score
+tiles, exactly, by the Gumbel-max trick (:class:`~mmgoal.scoring.GumbelMax`: a running
+argmax of ``S / temperature`` plus noise fixed by each entry's position and a seed).
 
 With several processes and gathered features, each rank runs the fusion layers on
 its own pairs only (its rows of the global batch and their negatives, which may be
@@ -20,38 +22,35 @@ from torch import nn
 
 from mmgoal.contract import MatchingModel, StepAwareObjective, require
 from mmgoal.distributed import world_info
-from mmgoal.objectives.mining import row_uniforms, score_share
+from mmgoal.objectives.mining import score_tiles
 from mmgoal.registry import OBJECTIVES
+from mmgoal.scoring import GumbelMax, MatrixScorer, ScoreTiles
 from mmgoal.structures import ObjectiveInputs, cat_features, check_inputs, index_features
+
+
+def draw_seed(generator: torch.Generator | None) -> int:
+    """A seed for :class:`~mmgoal.scoring.GumbelMax`'s noise, drawn from ``generator`` (or
+    torch's own random state)."""
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator, device=device))
 
 
 @torch.no_grad()
 def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperature: float,
                           generator: torch.Generator | None = None,
-                          uniforms: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One negative column per row, drawn from ``softmax(sims[row] / temperature)`` over the
-    row's negatives, by inverting the row's cumulative distribution at a uniform draw.
-
-    Args:
-        uniforms: (n_rows,) the draws in [0, 1), so that a row's negative depends on its own
-            scores and draw alone (each rank draws its rows of the global batch as one
-            process would); ``None``: drawn here (:func:`row_uniforms`).
+                          seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One negative column per row of a score matrix, drawn from ``softmax(sims[row] /
+    temperature)`` over the row's negatives (the Gumbel-max draw ITMLoss makes on tiles;
+    ``seed``: its noise, else drawn from ``generator``).
 
     Returns:
         index (n_rows,) long; valid (n_rows,) bool, False for a row without negatives.
     """
-    logits = (sims.float() / temperature).masked_fill(positives, float("-inf"))
-    valid = (~positives).any(1)
-    probs = torch.softmax(logits, dim=1).nan_to_num(0.0)
-    probs[~valid] = 1.0  # anything: the row is masked out
-    if uniforms is None:
-        uniforms = row_uniforms(len(probs), probs.device, generator)
-    cdf = probs.cumsum(1)
-    # the first column whose cumulative probability passes the draw: never one of weight 0
-    target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
-    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return index.clamp(max=sims.shape[1] - 1), valid
+    seed = draw_seed(generator) if seed is None else seed
+    draws = GumbelMax(temperature, seed, sims.shape[1], sims.shape[0], cols=False)
+    ScoreTiles(MatrixScorer(sims.detach()), *sims.shape, positives=positives.bool()
+               ).statistics(draws)
+    return draws.row_index, draws.row_valid
 
 
 @OBJECTIVES.register()
@@ -62,16 +61,18 @@ class ITMLoss(nn.Module):
     scores of the batch. Needs the model (``match_logits``) and the features,
     which the trainer passes.
 
+    The negatives are drawn on the score tiles by the Gumbel-max trick (one pass, the
+    matrix never built): a row's negative is the argmax of ``S / temperature + g`` over
+    its negatives, ``g`` Gumbel noise fixed by the entry's position and a seed drawn once
+    a step (:class:`~mmgoal.scoring.GumbelMax`), an exact draw from the row's softmax.
     With several processes the features are the gathered global batch, in rank order
-    (rank ``r`` of ``W`` owns pairs ``[r B, (r + 1) B)``), and a uniform draw is made for
-    every pair of it, so a pair's negatives depend on its scores and its draw alone
-    (:func:`sample_hard_negatives`): as one process draws them. Under local scoring (it
-    works on rows) a rank draws its images' negative texts from its rows and its texts'
-    negative images from its columns, classifies its ``3 B`` pairs, and returns its part
-    of the mean over the global batch's pairs (the count summed over the ranks), so the
-    logged loss and the gradient are one process's. Under replicated scoring the whole
-    matrix is on every rank and ``pairs`` chooses (below). The negatives may be any image
-    or text of the global batch.
+    (rank ``r`` of ``W`` owns pairs ``[r B, (r + 1) B)``). Under local scoring a rank
+    draws its images' negative texts from its rows and its texts' negative images from
+    their columns (reduced over the ranks), classifies its ``3 B`` pairs, and returns its
+    part of the mean over the global batch's pairs (the count summed over the ranks), so
+    the logged loss and the gradient are one process's in distribution. Under replicated
+    scoring every rank streams every tile and ``pairs`` chooses (below). The negatives may
+    be any image or text of the global batch.
 
     Args:
         weight: the loss's factor in the total.
@@ -112,35 +113,28 @@ class ITMLoss(nn.Module):
                              f"pairs nor the {world} ranks' gathered {size * world}")
         return rank * size, (rank + 1) * size
 
-    works_on_rows = True  # a rank classifies its own pairs, drawn from its rows (ScoreShare)
+    works_on_tiles = True  # a rank classifies its own pairs, drawn from its tiles
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         check_inputs(inputs, "ITMLoss", "model", "image_features", "text_features")
-        share = score_share(inputs)
+        tiles = score_tiles(inputs)
         require(inputs.model, MatchingModel, "ITMLoss")
         model, generator = inputs.model, inputs.generator
         image_features, text_features = inputs.image_features, inputs.text_features
-        n = share.n_images
-        if share.n_texts != n:
+        n = tiles.n_images
+        if tiles.n_texts != n:
             raise ValueError("ITMLoss needs the training batch's aligned pairs (n_images == "
                              "n_texts)")
-        device = share.rows.device
-        # Drawn for every pair of the batch, whatever pairs are classified, so the draws do
-        # not depend on the option or the rank (sampling is cheap; fusion is not).
-        text_draws, image_draws = (row_uniforms(n, device, generator) for _ in range(2))
-        if inputs.share is not None:  # local scoring: the rank's rows, a part of the mean
-            start, end = share.offset, share.offset + len(share.rows)
-            rows, columns = share.rows, share.columns
-            row_positives, column_positives = share.row_positives, share.column_positives
-        else:  # the whole matrix: this rank's pairs of it, or every pair (pairs: global)
-            start, end = self.own_rows(inputs, n)
-            rows, columns = share.rows[start:end], share.rows[:, start:end]
-            row_positives = share.row_positives[start:end]
-            column_positives = share.row_positives[:, start:end]
-        negative_text, text_ok = sample_hard_negatives(rows, row_positives, self.temperature,
-                                                       uniforms=text_draws[start:end])
-        negative_image, image_ok = sample_hard_negatives(
-            columns.T, column_positives.T, self.temperature, uniforms=image_draws[start:end])
+        device = tiles.device
+        # a rank's images draw their negative texts from its rows, its texts their negative
+        # images from their columns (reduced over the ranks): every draw is one process's
+        draws = GumbelMax(self.temperature, draw_seed(generator), n, n)
+        tiles.statistics(draws)
+        start, end = ((tiles.rows.start, tiles.rows.stop) if tiles.sharded
+                      else self.own_rows(inputs, n))
+        local = slice(start - tiles.rows.start, end - tiles.rows.start)
+        negative_text, text_ok = draws.row_index[local], draws.row_valid[local]
+        negative_image, image_ok = draws.col_index[start:end], draws.col_valid[start:end]
         own = torch.arange(start, end, device=device)
         images, texts = index_features(image_features, own), index_features(text_features, own)
         batch = end - start
@@ -153,10 +147,10 @@ class ITMLoss(nn.Module):
         logits = model.match_logits(images, texts)
         losses = F.cross_entropy(logits[keep], labels[keep], reduction="none")
         correct = (logits[keep].argmax(1) == labels[keep]).to(losses.dtype)
-        # the mean over the kept pairs of the whole batch: counted over the shares
-        kept = share.total(keep.sum().to(losses.dtype)).clamp(min=1)
+        # the mean over the kept pairs of the whole batch: counted over the ranks' shares
+        kept = tiles.total(keep.sum().to(losses.dtype)).clamp(min=1)
         return {"itm_loss": self.weight * losses.sum() / kept,
-                "itm_accuracy": share.total(correct.sum().detach()) / kept}
+                "itm_accuracy": tiles.total(correct.sum().detach()) / kept}
 
 
 @OBJECTIVES.register()
@@ -180,9 +174,9 @@ class ObjectiveSum(nn.Module):
                                    for term in terms)
 
     @property
-    def works_on_rows(self) -> bool:
-        """A sum works on rows (local scoring) when every term does."""
-        return all(getattr(term, "works_on_rows", False) for term in self.terms)
+    def works_on_tiles(self) -> bool:
+        """A sum works on score tiles (local scoring) when every term does."""
+        return all(getattr(term, "works_on_tiles", False) for term in self.terms)
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         outputs: dict[str, torch.Tensor] = {}

@@ -6,7 +6,8 @@ from typing import NamedTuple
 
 import torch
 
-from mmgoal.structures import ObjectiveInputs, ScoreShare, check_inputs
+from mmgoal.scoring import HardestNegative, MatrixScorer, ScoreTiles, Statistic
+from mmgoal.structures import ObjectiveInputs, check_inputs
 
 
 def diagonal_positives(sims: torch.Tensor) -> torch.Tensor:
@@ -44,82 +45,75 @@ def check_positives(sims: torch.Tensor, positives: torch.Tensor | None) -> torch
 
 
 def scores_and_positives(inputs: ObjectiveInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """An objective's ``(scores, positives mask)``, the mask checked as ``check_positives``."""
+    """A whole-matrix objective's ``(scores, positives mask)``, the mask checked as
+    ``check_positives``."""
     check_inputs(inputs, "an objective on the whole score matrix", "scores")
     return inputs.scores, check_positives(inputs.scores, inputs.positives)
 
 
-def score_share(inputs: ObjectiveInputs) -> ScoreShare:
-    """The share of the scores an objective that works on rows computes on: the rank's
-    under local scoring, else the whole matrix (its positives checked as
-    ``check_positives``)."""
+def score_tiles(inputs: ObjectiveInputs) -> ScoreTiles:
+    """The scores an objective computes on: the trainer's :class:`~mmgoal.scoring.ScoreTiles`,
+    else the whole matrix ``inputs.scores`` (its positives checked as ``check_positives``)
+    in tiles of it."""
     check_inputs(inputs, "an objective")
-    if inputs.share is not None:
-        return inputs.share
+    if inputs.tiles is not None:
+        return inputs.tiles
     check_inputs(inputs, "an objective", "scores")
-    return ScoreShare.whole(inputs.scores, check_positives(inputs.scores, inputs.positives))
+    scores = inputs.scores
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+        shape = f" of shape {tuple(scores.shape)}" if hasattr(scores, "shape") else ""
+        raise ValueError(f"ObjectiveInputs.scores must be a (n_images, n_texts) tensor, got "
+                         f"{type(scores).__name__}{shape}")
+    positives = check_positives(scores, inputs.positives)
+    return ScoreTiles(MatrixScorer(scores), *scores.shape, positives=positives)
 
 
-class DirectionTriplets(NamedTuple):
-    """The hardest-negative triplet of every positive of one direction (indices only):
-    anchor ``anchors[k]``, its positive ``others[k]`` and its hardest negative
-    ``negatives[k]``; ``valid[k]``: the anchor has a negative at all."""
+class Triplets(NamedTuple):
+    """The hardest-negative triplet of every positive pair of one direction's anchors, as
+    positions in the batch: image ``images[k]`` and text ``texts[k]`` are a positive pair,
+    ``negatives[k]`` the anchor's highest-scoring negative (a text for ``i2t``, whose
+    anchors are images; an image for ``t2i``); ``valid[k]``: the anchor has a negative."""
 
-    anchors: torch.Tensor
-    others: torch.Tensor
+    direction: str
+    images: torch.Tensor
+    texts: torch.Tensor
     negatives: torch.Tensor
     valid: torch.Tensor
 
-    def scores(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``s_p`` and ``s_n`` (each (n_pos,)) of ``scores``, the block mined, gradient kept."""
-        return scores[self.anchors, self.others], scores[self.anchors, self.negatives]
+    @property
+    def anchors(self) -> torch.Tensor:
+        return self.images if self.direction == "i2t" else self.texts
+
+    def negative_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(images, texts)`` of the mined negative pairs."""
+        return ((self.images, self.negatives) if self.direction == "i2t"
+                else (self.negatives, self.texts))
 
 
-MINING_BLOCK = 1 << 20  # scores copied at a time to mine the hardest negatives (4 MiB)
+def mine_triplets(tiles: ScoreTiles, hardest: HardestNegative | None = None,
+                  *statistics: Statistic) -> tuple[Triplets, Triplets]:
+    """The triplets of this rank's images (``i2t``) and of its own texts (``t2i``), their
+    negatives the anchors' hardest (``hardest``, reduced here with ``statistics`` in the same
+    pass over the tiles unless given already reduced)."""
+    if hardest is None:
+        hardest = HardestNegative()
+        tiles.statistics(hardest, *statistics)
+    local = tiles.positive_rows - tiles.rows.start
+    i2t = Triplets("i2t", tiles.positive_rows, tiles.positive_cols,
+                   hardest.row_index[local], torch.isfinite(hardest.row_value[local]))
+    texts = tiles.own_positive_cols
+    t2i = Triplets("t2i", tiles.own_positive_rows, texts, hardest.col_index[texts],
+                   torch.isfinite(hardest.col_value[texts]))
+    return i2t, t2i
 
 
-def hardest_in_rows(scores: torch.Tensor, anchors: torch.Tensor, others: torch.Tensor
-                    ) -> torch.Tensor:
-    """(n_rows,) the highest-scoring column of every row of ``scores`` that is not one of
-    its positives ``(anchors[k], others[k])`` (``anchors`` ascending, as ``nonzero`` gives
-    them); detached. A block of rows at a time: no copy of the whole matrix."""
-    n_rows, n_cols = scores.shape
-    rows = max(MINING_BLOCK // max(n_cols, 1), 1)
-    starts = torch.arange(0, n_rows + rows, rows, device=anchors.device)
-    bounds = torch.searchsorted(anchors, starts).tolist()  # each block's positives
-    hardest = torch.empty(n_rows, dtype=torch.long, device=scores.device)
-    for index, start in enumerate(range(0, n_rows, rows)):
-        masked = scores[start:start + rows].detach().clone(memory_format=torch.contiguous_format)
-        first, last = bounds[index], bounds[index + 1]
-        # positives are few: indexed, not a dense fill
-        masked[anchors[first:last] - start, others[first:last]] = float("-inf")
-        hardest[start:start + rows] = masked.argmax(dim=1)
-    return hardest
-
-
-def mine_direction(scores: torch.Tensor, positives: torch.Tensor) -> DirectionTriplets:
-    """The hardest-negative triplets of one direction, in ``positives.nonzero()`` order.
-
-    Args:
-        scores: (n_anchors, n_others) scores, anchors along dimension 0 (a
-            :meth:`~mmgoal.structures.ScoreShare.directions` block; detached inside).
-        positives: same shape, bool.
-    """
-    anchors, others = positives.nonzero(as_tuple=True)  # row-major: sorted by anchor
-    hardest = hardest_in_rows(scores, anchors, others)
-    valid = torch.bincount(anchors, minlength=len(scores)) < scores.shape[1]
-    return DirectionTriplets(anchors, others, hardest[anchors], valid[anchors])
-
-
-def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,
-                      positive_index: tuple[torch.Tensor, torch.Tensor] | None = None
+def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The hardest negative of every image row and every text column.
+    """The hardest negative of every image row and every text column of a score matrix.
 
     Args:
         sims: (n_img, n_txt) scores (detached inside).
         positives: (n_img, n_txt) bool.
-        positive_index: ``positives.nonzero(as_tuple=True)`` when the caller has it.
 
     Returns:
         text_of_image: (n_img,) index ``n(i)`` of the highest-scoring negative text of row i;
@@ -127,14 +121,11 @@ def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor,
         row_valid: (n_img,) bool, the row has at least one negative;
         col_valid: (n_txt,) bool, the column has at least one negative.
     """
-    n_img, n_txt = sims.shape
-    if positive_index is None:
-        positive_index = positives.nonzero(as_tuple=True)
-    rows, cols = positive_index
-    by_column, order = torch.sort(cols, stable=True)  # the columns' positives, in order
-    return (hardest_in_rows(sims, rows, cols), hardest_in_rows(sims.T, by_column, rows[order]),
-            torch.bincount(rows, minlength=n_img) < n_txt,
-            torch.bincount(cols, minlength=n_txt) < n_img)
+    hardest = HardestNegative()
+    ScoreTiles(MatrixScorer(sims.detach()), *sims.shape, positives=positives.bool()
+               ).statistics(hardest)
+    return (hardest.row_index, hardest.col_index, torch.isfinite(hardest.row_value),
+            torch.isfinite(hardest.col_value))
 
 
 def draw_device(device: torch.device, generator: torch.Generator | None) -> torch.device:

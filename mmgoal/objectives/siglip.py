@@ -9,10 +9,9 @@ with ``t = exp(t')`` a learnable scale and ``b`` a learnable bias (the paper's
 initialisation: ``t' = log 10``, ``b = -10``; docs/reference/objectives.md). It equals
 open_clip's ``SigLipLoss`` on the same features (tests/objectives/test_siglip.py).
 
-The loss and its gradient are computed block by block of rows
-(:func:`~mmgoal.objectives.blocks.in_row_blocks`): no (n, n) tensor beyond the score
-matrix and its gradient is ever alive, whatever the batch (the backward pass recomputes
-each block's sigmoid from the scores).
+The loss and its gradient are computed on score tiles (:mod:`mmgoal.scoring`): no
+tensor of the score matrix's shape is ever made, whatever the batch (the backward pass
+recomputes each tile and its sigmoid).
 """
 
 from __future__ import annotations
@@ -23,33 +22,36 @@ import torch
 from torch import nn
 
 from mmgoal.contract import LogitBiasModel, TemperatureModel
-from mmgoal.objectives.blocks import BLOCK_ROWS, RowTerm, check_block_rows, in_row_blocks
-from mmgoal.objectives.mining import score_share
+from mmgoal.objectives.mining import score_tiles
 from mmgoal.registry import OBJECTIVES
+from mmgoal.scoring import Statistic, Tile
 from mmgoal.structures import ObjectiveInputs
 
 
-class _Sigmoid(RowTerm):
-    """``-log sigmoid(z x)`` of every pair of a block of image rows, ``x = scale * s + bias``,
-    ``z = +-1``, divided by the batch's images; the backward pass recomputes the sigmoid."""
+class _SigmoidTerms(Statistic):
+    """``-log sigmoid(z x)`` summed over every pair of this rank's image rows, ``x = scale *
+    s + bias``, ``z = +-1`` (``value``); :meth:`weight` its ``d/dS`` and ``d/d(scale,
+    bias)`` on a tile, recomputed from the tile's scores."""
 
-    directions = ("i2t",)
+    def __init__(self, scale: torch.Tensor, bias: torch.Tensor, divisor: int) -> None:
+        self.scale, self.bias, self.divisor = scale, bias, divisor
 
-    def __init__(self, divisor: int) -> None:
-        self.divisor = divisor
+    def start(self, n_rows, n_cols, like):
+        self.value = like.new_zeros(())
 
-    def _margins(self, scores, positives, scale, bias):
-        signs = positives.to(scores.dtype).mul_(2).sub_(1)
-        return (scores * scale + bias).mul_(signs), signs  # z x
+    def _margins(self, tile: Tile) -> tuple[torch.Tensor, torch.Tensor]:
+        signs = torch.full_like(tile.scores, -1.0)
+        signs[tile.positive_index] = 1.0
+        return (tile.scores * self.scale + self.bias).mul_(signs), signs  # z x
 
-    def loss(self, direction, scores, positives, scale, bias):
-        margins, _ = self._margins(scores, positives, scale, bias)
-        return -torch.nn.functional.logsigmoid(margins).sum() / self.divisor, None
+    def update(self, tile, row_offset):
+        margins, _ = self._margins(tile)
+        self.value -= torch.nn.functional.logsigmoid(margins).sum() / self.divisor
 
-    def grad(self, direction, scores, positives, kept, scale, bias):
-        margins, signs = self._margins(scores, positives, scale, bias)
+    def weight(self, tile: Tile) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        margins, signs = self._margins(tile)
         dx = torch.sigmoid(margins.neg_()).mul_(signs).neg_().div_(self.divisor)  # d/dx
-        return dx * scale, ((dx * scores).sum(), dx.sum())
+        return dx * self.scale, ((dx * tile.scores).sum(), dx.sum())
 
 
 @OBJECTIVES.register()
@@ -66,7 +68,6 @@ class SigLIPLoss(nn.Module):
         init_scale: the initial ``t' = log t`` (the paper: log 10).
         init_bias: the initial bias (the paper: -10).
         learnable: optimise the loss's own scale and bias.
-        block_rows: rows of the score matrix computed at once.
         model: the model it trains (set by the trainer, not the config).
 
     Returns (from ``forward``): ``siglip_loss``, and the logged ``logit_scale`` (``t``)
@@ -74,10 +75,8 @@ class SigLIPLoss(nn.Module):
     """
 
     def __init__(self, init_scale: float = math.log(10.0), init_bias: float = -10.0,
-                 learnable: bool = True, block_rows: int = BLOCK_ROWS,
-                 model: nn.Module | None = None) -> None:
+                 learnable: bool = True, model: nn.Module | None = None) -> None:
         super().__init__()
-        self.block_rows = check_block_rows(block_rows)
         own_scale = not isinstance(model, TemperatureModel)
         own_bias = not (isinstance(model, LogitBiasModel) and model.logit_bias() is not None)
         for name, value, own in (("logit_scale", init_scale, own_scale),
@@ -88,19 +87,19 @@ class SigLIPLoss(nn.Module):
             else:
                 self.register_buffer(name, tensor)
 
-    # every pair is its own term: the image rows of a ScoreShare hold a share's part
-    works_on_rows = True
+    works_on_tiles = True  # every pair is its own term: a rank's rows hold its part
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
-        share = score_share(inputs)
-        sims = share.rows
+        tiles = score_tiles(inputs)
         model = inputs.model
         scale = (1 / model.temperature() if isinstance(model, TemperatureModel)
                  else self.logit_scale.exp())
         bias = model.logit_bias() if isinstance(model, LogitBiasModel) else None
         bias = self.logit_bias if bias is None else bias
-        loss = in_row_blocks(_Sigmoid(share.n_images), share, scale.to(sims.dtype),
-                             bias.to(sims.dtype), block=self.block_rows)
+        scale, bias = scale.to(tiles.dtype), bias.to(tiles.dtype)
+        terms = _SigmoidTerms(scale.detach(), bias.detach(), tiles.n_images)
+        tiles.statistics(terms)
+        loss = tiles.dense_loss(terms.value, terms.weight, (scale, bias))
         # copies: a parameter's detached view would show the value after the step
-        return {"siglip_loss": loss, "logit_scale": scale.detach().clone(),
+        return {"siglip_loss": loss.to(tiles.scorer.dtype), "logit_scale": scale.detach().clone(),
                 "logit_bias": bias.detach().clone()}

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from mmgoal.objectives.blocks import BLOCK_ROWS, RowTerm, check_block_rows, in_row_blocks
 from mmgoal.objectives.hard_negative import HardNegativeLoss
-from mmgoal.objectives.mining import score_share
+from mmgoal.objectives.mining import score_tiles
 from mmgoal.registry import OBJECTIVES
+from mmgoal.scoring import ScoreTiles, Statistic, Tile
 from mmgoal.structures import ObjectiveInputs
 
 
 def sum_of_hinges(scores: torch.Tensor, positives: torch.Tensor, margin: float
                   ) -> torch.Tensor:
-    """Hinges summed over every negative (VSE0), per positive pair of one direction.
+    """Hinges summed over every negative (VSE0), per positive pair of one direction: the
+    dense formula, for a whole matrix (the reference of the tiled loss).
 
     For a positive ``(a, p)`` of anchor ``a``: ``sum_k [m + S[a, k] - S[a, p]]_+`` over
-    the negatives ``k`` of the anchor (row ``a`` of an image-to-text block, column ``a``
-    of the matrix in a text-to-image one).
+    the negatives ``k`` of the anchor.
 
     Args:
-        scores: (n_anchors, n_others) scores, anchors along dimension 0 (a
-            :meth:`~mmgoal.structures.ScoreShare.directions` block); positives: same
+        scores: (n_anchors, n_others) scores, anchors along dimension 0; positives: same
             shape, bool.
 
     Returns:
@@ -32,14 +31,60 @@ def sum_of_hinges(scores: torch.Tensor, positives: torch.Tensor, margin: float
     return ((margin + scores[anchors] - s_pos).clamp(min=0) * ~positives[anchors]).sum(1)
 
 
-class _HingeTerms(RowTerm):
-    """:func:`sum_of_hinges` of a block of anchors, over ``divisor``."""
+class _Hinges(Statistic):
+    """The hinges ``[m + S[a, k] - s_p]_+`` of every positive pair's anchor against its
+    negatives, on each tile: their sum (``value``), how many are active for each positive
+    pair (``i2t``: this rank's rows' pairs; ``t2i``: every text's pairs, partial over the
+    ranks' rows), and, for the backward, each entry's number of active hinges (:meth:`weight`).
 
-    def __init__(self, margin: float, divisor: int) -> None:
-        self.margin, self.divisor = margin, divisor
+    Args:
+        i2t: this rank's image rows' positive pairs ``(rows, cols)`` and their scores.
+        t2i: every text's positive pairs ``(images, texts)`` (sorted by text) and scores.
+    """
 
-    def loss(self, direction, scores, positives):
-        return sum_of_hinges(scores, positives, self.margin).sum() / self.divisor, None
+    def __init__(self, tiles: ScoreTiles, margin: float, i2t: tuple, t2i: tuple) -> None:
+        self.tiles, self.margin, self.i2t, self.t2i = tiles, margin, i2t, t2i
+
+    def start(self, n_rows, n_cols, like):
+        self.value = like.new_zeros(())
+        self.i2t_counts = like.new_zeros(len(self.i2t[0]))
+        self.t2i_counts = like.new_zeros(len(self.t2i[0]))
+
+    def _active(self, tile: Tile) -> tuple[torch.Tensor, slice, torch.Tensor, slice]:
+        """The active hinges of the tile's row pairs (k, c) and column pairs (r, k), with
+        where those pairs lie in the pair lists."""
+        rows, _, s_rows = self.i2t
+        images, texts, s_cols = self.t2i
+        mine = slice(*torch.searchsorted(rows, rows.new_tensor([tile.rows.start,
+                                                                tile.rows.stop])).tolist())
+        local = rows[mine] - tile.rows.start
+        row_hinges = (tile.scores[local] - s_rows[mine, None]).add_(self.margin)
+        row_hinges.mul_(tile.negatives[local])
+        theirs = slice(*torch.searchsorted(texts, texts.new_tensor([tile.cols.start,
+                                                                    tile.cols.stop])).tolist())
+        local = texts[theirs] - tile.cols.start
+        col_hinges = (tile.scores[:, local] - s_cols[None, theirs]).add_(self.margin)
+        col_hinges.mul_(tile.negatives[:, local])
+        return row_hinges, mine, col_hinges, theirs
+
+    def update(self, tile, row_offset):
+        row_hinges, mine, col_hinges, theirs = self._active(tile)
+        self.value += row_hinges.clamp(min=0).sum() + col_hinges.clamp(min=0).sum()
+        # clamp's gradient passes at 0, as autograd's does; a masked-out entry is 0 too
+        self.i2t_counts[mine] += ((row_hinges >= 0) & tile.negatives[
+            self.i2t[0][mine] - tile.rows.start]).sum(1)
+        self.t2i_counts[theirs] += ((col_hinges >= 0) & tile.negatives[
+            :, self.t2i[1][theirs] - tile.cols.start]).sum(0)
+
+    def weight(self, tile: Tile) -> torch.Tensor:
+        """(r, c) ``d value / d S`` of the tile's negative entries."""
+        row_hinges, mine, col_hinges, theirs = self._active(tile)
+        weights = torch.zeros_like(tile.scores)
+        row_active = ((row_hinges >= 0) & tile.negatives[self.i2t[0][mine] - tile.rows.start])
+        weights.index_add_(0, self.i2t[0][mine] - tile.rows.start, row_active.to(weights.dtype))
+        col_active = ((col_hinges >= 0) & tile.negatives[:, self.t2i[1][theirs] - tile.cols.start])
+        weights.index_add_(1, self.t2i[1][theirs] - tile.cols.start, col_active.to(weights.dtype))
+        return weights
 
 
 @OBJECTIVES.register()
@@ -51,18 +96,20 @@ class TripletLoss(HardNegativeLoss):
         max_violation: hardest negative only (VSE++) instead of the sum over
             all negatives (VSE0).
         reduction: ``sum`` over positive pairs (VSE++ convention) or ``mean``.
-        block_rows: anchors whose hinges over all negatives are computed at once
-            (``max_violation: false``; docs/objectives.md).
 
     Returns (from ``forward``): ``triplet_loss``.
+
+    With the hardest negative, its gradient is sparse (the positives and each anchor's
+    mined negative): one pass over the score tiles, then O(n) pairs. Over all negatives
+    it is dense: a pass for the value and each positive pair's number of active hinges,
+    and the backward recomputes each tile once (:mod:`mmgoal.scoring`).
     """
 
     name = "triplet"
 
     def __init__(self, margin: float = 0.2, max_violation: bool = True,
-                 reduction: str = "sum", block_rows: int = BLOCK_ROWS) -> None:
+                 reduction: str = "sum") -> None:
         super().__init__(reduction)
-        self.block_rows = check_block_rows(block_rows)
         self.margin = margin
         self.max_violation = max_violation
 
@@ -72,7 +119,21 @@ class TripletLoss(HardNegativeLoss):
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         if self.max_violation:
             return super().forward(inputs)
-        share = score_share(inputs)
-        divisor = max(share.positive_count, 1) if self.reduction == "mean" else 1
-        loss = in_row_blocks(_HingeTerms(self.margin, divisor), share, block=self.block_rows)
-        return {"triplet_loss": loss}
+        tiles = score_tiles(inputs)
+        divisor = max(tiles.positive_count, 1) if self.reduction == "mean" else 1
+        i2t_pairs = (tiles.positive_rows, tiles.positive_cols)
+        texts, images = tiles.all_text_positives()
+        s_i2t, s_t2i = tiles.pair_scores(*i2t_pairs), tiles.pair_scores(images, texts)
+        hinges = _Hinges(tiles, self.margin, (*i2t_pairs, s_i2t.detach()),
+                         (images, texts, s_t2i.detach()))
+        tiles.statistics(hinges)
+
+        def weight(tile: Tile) -> tuple[torch.Tensor, tuple]:
+            return hinges.weight(tile).div_(divisor), ()
+
+        # each active hinge's -1 on its positive's score: O(n) pairs, scored with a graph
+        surrogate = -(hinges.i2t_counts * s_i2t).sum() - (hinges.t2i_counts * s_t2i).sum()
+        loss = tiles.dense_loss(hinges.value / divisor, weight) \
+            + (surrogate - surrogate.detach()) / divisor
+        return {"triplet_loss": loss.to(tiles.scorer.dtype)}
+

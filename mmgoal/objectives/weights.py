@@ -24,12 +24,14 @@ Add a weight of your own in a few lines (docs/objectives.md)::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
 import torch
 
 from mmgoal.registry import PAIR_WEIGHTS, TRIPLET_WEIGHTS
+from mmgoal.scoring import LogSumExp, Statistic, Sum, Tile
 
 
 @TRIPLET_WEIGHTS.register("con")
@@ -51,9 +53,74 @@ def triplet_weight_cir(s_p: torch.Tensor, s_n: torch.Tensor, tau: float = 10.0,
     return torch.sigmoid(-tau * (s_p * (2 - s_p) - s_n ** 2 - cir_offset))
 
 
-# scores per block of the multi-similarity sets' masks (1 MiB of float32): no tensor of the
-# score matrix's shape is made, and a block stays in cache
-BLOCK = 1 << 18
+class NegativeSums:
+    """What ``R-`` needs of each triplet's anchor, from the score tiles: over the anchor's
+    negatives with ``r >= threshold`` (the mined one included), their ``count``, their
+    ``total`` (``sum r``) and ``log sum exp(scale r)`` at each scale asked.
+
+    Built in two steps: :meth:`asked` records what a pair weight reads (a dry run of the
+    weight on one triplet), the objective reduces exactly those over the tiles, then
+    gives the values per triplet (:meth:`of`)."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+        self.wants_total = False
+        self.values: dict | None = None
+
+    def of(self, count: torch.Tensor, total: torch.Tensor | None,
+           log_sum_exp: dict[float, torch.Tensor]) -> NegativeSums:
+        """These sums, per triplet."""
+        given = NegativeSums()
+        given.values = {"count": count, "total": total, **log_sum_exp}
+        return given
+
+    def count(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(like.shape) if self.values is None else self.values["count"]
+
+    def total(self, like: torch.Tensor) -> torch.Tensor:
+        if self.values is None:
+            self.wants_total = True
+            return like.new_zeros(like.shape)
+        return self.values["total"]
+
+    def log_sum_exp(self, scale: float, like: torch.Tensor) -> torch.Tensor:
+        if self.values is None:
+            if scale not in self.scales:
+                self.scales.append(scale)
+            return like.new_zeros(like.shape)
+        return self.values[scale]
+
+
+def negative_set_statistics(asked: NegativeSums, threshold: torch.Tensor
+                            ) -> dict[str | float, Statistic]:
+    """The statistics that give what a pair weight asked of ``R-`` (``asked``), over every
+    anchor's negatives with ``r >= threshold``: a count, and the sum or the log-sum-exp at
+    each scale where asked, keyed as :meth:`NegativeSums.of` takes them."""
+    # r - below > 0 exactly when r >= threshold (below: the next float down, and a rounded
+    # difference keeps its sign): 0/1 in one float pass, where a bool comparison and its
+    # conversion cost several times as much on a CPU
+    below = torch.nextafter(threshold, threshold.new_tensor(-math.inf))
+
+    def taken(tile: Tile, _offset: int) -> torch.Tensor:
+        if "taken" not in tile.cache:  # the tile's negatives in R-'s range, as 1s
+            tile.cache["taken"] = (tile.masked - below).sign_().clamp_(min=0)
+        return tile.cache["taken"]
+
+    statistics: dict[str | float, Statistic] = {"count": Sum(taken)}
+    if asked.wants_total:
+        statistics["total"] = Sum(taken, lambda tile: tile.scores)
+    statistics.update({scale: LogSumExp(scale, taken, floor=threshold if scale > 0 else None)
+                       for scale in asked.scales})
+    return statistics
+
+
+def negative_sums(asked: NegativeSums, statistics: dict[str | float, Statistic], rows: bool,
+                  anchors: torch.Tensor) -> NegativeSums:
+    """The reduced ``statistics`` (:func:`negative_set_statistics`) of each triplet's anchor:
+    a row (an image, ``rows``) or a column (a text)."""
+    of_anchors = {key: (statistic.row if rows else statistic.col)[anchors]
+                  for key, statistic in statistics.items()}
+    return asked.of(of_anchors.pop("count"), of_anchors.pop("total", None), of_anchors)
 
 
 class RelativeScores:
@@ -62,36 +129,26 @@ class RelativeScores:
     ``R+`` of a triplet: the scores ``r`` of the batch's *other* positive pairs
     with ``r <= s_n + eps``; ``R-``: the anchor's negatives other than the mined
     one with ``r >= min(batch positive scores) - eps``. Pair weights ask for
-    means over these sets; they are computed from sorted positive scores and
-    per-anchor sums over the scores (no (n_pos x n_pos) or (n_pos x n) tensor).
-
-    It reads a share of the score matrix (:class:`~mmgoal.structures.ScoreShare`): the
-    anchors' own scores, and the batch's positive scores, O(n) numbers. So under local
-    scoring each rank builds the sets of its own triplets, and they equal one process's.
+    means over these sets. ``R+`` reads only the batch's positive scores (sorted, a
+    prefix sum: no (n_pos x n_pos) tensor); ``R-`` reads the anchor's sums over its
+    negatives above the threshold, which the objective reduces over the score tiles
+    (:class:`NegativeSums`; the threshold comes from the positive scores, known before any
+    tile). Under local scoring each rank builds the sets of its own triplets, equal to
+    one process's.
 
     Args:
-        scores: detached scores whose rows (``i2t``: image anchors) or columns (``t2i``:
-            text anchors) are the anchors; positives: same shape, bool.
-        direction: ``i2t`` or ``t2i``.
-        anchors: (N,) each triplet's anchor, a row or column index of ``scores``.
-        s_p, s_n: (N,) the triplets' scores.
+        s_p, s_n: (N,) the triplets' scores (detached).
         positive_scores: (n_pos,) the score of every positive pair of the batch, once.
         eps: comparison margin.
-        cache: shared by the two directions of one batch: the masked per-anchor sums of
-            each score tensor (one tensor in one process, so both directions' sums come
-            from one mask).
+        negatives: the sums of each triplet's anchor over its negatives.
     """
 
-    def __init__(self, scores: torch.Tensor, positives: torch.Tensor, direction: str,
-                 anchors: torch.Tensor, s_p: torch.Tensor, s_n: torch.Tensor,
-                 positive_scores: torch.Tensor, eps: float, cache: dict) -> None:
-        self.scores, self.positives, self.eps = scores, positives, eps
-        self.cache = cache.setdefault(id(scores), {"scores": scores})  # keeps the id valid
+    def __init__(self, s_p: torch.Tensor, s_n: torch.Tensor, positive_scores: torch.Tensor,
+                 eps: float, negatives: NegativeSums) -> None:
         self.s_p, self.s_n, self.positive_scores = s_p, s_n, positive_scores
-        self.direction = direction
-        self.anchors = anchors
-        self.mined = s_n
-        self.threshold = positive_scores.min() - eps
+        self.eps, self.negatives = eps, negatives
+        self.threshold = (positive_scores.min() if len(positive_scores)
+                          else s_p.new_tensor(math.inf)) - eps
 
     # ---------------------------------------------------------------- R+
     def _positive_sums(self, values: Callable[[torch.Tensor], torch.Tensor]
@@ -118,76 +175,26 @@ class RelativeScores:
         return torch.where(count > 0, mean, torch.full_like(mean, empty))
 
     # ---------------------------------------------------------------- R-
-    def _anchor_sums(self, key: str,
-                     fill: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
-                     ) -> torch.Tensor:
-        """Per-anchor sums over the negatives ``>= threshold`` (both axes, cached).
-
-        Computed a block of rows at a time (:data:`BLOCK` scores), so no tensor of the
-        scores' shape is made: for each block, the 0/1 mask of its negatives ``>=
-        threshold``, which ``fill(mask, block)`` turns in place into the masked values to
-        sum (``None`` counts). ``r - below > 0`` exactly when ``r >= threshold``
-        (``below`` is the next float down, and a rounded difference keeps its sign): one
-        float pass, where a bool comparison and its conversion cost three times as much
-        on CPU, and masked operations with bool tensors are slower still.
-        """
-        if key not in self.cache:
-            self.cache[key] = self._block_sums(fill)
-        by_row, by_col = self.cache[key]
-        return by_row if self.direction == "i2t" else by_col
-
-    def _block_sums(self, fill: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.scores
-        below = torch.nextafter(self.threshold, self.threshold.new_tensor(-torch.inf))
-        if "positives" not in self.cache:  # row-major: sorted by row
-            self.cache["positives"] = self.positives.nonzero(as_tuple=True)
-        pos_rows, pos_cols = self.cache["positives"]
-        n_rows, n_cols = scores.shape
-        rows = max(BLOCK // max(n_cols, 1), 1)
-        starts = torch.arange(0, n_rows + rows, rows, device=pos_rows.device)
-        bounds = torch.searchsorted(pos_rows, starts).tolist()  # each block's positives
-        by_row, by_col = scores.new_empty(n_rows), scores.new_zeros(n_cols)
-        for index, start in enumerate(range(0, n_rows, rows)):
-            block = scores[start:start + rows]
-            inside = (block - below).sign_().clamp_(min=0)
-            first, last = bounds[index], bounds[index + 1]
-            inside[pos_rows[first:last] - start, pos_cols[first:last]] = 0  # never negatives
-            if fill is not None:
-                fill(inside, block)
-            by_row[start:start + rows] = inside.sum(1)
-            by_col += inside.sum(0)
-        return by_row, by_col
-
-    def _negative_mean(self, key: str,
-                       fill: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                       mined_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        in_set = (self.mined >= self.threshold).to(self.s_n.dtype)  # the mined one is left out
-        count = self._anchor_sums("count", None)[self.anchors] - in_set
-        total = self._anchor_sums(key, fill)[self.anchors] - in_set * mined_value
-        return total / count.clamp(min=1), count > 0.5
+    def _in_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mined negative's membership of its anchor's set (it is left out of ``R-``)
+        and the size of ``R-``."""
+        in_set = (self.s_n >= self.threshold).to(self.s_n.dtype)
+        return in_set, self.negatives.count(self.s_n) - in_set
 
     def neg_mean_exp(self, scale: float, empty: float = 1.0) -> torch.Tensor:
         """``mean_{r in R-} exp(-scale (s_n - r))``; ``empty`` where ``R-`` is empty."""
-        if "top" not in self.cache:
-            self.cache["top"] = self.scores.max()  # exp(scale (r - top)) <= 1: no overflow
-        top = self.cache["top"]
-
-        def fill(inside: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-            # Not exp(log(mask) + ...): exp and log of infinities are ten times slower.
-            return inside.mul_((block - top).mul_(scale).exp_())
-
-        mean, nonempty = self._negative_mean(f"exp:{scale}", fill,
-                                             torch.exp(scale * (self.mined - top)))
-        mean = mean * torch.exp(scale * (top - self.s_n))
-        return torch.where(nonempty, mean, torch.full_like(mean, empty))
+        in_set, count = self._in_set()
+        # sum over the set of exp(scale (r - s_n)) <= its size: s_n is the anchor's largest
+        total = torch.exp(self.negatives.log_sum_exp(scale, self.s_n) - scale * self.s_n)
+        mean = (total - in_set) / count.clamp(min=1)
+        return torch.where(count > 0.5, mean, torch.full_like(mean, empty))
 
     def neg_mean_diff(self, empty: float = 0.0) -> torch.Tensor:
         """``mean_{r in R-} (s_n - r)``; ``empty`` where ``R-`` is empty."""
-        mean, nonempty = self._negative_mean("sum", lambda inside, block: inside.mul_(block),
-                                             self.mined)
-        mean = self.s_n - mean
-        return torch.where(nonempty, mean, torch.full_like(mean, empty))
+        in_set, count = self._in_set()
+        total = self.negatives.total(self.s_n) - in_set * self.s_n
+        mean = self.s_n - total / count.clamp(min=1)
+        return torch.where(count > 0.5, mean, torch.full_like(mean, empty))
 
 
 @PAIR_WEIGHTS.register("con")

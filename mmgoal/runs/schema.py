@@ -143,7 +143,7 @@ class TrainConfig(ConfigSection):
         "epochs": 0, "clip_grad": 0, "log_every": 1, "eval_every": 0,
         "checkpoint_every_steps": 0, "keep_epochs": 0, "max_nonfinite_steps": 1,
         "samples_per_epoch": 1, "accumulate_steps": 1, "reference_batch": 1,
-        "grad_cache_chunk": 1}
+        "grad_cache_chunk": 1, "tile_rows": 1, "tile_cols": 1}
     epochs: int = 10
     seed: int = 0
     clip_grad: float = 2.0
@@ -165,6 +165,11 @@ class TrainConfig(ConfigSection):
     # encode a batch this many pairs at a time, caching the features' gradients
     # (docs/distributed.md, "Gradient caching"); null: the whole batch with its graph
     grad_cache_chunk: int | None = None
+    # the score tiles an objective streams (docs/objectives.md, "Score tiles"): images x
+    # texts scored at once; null: the scorer's default (1024 x 4096 for a dot product,
+    # 32 x 32 pairs for cross attention)
+    tile_rows: int | None = None
+    tile_cols: int | None = None
     scale_lr: str = "none"
     reference_batch: int | None = None
     # where and how (docs/getting_started.md, "Training on GPUs")

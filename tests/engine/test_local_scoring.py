@@ -1,8 +1,7 @@
 """Local scoring (docs/distributed.md, "Local scoring"): on 2 and 4 gloo ranks, each rank
-scores only its share of the global batch (its images against every text, and every image
-against its texts where asked: computed for a dual encoder, exchanged for cross
-attention), and every objective that works on rows gives the one-process loss and
-gradients of the global batch."""
+streams only its share of the score tiles (its images against every text; the columns'
+statistics combined over the ranks), and every objective gives the one-process loss,
+statistics and gradients of the global batch, whatever the tiles."""
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ OBJECTIVES_ON_ROWS = [
     {"type": "NTXentHardLoss", "tau": 5.0},
     {"type": "CircleLoss", "reduction": "mean"},
     {"type": "BinomialDevianceLoss"},
-    {"type": "SigLIPLoss", "block_rows": 2},
+    {"type": "SigLIPLoss"},
     {"type": "ObjectiveSum", "terms": [{"type": "InfoNCELoss"}, {"type": "SigLIPLoss"}]},
     {"type": "MultiSimilarityLoss", "eps": 0.5, "reduction": "mean"},
     # GOAL's 15 combinations; eps wide enough that the multi-similarity sets are not empty
@@ -35,8 +34,10 @@ OBJECTIVES_ON_ROWS = [
 
 
 class Towers(torch.nn.Module):
-    """Two linear towers over random inputs, scored by the cosine; it records the shapes
-    of every score matrix it computes."""
+    """Two linear towers over random inputs, scored by the cosine (tiles are products of
+    the embeddings); it records the shapes of every score matrix it computes itself."""
+
+    dot_product_scores = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,14 +88,20 @@ def losses_and_gradients(step: TrainingStep, batch: dict) -> tuple[dict, dict]:
                     if p.grad is not None}
 
 
-def step_of(config: dict, scoring: str) -> TrainingStep:
+def step_of(config: dict, scoring: str, tile: tuple = (None, None)) -> TrainingStep:
     model = Towers()
     objective = OBJECTIVES.build(config, model=model).double()
-    return TrainingStep(model, objective, scoring=scoring)
+    return TrainingStep(model, objective, scoring=scoring, tile_rows=tile[0],
+                        tile_cols=tile[1])
+
+
+# tiles of 1 x 2 on 2 ranks (many tiles a rank, a column's statistics over several), the
+# default (one tile) on 4
+TILE = {2: (1, 2), 4: (None, None)}
 
 
 def on_rank(rank, world, config, scoring):
-    step = step_of(config, scoring)
+    step = step_of(config, scoring, TILE.get(world, (None, None)))
     losses, gradients = losses_and_gradients(step, rank_batch(global_batch(world), rank))
     for grad in gradients.values():  # what DDP's all-reduce does: the ranks' mean
         dist.all_reduce(grad)
@@ -120,12 +127,7 @@ def test_local_scoring_gives_the_global_loss_and_gradients(tmp_path, world):
             for name, value in gradients.items():
                 torch.testing.assert_close(got["gradients"][name], value, atol=1e-10, rtol=0,
                                            msg=f"{config} {name} rank {rank}")
-            # a rank scored its rows (its images against the global batch's texts) and, where
-            # the objective asks, its columns (every image against its texts): never n x n
-            n = world * PER_RANK
-            assert got["scored"] in ([(PER_RANK, n)], [(PER_RANK, n), (n, PER_RANK)]), config
-            if config["type"] == "SigLIPLoss":
-                assert got["scored"] == [(PER_RANK, n)]  # the image rows suffice
+            assert got["scored"] == [], config  # the scores were tiles, never a matrix
 
 
 def on_ranks_all(rank, world):
@@ -142,7 +144,7 @@ def test_replicated_scoring_and_objectives_on_the_whole_matrix_score_it_all(tmp_
     losses, gradients = losses_and_gradients(step_of({"type": "InfoNCELoss"}, "local"),
                                              global_batch(2))
     for result in replicated:
-        assert result["scored"] == [(2 * PER_RANK, 2 * PER_RANK)]  # the whole matrix
+        assert result["scored"] == []  # every rank streamed every tile
         torch.testing.assert_close(result["losses"]["infonce_loss"], losses["infonce_loss"])
         for name, value in gradients.items():
             torch.testing.assert_close(result["gradients"][name], value)
@@ -189,9 +191,10 @@ def test_lam_auto_moves_alike_under_local_scoring(tmp_path):
 
 class CrossTowers(Towers):
     """Region and word features of random lengths, scored by SCAN's stacked cross
-    attention; it counts the image-text pairs it cross-attends."""
+    attention; it records the tiles it cross-attends, and how many chosen pairs."""
 
-    similarity_uses_tokens = True  # its columns come from the other ranks' rows
+    dot_product_scores = False
+    similarity_uses_tokens = True
 
     FRAGMENTS = 3
 
@@ -228,6 +231,13 @@ class CrossTowers(Towers):
         self.scored.append((len(images.tokens), len(texts.tokens)))
         return scan_similarity(images.tokens, images.mask, texts.tokens, texts.mask, "t2i",
                                9.0, "avg", 6.0)
+
+    def pair_similarity(self, images, texts):
+        from mmgoal.models.layers.cross_attention import scan_pair_similarity
+
+        self.pairs += len(images.tokens)
+        return scan_pair_similarity(images.tokens, images.mask, texts.tokens, texts.mask,
+                                    "t2i", 9.0, "avg", 6.0)
 
     def attention(self, images, texts):
         from mmgoal.models.layers.cross_attention import scan_attention
@@ -267,16 +277,17 @@ def on_rank_scan(rank, world):
             dist.all_reduce(grad)
             grad /= world
         results.append({"losses": losses, "gradients": gradients,
-                        "scored": step.model.scored})
+                        "scored": step.model.scored, "pairs": step.model.pairs})
     return results
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_cross_attention_scoring_is_divided_over_the_ranks(tmp_path, world):
-    """SCAN-style scoring (GOAL on its rows), with and without CCR and CCS: each rank
-    cross-attends its images with every text (n^2 / world pairs), and the step's losses,
-    statistics and gradients equal one process's on the global batch."""
+    """SCAN-style scoring (GOAL on its tiles), with and without CCR and CCS: each rank
+    cross-attends its images with every text once without a graph (n^2 / world pairs),
+    then only its triplets' O(n) pairs with one, and the step's losses, statistics and
+    gradients equal one process's on the global batch."""
     results = run_ranks(on_rank_scan, tmp_path, world=world)
     n = world * PER_RANK
     for index, constraints in enumerate((False, True)):
@@ -287,6 +298,9 @@ def test_cross_attention_scoring_is_divided_over_the_ranks(tmp_path, world):
             assert losses["ccr_loss"] > 0 and losses["ccr_active"] > 0
         for rank, result in enumerate(result[index] for result in results):
             assert result["scored"] == [(PER_RANK, n)]  # n^2 / world pairs, not n^2
+            # again with a graph: the positive pairs of its images and of its texts (at most
+            # two each: one image has two captions) and their mined negatives, O(n), no tile
+            assert 0 < result["pairs"] <= 8 * PER_RANK, result["pairs"]
             assert result["losses"].keys() == losses.keys()
             for key, value in losses.items():
                 torch.testing.assert_close(result["losses"][key], value, atol=1e-10, rtol=0,

@@ -4,7 +4,7 @@ import torch
 from mmgoal.data.tokenizers import HFTokenizer, WordTokenizer
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
-from mmgoal.objectives.itm import sample_hard_negatives
+from mmgoal.objectives.itm import draw_seed, sample_hard_negatives
 from mmgoal.registry import MODELS, OBJECTIVES
 from mmgoal.structures import ObjectiveInputs
 
@@ -95,11 +95,12 @@ def test_itm_loss_classifies_positives_and_sampled_negatives(tokenizer):
     generator = torch.Generator().manual_seed(0)
     out = itm(ObjectiveInputs(sims, model=model, image_features=images, text_features=texts,
                               generator=generator))
-    # Rebuild the 12 pairs by hand with the same draws.
-    generator = torch.Generator().manual_seed(0)
+    # Rebuild the 12 pairs by hand with the same draws: the step's seed, its rows' noise
+    # for the texts, its columns' (the next seed) for the images
+    seed = draw_seed(torch.Generator().manual_seed(0))
     positives = torch.eye(4, dtype=torch.bool)
-    neg_text, _ = sample_hard_negatives(sims, positives, 0.07, generator)
-    neg_image, _ = sample_hard_negatives(sims.T, positives, 0.07, generator)
+    neg_text, _ = sample_hard_negatives(sims, positives, 0.07, seed=seed)
+    neg_image, _ = sample_hard_negatives(sims.T, positives, 0.07, seed=seed + 1)
     image_index = torch.cat([torch.arange(4), neg_image, torch.arange(4)])
     text_index = torch.cat([torch.arange(4), torch.arange(4), neg_text])
     def take(f, i):

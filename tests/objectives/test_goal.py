@@ -225,43 +225,57 @@ def test_relative_terms_fall_back_when_empty():
 
 
 def brute_force_relative(sims, positives, eps, direction):
-    """m+, l+, m-, l- of every triplet by explicit loops over the sets of docs/reference/goal.md."""
-    from mmgoal.objectives.mining import mine_direction
-
+    """m+, l+, m-, l- of every triplet by explicit loops over the sets of docs/reference/goal.md,
+    the triplets mined by argmax over the dense matrix."""
     block, block_positives = (sims, positives) if direction == "i2t" else (sims.T, positives.T)
-    triplets = mine_direction(block, block_positives)
-    s_p, s_n = triplets.scores(block)
+    anchors, others = block_positives.nonzero(as_tuple=True)
+    negatives = block.masked_fill(block_positives, float("-inf")).argmax(1)[anchors]
+    s_p, s_n = block[anchors, others], block[anchors, negatives]
+    all_positives = sims[positives]
 
     def mean(values, empty):
         return sum(values) / len(values) if values else torch.tensor(empty)
 
     out = []
     for k in range(len(s_p)):
+        # every positive pair of the batch is one triplet's: the others but its own
         r_pos = [s_p[m] for m in range(len(s_p)) if m != k and s_p[m] <= s_n[k] + eps]
-        if direction == "i2t":
-            i = triplets.anchors[k]
-            r_neg = [sims[i, c] for c in range(sims.shape[1]) if not positives[i, c]
-                     and c != triplets.negatives[k] and sims[i, c] >= s_p.min() - eps]
-        else:
-            j = triplets.anchors[k]
-            r_neg = [sims[r, j] for r in range(sims.shape[0]) if not positives[r, j]
-                     and r != triplets.negatives[k] and sims[r, j] >= s_p.min() - eps]
+        a = anchors[k]
+        r_neg = [block[a, c] for c in range(block.shape[1]) if not block_positives[a, c]
+                 and c != negatives[k] and block[a, c] >= all_positives.min() - eps]
         out.append([mean([torch.exp(2.0 * (s_p[k] - r)) for r in r_pos], 1.0),
                     mean([s_p[k] - r for r in r_pos], 0.0),
                     mean([torch.exp(-10.0 * (s_n[k] - r)) for r in r_neg], 1.0),
                     mean([s_n[k] - r for r in r_neg], 0.0)])
-    return torch.tensor(out, dtype=sims.dtype), triplets.anchors, s_p, s_n
+    return torch.tensor(out, dtype=sims.dtype), anchors, s_p, s_n
 
 
 @pytest.mark.parametrize("direction", ["i2t", "t2i"])
 @pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
-def test_relative_terms_match_a_loop_over_the_reference_sets(direction, groups):
-    from mmgoal.objectives.weights import RelativeScores
+@pytest.mark.parametrize("tile", [1, 3, 1024])
+def test_relative_terms_match_a_loop_over_the_reference_sets(direction, groups, tile):
+    from mmgoal.objectives.weights import (
+        NegativeSums,
+        RelativeScores,
+        negative_set_statistics,
+        negative_sums,
+    )
+    from mmgoal.scoring import HardestNegative, MatrixScorer, ScoreTiles
 
     sims = cosine_scores(seed=10, dim=3)
     positives = positives_from_groups(torch.tensor(groups))
     expected, anchors, s_p, s_n = brute_force_relative(sims, positives, 0.1, direction)
-    rel = RelativeScores(sims, positives, direction, anchors, s_p, s_n, s_p, 0.1, {})
+    asked = NegativeSums()
+    one = sims.new_zeros(1)
+    for ask in (lambda r: r.neg_mean_exp(10.0), lambda r: r.neg_mean_diff()):
+        ask(RelativeScores(one, one, one, 0.1, asked))
+    assert asked.scales == [10.0] and asked.wants_total
+    tiles = ScoreTiles(MatrixScorer(sims), *sims.shape, positives=positives, tile_rows=tile,
+                       tile_cols=tile + 1)
+    statistics = negative_set_statistics(asked, sims[positives].min() - 0.1)
+    tiles.statistics(HardestNegative(), *statistics.values())
+    rel = RelativeScores(s_p, s_n, sims[positives], 0.1,
+                         negative_sums(asked, statistics, direction == "i2t", anchors))
     got = torch.stack([rel.pos_mean_exp(2.0), rel.pos_mean_diff(), rel.neg_mean_exp(10.0),
                        rel.neg_mean_diff()], dim=1)
     assert (expected[:, 0] != 1).any() and (expected[:, 2] != 1).any()  # sets are not all empty
@@ -365,20 +379,3 @@ def test_a_pair_weight_with_comparison_sets_declares_eps():
         PAIR_WEIGHTS._entries.pop("ms_without_eps")
 
 
-@pytest.mark.parametrize("pair", ["sig_ms", "lin_ms"])
-@pytest.mark.parametrize("groups", GROUPS.values(), ids=GROUPS.keys())
-def test_blocks_of_rows_give_the_whole_matrix_result(monkeypatch, pair, groups):
-    """The hardest negatives and the multi-similarity sums are computed a block of rows at
-    a time (no tensor of the matrix's shape); blocks of 3 and 5 scores (one row, several
-    rows, a last block cut short) give what one block gives."""
-    from mmgoal.objectives import mining, weights
-
-    sims = cosine_scores(seed=4, dim=3)
-    positives = positives_from_groups(torch.tensor(groups))
-    objective = goal(triplet="cir", pair={"type": pair, "eps": 0.3})
-    expected = grad_of(objective, sims, positives, "goal_loss")
-    for block in (3, 5 * len(sims) + 3):
-        monkeypatch.setattr(weights, "BLOCK", block)
-        monkeypatch.setattr(mining, "MINING_BLOCK", block)
-        torch.testing.assert_close(grad_of(objective, sims, positives, "goal_loss"), expected,
-                                   atol=1e-12, rtol=0)

@@ -193,6 +193,44 @@ def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: tor
                                  pooling, lambda_lse).T
 
 
+def scan_pair_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
+                         word_mask: torch.Tensor, direction: str = "t2i",
+                         lambda_softmax: float = 9.0, pooling: str = "avg",
+                         lambda_lse: float = 6.0) -> torch.Tensor:
+    """SCAN scores of aligned pairs, ``regions[b]`` with ``words[b]``: the diagonal of
+    :func:`scan_similarity`, computed for those pairs alone (score tiles score O(n) chosen
+    pairs this way, with their graph).
+
+    Args: as :func:`scan_similarity`, with the same number of images and texts.
+
+    Returns:
+        (B,) scores.
+    """
+    _check(direction, pooling)
+    if regions.shape[0] != words.shape[0]:
+        raise ValueError(f"aligned pairs need as many images as texts, got "
+                         f"{regions.shape[0]} and {words.shape[0]}")
+    region_mask, word_mask = region_mask.bool(), word_mask.bool()
+    with full_precision(regions.device):
+        regions, words = at_least_float32(regions), at_least_float32(words)
+        if direction == "t2i":
+            queries, query_mask, keys, key_mask = words, word_mask, regions, region_mask
+        else:
+            queries, query_mask, keys, key_mask = regions, region_mask, words, word_mask
+        raw = keys @ queries.transpose(1, 2)  # (B, K, Q)
+        scores = F.leaky_relu(raw, 0.1) * query_mask[:, None, :]
+        logits = scores * (lambda_softmax / (scores.norm(dim=-1, keepdim=True) + EPS))
+        logits = logits.masked_fill(~key_mask[:, :, None], float("-inf"))
+        attention = torch.softmax(logits, dim=1)  # over the keys
+        dot = (attention * raw).sum(1)  # (B, Q)
+        quad = ((keys @ keys.transpose(1, 2)) @ attention * attention).sum(1)
+        relevance = dot / (queries.norm(dim=-1) * quad.clamp(min=EPS**2).sqrt()).clamp(min=EPS)
+        if pooling == "avg":
+            return relevance.masked_fill(~query_mask, 0).sum(-1) / query_mask.sum(-1).clamp(min=1)
+        return torch.logsumexp((lambda_lse * relevance).masked_fill(~query_mask, float("-inf")),
+                               dim=-1) / lambda_lse
+
+
 def scan_attention(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
                    word_mask: torch.Tensor, direction: str = "t2i",
                    lambda_softmax: float = 9.0) -> Attention:
