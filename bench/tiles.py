@@ -12,7 +12,8 @@ both sides). The anchors, on the same embeddings:
   ranks); SigLIP: open_clip's ``SigLipLoss``;
 * TripletLoss (hardest negative) and GOAL: VSE++'s autograd hardest-negative code
   (``S = im @ s.T``, the masked maxima, the hinges), which GOAL's speed is measured
-  against; the sum of hinges and multi-similarity: their row formulas on ``S``, ``S.T``.
+  against; the sum of hinges and multi-similarity: their row formulas on ``S``, ``S.T``
+  (on ranks, each rank computes them on the gathered global batch).
 
 One process: each measurement runs in a fresh process; the peak resident memory above
 what it held once the embeddings were made is the objective's (``ru_maxrss``), and a
@@ -127,7 +128,12 @@ def anchor_step(name: str, images, texts, world: int = 1):
     from mmgoal.objectives.triplet import sum_of_hinges
 
     def step():
-        s = images @ texts.T
+        mine, theirs = images, texts
+        if world > 1:  # every rank scores the gathered global batch, as a loop would
+            from mmgoal.distributed import gather_with_grad
+
+            mine, theirs = gather_with_grad(images), gather_with_grad(texts)
+        s = mine @ theirs.T
         if name == "TripletLoss(all)":
             p = torch.eye(len(s), dtype=torch.bool)
             value = sum_of_hinges(s, p, 0.2).sum() + sum_of_hinges(s.T, p.T, 0.2).sum()

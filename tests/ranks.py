@@ -22,8 +22,13 @@ def _rank(rank: int, world: int, port: int, out_dir: str, body, args: tuple) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.save(body(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank's result is written
     finally:
         dist.destroy_process_group()
+    # A rank whose result is written leaves at once: DeepSpeed's CPU shared-memory
+    # all-reduce (deepspeed_shm_comm) can abort a process in the interpreter's teardown
+    # ("terminate called without an active exception"), after its work is done
+    os._exit(0)
 
 
 def run_ranks(body, out_dir, *args, world: int = 2) -> list:
