@@ -74,8 +74,9 @@ def measure(tree: Path, shards: str, batch: int, steps: int, ranks: int) -> dict
                   f"from scan_train import train; "
                   f"print('RESULT', json.dumps(train({shards!r}, {batch // ranks}, {steps}, "
                   f"{out!r} + '/run')))")
+        Path(out, "rank.py").write_text(script)
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 "--nproc_per_node", str(ranks), "-c", script],
+                                 "--nproc_per_node", str(ranks), f"{out}/rank.py"],
                                 capture_output=True, text=True, env=env, cwd=tree)
         if result.returncode:
             raise RuntimeError(result.stderr[-3000:])
