@@ -18,3 +18,16 @@ def marker_module(folder: Path, name: str, marker: Path) -> Path:
     path = folder / f"{name}.py"
     path.write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
     return path
+
+
+def checked_devices(patch) -> list[str]:
+    """Record, through ``patch`` (a ``MonkeyPatch``), the device of every model that
+    ``mmgoal.runs.loading.check_same_model`` checks against a file: ``meta`` where the
+    file was refused before the real model was built."""
+    from mmgoal.runs import loading
+
+    checked: list[str] = []
+    check = loading.check_same_model
+    patch.setattr(loading, "check_same_model", lambda built, *args: checked.append(
+        next(built.parameters()).device.type) or check(built, *args))
+    return checked

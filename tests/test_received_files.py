@@ -12,14 +12,14 @@ import tracemalloc
 import pytest
 import torch
 import yaml
-from payloads import WritesMarker, marker_module
+from payloads import WritesMarker, checked_devices, marker_module
 from script_modules import ROOT, load_tool
 
 import mmgoal
 import mmgoal.runs.schema
 from mmgoal.config import MAX_EXPANDED_VALUES, load_config
 from mmgoal.registry import MODELS
-from mmgoal.runs import checkpoint, loading
+from mmgoal.runs import checkpoint
 from mmgoal.runs.checkpoint import load_checkpoint, save_safetensors
 
 
@@ -159,10 +159,7 @@ def test_an_export_claiming_a_huge_model_is_refused_before_allocating_it(tiny_qu
     export = received_export(run, tmp_path,
                              model={**state["config"]["model"], "embed_dim": 20_000_000})
     assert export.stat().st_size < 2**20
-    checked = []
-    check_same_model = loading.check_same_model
-    monkeypatch.setattr(loading, "check_same_model", lambda model, *args: checked.append(
-        next(model.parameters()).device.type) or check_same_model(model, *args))
+    checked = checked_devices(monkeypatch)
     with pytest.raises(ValueError, match=r"does not fit the model this config builds .*shapes "
                                          r"differ: image_proj.bias \(16,\) vs \(20000000,\)"):
         mmgoal.load(export, device="cpu")

@@ -236,7 +236,8 @@ def test_a_lora_run_is_exported_merged_and_every_format_embeds_as_the_adapted_mo
 def check_huge_adapters_are_refused_on_the_meta_device(run: Path, tmp_path: Path) -> None:
     """A received copy of the LoRA run whose config claims rank 150,000 adapters (GBs) is
     refused from the model built on the meta device, before any memory is taken."""
-    from mmgoal.runs import loading
+    from payloads import checked_devices
+
     from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
 
     state = load_checkpoint(run / "checkpoints" / "best.pt")
@@ -244,11 +245,8 @@ def check_huge_adapters_are_refused_on_the_meta_device(run: Path, tmp_path: Path
                                                   "r": 150_000}}
     received = tmp_path / "received.pt"
     save_checkpoint({**state, "config": {**state["config"], "model": model}}, received)
-    checked = []
     with pytest.MonkeyPatch.context() as patch:
-        check = loading.check_same_model
-        patch.setattr(loading, "check_same_model", lambda built, *args: checked.append(
-            next(built.parameters()).device.type) or check(built, *args))
+        checked = checked_devices(patch)
         with pytest.raises(ValueError, match=r"does not fit the model this config builds "
                                              r"\(.*shapes differ: .*lora_A"):
             mmgoal.load(received, device="cpu")
