@@ -446,9 +446,15 @@ class Trainer:
     def _loader(self) -> torch.utils.data.DataLoader:
         self.train_set.set_epoch(self.epoch)
         workers = self.config.data.num_workers
+        # A loader draws its workers' base seed when an epoch's iteration starts; from torch's
+        # own random state, that draw would fall between two steps in a run resumed inside
+        # an epoch and nowhere in the uninterrupted run, shifting every later draw (dropout,
+        # CCR's query words, ITM's seeds): it comes from the seed and the epoch instead
+        generator = torch.Generator().manual_seed(
+            self.config.train.seed * 1_000_003 + self.epoch * 1_009 + self.strategy.rank)
         return torch.utils.data.DataLoader(
             self.train_set, batch_size=None, num_workers=workers, persistent_workers=False,
-            pin_memory=self.strategy.device.type == "cuda",
+            pin_memory=self.strategy.device.type == "cuda", generator=generator,
             worker_init_fn=functools.partial(start_data_worker, self._release_workers))
 
     def _stop_while_waiting(self, signal_name: str, trained: bool) -> None:

@@ -29,11 +29,14 @@ class GlobalBatchSlices(torch.utils.data.IterableDataset):
                  training: bool = True, seed: int = 0) -> None:
         super().__init__()
         self.batch_size, self.tokenizer, self.seed = batch_size, tokenizer, seed
-        self.samples = [
-            {"image": image, "image_id": image_id, "caption": captions[0]}
-            for batch in iter_eval_batches(EvalReader(shards, batch_size=64), transform)
-            for image, image_id, captions in zip(batch["images"], batch["image_ids"],
-                                                 batch["captions"])]
+        self.samples = []
+        for batch in iter_eval_batches(EvalReader(shards, batch_size=64), transform):
+            for k, (image, image_id, captions) in enumerate(zip(
+                    batch["images"], batch["image_ids"], batch["captions"])):
+                sample = {"image": image, "image_id": image_id, "caption": captions[0]}
+                if "boxes" in batch:  # a region encoder's (SCAN's)
+                    sample["boxes"] = batch["boxes"][k, :batch["box_lengths"][k]]
+                self.samples.append(sample)
         self.epoch = 0
 
     def num_samples(self) -> int:
