@@ -463,32 +463,34 @@ def family_config(path: Path, data: Path, family: str, batch: int, **train) -> P
     return path
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_model_family_trains_on_tiles_under_torchrun_and_resumes_exactly(setup, tmp_path,
-                                                                               family):
-    """SCAN with CCR and CCS, a tiny CLIP and X-VLM (ITC + ITM) on score tiles under torchrun
-    DDP with gradient caching: the CLIP's weights are one process's; stopped by SIGTERM
-    and resumed, each is bit for bit the uninterrupted run. (CCR's query words and ITM's
-    negatives are drawn by each rank, so those runs and one process draw apart; their
-    sums over the ranks are one process's in tests/engine/test_local_scoring.py and
-    tests/engine/test_itm_gather.py.)"""
+def test_every_model_family_trains_on_tiles_on_two_ranks_and_resumes_exactly(setup, tmp_path,
+                                                                             family, strategy):
+    """SCAN with CCR and CCS, a tiny CLIP and X-VLM (ITC + ITM) on score tiles under torchrun,
+    with torch DDP or DeepSpeed ZeRO-2, and gradient caching: the CLIP's weights are one
+    process's; stopped by SIGTERM and resumed, each is bit for bit the uninterrupted run.
+    (CCR's query words and ITM's negatives are drawn by each rank, so those runs and one
+    process draw apart; their sums over the ranks are one process's in
+    tests/engine/test_local_scoring.py and tests/engine/test_itm_gather.py.)"""
     _, data, _ = setup
+    flags = ("--deepspeed",) if strategy == "zero2" else ()
     ranks = family_config(tmp_path / "ranks.yaml", data, family, PER_RANK)
-    result = ok(launch("torchrun", ranks, tmp_path / "ddp"))
+    result = ok(launch("torchrun", ranks, tmp_path / "ranks", *flags))
     assert "works on the whole score matrix" not in result.stderr
     if family == "tiny_clip":
         single = family_config(tmp_path / "single.yaml", data, family, 2 * PER_RANK,
                                grad_cache_chunk=None)
         ok(launch("single", single, tmp_path / "single"))
         assert max_difference(final_weights(tmp_path / "single"),
-                              final_weights(tmp_path / "ddp")) < 1e-5
+                              final_weights(tmp_path / "ranks")) < 1e-5
     stopping = family_config(tmp_path / "stop.yaml", data, family, PER_RANK)
     cfg = yaml.safe_load(stopping.read_text())
     stopping.write_text(yaml.safe_dump({**cfg, "hooks": [{"type": "SignalLauncherAt",
                                                           "step": 5}]}))
     run = tmp_path / "run"
-    result = launch("torchrun", stopping, run)
+    result = launch("torchrun", stopping, run, *flags)
     assert result.returncode != 0 and "stopping after this step" in result.stderr
-    ok(launch("torchrun", stopping, run, "--resume"))
-    resumed, uninterrupted = final_weights(run), final_weights(tmp_path / "ddp")
+    ok(launch("torchrun", stopping, run, "--resume", *flags))
+    resumed, uninterrupted = final_weights(run), final_weights(tmp_path / "ranks")
     assert max_difference(resumed, uninterrupted) == 0.0
