@@ -50,7 +50,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mmgoal.evaluation.gallery import score_gallery
+from mmgoal.evaluation.gallery import block_budget_mb, score_gallery
 from mmgoal.models.layers.cross_attention import EPS, scan_similarity
 from mmgoal.structures import ImageFeatures, TextFeatures, slice_features
 
@@ -218,11 +218,14 @@ def main() -> None:
     parser.add_argument("--reference-captions", type=int, default=250,
                         help="captions the reference scores (then extrapolated)")
     parser.add_argument("--block-images", type=int, default=128)
-    parser.add_argument("--max-block-mb", type=float, default=512)
+    parser.add_argument("--max-block-mb", type=float, default=None,
+                        help="a block's working set (default: mmgoal's, the process's share "
+                             "of the CPU's last-level cache)")
     parser.add_argument("--compile", action="store_true",
                         help="eager scorer vs torch.compile of its elementwise steps "
                              "(no reference run)")
     args = parser.parse_args()
+    args.max_block_mb = block_budget_mb(torch.device("cpu"), args.max_block_mb)
     torch.manual_seed(0)
     regions = F.normalize(torch.randn(args.images, args.regions, args.dim), dim=-1)
     words = F.normalize(torch.randn(args.captions, args.words, args.dim), dim=-1)

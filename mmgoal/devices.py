@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -126,6 +127,41 @@ def free_memory_mb(device: torch.device) -> float | None:
     free, _ = torch.cuda.mem_get_info(device)
     return free / 2**20 + (torch.cuda.memory_reserved(device)
                            - torch.cuda.memory_allocated(device)) / 2**20
+
+
+CPU_CACHES = "/sys/devices/system/cpu/cpu0/cache"  # Linux: one index<N>/ folder per cache
+
+
+def _cpu_count(cpu_list: str) -> int:
+    """How many CPUs a sysfs list names (``0-3,8,10-11``: 7)."""
+    count = 0
+    for part in cpu_list.strip().split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+def cache_share_mb(threads: int | None = None, caches: str = CPU_CACHES) -> float | None:
+    """This process's share of the CPU's last-level cache in MiB: the largest level's size
+    over the CPUs that share it, times the process's torch threads (at most those CPUs);
+    None where the system does not say (no Linux sysfs)."""
+    threads = threads or torch.get_num_threads()
+    levels = []
+    for index in sorted(Path(caches).glob("index*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            size = (index / "size").read_text().strip().upper()
+            scale = {"K": 2**-10, "M": 1.0, "G": 2**10}.get(size[-1:], 2**-20)
+            sharing = _cpu_count((index / "shared_cpu_list").read_text())
+            levels.append((int((index / "level").read_text()),
+                           float(size.rstrip("KMG")) * scale, sharing))
+        except (OSError, ValueError):
+            continue
+    if not levels:
+        return None
+    _, size_mb, sharing = max(levels)
+    return size_mb / max(sharing, 1) * min(threads, max(sharing, 1))
 
 
 def configure_cuda(device: torch.device, matmul_precision: str, cudnn_benchmark: bool) -> None:

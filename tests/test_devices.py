@@ -82,3 +82,41 @@ def test_autocast_runs_products_in_bf16_and_fp32_leaves_them_alone():
         assert (a @ b).dtype == torch.bfloat16
     with autocast(torch.device("cpu"), "fp32"):
         assert (a @ b).dtype == torch.float32
+
+
+def write_caches(root, caches):
+    """A sysfs cache folder: (level, type, size, shared_cpu_list) per index<N>/."""
+    for n, (level, kind, size, shared) in enumerate(caches):
+        index = root / f"index{n}"
+        index.mkdir(parents=True)
+        for name, value in {"level": level, "type": kind, "size": size,
+                            "shared_cpu_list": shared}.items():
+            (index / name).write_text(f"{value}\n")
+    return str(root)
+
+
+def test_the_cache_share_is_the_last_level_over_the_cpus_sharing_it_times_the_threads(tmp_path):
+    from mmgoal.devices import cache_share_mb
+
+    # 48 KiB L1d, 32 KiB L1i, 2 MiB L2 per core, 32 MiB L3 shared by CPUs 0-7 and 16-23
+    caches = write_caches(tmp_path / "cache", [(1, "Data", "48K", "0,16"),
+                                               (1, "Instruction", "32K", "0,16"),
+                                               (2, "Unified", "2048K", "0,16"),
+                                               (3, "Unified", "32M", "0-7,16-23")])
+    assert cache_share_mb(threads=1, caches=caches) == 2.0  # 32 MiB over 16 CPUs
+    assert cache_share_mb(threads=4, caches=caches) == 8.0
+    assert cache_share_mb(threads=64, caches=caches) == 32.0  # no more than the whole cache
+    # an instruction cache never counts; no folder at all: the system does not say
+    only_l1i = write_caches(tmp_path / "l1i", [(1, "Instruction", "1G", "0")])
+    assert cache_share_mb(threads=1, caches=only_l1i) is None
+    assert cache_share_mb(threads=1, caches=str(tmp_path / "missing")) is None
+
+
+def test_the_cpu_scoring_block_is_the_cache_share_within_bounds(monkeypatch):
+    from mmgoal.evaluation import gallery
+
+    cpu = torch.device("cpu")
+    for share, budget in ((150.0, 150.0), (1.5, 32.0), (4096.0, 1024.0), (None, 128.0)):
+        monkeypatch.setattr(gallery, "cache_share_mb", lambda share=share: share)
+        assert gallery.block_budget_mb(cpu) == budget
+    assert gallery.block_budget_mb(cpu, max_block_mb=7) == 7.0  # the config's bound wins

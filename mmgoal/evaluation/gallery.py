@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from mmgoal.contract import MatchingModel, require
 from mmgoal.data.pipeline import EvalReader, SkipCounter, iter_eval_batches
-from mmgoal.devices import free_memory_mb, module_device, move_to_device
+from mmgoal.devices import cache_share_mb, free_memory_mb, module_device, move_to_device
 from mmgoal.distributed import gather_rows, gather_uneven, rank_share, world_info
 from mmgoal.evaluation.protocols import protocol_metrics, protocol_rankings
 from mmgoal.evaluation.rerank import itm_rerank
@@ -48,7 +48,11 @@ from mmgoal.structures import (
 
 logger = logging.getLogger(__name__)
 
-CPU_BLOCK_MB = 1024.0  # the default bound of a block's working set on the CPU
+# The default bound of a block's working set: on the CPU, the process's share of the
+# last-level cache (devices.cache_share_mb) within these bounds, CPU_BLOCK_MB where the
+# system does not say (docs/results/performance.md, "Evaluation on 2 ranks")
+CPU_BLOCK_BOUNDS_MB = (32.0, 1024.0)
+CPU_BLOCK_MB = 128.0
 GPU_FREE_SHARE = 0.5  # ... and on a GPU, this share of its free memory
 # Tensors of the size of a block's query-key score array that the cross attention
 # keeps alive at its peak (raw scores, clipped scores, attention, products).
@@ -287,12 +291,18 @@ def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list
 
 
 def block_budget_mb(device: torch.device, max_block_mb: float | None = None) -> float:
-    """The memory bound of one scoring block: ``max_block_mb`` when given, else 1024 MiB on
-    the CPU and half the free memory of a GPU."""
+    """The memory bound of one scoring block: ``max_block_mb`` when given; else on the CPU
+    the process's share of the last-level cache (its threads' share: each rank of a node
+    its own), 32 to 1024 MiB (128 MiB where the system does not say), and on a GPU half
+    its free memory."""
     if max_block_mb is not None:
         return float(max_block_mb)
     free = free_memory_mb(device)
-    return CPU_BLOCK_MB if free is None else GPU_FREE_SHARE * free
+    if free is not None:
+        return GPU_FREE_SHARE * free
+    cache = cache_share_mb()
+    low, high = CPU_BLOCK_BOUNDS_MB
+    return CPU_BLOCK_MB if cache is None else min(max(cache, low), high)
 
 
 def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragments: int,

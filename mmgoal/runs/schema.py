@@ -79,8 +79,8 @@ class ScoringConfig(ConfigSection):
 
     Args:
         block_images: images scored against every text at a time.
-        max_block_mb: bound of a block's working set (``None``: 1024 MiB on a
-            CPU, half the free memory on a GPU).
+        max_block_mb: bound of a block's working set (``None``: the process's share of the
+            last-level cache on a CPU, 32 to 1024 MiB; half the free memory on a GPU).
         matmul_precision: float32 matmul precision while scoring.
         rerank_k: re-rank every query's top k by the ITM head (0: off).
         rerank_batch_size: pairs the ITM head scores at a time.
