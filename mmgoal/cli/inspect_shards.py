@@ -28,13 +28,8 @@ from tqdm import tqdm
 from mmgoal import strict_json
 from mmgoal.cli.arguments import tool_parser
 from mmgoal.data.images import ImageDecodeError, decode_image
-from mmgoal.data.remote import expand_shards, open_shard
-from mmgoal.data.tars import (
-    IMAGE_EXTENSIONS,
-    MAX_SAMPLE_BYTES,
-    TarDamageError,
-    tar_stream_samples,
-)
+from mmgoal.data.remote import expand_shards, iter_samples
+from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES, TarDamageError
 from mmgoal.files import write_text
 
 
@@ -48,11 +43,10 @@ def samples_of(url: str, problems: list[str], max_sample_bytes: int
         else:
             problems.append(str(error))
 
-    with open_shard(url) as stream:
-        for sample in tar_stream_samples(stream, url, met, max_sample_bytes=max_sample_bytes):
-            key = sample.pop("__key__")
-            del sample["__url__"]
-            yield key, sample
+    for sample in iter_samples(url, met, max_sample_bytes=max_sample_bytes):
+        key = sample.pop("__key__")
+        del sample["__url__"]
+        yield key, sample
 
 
 def check_sample(key: str, members: dict[str, bytes], caption_key: str | None,

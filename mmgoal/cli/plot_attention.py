@@ -29,15 +29,10 @@ from mmgoal.files import save_figure
 
 def nth_sample(shards, index: int) -> dict:
     """The ``index``-th readable sample of the shards, decoded."""
-    import webdataset as wds
+    from mmgoal.data.pipeline import SkipCounter, decoded_samples
 
-    from mmgoal.data.pipeline import SkipCounter, decode_sample, expand_shards
-    from mmgoal.data.remote import tar_samples
-
-    counter = SkipCounter()
-    pipeline = wds.DataPipeline(wds.SimpleShardList(expand_shards(shards)),
-                                tar_samples(counter), wds.map(decode_sample, handler=counter))
-    for position, sample in enumerate(pipeline):
+    position = -1
+    for position, sample in enumerate(decoded_samples(shards, SkipCounter())):
         if position == index:
             return sample
     raise ValueError(f"--index {index}: the split has only {position + 1} samples")

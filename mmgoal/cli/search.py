@@ -73,20 +73,15 @@ class ImageGallery:
 
     def pictures(self, positions: list[int]) -> dict[int, Image.Image]:
         """The images at ``positions``, read again (the gallery keeps only their features)."""
-        import webdataset as wds
-
         from mmgoal.api import rgb_image
-        from mmgoal.data.pipeline import SkipCounter, decode_sample
-        from mmgoal.data.remote import tar_samples
+        from mmgoal.data.pipeline import SkipCounter, decoded_samples
 
         if not self.shards:
             return {p: rgb_image(self.names[p]) for p in positions}
         wanted = {self.names[p]: p for p in positions}
         found: dict[int, Image.Image] = {}
         counter = SkipCounter()  # the samples encode_gallery skipped, skipped again
-        for sample in wds.DataPipeline(wds.SimpleShardList(self.shards),
-                                       tar_samples(counter),
-                                       wds.map(decode_sample, handler=counter)):
+        for sample in decoded_samples(self.shards, counter):
             position = wanted.get(sample["image_id"])
             if position is None or position in found:  # a later copy of an image id
                 continue

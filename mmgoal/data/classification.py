@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import json
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,15 +161,11 @@ def iter_labelled_images(cset: ClassificationSet, skipped: SkipCounter,
             except ValueError as error:
                 skipped(error)
         return
-    import webdataset as wds
-
     from mmgoal.data.pipeline import whole_split
-    from mmgoal.data.remote import tar_samples
+    from mmgoal.data.remote import iter_samples
 
-    samples = wds.DataPipeline(wds.SimpleShardList(cset.shards),
-                               tar_samples(whole_split(skipped),
-                                           max_sample_bytes=max_sample_bytes))
-    for sample in samples:
+    for sample in iter_samples(cset.shards, whole_split(skipped),
+                               max_sample_bytes=max_sample_bytes):
         where = f"sample {sample.get('__key__', '?')!r} of {sample.get('__url__', '?')}"
         try:
             member = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
@@ -193,7 +188,8 @@ def write_synthetic_classification(out: str | Path, task: str = "shape", count: 
     seeds: no scene of the benchmark), in CLIP_benchmark's WebDataset layout or as an
     image folder (``layout``: ``wds`` or ``folder``), with the prompts of
     :data:`SYNTHETIC_TEMPLATES`. Always the same set for the same arguments."""
-    from mmgoal.data.synthetic import COLOURS, SHAPES, _place_objects, render_scene
+    from mmgoal.data.shards import ShardWriter
+    from mmgoal.data.synthetic import COLOURS, SHAPES, place_objects, render_scene
 
     if task not in SYNTHETIC_TASKS:
         raise ValueError(f"task must be one of {', '.join(SYNTHETIC_TASKS)}, got {task!r}")
@@ -204,7 +200,7 @@ def write_synthetic_classification(out: str | Path, task: str = "shape", count: 
     items = []  # (key, png bytes, label)
     for index in range(count):
         rng = np.random.default_rng([seed, 30_000_000 + index])  # apart from the benchmark's
-        obj = _place_objects(rng, 1, image_size)
+        obj = place_objects(rng, 1, image_size)
         label = classes.index(obj[0].shape if task == "shape" else obj[0].colour)
         buffer = io.BytesIO()
         render_scene(rng, obj, image_size).save(buffer, format="PNG")
@@ -218,21 +214,11 @@ def write_synthetic_classification(out: str | Path, task: str = "shape", count: 
             folder.mkdir(parents=True, exist_ok=True)
             write_atomically(folder / f"{key}.png", lambda tmp, png=png: tmp.write_bytes(png))
     else:
-        (out / split).mkdir(exist_ok=True)
-        chunks = [items[i:i + shard_size] for i in range(0, len(items), shard_size)]
-        for number, chunk in enumerate(chunks):
-            write_atomically(out / split / f"{number}.tar",
-                             lambda tmp, chunk=chunk: _write_tar(tmp, chunk))
-        write_text(out / split / "nshards.txt", f"{len(chunks)}\n")
+        with ShardWriter(out / split, "", shard_size) as writer:
+            for key, png, label in items:
+                writer.write({"__key__": key, "png": png, "cls": str(label).encode()})
+        write_text(out / split / "nshards.txt", f"{len(writer.paths)}\n")
     write_text(out / "meta.json", json.dumps({"task": task, "count": count, "seed": seed,
                                               "image_size": image_size, "layout": layout}))
     return read_classification_set(out, split)
 
-
-def _write_tar(path: Path, items: list[tuple[str, bytes, int]]) -> None:
-    with tarfile.open(path, "w") as archive:
-        for key, png, label in items:
-            for name, data in ((f"{key}.png", png), (f"{key}.cls", str(label).encode())):
-                info = tarfile.TarInfo(name)
-                info.size, info.mtime = len(data), 0
-                archive.addfile(info, io.BytesIO(data))

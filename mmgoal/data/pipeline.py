@@ -24,7 +24,6 @@ import itertools
 import json
 import logging
 import random
-import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,10 +40,11 @@ from mmgoal.data.remote import (
     TIMEOUT,
     expand_shards,
     is_remote,
+    iter_samples,
     shard_sizes,
     tar_samples,
 )
-from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES, ShardError
+from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES, ShardError, sample_keys
 from mmgoal.files import open_regular
 from mmgoal.registry import DATASETS, TEXT_AUGMENTS
 
@@ -231,17 +231,7 @@ def shard_keys(url: str) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=4096)
 def _shard_keys(url: str, _mtime_ns: int, _size: int) -> frozenset[str]:
-    keys: set[str] = set()
-    try:
-        with open_regular(url, "shard") as stream, tarfile.open(fileobj=stream) as archive:
-            for member in archive:
-                if member.isfile():
-                    keys.add(Path(member.name).name.split(".", 1)[0])
-    # what precedes the damage (EOFError: a cut .tar.gz's gzip stream)
-    except (tarfile.TarError, OSError, EOFError) as error:
-        logger.warning("shard %s is damaged (%s); counting its %d readable samples",
-                       url, error, len(keys))
-    return frozenset(keys)
+    return frozenset(sample_keys(url))
 
 
 # Image keys a split-overlap warning shows; bytes compared at a time
@@ -770,10 +760,9 @@ class EvalBatches(torch.utils.data.IterableDataset):
         mine, every = index * workers + worker, count * workers
         counter = self.counter if self.counter is not None else SkipCounter()
         counter.take()
-        samples = wds.DataPipeline(wds.SimpleShardList(self.urls),
-                                   tar_samples(whole_split(counter),
-                                               max_sample_bytes=self.reader.max_sample_bytes))
-        for number, raw in enumerate(_chunks(iter(samples), self.reader.batch_size)):
+        samples = iter_samples(self.urls, whole_split(counter),
+                               max_sample_bytes=self.reader.max_sample_bytes)
+        for number, raw in enumerate(_chunks(samples, self.reader.batch_size)):
             if number % every != mine:
                 counter.take()  # tar-level skips surfaced here are another reader's
                 continue
@@ -786,6 +775,16 @@ class EvalBatches(torch.utils.data.IterableDataset):
                 except Exception as error:  # a bad sample: logged, counted, skipped
                     counter(error)
             yield {**eval_collate(decoded), "skipped": counter.take(), "number": number}
+
+
+def decoded_samples(shards: str | Sequence[str], counter: SkipCounter) -> Iterator[dict]:
+    """Every readable sample of ``shards`` in order, decoded (:func:`decode_sample`); the
+    others counted by ``counter``."""
+    for sample in iter_samples(shards, counter):
+        try:
+            yield decode_sample(sample)
+        except Exception as error:  # a bad sample: logged, counted, skipped
+            counter(error)
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
@@ -848,10 +847,7 @@ def read_captions(shards: str | list[str], caption_key: str | None = None) -> li
     counter = SkipCounter()
     captions: list[str] = []
     suffix = f".{caption_key or 'json'}"
-    for sample in wds.DataPipeline(
-        wds.SimpleShardList(expand_shards(shards)),
-        tar_samples(counter, select_files=lambda name: name.endswith(suffix)),
-    ):
+    for sample in iter_samples(shards, counter, select_files=lambda name: name.endswith(suffix)):
         try:
             if caption_key is None:
                 captions.extend(json.loads(sample["json"]).get("captions", []))

@@ -452,6 +452,16 @@ def tar_samples(handler: Callable[[Exception], bool],
     return stage
 
 
+def iter_samples(shards: str | Sequence[str], handler: Callable[[Exception], bool],
+                 select_files: Callable[[str], bool] | None = None,
+                 max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Iterator[dict]:
+    """Every sample of ``shards`` (patterns, paths or URLs) in order, each shard opened by
+    :func:`open_shard` and read by the bounded tar reader, its problems given to
+    ``handler``: the one reader of every command that reads shards outside training."""
+    stage = tar_samples(handler, select_files=select_files, max_sample_bytes=max_sample_bytes)
+    return stage({"url": url} for url in expand_shards(shards))
+
+
 def _shard_samples(url: str, stream: Any, handler: Callable[[Exception], bool],
                    opener: Callable[[str], Any], select_files: Callable[[str], bool] | None,
                    max_sample_bytes: int) -> Iterator[dict]:

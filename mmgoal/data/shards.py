@@ -26,7 +26,8 @@ class ShardWriter:
 
     Args:
         out_dir: folder of the shards (created if missing).
-        prefix: shard names are ``{prefix}-{index:06d}.tar``.
+        prefix: shard names are ``{prefix}-{index:06d}.tar``; an empty prefix names
+            them ``{index}.tar`` (CLIP_benchmark's layout).
         max_count: samples per shard.
         first_index: number of the first shard (a conversion writes shard ``i`` alone).
 
@@ -53,7 +54,8 @@ class ShardWriter:
         import webdataset as wds
 
         self._close_current()
-        path = self.out_dir / f"{self.prefix}-{self.first_index + len(self.paths):06d}.tar"
+        index = self.first_index + len(self.paths)
+        path = self.out_dir / (f"{self.prefix}-{index:06d}.tar" if self.prefix else f"{index}.tar")
         self._stream = open(self._staged.enter_context(temporary_for(path)), "wb")
         # A fixed mtime makes the bytes of a shard a function of its samples only; an int,
         # because a float one puts a PAX header before every member, which doubles the

@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,9 @@ from mmgoal.data.conversion import (
     split_names,
 )
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
-from mmgoal.data.remote import expand_shards
-from mmgoal.files import MAX_ANNOTATION_BYTES, check_regular, open_regular, read_text
+from mmgoal.data.remote import expand_shards, iter_samples
+from mmgoal.data.tars import sample_keys
+from mmgoal.files import MAX_ANNOTATION_BYTES, check_regular, read_text
 from mmgoal.registry import SHARD_SOURCES
 
 logger = logging.getLogger(__name__)
@@ -316,10 +316,7 @@ class EntitiesSource(ShardSource):
             index = int(Path(url).stem.rsplit("-", 1)[1])
             while len(plans) < index:
                 plans.append([])
-            with open_regular(url, "shard") as stream, tarfile.open(fileobj=stream) as archive:
-                keys = dict.fromkeys(Path(m.name).name.split(".", 1)[0]
-                                     for m in archive if m.isfile())
-            plans.append([(url, key) for key in keys])
+            plans.append([(url, key) for key in sample_keys(url)])
         return plans
 
     def sample(self, split: str, item: tuple[str, str]) -> dict:
@@ -340,14 +337,17 @@ class EntitiesSource(ShardSource):
     def _members(self, url: str) -> dict[str, dict[str, bytes]]:
         """Every member of ``url`` by sample key (one shard held at a time)."""
         if getattr(self, "_cached_url", None) != url:
-            grouped: dict[str, dict[str, bytes]] = {}
-            with open_regular(url, "shard") as stream, tarfile.open(fileobj=stream) as archive:
-                for member in archive:
-                    if member.isfile():
-                        key, ext = Path(member.name).name.split(".", 1)
-                        grouped.setdefault(key, {})[ext] = archive.extractfile(member).read()
+            grouped = {sample.pop("__key__"): sample for sample in iter_samples(url, _raise)}
+            for members in grouped.values():
+                del members["__url__"]
             self._cached_url, self._cached = url, grouped
         return self._cached
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_cached")}
+
+
+def _raise(error: Exception) -> bool:
+    """A reader's handler that stops at the first problem: a conversion takes no part of a
+    damaged shard."""
+    raise error

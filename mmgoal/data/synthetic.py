@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from mmgoal import strict_json
 from mmgoal.files import write_text
 
 SHAPES = ("circle", "square", "triangle", "diamond", "cross", "star")
@@ -98,7 +99,7 @@ def _draw_object(draw: ImageDraw.ImageDraw, obj: SceneObject, colour: tuple, sca
         draw.polygon(_polygon(obj.shape, box), fill=colour)
 
 
-def _place_objects(rng: np.random.Generator, n: int, image_size: int) -> list[SceneObject]:
+def place_objects(rng: np.random.Generator, n: int, image_size: int) -> list[SceneObject]:
     objects: list[SceneObject] = []
     for _ in range(n):
         for _attempt in range(100):
@@ -262,7 +263,7 @@ def make_scene(seed: int, image_id: int, image_size: int = 64, n_captions: int =
     """The scene ``image_id`` of the benchmark with ``seed``: always the same."""
     rng = np.random.default_rng([seed, image_id])
     n_objects = int(rng.choice(len(OBJECT_COUNT_PROBS), p=OBJECT_COUNT_PROBS)) + 1
-    objects = _place_objects(rng, n_objects, image_size)
+    objects = place_objects(rng, n_objects, image_size)
     image = render_scene(rng, objects, image_size)
     scene = Scene(image_id=image_id, image=image, objects=objects)
     for caption_index, (caption, mentions) in enumerate(
@@ -382,5 +383,5 @@ def write_benchmark(out_dir: str | Path, counts: dict[str, int] | None = None, s
             "shards": [p.name for p in writer.paths],
             "pattern": f"{split}-{{000000..{len(writer.paths) - 1:06d}}}.tar",
         }
-    write_text(out_dir / "meta.json", json.dumps(summary, indent=2))
+    write_text(out_dir / "meta.json", strict_json.dumps(summary, indent=2))
     return summary

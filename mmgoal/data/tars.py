@@ -19,11 +19,16 @@ key, webdataset's naming) but:
 
 from __future__ import annotations
 
+import logging
 import re
 import tarfile
 import zlib
 from collections.abc import Callable, Iterator
 from typing import IO
+
+from mmgoal.files import open_regular
+
+logger = logging.getLogger(__name__)
 
 # The members that hold a sample's image, in the order they are looked for
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -57,6 +62,33 @@ class TarDamageError(ShardError):
 
 class OversizedSampleError(ValueError):
     """A sample whose members hold more than ``max_sample_bytes``: skipped unread."""
+
+
+def sample_member(name: str) -> tuple[str, str] | None:
+    """The sample key and extension of a tar member's name, webdataset's rule: the key is
+    the path up to the first dot of the file name (``a/b/0001.seg.png``: ``a/b/0001``,
+    ``seg.png``); None for a name that is no sample's (no dot, ``__key__``-style members).
+    Every reader of shards keys samples by it."""
+    match = _MEMBER.match(name)
+    if match is None or _META.match(name):
+        return None
+    return match.group(1), match.group(2).lower()
+
+
+def sample_keys(url: str) -> list[str]:
+    """The sample keys of the local shard ``url`` in order, from its tar headers (no
+    member is read); a damaged shard's keys before the damage, with a warning."""
+    keys: dict[str, None] = {}
+    try:
+        with open_regular(url, "shard") as stream, tarfile.open(fileobj=stream) as archive:
+            for member in archive:
+                named = sample_member(member.name) if member.isreg() else None
+                if named is not None:
+                    keys[named[0]] = None
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:  # EOFError: a cut .gz
+        logger.warning("shard %s is damaged (%s); counting its %d readable samples",
+                       url, error, len(keys))
+    return list(keys)
 
 
 class _HeaderEnd(tarfile.TarInfo):
@@ -106,11 +138,10 @@ def tar_stream_samples(stream: IO[bytes], url: str, handler: Callable[[Exception
         archive = tarfile.open(fileobj=stream, mode="r|*", tarinfo=_HeaderEnd)
         for member in archive:
             archive.members = []  # a stream's members would pile up for the whole shard
-            match = _MEMBER.match(member.name)
-            if not member.isreg() or match is None or _META.match(member.name) or (
-                    select_files is not None and not select_files(member.name)):
+            named = sample_member(member.name) if member.isreg() else None
+            if named is None or (select_files is not None and not select_files(member.name)):
                 continue
-            key, ext = match.group(1), match.group(2).lower()
+            key, ext = named
             if sample is None or key != sample["__key__"]:
                 if sample is not None:
                     yield from finished()
