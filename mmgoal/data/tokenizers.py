@@ -12,13 +12,14 @@ import re
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import torch
 
 from mmgoal.config import PositiveInt
 from mmgoal.paths import from_pretrained, offline, offline_hint, open_clip_source
 from mmgoal.registry import TEXT_AUGMENTS, TOKENIZERS
-from mmgoal.sequences import length_mask, pack_kept
+from mmgoal.sequences import corrupt_tokens, length_mask, pack_kept
 
 logger = logging.getLogger(__name__)
 
@@ -163,14 +164,10 @@ class HFTokenizer:
             position, and was trained so).
     """
 
-    PADDINGS = ("longest", "max_length")
-
-    def __init__(self, path: str, max_length: PositiveInt = 40, padding: str = "longest") -> None:
+    def __init__(self, path: str, max_length: PositiveInt = 40,
+                 padding: Literal["longest", "max_length"] = "longest") -> None:
         from transformers import AutoTokenizer
 
-        if padding not in self.PADDINGS:
-            raise ValueError(f"HFTokenizer padding must be one of {', '.join(self.PADDINGS)}, "
-                             f"got {padding!r}")
         self.path = path
         self.max_length = max_length
         self.padding = padding
@@ -299,36 +296,6 @@ class OpenCLIPTokenizer:
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-
-def corrupt_tokens(tokens: torch.Tensor, lengths: torch.Tensor, special_ids: torch.Tensor,
-                   vocab_size: int, mask_id: int, p: float, mask: float, replace: float,
-                   generator: torch.Generator | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pick real, non-special tokens with probability ``p``; mask or replace some of them.
-
-    A picked token becomes ``mask_id`` with probability ``mask``, a random
-    non-special token with probability ``replace``, and stays otherwise (BERT's
-    MLM: p 0.15, 80% / 10% / 10%; VSE-infinity deletes the rest).
-
-    Args:
-        tokens: (B, L) ids; lengths: (B,) real tokens per row.
-
-    Returns:
-        (ids after masking/replacing, picked, masked, replaced), all (B, L).
-    """
-    batch, width = tokens.shape
-    real = length_mask(lengths, width)
-    device = tokens.device  # the data pipeline's CPU, or the device MLMLoss trains on
-    picked = ((torch.rand(batch, width, generator=generator, device=device) < p) & real
-              & ~torch.isin(tokens, special_ids))
-    action = torch.rand(batch, width, generator=generator, device=device)
-    masked = picked & (action < mask)
-    replaced = picked & (action >= mask) & (action < mask + replace)
-    random_ids = torch.randint(vocab_size, (batch, width), generator=generator, device=device)
-    random_ids = torch.where(torch.isin(random_ids, special_ids), tokens, random_ids)
-    out = torch.where(masked, mask_id, torch.where(replaced, random_ids, tokens))
-    return out, picked, masked, replaced
 
 
 @TEXT_AUGMENTS.register()

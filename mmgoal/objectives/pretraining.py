@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.contract import BoxPredictingModel, MaskedLanguageModel, require
-from mmgoal.data.tokenizers import corrupt_tokens
 from mmgoal.registry import OBJECTIVES
+from mmgoal.sequences import corrupt_tokens
 from mmgoal.structures import ObjectiveInputs, check_inputs, index_features
 
 IGNORE = -100  # cross-entropy's ignore_index: positions that are not predicted
