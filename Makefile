@@ -1,5 +1,6 @@
 # make demo: build .venv if missing, generate the synthetic benchmark, train and evaluate.
 # make test: build .venv if missing, run the whole test suite.
+# make test-fast: the same without the tests marked slow (pytest -m "not slow").
 # make check-install: build a wheel, install it as a pip user would (no extras) into a fresh
 #   venv and, from an empty folder, train, evaluate, export and search with the mmgoal command.
 VENV ?= .venv
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.mmgoal-installed
 export HF_HUB_OFFLINE := 1
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: demo test lint bench venv check-install clean
+.PHONY: demo test test-fast lint bench venv check-install clean
 
 venv: $(STAMP)
 
@@ -33,6 +34,10 @@ demo: $(STAMP) data/synthetic/meta.json
 test: $(STAMP)
 	$(VENV)/bin/ruff check mmgoal tools tests bench
 	$(PY) -m pytest --durations=25
+
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check mmgoal tools tests bench
+	$(PY) -m pytest -m "not slow" --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mmgoal tools tests bench

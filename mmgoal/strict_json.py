@@ -1,11 +1,15 @@
 """JSON that every strict parser reads: NaN and infinities are written as ``null``.
 
 Python's ``json`` writes ``NaN`` and ``-Infinity``, which JSON does not have (jq,
-JavaScript's ``JSON.parse`` and Go refuse them); every JSON file mmgoal writes
-(``report.json``, ``metrics.jsonl``, an evaluation's ``--out``, a sweep's
-``runs.json``, an export's metadata) goes through :func:`dumps`. A ``null`` where a
-number stood means "none": a diverged loss, or the best validation rsum of a run
-that never validated.
+JavaScript's ``JSON.parse`` and Go refuse them). The JSON files mmgoal writes as its
+results and records go through :func:`dumps`: ``report.json``, ``metrics.jsonl``, an
+evaluation's ``--out`` and ``--rankings``, a sweep's ``runs.json``, ``mmgoal
+inspect-shards --json``, an export's manifest, the state in a checkpoint's metadata,
+``wise_ft.json``, a synthetic benchmark's ``meta.json``, a conversion's ``summary.json``
+and shard stats. A ``null`` where a number stood means "none": a diverged loss, or the
+best validation rsum of a run that never validated. The ``json`` member of a shard's
+sample is not a file of its own: it is written with plain ``json.dumps`` and read
+back with Python's ``json``.
 """
 
 from __future__ import annotations

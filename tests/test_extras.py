@@ -45,6 +45,21 @@ def test_each_optional_package_is_in_the_extra_its_message_names():
     assert not required & set(EXTRAS), "an optional package is also in install_requires"
 
 
+def test_the_readme_table_lists_every_extra_and_what_it_installs():
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            rows[cells[0].strip("`")] = cells[1]
+    assert set(rows) == set(setup["options.extras_require"]), "README's extras table"
+    for name, value in setup["options.extras_require"].items():
+        if name != "all":
+            for requirement in requirements(value):
+                assert requirement.name in rows[name], f"README: [{name}] installs {requirement}"
+
+
 @pytest.mark.parametrize("strategy", ["deepspeed", "accelerate"])
 def test_a_strategy_without_its_package_names_the_extra(monkeypatch, strategy):
     monkeypatch.setitem(sys.modules, strategy, None)

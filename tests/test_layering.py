@@ -9,12 +9,10 @@ dependency the layering forbids.
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "mmgoal"
 
 CORE = {"config", "registry", "paths", "sequences", "extras", "devices", "distributed",
-        "deprecation", "strict_json"}
+        "strict_json"}
 # layer -> the layers its modules may import (besides their own); files.py, the bottom, every
 # layer but the package's __init__ may import (below)
 MAY_IMPORT = {
@@ -42,9 +40,6 @@ MAY_IMPORT = {
 for _layer, _imports in MAY_IMPORT.items():
     if _layer not in ("files", "package"):
         _imports.add("files")
-# Old import paths kept for one release (mmgoal/deprecation.py): each names its new module.
-DEPRECATED_ALIASES = {"data/preprocessing.py", "engine/checkpoint.py", "engine/gather.py",
-                      "engine/run_dir.py", "engine/schema.py", "evaluation/loading.py"}
 
 
 def layer_of(module: str) -> str:
@@ -99,8 +94,7 @@ def mmgoal_imports(path: Path) -> list[tuple[int, str]]:
 
 
 def files():
-    return sorted(p for p in PACKAGE.rglob("*.py")
-                  if str(p.relative_to(PACKAGE)) not in DEPRECATED_ALIASES)
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def violations() -> list[str]:
@@ -133,14 +127,6 @@ def test_the_rules_the_architecture_page_states():
     for layer in MAY_IMPORT:
         if layer not in ("config", "registry", "package"):
             assert f"`{layer}`" in page, f"docs/architecture.md does not name the {layer} layer"
-
-
-@pytest.mark.parametrize("path", sorted(DEPRECATED_ALIASES))
-def test_a_deprecated_alias_only_points_at_its_new_module(path):
-    text = (PACKAGE / path).read_text()
-    imports = mmgoal_imports(PACKAGE / path)
-    assert [name for _, name in imports] == ["mmgoal.deprecation"], path
-    assert "moved_module(__name__, " in text
 
 
 def test_the_checker_sees_imports_inside_functions_and_relative_ones(tmp_path, monkeypatch):

@@ -133,10 +133,9 @@ def test_context_reaches_named_parameters_only():
 
 
 EAGER_REGISTRATION = """
-import importlib, json, pkgutil, sys, warnings
+import importlib, json, pkgutil
 import mmgoal
 from mmgoal import registry
-warnings.simplefilter("ignore")  # the old import paths' deprecation warnings
 for module in pkgutil.walk_packages(mmgoal.__path__, "mmgoal."):
     importlib.import_module(module.name)
 tables = {}

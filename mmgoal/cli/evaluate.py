@@ -283,7 +283,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     if args.zeroshot:
         result["zeroshot"] = args.zeroshot
     if rankings is not None and main_rank:
-        write_text(args.rankings, json.dumps(rankings))
+        write_text(args.rankings, strict_json.dumps(rankings))
         say(f"rankings of {len(rankings['i2t'])} images and {len(rankings['t2i'])} captions "
             f"written to {args.rankings}")
     if args.attention and main_rank:  # one process: the metrics need no gallery scoring

@@ -61,6 +61,7 @@ import os
 import sys
 from pathlib import Path
 
+from mmgoal import strict_json
 from mmgoal.cli.arguments import (
     add_offline_option,
     apply_loading_options,
@@ -222,7 +223,7 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
                 raise ValueError(f"--out {out} holds {', '.join(foreign)}, which the earlier "
                                  f"export did not write and this one would replace; nothing "
                                  f"was written: move them away, or give a new folder")
-            write_text(staging / EXPORT_MANIFEST, json.dumps(
+            write_text(staging / EXPORT_MANIFEST, strict_json.dumps(
                 {"format": fmt, "files": written, "source": str(path)}, indent=2))
     except (ValueError, LinkedPathError):
         raise

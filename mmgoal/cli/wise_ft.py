@@ -16,10 +16,10 @@ without forgetting").
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from mmgoal import strict_json
 from mmgoal.cli.arguments import (
     add_data_options,
     add_loading_options,
@@ -139,11 +139,11 @@ def run(args) -> int:
     text = table(rows)
     print(text)
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "wise_ft.json", json.dumps({"source": str(loaded.checkpoint),
-                                                 "split": None if split_cfg is None
-                                                 else args.split,
-                                                 "zeroshot": args.zeroshot, "rows": rows},
-                                                indent=2))
+    write_text(out / "wise_ft.json", strict_json.dumps({"source": str(loaded.checkpoint),
+                                                        "split": None if split_cfg is None
+                                                        else args.split,
+                                                        "zeroshot": args.zeroshot, "rows": rows},
+                                                       indent=2))
     write_text(out / "wise_ft.md", text + "\n")
     try:
         plot(rows, out / "wise_ft.png", f"WiSE-FT, {loaded.checkpoint}")

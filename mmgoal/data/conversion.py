@@ -35,6 +35,7 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
+from mmgoal import strict_json
 from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.tars import IMAGE_EXTENSIONS
@@ -208,7 +209,7 @@ def convert_shard(task: tuple[ShardSource, Path, str, int, Sequence[Any]]) -> di
              "captions": captions, "skipped": dict(skipped), "examples": examples,
              "bytes": shard.stat().st_size if samples else 0}
     path = stats_path(out_dir, split, index)
-    write_text(path, json.dumps(stats))
+    write_text(path, strict_json.dumps(stats))
     return stats
 
 
@@ -269,14 +270,15 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
         raise FileExistsError(f"--out {out_dir} is a file, not a folder: give a folder for the "
                               f"shards")
     out_dir.mkdir(parents=True, exist_ok=True)
-    options = json.loads(json.dumps({**(options or {}), "shard_size": shard_size}))
+    # as summary.json records them (tuples as lists, NaN as null): what --resume compares
+    options = json.loads(strict_json.dumps({**(options or {}), "shard_size": shard_size}))
     if resume:
         check_same_options(out_dir, options)
     elif any(out_dir.glob("*.tar")):
         raise FileExistsError(f"{out_dir} already holds shards; pass --resume to finish an "
                               f"interrupted conversion, or choose an empty --out folder")
-    write_text(out_dir / "summary.json", json.dumps({"options": options, "splits": {}},
-                                                    indent=2))
+    write_text(out_dir / "summary.json", strict_json.dumps({"options": options, "splits": {}},
+                                                           indent=2))
     tasks = [(source, out_dir, split, index, items)
              for split in source.splits()
              for index, items in enumerate(source.plan(split, shard_size))]
@@ -296,7 +298,7 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
         bar.update(1)
     bar.close()
     summary = {"options": options, "splits": summarise(results)}
-    write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
+    write_text(out_dir / "summary.json", strict_json.dumps(summary, indent=2))
     return summary
 
 

@@ -1,6 +1,0 @@
-"""Deprecated: moved to :mod:`mmgoal.runs.checkpoint`; the old path works,
-with a warning, until mmgoal 0.2."""
-
-from mmgoal.deprecation import moved_module
-
-__getattr__ = moved_module(__name__, "mmgoal.runs.checkpoint")
