@@ -18,10 +18,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from PIL import Image
 
+from mmgoal.config import check_value
 from mmgoal.contract import MatchingModel, require
 from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.devices import module_device, move_to_device
@@ -32,13 +34,14 @@ from mmgoal.runs.schema import ScoringConfig
 from mmgoal.structures import ImageFeatures, TextFeatures, cat_features, detach_features
 
 ImageLike = str | os.PathLike | Image.Image
+GalleryKind = Literal["images", "texts"]
 
 
 @dataclass
 class Index:
     """An encoded gallery, searched many times: ``kind`` is ``images`` or ``texts``."""
 
-    kind: str
+    kind: GalleryKind
     features: ImageFeatures | TextFeatures
 
     def __len__(self) -> int:
@@ -98,11 +101,10 @@ class Retriever:
         """(m, d) L2-normalised text embeddings."""
         return self.text_features(texts).embedding
 
-    def index(self, items: Sequence[ImageLike] | Sequence[str], kind: str | None = None) -> Index:
+    def index(self, items: Sequence[ImageLike] | Sequence[str],
+              kind: GalleryKind = "images") -> Index:
         """Encode a gallery once: images (PIL images or paths), or ``kind="texts"``."""
-        kind = kind or "images"
-        if kind not in ("images", "texts"):
-            raise ValueError(f"kind must be 'images' or 'texts', got {kind!r}")
+        check_value("kind", kind, GalleryKind)
         features = self.image_features(items) if kind == "images" else self.text_features(items)
         return Index(kind, features)
 

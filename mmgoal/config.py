@@ -34,7 +34,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 
@@ -433,6 +433,11 @@ class BuiltBy:
 # which a config (or a checkpoint's stored config) setting -1 would otherwise turn into a
 # "negative dimension" deep inside torch, or a silently shorter caption (``[:-1]``).
 PositiveInt = Annotated[int, AtLeast(1)]
+# What a run trains in (train.precision, strategy.precision), and torch's float32 matmul
+# precision (train.matmul_precision, evaluation.matmul_precision): typed here, below torch,
+# so the run schema checks them without importing it.
+Precision = Literal["fp32", "bf16", "fp16"]
+MatmulPrecision = Literal["highest", "high", "medium"]
 
 _KINDS = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
 
@@ -446,7 +451,9 @@ def check_value(where: str, value: Any, hint: Any) -> None:
     (``torch.Tensor``) only its instances, which config data never is; a hint this
     cannot read (``Any``, callables, forward references) allows anything.
     ``Annotated[int, AtLeast(1)]`` (:data:`PositiveInt`) is an int of at least 1, in
-    a union (``PositiveInt | None``) or a list (``list[PositiveInt]``) too.
+    a union (``PositiveInt | None``) or a list (``list[PositiveInt]``) too. A
+    ``Literal`` is one of its values, and the message lists them with the closest: the
+    one check of a choice, also for an argument that no config carries.
     """
     members = _union_members(hint)
     fitting = next((member for member in members if suits(value, member)), None)
@@ -456,9 +463,10 @@ def check_value(where: str, value: Any, hint: Any) -> None:
     options = [_unannotated(member) for member in members]
     choices = [str(c) for option in options if typing.get_origin(option) is typing.Literal
                for c in typing.get_args(option)]
-    named = [_KINDS[t] for t in options if t in _KINDS] + choices or [
-        getattr(t, "__name__", str(t)) for t in options if t is not type(None)]
-    wanted = " or ".join(named) + (" or null" if type(None) in options else "")
+    named = ([_KINDS[t] for t in options if t in _KINDS] + choices or [
+        getattr(t, "__name__", str(t)) for t in options if t is not type(None)]) + (
+        ["null"] if type(None) in options else [])
+    wanted = " or ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
     close = difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.6) \
         if isinstance(value, str) else []
     hint = f" (did you mean {close[0]}?)" if close else ""

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from mmgoal.config import MatmulPrecision, Precision, check_value
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,18 +65,17 @@ def resolve_device(spec: str = "auto", local_rank: int | None = None,
     return torch.device("cuda", number)
 
 
-def precision_dtype(precision: str) -> torch.dtype:
+def precision_dtype(precision: Precision) -> torch.dtype:
     """``fp32`` / ``bf16`` / ``fp16`` -> the torch dtype.
 
     Raises:
         ValueError: any other name.
     """
-    if precision not in _DTYPES:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    check_value("precision", precision, Precision)
     return _DTYPES[precision]
 
 
-def check_precision(precision: str, device: torch.device) -> None:
+def check_precision(precision: Precision, device: torch.device) -> None:
     """Refuse a precision the device cannot train in, with what to use instead."""
     precision_dtype(precision)
     if precision == "fp16" and device.type == "cpu":
@@ -86,7 +86,7 @@ def check_precision(precision: str, device: torch.device) -> None:
                          f"bfloat16 support; use fp16 (with loss scaling) or fp32")
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device, precision: Precision) -> contextlib.AbstractContextManager:
     """``torch.autocast`` for bf16/fp16 on ``device``; nothing for fp32."""
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -164,16 +164,14 @@ def cache_share_mb(threads: int | None = None, caches: str = CPU_CACHES) -> floa
     return size_mb / max(sharing, 1) * min(threads, max(sharing, 1))
 
 
-def configure_cuda(device: torch.device, matmul_precision: str, cudnn_benchmark: bool) -> None:
+def configure_cuda(device: torch.device, matmul_precision: MatmulPrecision,
+                   cudnn_benchmark: bool) -> None:
     """Per-process GPU settings: the current device, TF32 matmuls, cuDNN autotuning.
 
     ``matmul_precision`` is ``torch.set_float32_matmul_precision``'s: ``high``
     lets float32 products use TF32 on GPUs that have it (Ampere and newer),
     ``highest`` keeps them exact. Nothing changes on the CPU, so CPU runs stay exact.
     """
-    if matmul_precision not in ("highest", "high", "medium"):
-        raise ValueError(f"train.matmul_precision must be highest, high or medium, got "
-                         f"{matmul_precision!r}")
     if device.type != "cuda":
         return
     torch.cuda.set_device(device)

@@ -13,9 +13,14 @@ layout (``--layout folder``: an image folder), for ``mmgoal eval --zeroshot`` an
 from __future__ import annotations
 
 import time
+from typing import get_args
 
 from mmgoal.cli.arguments import tool_parser
-from mmgoal.data.classification import SYNTHETIC_TASKS, write_synthetic_classification
+from mmgoal.data.classification import (
+    SyntheticLayout,
+    SyntheticTask,
+    write_synthetic_classification,
+)
 from mmgoal.data.synthetic import write_benchmark
 
 
@@ -30,10 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-size", type=int, default=500, help="images per shard")
     parser.add_argument("--flickr-entities", action="store_true",
                         help="also write Sentences/ and Annotations/ (Flickr30K Entities layout)")
-    parser.add_argument("--classification", choices=SYNTHETIC_TASKS,
+    parser.add_argument("--classification", choices=get_args(SyntheticTask),
                         help="write a zero-shot classification set of --test images instead, "
                              "the class being each one-object scene's shape or colour")
-    parser.add_argument("--layout", choices=("wds", "folder"), default="wds",
+    parser.add_argument("--layout", choices=get_args(SyntheticLayout), default="wds",
                         help="with --classification: CLIP_benchmark's WebDataset layout "
                              "(default) or an image folder")
     args = parser.parse_args(argv)

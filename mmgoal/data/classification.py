@@ -25,11 +25,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from PIL import Image
 
+from mmgoal.config import check_value
 from mmgoal.data.images import decode_image
 from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES
 from mmgoal.files import open_regular, read_text, write_atomically, write_text
@@ -42,7 +43,8 @@ TEMPLATES = "zeroshot_classification_templates.txt"
 DEFAULT_TEMPLATES = ("a photo of a {c}.",)
 # the synthetic sets: what a class is, and the prompts (the scenes' captions name a shape
 # with its colour: "a small red circle")
-SYNTHETIC_TASKS = ("shape", "colour")
+SyntheticTask = Literal["shape", "colour"]
+SyntheticLayout = Literal["wds", "folder"]  # CLIP_benchmark's WebDataset layout, or folders
 SYNTHETIC_TEMPLATES = {"shape": ("a {c}.", "there is a {c}.", "a small {c}.", "a large {c}."),
                        "colour": ("a {c} shape.", "something {c}.", "a small {c} shape.")}
 
@@ -179,10 +181,10 @@ def iter_labelled_images(cset: ClassificationSet, skipped: SkipCounter,
             skipped(error)
 
 
-def write_synthetic_classification(out: str | Path, task: str = "shape", count: int = 200,
-                                   seed: int = 0, image_size: int = 64,
+def write_synthetic_classification(out: str | Path, task: SyntheticTask = "shape",
+                                   count: int = 200, seed: int = 0, image_size: int = 64,
                                    shard_size: int = 500, split: str = "test",
-                                   layout: str = "wds") -> ClassificationSet:
+                                   layout: SyntheticLayout = "wds") -> ClassificationSet:
     """A classification set of one-object synthetic scenes: the object's shape (6 classes)
     or colour (8) is the class. Images are drawn as the retrieval benchmark's (its own
     seeds: no scene of the benchmark), in CLIP_benchmark's WebDataset layout or as an
@@ -191,10 +193,8 @@ def write_synthetic_classification(out: str | Path, task: str = "shape", count: 
     from mmgoal.data.shards import ShardWriter
     from mmgoal.data.synthetic import COLOURS, SHAPES, place_objects, render_scene
 
-    if task not in SYNTHETIC_TASKS:
-        raise ValueError(f"task must be one of {', '.join(SYNTHETIC_TASKS)}, got {task!r}")
-    if layout not in ("wds", "folder"):
-        raise ValueError(f"layout must be wds or folder, got {layout!r}")
+    check_value("task", task, SyntheticTask)
+    check_value("layout", layout, SyntheticLayout)
     out = Path(out)
     classes = list(SHAPES) if task == "shape" else list(COLOURS)
     items = []  # (key, png bytes, label)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -29,7 +29,6 @@ from mmgoal.registry import LOGGERS
 
 # Keys of a record that place it (the x axis, its kind) rather than measure anything.
 PLACEMENT_KEYS = ("type", "step", "epoch")
-WANDB_MODES = ("online", "offline", "disabled")
 
 
 class LoggerError(RuntimeError):
@@ -189,10 +188,8 @@ class WandbLogger(Logger):
     def __init__(self, project: str | None = None, entity: str | None = None,
                  name: str | None = None, group: str | None = None,
                  tags: list[str] | None = None, notes: str | None = None,
-                 mode: str | None = None, dir: str = ".") -> None:
-        if mode is not None and mode not in WANDB_MODES:
-            raise ValueError(f"WandbLogger mode must be one of {', '.join(WANDB_MODES)} (or "
-                             f"null: W&B's own default), got {mode!r}")
+                 mode: Literal["online", "offline", "disabled"] | None = None,
+                 dir: str = ".") -> None:
         require_extra("wandb", "loggers: [{type: WandbLogger}]")
         self.init_options = {"project": project, "entity": entity, "name": name,
                              "group": group, "tags": tags, "notes": notes, "mode": mode}

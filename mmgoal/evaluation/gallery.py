@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from mmgoal.config import MatmulPrecision, check_value
 from mmgoal.contract import MatchingModel, require
 from mmgoal.data.pipeline import EvalReader, SkipCounter, iter_eval_batches
 from mmgoal.devices import cache_share_mb, free_memory_mb, module_device, move_to_device
@@ -35,7 +36,7 @@ from mmgoal.evaluation.protocols import protocol_metrics, protocol_rankings
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
 from mmgoal.models.layers.cross_attention import reuse_buffers
-from mmgoal.runs.schema import MATMUL_PRECISIONS, ScoringConfig
+from mmgoal.runs.schema import ScoringConfig
 from mmgoal.structures import (
     ImageFeatures,
     Member,
@@ -325,7 +326,7 @@ def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragment
 @torch.no_grad()
 def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,
                   block_images: int = 128, max_block_mb: float | None = None,
-                  progress: bool = True, matmul_precision: str = "highest",
+                  progress: bool = True, matmul_precision: MatmulPrecision = "highest",
                   across_ranks: bool = False, image_rows: tuple[int, int] | None = None,
                   stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks.
@@ -346,9 +347,7 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
     ``stop`` is polled before each block (:class:`EvaluationStopped` when it returns
     True; one process only, as :func:`encode_gallery`'s).
     """
-    if matmul_precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, "
-                         f"got {matmul_precision!r}")
+    check_value("matmul_precision", matmul_precision, MatmulPrecision)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul_precision)
     rank, world = world_info() if across_ranks else (0, 1)

@@ -9,11 +9,13 @@ with a pooler (``GPO``). Both are this one class, configured.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmgoal.config import PositiveInt
+from mmgoal.config import PositiveInt, check_value
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
@@ -39,18 +41,21 @@ class ResidualMLPProjection(nn.Module):
         return self.linear(features) + self.mlp(features)
 
 
-def build_projection(kind: str, in_dim: int, out_dim: int, side: str) -> nn.Module:
-    """``linear``, ``mlp`` (linear + residual MLP) or ``none`` (the encoder's own size)."""
+# linear, linear + residual MLP, or none (the encoder's own size)
+Projection = Literal["linear", "mlp", "none"]
+
+
+def build_projection(kind: Projection, in_dim: int, out_dim: int, side: str) -> nn.Module:
+    """The projection ``kind`` of the ``side`` (``image``, ``text``) encoder's features."""
+    check_value(f"{side}_projection", kind, Projection)
     if kind == "linear":
         return nn.Linear(in_dim, out_dim)
     if kind == "mlp":
         return ResidualMLPProjection(in_dim, out_dim)
-    if kind == "none":
-        if in_dim != out_dim:
-            raise ValueError(f"{side}_projection: none needs the {side} encoder's size "
-                             f"({in_dim}) to equal embed_dim ({out_dim})")
-        return nn.Identity()
-    raise ValueError(f"{side}_projection must be linear, mlp or none, got {kind!r}")
+    if in_dim != out_dim:
+        raise ValueError(f"{side}_projection: none needs the {side} encoder's size "
+                         f"({in_dim}) to equal embed_dim ({out_dim})")
+    return nn.Identity()
 
 
 @MODELS.register()
@@ -76,7 +81,7 @@ class DualEncoder(nn.Module):
 
     def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: PositiveInt = 1024,
                  image_pooler: dict | None = None, text_pooler: dict | None = None,
-                 image_projection: str = "linear", text_projection: str = "linear",
+                 image_projection: Projection = "linear", text_projection: Projection = "linear",
                  grad_checkpointing: bool = False, tokenizer=None) -> None:
         super().__init__()
         self.image_encoder = ENCODERS.build(image_encoder)

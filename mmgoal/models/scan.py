@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.config import PositiveInt
-from mmgoal.models.dual_encoder import DualEncoder, build_projection
+from mmgoal.models.dual_encoder import DualEncoder, Projection, build_projection
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.layers.cross_attention import (
-    DIRECTIONS,
-    POOLINGS,
+    Direction,
+    Pooling,
     at_least_float32,
     scan_attention,
     scan_pair_similarity,
@@ -78,15 +78,11 @@ class SCAN(nn.Module):
         return tower_weights(cfg.get("image_encoder"), cfg.get("text_encoder"))
 
     def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: PositiveInt = 1024,
-                 image_projection: str = "linear", text_projection: str = "none",
-                 direction: str = "t2i", lambda_softmax: float = 9.0, pooling: str = "avg",
-                 lambda_lse: float = 6.0, grad_checkpointing: bool = False,
-                 tokenizer=None) -> None:
+                 image_projection: Projection = "linear", text_projection: Projection = "none",
+                 direction: Direction = "t2i", lambda_softmax: float = 9.0,
+                 pooling: Pooling = "avg", lambda_lse: float = 6.0,
+                 grad_checkpointing: bool = False, tokenizer=None) -> None:
         super().__init__()
-        if direction not in DIRECTIONS:
-            raise ValueError(f"SCAN direction must be one of {DIRECTIONS}, got {direction!r}")
-        if pooling not in POOLINGS:
-            raise ValueError(f"SCAN pooling must be one of {POOLINGS}, got {pooling!r}")
         self.image_encoder = ENCODERS.build(image_encoder)
         if not getattr(self.image_encoder, "returns_tokens", False):
             raise ValueError(f"SCAN needs image regions: {image_encoder['type']} returns one "
@@ -139,7 +135,7 @@ class SCAN(nn.Module):
                                     self.lambda_softmax, self.pooling, self.lambda_lse)
 
     def attention(self, image_features: ImageFeatures, text_features: TextFeatures,
-                  direction: str | None = None) -> Attention:
+                  direction: Direction | None = None) -> Attention:
         """Attention of matched pairs (image ``b`` with text ``b``), in the model's direction
         unless ``direction`` is given (the attention metrics ask for ``t2i``)."""
         return scan_attention(image_features.tokens, image_features.mask, text_features.tokens,

@@ -10,6 +10,8 @@ projected CLS tokens of both towers; ITM classifies the fusion CLS of a pair.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,7 +57,7 @@ class XVLM(nn.Module):
 
     def __init__(self, vision: dict, text: dict, fusion_layers: PositiveInt = 6,
                  embed_dim: PositiveInt = 256,
-                 mlm_head: str | None = None, box_head: bool = False,
+                 mlm_head: Literal["tied", "separate"] | None = None, box_head: bool = False,
                  grad_checkpointing: bool = False, tokenizer=None) -> None:
         super().__init__()
         vision = dict(vision)
@@ -89,8 +91,6 @@ class XVLM(nn.Module):
         self.text_proj = nn.Linear(hidden, embed_dim)
         self.itm_head = nn.Linear(hidden, 2)
         self.embed_dim = embed_dim
-        if mlm_head not in (None, "tied", "separate"):
-            raise ValueError(f"mlm_head must be 'tied', 'separate' or null, got {mlm_head!r}")
         if mlm_head is not None:
             embeddings = self.text.get_input_embeddings()
             # BERT's prediction head: transform (dense, GELU, LayerNorm), then the decoder.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.contract import TemperatureModel
-from mmgoal.objectives.hard_negative import HardNegativeLoss, check_reduction
+from mmgoal.objectives.hard_negative import HardNegativeLoss, Reduction
 from mmgoal.objectives.mining import score_tiles
 from mmgoal.registry import OBJECTIVES
 from mmgoal.scoring import HardestNegative, LogSumExp, Tile, for_cols, for_rows
@@ -34,7 +34,7 @@ class NTXentHardLoss(HardNegativeLoss):
 
     name = "ntxent"
 
-    def __init__(self, tau: float = 10.0, reduction: str = "sum") -> None:
+    def __init__(self, tau: float = 10.0, reduction: Reduction = "sum") -> None:
         super().__init__(reduction)
         self.tau = tau
 
@@ -52,7 +52,7 @@ class BinomialDevianceLoss(HardNegativeLoss):
     name = "binomial"
 
     def __init__(self, alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
-                 reduction: str = "sum") -> None:
+                 reduction: Reduction = "sum") -> None:
         super().__init__(reduction)
         self.alpha, self.beta, self.lam = alpha, beta, lam
 
@@ -75,7 +75,8 @@ class CircleLoss(HardNegativeLoss):
 
     name = "circle"
 
-    def __init__(self, margin: float = 0.25, gamma: float = 64.0, reduction: str = "sum") -> None:
+    def __init__(self, margin: float = 0.25, gamma: float = 64.0,
+                 reduction: Reduction = "sum") -> None:
         super().__init__(reduction)
         self.margin, self.gamma = margin, gamma
 
@@ -149,10 +150,10 @@ class MultiSimilarityLoss(nn.Module):
     """
 
     def __init__(self, alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
-                 eps: float = 0.1, reduction: str = "sum") -> None:
+                 eps: float = 0.1, reduction: Reduction = "sum") -> None:
         super().__init__()
         self.alpha, self.beta, self.lam, self.eps = alpha, beta, lam, eps
-        self.reduction = check_reduction(reduction)
+        self.reduction = reduction
 
     works_on_tiles = True
 

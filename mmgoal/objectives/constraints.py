@@ -19,16 +19,19 @@ attention weights ``w`` over the keys ``k`` of the paired item:
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgoal.objectives.hard_negative import Reduction
 from mmgoal.objectives.mining import draw_one_per_row
 from mmgoal.registry import CONSTRAINTS
 from mmgoal.structures import Attention
 
-REVERSE_KINDS = ("complement", "negated_softmax")
-REDUCTIONS = ("sum", "mean")
+# the weights of what an attention ignored (module docstring)
+Reverse = Literal["complement", "negated_softmax"]
 
 
 def sample_fragments(mask: torch.Tensor, generator: torch.Generator | None = None,
@@ -49,7 +52,7 @@ def sample_fragments(mask: torch.Tensor, generator: torch.Generator | None = Non
     return draw_one_per_row(probs, generator), valid
 
 
-def reversed_weights(attention: Attention, kind: str, lambda_softmax: float | None = None
+def reversed_weights(attention: Attention, kind: Reverse, lambda_softmax: float | None = None
                      ) -> torch.Tensor:
     """(B, Q, K) weights on what the attention ignores, zero on padded keys."""
     key_mask = attention.key_mask[:, None, :]
@@ -64,15 +67,10 @@ def reversed_weights(attention: Attention, kind: str, lambda_softmax: float | No
 class _AttentionConstraint(nn.Module):
     name = ""
 
-    def __init__(self, weight: float = 1.0, margin: float = 0.1, reverse: str = "complement",
-                 reverse_lambda: float | None = None, reduction: str = "sum") -> None:
+    def __init__(self, weight: float = 1.0, margin: float = 0.1,
+                 reverse: Reverse = "complement", reverse_lambda: float | None = None,
+                 reduction: Reduction = "sum") -> None:
         super().__init__()
-        if reverse not in REVERSE_KINDS:
-            raise ValueError(f"{type(self).__name__} reverse must be one of {REVERSE_KINDS}, "
-                             f"got {reverse!r}")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"{type(self).__name__} reduction must be one of {REDUCTIONS}, "
-                             f"got {reduction!r}")
         self.weight = weight
         self.margin = margin
         self.reverse = reverse

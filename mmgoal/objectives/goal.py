@@ -28,7 +28,7 @@ from torch import nn
 
 from mmgoal.config import close_match_hints
 from mmgoal.objectives.adaptive_lam import AdaptiveLam
-from mmgoal.objectives.hard_negative import check_reduction
+from mmgoal.objectives.hard_negative import Reduction
 from mmgoal.objectives.mining import check_positives, mine_triplets, score_tiles
 from mmgoal.objectives.weights import (
     NegativeSums,
@@ -235,7 +235,7 @@ class GoalObjective(nn.Module):
     """
 
     def __init__(self, triplet: str | Mapping[str, Any] = "con",
-                 pair: str | Mapping[str, Any] = "con", reduction: str = "sum",
+                 pair: str | Mapping[str, Any] = "con", reduction: Reduction = "sum",
                  **misplaced: Any) -> None:
         super().__init__()
         if misplaced:
@@ -243,7 +243,7 @@ class GoalObjective(nn.Module):
         # Bound once: inspecting signatures every step would sit on the hot path.
         self.triplet_weight = bind_weight("triplet", triplet)
         self.pair_weight = bind_weight("pair", pair)
-        self.reduction = check_reduction(reduction)
+        self.reduction = reduction
         options = self.pair_weight.options
         self.adaptive_lam = (AdaptiveLam(options["lam_momentum"], options["lam_init"],
                                          options["lam_steps"])

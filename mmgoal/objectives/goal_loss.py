@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmgoal.config import check_value
 from mmgoal.distributed import (
     check_equal_shapes,
     gather_with_grad,
@@ -26,6 +27,7 @@ from mmgoal.distributed import (
     world_info,
 )
 from mmgoal.objectives.goal import GoalObjective
+from mmgoal.objectives.hard_negative import Reduction
 from mmgoal.objectives.mining import diagonal_positives, positives_from_groups
 from mmgoal.scoring import DotScorer, MatrixScorer, ScoreTiles, check_tile
 from mmgoal.structures import ObjectiveInputs
@@ -204,11 +206,12 @@ class GoalLoss(nn.Module):
     """
 
     def __init__(self, triplet: str | Mapping[str, Any] = "con",
-                 pair: str | Mapping[str, Any] = "con", reduction: str = "sum", *,
+                 pair: str | Mapping[str, Any] = "con", reduction: Reduction = "sum", *,
                  gather: bool = False, step_each_call: bool = True,
                  check_values: bool = True, tile_rows: int | None = None,
                  tile_cols: int | None = None) -> None:
         super().__init__()
+        check_value("reduction", reduction, Reduction)  # no registry checks a loop's own
         self.objective = GoalObjective(triplet, pair, reduction)
         self.tile_rows = None if tile_rows is None else check_tile(tile_rows, "tile_rows")
         self.tile_cols = None if tile_cols is None else check_tile(tile_cols, "tile_cols")

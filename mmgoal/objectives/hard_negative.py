@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
 from mmgoal.objectives.mining import mine_triplets, score_tiles
 from mmgoal.structures import ObjectiveInputs
 
-REDUCTIONS = ("sum", "mean")
-
-
-def check_reduction(reduction: str) -> str:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-    return reduction
+# a loss's total over its terms (triplets, hinges), or their mean
+Reduction = Literal["sum", "mean"]
 
 
 class HardNegativeLoss(nn.Module):
@@ -36,9 +33,9 @@ class HardNegativeLoss(nn.Module):
     name = "loss"
     works_on_tiles = True
 
-    def __init__(self, reduction: str = "sum") -> None:
+    def __init__(self, reduction: Reduction = "sum") -> None:
         super().__init__()
-        self.reduction = check_reduction(reduction)
+        self.reduction = reduction
 
     def triplet_loss(self, s_p: torch.Tensor, s_n: torch.Tensor) -> torch.Tensor:
         """(N,) scores of positives and mined negatives -> (N,) losses."""

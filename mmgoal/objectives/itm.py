@@ -16,6 +16,8 @@ update in expectation).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,14 +89,9 @@ class ITMLoss(nn.Module):
             fusion work). The same in one process, or with features not gathered.
     """
 
-    PAIRS = ("local", "global")
-
     def __init__(self, weight: float = 1.0, temperature: float = 0.07,
-                 pairs: str = "local") -> None:
+                 pairs: Literal["local", "global"] = "local") -> None:
         super().__init__()
-        if pairs not in self.PAIRS:
-            raise ValueError(f"ITMLoss pairs must be one of {', '.join(self.PAIRS)}, "
-                             f"got {pairs!r}")
         self.weight = weight
         self.temperature = temperature
         self.pairs = pairs

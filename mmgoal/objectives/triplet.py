@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmgoal.objectives.hard_negative import HardNegativeLoss
+from mmgoal.objectives.hard_negative import HardNegativeLoss, Reduction
 from mmgoal.objectives.mining import score_tiles
 from mmgoal.registry import OBJECTIVES
 from mmgoal.scoring import ScoreTiles, Statistic, Tile
@@ -108,7 +108,7 @@ class TripletLoss(HardNegativeLoss):
     name = "triplet"
 
     def __init__(self, margin: float = 0.2, max_violation: bool = True,
-                 reduction: str = "sum") -> None:
+                 reduction: Reduction = "sum") -> None:
         super().__init__(reduction)
         self.margin = margin
         self.max_violation = max_violation

@@ -30,6 +30,8 @@ from typing import ClassVar
 
 from mmgoal.config import (
     ConfigSection,
+    MatmulPrecision,
+    Precision,
     apply_override,
     component,
     load_config,
@@ -67,7 +69,6 @@ logger = logging.getLogger(__name__)
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCORINGS = ("local", "replicated")  # train.scoring: how several ranks score a global batch
-MATMUL_PRECISIONS = ("highest", "high", "medium")
 # what a test gallery reports (mmgoal/evaluation/protocols.py, docs/reference/retrieval.md)
 PROTOCOLS = ("coco", "eccv", "cxc", "pm")
 
@@ -98,7 +99,7 @@ class ScoringConfig(ConfigSection):
 
     block_images: int = 128
     max_block_mb: float | None = None
-    matmul_precision: str = "highest"
+    matmul_precision: MatmulPrecision = "highest"
     rerank_k: int = 0
     rerank_batch_size: int = 128
     protocols: list[str] = field(default_factory=lambda: ["coco"])
@@ -125,9 +126,6 @@ class ScoringConfig(ConfigSection):
                              "evaluation.pm_dir to their folder")
         if self.max_block_mb is not None and self.max_block_mb <= 0:
             raise ValueError(f"evaluation.max_block_mb must be above 0, got {self.max_block_mb}")
-        if self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"evaluation.matmul_precision must be one of "
-                             f"{', '.join(MATMUL_PRECISIONS)}, got {self.matmul_precision!r}")
 
     @classmethod
     def of(cls, scoring: ScoringConfig | dict | None) -> ScoringConfig:
@@ -174,8 +172,8 @@ class TrainConfig(ConfigSection):
     reference_batch: int | None = None
     # where and how (docs/getting_started.md, "Training on GPUs")
     device: str = "auto"
-    precision: str = "fp32"
-    matmul_precision: str = "high"
+    precision: Precision = "fp32"
+    matmul_precision: MatmulPrecision = "high"
     cudnn_benchmark: bool = True
     sync_bn: bool = False
     compile: bool = False
@@ -187,11 +185,6 @@ class TrainConfig(ConfigSection):
         if self.scale_lr not in LR_SCALINGS:
             raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
                              f"{self.scale_lr!r}")
-        from mmgoal.devices import PRECISIONS  # torch's dtypes: loaded when a run is checked
-
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
-                             f"{self.precision!r}")
 
 
 @dataclass

@@ -234,8 +234,9 @@ def test_config_mistakes_in_loggers_are_reported(tiny_benchmark, tmp_path, monke
                                          r"'flush_secs'"):
         with_overrides(resolved, ["loggers.0.flush_sec=5"])
     # a bad value or a missing package stops the trainer before anything is built
-    with pytest.raises(ValueError, match=r"WandbLogger mode must be one of online, offline, "
-                                         r"disabled \(or null: W&B's own default\), got 'ofline'"):
+    with pytest.raises(ValueError, match=r"logger 'WandbLogger': mode must be online, offline, "
+                                         r"disabled or null, got 'ofline' \(did you mean "
+                                         r"offline\?\)"):
         Trainer({**cfg, "loggers": [{"type": "WandbLogger", "mode": "ofline"}]}, tmp_path / "a")
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(ImportError, match=r"loggers: \[\{type: TensorBoardLogger\}\] needs "

@@ -242,8 +242,9 @@ def test_a_module_with_two_block_sequences_is_refused():
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"no_decay": ["bias", "nrom"]}, "optimizer.no_decay: unknown kind 'nrom' \\(did you mean "
-                                     "'norm'\\?\\); known: bias, norm, embedding, temperature"),
+    ({"no_decay": ["bias", "nrom"]}, "optimizer.no_decay\\[1\\] must be bias, norm, embedding, "
+                                     "temperature or vector, got 'nrom' \\(did you mean "
+                                     "norm\\?\\)"),
     ({"no_decay": "bias"}, "optimizer.no_decay must be list"),
     ({"layer_decay": {"rate": 1.5, "modules": ["image_encoder"]}},
      "optimizer.layer_decay.rate must lie in \\(0, 1\\], got 1.5"),

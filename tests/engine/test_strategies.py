@@ -46,7 +46,7 @@ def test_a_deepspeed_batch_size_against_the_mmgoal_config_is_an_error():
 def test_strategy_mistakes_say_what_to_do():
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got 4"):
         STRATEGIES.build({"type": "deepspeed", "zero_stage": 4})
-    with pytest.raises(ValueError, match="precision must be one of fp32, bf16, fp16"):
+    with pytest.raises(ValueError, match="precision must be fp32, bf16 or fp16, got 'fp8'"):
         STRATEGIES.build({"type": "deepspeed", "precision": "fp8"})
     for strategy in ("deepspeed", "torch"):
         with pytest.raises(ValueError, match="fp16 trains on GPUs only.*on the CPU use bf16 or "
@@ -54,7 +54,8 @@ def test_strategy_mistakes_say_what_to_do():
             STRATEGIES.build({"type": strategy, "precision": "fp16", "device": "cpu"})
     with pytest.raises(FileNotFoundError, match="DeepSpeed config .*missing.json does not exist"):
         STRATEGIES.build({"type": "deepspeed", "config": "missing.json"})
-    with pytest.raises(ValueError, match="find_unused_parameters must be auto, true or false"):
+    with pytest.raises(ValueError, match="find_unused_parameters must be true or false or auto, "
+                                         "got 'sometimes'"):
         STRATEGIES.build({"type": "ddp", "find_unused_parameters": "sometimes"})
 
 

@@ -109,9 +109,9 @@ def test_scan_attention_of_matched_pairs_is_the_diagonal_of_the_all_pairs_attent
 
 def test_scan_rejects_unknown_direction_and_pooling():
     x, m = torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="direction must be one of"):
+    with pytest.raises(ValueError, match="direction must be t2i or i2t, got 'both'"):
         scan_similarity(x, m, x, m, direction="both")
-    with pytest.raises(ValueError, match="pooling must be one of"):
+    with pytest.raises(ValueError, match="pooling must be avg or lse, got 'max'"):
         scan_similarity(x, m, x, m, pooling="max")
 
 

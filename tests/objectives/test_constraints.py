@@ -84,7 +84,8 @@ def test_sampled_fragments_are_real_uniform_and_avoid_the_excluded_one():
 
 
 def test_constraint_config_errors_name_the_choices():
-    with pytest.raises(ValueError, match="reverse must be one of"):
+    with pytest.raises(ValueError, match="reverse must be complement or negated_softmax, "
+                                         "got 'flip'"):
         CONSTRAINTS.build({"type": "CCRConstraint", "reverse": "flip"})
     with pytest.raises(TypeError, match="did you mean 'margin'"):
         CONSTRAINTS.build({"type": "CCSConstraint", "margn": 0.1})

@@ -41,8 +41,11 @@ def test_overrides_of_defaulted_keys_and_of_a_components_options():
                                 "'accumulate_steps'?"),
     ("strategy.zero_stage=3", "no key 'zero_stage' under strategy"),  # not a torch option
     ("schedule.milestones=[3]", "no key 'milestones' under schedule"),  # a step option
-    ("evaluation.matmul_precision=low", "evaluation.matmul_precision must be one of highest, "
-                                        "high, medium, got 'low'"),
+    ("evaluation.matmul_precision=low", "evaluation.matmul_precision must be highest, high or "
+                                        "medium, got 'low'"),
+    ("train.precision=bf61", "train.precision must be fp32, bf16 or fp16, got 'bf61'"),
+    ("train.matmul_precision=hihg", "train.matmul_precision must be highest, high or medium, "
+                                    "got 'hihg'"),
     ("train.scale_lr=cubic", "train.scale_lr must be one of none, linear, sqrt"),
     ("modle.embed_dim=8", "no key 'modle' under the top level. Did you mean 'model'?"),
     ("objective.type=TripletLos", "'TripletLos' is not in the objective registry. Did you mean "
@@ -59,7 +62,8 @@ def test_overrides_of_defaulted_keys_and_of_a_components_options():
     ("evaluation.max_block_mb=-1", "evaluation.max_block_mb must be above 0, got -1"),
     ("data.val.folds=0", "data.val.folds must be at least 1, got 0"),
     # the optimizer's keys that mmgoal reads itself (tests/engine/test_optimizers.py has more)
-    ("optimizer.no_decay=['bias', 'nrom']", "optimizer.no_decay: unknown kind 'nrom'"),
+    ("optimizer.no_decay=['bias', 'nrom']", "optimizer.no_decay[1] must be bias, norm, "
+                                            "embedding, temperature or vector, got 'nrom'"),
     ("train.eval_before_training=1", "train.eval_before_training must be true or false, got 1"),
 ])
 def test_keys_nothing_knows_and_bad_values_are_errors(override, message):

@@ -19,10 +19,12 @@ import contextlib
 import datetime
 import math
 import os
+from typing import Literal
 
 import torch
 from torch import nn
 
+from mmgoal.config import Precision
 from mmgoal.distributed import launched_world_size, world_info
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.torch_native import TorchStrategy, trainable_parameters
@@ -47,15 +49,12 @@ class AccelerateStrategy(TorchStrategy):
         timeout_minutes: how long a collective waits for a rank before failing.
     """
 
-    def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
-                 mixed_precision: str | None = None, timeout_minutes: float = 60.0) -> None:
+    def __init__(self, device: str | torch.device = "auto", precision: Precision = "fp32",
+                 mixed_precision: Literal["no", "bf16", "fp16"] | None = None,
+                 timeout_minutes: float = 60.0) -> None:
         require_extra("accelerate", "strategy: {type: accelerate}")
         if mixed_precision is not None:
-            names = {v: k for k, v in MIXED_PRECISION.items()}
-            if mixed_precision not in names:
-                raise ValueError(f"strategy.mixed_precision must be no, bf16 or fp16, got "
-                                 f"{mixed_precision!r}")
-            precision = names[mixed_precision]
+            precision = {v: k for k, v in MIXED_PRECISION.items()}[mixed_precision]
         super().__init__(device, precision, timeout_minutes=timeout_minutes)
 
     def join_process_group(self, timeout_minutes: float) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmgoal.config import Precision
 from mmgoal.contract import StepAwareObjective
 from mmgoal.devices import check_precision, move_to_device, resolve_device
 from mmgoal.distributed import init_process_group, set_rng_state, wire_dtype, world_info
@@ -97,7 +98,7 @@ class Strategy:
     # (train.keep_epochs: keep_epoch)
     supports_epoch_checkpoints = False
 
-    def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
+    def __init__(self, device: str | torch.device = "auto", precision: Precision = "fp32",
                  timeout_minutes: float = 60.0) -> None:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         check_precision(precision, self.device)

@@ -37,12 +37,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmgoal.devices import PRECISIONS, precision_dtype
+from mmgoal.config import Precision
+from mmgoal.devices import precision_dtype
 from mmgoal.distributed import launched_world_size, process_group_backend, rng_state
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import Strategy, cpu_float_state, prune_except
@@ -244,15 +246,10 @@ class DeepSpeedStrategy(Strategy):
 
     supports_grad_cache = True
 
-    def __init__(self, zero_stage: int = 2, precision: str = "fp32",
+    def __init__(self, zero_stage: Literal[0, 1, 2, 3] = 2, precision: Precision = "fp32",
                  config: str | dict | None = None, device: str | torch.device = "auto",
                  timeout_minutes: float = 60.0) -> None:
         require_extra("deepspeed", "strategy: {type: deepspeed}")
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"strategy.zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"strategy.precision must be one of {', '.join(PRECISIONS)}, "
-                             f"got {precision!r}")
         self.user_config = read_deepspeed_json(config)
         self.zero_stage = self.user_config.get("zero_optimization", {}).get("stage", zero_stage)
         if self.user_config.get("bf16", {}).get("enabled"):

@@ -16,10 +16,12 @@ import logging
 import math
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 
+from mmgoal.config import Precision
 from mmgoal.devices import autocast
 from mmgoal.distributed import rng_state
 from mmgoal.engine.optimizers import build_optimizer
@@ -35,8 +37,6 @@ from mmgoal.runs.run_dir import (
 )
 
 logger = logging.getLogger(__name__)
-
-FIND_UNUSED = ("auto", True, False)
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -70,12 +70,10 @@ class TorchStrategy(Strategy):
     supports_grad_cache = True
     supports_epoch_checkpoints = True
 
-    def __init__(self, device: str | torch.device = "auto", precision: str = "fp32",
-                 bucket_mb: float = 25.0, find_unused_parameters: str | bool = "auto",
+    def __init__(self, device: str | torch.device = "auto", precision: Precision = "fp32",
+                 bucket_mb: float = 25.0,
+                 find_unused_parameters: bool | Literal["auto"] = "auto",
                  sync_bn: bool = False, timeout_minutes: float = 60.0) -> None:
-        if find_unused_parameters not in FIND_UNUSED:
-            raise ValueError(f"strategy.find_unused_parameters must be auto, true or false, "
-                             f"got {find_unused_parameters!r}")
         super().__init__(device, precision, timeout_minutes)
         self.bucket_mb = bucket_mb
         self.find_unused = find_unused_parameters

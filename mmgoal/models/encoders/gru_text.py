@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -26,10 +28,8 @@ class GRUTextEncoder(nn.Module):
 
     def __init__(self, tokenizer, word_dim: PositiveInt = 300, hidden_size: PositiveInt = 1024,
                  num_layers: PositiveInt = 1, bidirectional: bool = False,
-                 pooling: str = "last") -> None:
+                 pooling: Literal["last", "mean"] = "last") -> None:
         super().__init__()
-        if pooling not in ("last", "mean"):
-            raise ValueError(f"GRUTextEncoder pooling must be 'last' or 'mean', got {pooling!r}")
         self.embedding = nn.Embedding(len(tokenizer), word_dim, padding_idx=tokenizer.pad_id)
         self.gru = nn.GRU(word_dim, hidden_size, num_layers, batch_first=True,
                           bidirectional=bidirectional)

@@ -3,6 +3,8 @@ config of random weights."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
@@ -29,14 +31,12 @@ class HFTextEncoder(nn.Module):
     """
 
     def __init__(self, model_path: str | None = None, config: dict | None = None,
-                 tokenizer=None, pooling: str = "cls") -> None:
+                 tokenizer=None, pooling: Literal["cls", "mean"] = "cls") -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModel
 
         if (model_path is None) == (config is None):
             raise ValueError("HFTextEncoder needs exactly one of model_path or config")
-        if pooling not in ("cls", "mean"):
-            raise ValueError(f"HFTextEncoder pooling must be 'cls' or 'mean', got {pooling!r}")
         if model_path is not None:
             self.model = load_hf_model(model_path, "HFTextEncoder model_path")
         else:

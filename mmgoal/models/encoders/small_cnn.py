@@ -11,6 +11,7 @@ benchmark talk about positions and left/right relations. Built through
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from timm.layers import SelectAdaptivePool2d
@@ -37,10 +38,9 @@ class SmallCNN(nn.Module):
 
     def __init__(self, widths: Sequence[PositiveInt] = (32, 64, 128, 256),
                  coord_channels: bool = True, in_chans: PositiveInt = 3, num_classes: int = 0,
-                 global_pool: str = "avg", drop_rate: float = 0.0, norm: str = "batch") -> None:
+                 global_pool: str = "avg", drop_rate: float = 0.0,
+                 norm: Literal["batch", "group"] = "batch") -> None:
         super().__init__()
-        if norm not in ("batch", "group"):
-            raise ValueError(f"norm must be 'batch' or 'group', got {norm!r}")
 
         def norm_layer(width: int) -> nn.Module:
             if norm == "batch":

@@ -7,6 +7,8 @@ features (``returns_tokens = False``) or ``(tokens (B, L, out_dim), lengths
 
 from __future__ import annotations
 
+from typing import Literal
+
 import timm
 import torch
 from einops import rearrange
@@ -94,11 +96,9 @@ class TimmImageEncoder(nn.Module):
 
     def __init__(self, model_name: str, pretrained: str | bool | None = None,
                  checkpoint_remap: str = "auto", model_kwargs: dict | None = None,
-                 global_pool: str = "avg", output: str = "pooled",
+                 global_pool: str = "avg", output: Literal["pooled", "grid"] = "pooled",
                  token_dropout: float = 0.0) -> None:
         super().__init__()
-        if output not in ("pooled", "grid"):
-            raise ValueError(f"TimmImageEncoder output must be 'pooled' or 'grid', got {output!r}")
         self.model = create_timm_backbone(model_name, pretrained, checkpoint_remap, model_kwargs,
                                           global_pool if output == "pooled" else "")
         self.output = output

@@ -20,24 +20,24 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, contextmanager
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from mmgoal.config import check_value
 from mmgoal.structures import Attention
 
-DIRECTIONS = ("t2i", "i2t")
-POOLINGS = ("avg", "lse")
+Direction = Literal["t2i", "i2t"]  # words attend to regions, or regions to words
+Pooling = Literal["avg", "lse"]  # of the query fragments' relevances
 EPS = 1e-8
 # exp(2 * lambda) must stay far from float32's limit in |att|^2 without a max shift.
 _NO_MAX_SHIFT_BELOW = 20.0
 
 
-def _check(direction: str, pooling: str) -> None:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+def _check(direction: Direction, pooling: Pooling) -> None:
+    check_value("direction", direction, Direction)
+    check_value("pooling", pooling, Pooling)
 
 
 def clipped_l2_scores(raw: torch.Tensor, query_mask: torch.Tensor, query_dim: int) -> torch.Tensor:
@@ -86,7 +86,7 @@ def _buffer(name: str, shape: tuple[int, ...], like: torch.Tensor,
     return buffer[:numel].view(shape)
 
 
-def _pool(relevance: torch.Tensor, query_mask: torch.Tensor, pooling: str,
+def _pool(relevance: torch.Tensor, query_mask: torch.Tensor, pooling: Pooling,
           lambda_lse: float) -> torch.Tensor:
     """Pool relevance (n_key_items, n_query_items, Q) over its last (query) axis."""
     mask = query_mask[None]
@@ -97,7 +97,7 @@ def _pool(relevance: torch.Tensor, query_mask: torch.Tensor, pooling: str,
 
 
 def _attend_all_pairs(queries: torch.Tensor, query_mask: torch.Tensor, keys: torch.Tensor,
-                      key_mask: torch.Tensor, lambda_softmax: float, pooling: str,
+                      key_mask: torch.Tensor, lambda_softmax: float, pooling: Pooling,
                       lambda_lse: float) -> torch.Tensor:
     """(Nq, Q, D) query items x (Nk, K, D) key items -> (Nk, Nq) pooled relevance.
 
@@ -166,8 +166,9 @@ def at_least_float32(features: torch.Tensor) -> torch.Tensor:
 
 
 def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
-                    word_mask: torch.Tensor, direction: str = "t2i", lambda_softmax: float = 9.0,
-                    pooling: str = "avg", lambda_lse: float = 6.0) -> torch.Tensor:
+                    word_mask: torch.Tensor, direction: Direction = "t2i",
+                    lambda_softmax: float = 9.0, pooling: Pooling = "avg",
+                    lambda_lse: float = 6.0) -> torch.Tensor:
     """SCAN scores of every (image, text) pair of a block of images and a block of texts.
 
     Args:
@@ -194,8 +195,8 @@ def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: tor
 
 
 def scan_pair_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
-                         word_mask: torch.Tensor, direction: str = "t2i",
-                         lambda_softmax: float = 9.0, pooling: str = "avg",
+                         word_mask: torch.Tensor, direction: Direction = "t2i",
+                         lambda_softmax: float = 9.0, pooling: Pooling = "avg",
                          lambda_lse: float = 6.0) -> torch.Tensor:
     """SCAN scores of aligned pairs, ``regions[b]`` with ``words[b]``: the diagonal of
     :func:`scan_similarity`, computed for those pairs alone (score tiles score O(n) chosen
@@ -232,7 +233,7 @@ def scan_pair_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words
 
 
 def scan_attention(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
-                   word_mask: torch.Tensor, direction: str = "t2i",
+                   word_mask: torch.Tensor, direction: Direction = "t2i",
                    lambda_softmax: float = 9.0) -> Attention:
     """SCAN attention of matched pairs: ``regions[b]`` with ``words[b]``.
 
