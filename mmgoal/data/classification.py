@@ -21,7 +21,6 @@ colours in either layout, so that zero-shot classification is testable offline.
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from PIL import Image
 
+from mmgoal import strict_json
 from mmgoal.config import check_value
 from mmgoal.data.images import decode_image
 from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES
@@ -218,7 +218,7 @@ def write_synthetic_classification(out: str | Path, task: SyntheticTask = "shape
             for key, png, label in items:
                 writer.write({"__key__": key, "png": png, "cls": str(label).encode()})
         write_text(out / split / "nshards.txt", f"{len(writer.paths)}\n")
-    write_text(out / "meta.json", json.dumps({"task": task, "count": count, "seed": seed,
-                                              "image_size": image_size, "layout": layout}))
+    write_text(out / "meta.json", strict_json.dumps({
+        "task": task, "count": count, "seed": seed, "image_size": image_size, "layout": layout}))
     return read_classification_set(out, split)
 
