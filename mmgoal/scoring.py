@@ -196,6 +196,19 @@ class ModelScorer(Scorer):
                 grad[rows if k < n_image else cols] += part.to(grad.dtype)
 
 
+class DotProductScores:
+    """A model mixin: the score of a pair is the dot product of its unit embeddings, a cosine
+    (the dual encoders, CLIP, X-VLM's ITC), so score tiles are products of the embeddings
+    (:func:`scorer_for`) and ``similarity`` is one matrix product."""
+
+    dot_product_scores = True
+
+    def similarity(self, image_features: ImageFeatures,
+                   text_features: TextFeatures) -> torch.Tensor:
+        """(n_images, n_texts) cosine similarities."""
+        return image_features.embedding @ text_features.embedding.T
+
+
 def scorer_for(model: Any, images: ImageFeatures, texts: TextFeatures) -> Scorer:
     """The scorer of ``model``'s scores of ``images`` against ``texts``: a dot product of the
     embeddings where the model declares its scores are one (``dot_product_scores = True``),

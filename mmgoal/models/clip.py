@@ -52,6 +52,7 @@ from mmgoal.paths import (
     resolve_path,
 )
 from mmgoal.registry import ADAPTERS, MODELS, TRANSFORMS
+from mmgoal.scoring import DotProductScores
 from mmgoal.structures import ImageFeatures, Preprocessing, TextFeatures
 
 logger = logging.getLogger(__name__)
@@ -316,8 +317,24 @@ def check_image_size(image_size: int | None, own: int, model: str) -> None:
                          f"or change the model")
 
 
+class CLIPLogits(DotProductScores):
+    """What OpenCLIP and HFCLIP share: the pair scores of the library model they wrap
+    (``self.model``) are cosines, scaled by its learnt ``logit_scale`` (InfoNCE's
+    temperature, :class:`mmgoal.contract.TemperatureModel`) and shifted by SigLIP's
+    ``logit_bias`` where it has one."""
+
+    def temperature(self) -> torch.Tensor:
+        """``1 / exp(logit_scale)``, a scalar that carries the gradient to ``logit_scale``."""
+        return torch.exp(-self.model.logit_scale).reshape(())
+
+    def logit_bias(self) -> torch.Tensor | None:
+        """SigLIP's learnt ``logit_bias`` (a scalar), or None for a model without one."""
+        bias = getattr(self.model, "logit_bias", None)
+        return None if bias is None else bias.reshape(())
+
+
 @MODELS.register()
-class OpenCLIP(nn.Module):
+class OpenCLIP(CLIPLogits, nn.Module):
     """An open_clip model (CLIP, OpenCLIP, MobileCLIP, SigLIP...) as a dual encoder.
 
     Built with ``open_clip.create_model``; its embeddings are exactly open_clip's
@@ -470,23 +487,6 @@ class OpenCLIP(nn.Module):
         """``batch["tokens"]`` (B, context_length) -> (B, embed_dim) unit vectors."""
         return TextFeatures(self.model.encode_text(batch["tokens"], normalize=True))
 
-    # similarity is the embeddings' dot product: score tiles are products (mmgoal/scoring.py)
-    dot_product_scores = True
-
-    def similarity(self, image_features: ImageFeatures,
-                   text_features: TextFeatures) -> torch.Tensor:
-        """(n_images, n_texts) cosine similarities."""
-        return image_features.embedding @ text_features.embedding.T
-
-    def temperature(self) -> torch.Tensor:
-        """``1 / exp(logit_scale)``, a scalar that carries the gradient to ``logit_scale``."""
-        return torch.exp(-self.model.logit_scale).reshape(())
-
-    def logit_bias(self) -> torch.Tensor | None:
-        """SigLIP's learnt ``logit_bias`` (a scalar), or None for a model without one."""
-        bias = getattr(self.model, "logit_bias", None)
-        return None if bias is None else bias.reshape(())
-
 
 # ------------------------------------------------------------------------- Hugging Face
 # The text padding each supported family was trained with: CLIP pools its end-of-text
@@ -532,7 +532,7 @@ def pooled_features(output) -> torch.Tensor:
 
 
 @MODELS.register()
-class HFCLIP(nn.Module):
+class HFCLIP(CLIPLogits, nn.Module):
     """A transformers ``CLIPModel`` or ``SiglipModel`` as a dual encoder.
 
     Its embeddings are the normalised ``get_image_features`` / ``get_text_features``.
@@ -648,20 +648,3 @@ class HFCLIP(nn.Module):
         features = pooled_features(self.model.get_text_features(
             input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()))
         return TextFeatures(F.normalize(features, dim=-1))
-
-    # similarity is the embeddings' dot product: score tiles are products (mmgoal/scoring.py)
-    dot_product_scores = True
-
-    def similarity(self, image_features: ImageFeatures,
-                   text_features: TextFeatures) -> torch.Tensor:
-        """(n_images, n_texts) cosine similarities."""
-        return image_features.embedding @ text_features.embedding.T
-
-    def temperature(self) -> torch.Tensor:
-        """``1 / exp(logit_scale)``, a scalar that carries the gradient to ``logit_scale``."""
-        return torch.exp(-self.model.logit_scale).reshape(())
-
-    def logit_bias(self) -> torch.Tensor | None:
-        """SigLIP's learnt ``logit_bias`` (a scalar), or None for a model without one."""
-        bias = getattr(self.model, "logit_bias", None)
-        return None if bias is None else bias.reshape(())

@@ -19,6 +19,7 @@ from mmgoal.config import PositiveInt, check_value
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
+from mmgoal.scoring import DotProductScores
 from mmgoal.sequences import length_mask
 from mmgoal.structures import ImageFeatures, Preprocessing, TextFeatures
 
@@ -59,7 +60,7 @@ def build_projection(kind: Projection, in_dim: int, out_dim: int, side: str) -> 
 
 
 @MODELS.register()
-class DualEncoder(nn.Module):
+class DualEncoder(DotProductScores, nn.Module):
     """Image encoder + text encoder + projections (+ poolers) + L2 norm.
 
     Args:
@@ -148,11 +149,3 @@ class DualEncoder(nn.Module):
         pooled, _ = self.text_pooler(states, lengths)
         return TextFeatures(F.normalize(pooled, dim=-1), tokens=states,
                             mask=length_mask(lengths, states.shape[1]))
-
-    # similarity is the embeddings' dot product: score tiles are products (mmgoal/scoring.py)
-    dot_product_scores = True
-
-    def similarity(self, image_features: ImageFeatures,
-                   text_features: TextFeatures) -> torch.Tensor:
-        """(n_images, n_texts) cosine similarities."""
-        return image_features.embedding @ text_features.embedding.T

@@ -23,12 +23,13 @@ from mmgoal.models.encoders.timm_image import create_timm_backbone
 from mmgoal.models.layers.fusion import FusionEncoder
 from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import MODELS
+from mmgoal.scoring import DotProductScores
 from mmgoal.sequences import length_mask
 from mmgoal.structures import ImageFeatures, TextFeatures
 
 
 @MODELS.register()
-class XVLM(nn.Module):
+class XVLM(DotProductScores, nn.Module):
     """ViT + BERT with fusion layers; ``similarity`` is ITC, ``match_logits`` is ITM.
 
     Args:
@@ -124,14 +125,6 @@ class XVLM(nn.Module):
         states = self.text(input_ids=tokens, attention_mask=mask.long()).last_hidden_state
         return TextFeatures(F.normalize(self.text_proj(states[:, 0]), dim=-1), tokens=states,
                             mask=mask)
-
-    # similarity is the embeddings' dot product: score tiles are products (mmgoal/scoring.py)
-    dot_product_scores = True
-
-    def similarity(self, image_features: ImageFeatures,
-                   text_features: TextFeatures) -> torch.Tensor:
-        """(n_images, n_texts) ITC cosines (the objective applies the temperature)."""
-        return image_features.embedding @ text_features.embedding.T
 
     def fuse(self, image_features: ImageFeatures, text_features: TextFeatures) -> torch.Tensor:
         """Fusion states (B, L, hidden) of pairs: text ``b`` attends to image ``b``."""
