@@ -11,12 +11,15 @@ has such) gets its two annotations, in their order in the file, one per sentence
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from mmgoal.data.remote import expand_shards, iter_samples, raise_problem
+from mmgoal.extras import require_extra
 from mmgoal.files import MAX_ANNOTATION_BYTES, read_text
 
 logger = logging.getLogger(__name__)
@@ -103,3 +106,35 @@ class CaptionIds:
             logger.info("%s: every one of %d sentences has its COCO caption id", where,
                         sentences)
         return matched
+
+
+def package_data_dir() -> Path:
+    """The data folder of the installed ``eccv_caption`` (found, not imported): the COCO
+    protocols' ids and positives (docs/reference/retrieval.md, "COCO protocols")."""
+    require_extra("eccv_caption", "evaluation.protocols eccv, cxc and pm (the COCO protocols)")
+    spec = importlib.util.find_spec("eccv_caption")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def check_caption_ids(shards: str | Sequence[str], protocols: Sequence[str]) -> None:
+    """What a test split needs for the protocols beyond ``coco``: eccv_caption installed,
+    and COCO caption ids in the first sample of the first local shard (remote shards, and
+    the whole COCO 5K check, come with the test itself).
+
+    Raises:
+        ImportError: no eccv_caption; ValueError: the shards have no caption ids.
+    """
+    if all(protocol == "coco" for protocol in protocols):
+        return
+    package_data_dir()
+    first = next((url for url in expand_shards(shards) if Path(url).is_file()), None)
+    if first is None:
+        return
+    sample = next(iter_samples(first, raise_problem,
+                               select_files=lambda name: name.endswith(".json")), {})
+    if json.loads(sample.get("json", b"{}")).get("caption_ids") is None:
+        raise ValueError(f"evaluation.protocols {list(protocols)} scores the test split by "
+                         f"COCO caption ids, and {first} has none: make the shards with "
+                         f"mmgoal make-shards karpathy ... --coco-captions "
+                         f"captions_val2014.json (docs/data.md, 'COCO ids'), or set "
+                         f"evaluation.protocols=[coco]")

@@ -452,6 +452,11 @@ def tar_samples(handler: Callable[[Exception], bool],
     return stage
 
 
+def raise_problem(error: Exception) -> bool:
+    """The handler of a reader that stops at the first problem (a conversion, a check)."""
+    raise error
+
+
 def iter_samples(shards: str | Sequence[str], handler: Callable[[Exception], bool],
                  select_files: Callable[[str], bool] | None = None,
                  max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Iterator[dict]:

@@ -29,7 +29,7 @@ from mmgoal.data.conversion import (
     split_names,
 )
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
-from mmgoal.data.remote import expand_shards, iter_samples
+from mmgoal.data.remote import expand_shards, iter_samples, raise_problem
 from mmgoal.data.tars import sample_keys
 from mmgoal.files import MAX_ANNOTATION_BYTES, check_regular, read_text
 from mmgoal.registry import SHARD_SOURCES
@@ -337,7 +337,7 @@ class EntitiesSource(ShardSource):
     def _members(self, url: str) -> dict[str, dict[str, bytes]]:
         """Every member of ``url`` by sample key (one shard held at a time)."""
         if getattr(self, "_cached_url", None) != url:
-            grouped = {sample.pop("__key__"): sample for sample in iter_samples(url, _raise)}
+            grouped = {sample.pop("__key__"): sample for sample in iter_samples(url, raise_problem)}
             for members in grouped.values():
                 del members["__url__"]
             self._cached_url, self._cached = url, grouped
@@ -345,9 +345,3 @@ class EntitiesSource(ShardSource):
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_cached")}
-
-
-def _raise(error: Exception) -> bool:
-    """A reader's handler that stops at the first problem: a conversion takes no part of a
-    damaged shard."""
-    raise error

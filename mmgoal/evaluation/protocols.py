@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmgoal.data.coco import package_data_dir
 from mmgoal.files import MAX_ANNOTATION_BYTES, check_regular, read_text
-from mmgoal.runs.schema import PROTOCOLS, ScoringConfig, package_data_dir
+from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
 
 __all__ = ["PROTOCOLS", "protocol_metrics", "protocol_rankings", "load_reference"]
 

@@ -18,11 +18,8 @@ match.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import os
-import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +34,9 @@ from mmgoal.config import (
     load_config,
     override_key,
 )
+from mmgoal.data.coco import check_caption_ids
 from mmgoal.data.remote import expand_shards
 from mmgoal.data.tars import MAX_SAMPLE_BYTES
-from mmgoal.extras import require_extra
-from mmgoal.files import open_regular
 from mmgoal.registry import (
     ADAPTERS,
     CONSTRAINTS,
@@ -300,40 +296,12 @@ def check_data_paths(cfg: dict) -> None:
             expand_shards(source["shards"])
 
 
-def package_data_dir() -> Path:
-    """The data folder of the installed ``eccv_caption`` (found, not imported): the COCO
-    protocols' ids and positives (docs/reference/retrieval.md, "COCO protocols")."""
-    require_extra("eccv_caption", "evaluation.protocols eccv, cxc and pm (the COCO protocols)")
-    spec = importlib.util.find_spec("eccv_caption")
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
-
-
 def check_test_shards(cfg: dict) -> None:
-    """Before a run trains, what its test split will need for the extended protocols of
-    ``evaluation.protocols``: eccv_caption installed, and COCO caption ids in the first
-    sample of the (local) test shards; the whole COCO 5K check comes with the test itself.
-
-    Raises:
-        ImportError: no eccv_caption; ValueError: the shards have no caption ids.
-    """
-    scoring = ScoringConfig.of(cfg.get("evaluation"))
+    """Before a run trains, what its test split needs for ``evaluation.protocols``
+    (:func:`mmgoal.data.coco.check_caption_ids`)."""
     test = (cfg.get("data") or {}).get("test")
-    if not test or all(protocol == "coco" for protocol in scoring.protocols):
-        return
-    package_data_dir()
-    first = next((Path(url) for url in expand_shards(test["shards"]) if Path(url).is_file()),
-                 None)
-    if first is None:  # remote shards: checked when the test split is read
-        return
-    with open_regular(first, "shard") as stream, tarfile.open(fileobj=stream) as archive:
-        meta = next((json.load(archive.extractfile(m)) for m in archive
-                     if m.isfile() and m.name.endswith(".json")), {})
-    if meta.get("caption_ids") is None:
-        raise ValueError(f"evaluation.protocols {scoring.protocols} scores the test split "
-                         f"by COCO caption ids, and {first} has none: make the shards with "
-                         f"mmgoal make-shards karpathy ... --coco-captions "
-                         f"captions_val2014.json (docs/data.md, 'COCO ids'), or set "
-                         f"evaluation.protocols=[coco]")
+    if test:
+        check_caption_ids(test["shards"], ScoringConfig.of(cfg.get("evaluation")).protocols)
 
 
 # The registry that builds each component section (lists: each of their items), and the

@@ -154,7 +154,7 @@ def test_pm_reads_the_files_the_user_points_at(reference, tmp_path):
     import json
     import shutil
 
-    from mmgoal.runs.schema import package_data_dir
+    from mmgoal.data.coco import package_data_dir
 
     for direction in ("image_to_caption", "caption_to_image"):
         shutil.copy(package_data_dir() / f"cxc_{direction}.json",
