@@ -406,7 +406,8 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
     overrides = list(overrides)
     for override in overrides:
         apply_override(cfg, override, known_keys)
-    cfg = resolve_config(cfg, schema)
+    if overrides:  # what they set is checked as the file's keys were
+        cfg = resolve_config(cfg, schema)
     try:
         check_components(cfg, not_imported, (checked or schema).components())
     except ConfigError as error:
