@@ -92,7 +92,7 @@ def run_bare(cfg: dict, steps: int) -> list[float]:
     objective = OBJECTIVES.build(cfg["objective"], tokenizer=tokenizer)
     dataset = DATASETS.build(data["train"], tokenizer=tokenizer,
                              transform=build_transforms(None, data["image_size"]),
-                             training=True, seed=train["seed"])
+                             seed=train["seed"])
     loader = torch.utils.data.DataLoader(dataset, batch_size=None,
                                          num_workers=data["num_workers"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["optimizer"]["lr"],

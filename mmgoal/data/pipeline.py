@@ -503,21 +503,20 @@ def transform_image(sample: dict, transform: Callable) -> dict:
 
 @DATASETS.register()
 class ShardDataset(torch.utils.data.IterableDataset):
-    """Batches streamed from WebDataset shards.
+    """Training batches streamed without end from WebDataset shards (the module docstring's
+    stages); evaluation reads shards with :func:`iter_eval_batches`.
 
     Args:
         shards: brace pattern, glob or list of tar files.
         batch_size: samples per batch.
         tokenizer: turns captions into token ids (set by the trainer).
         transform: turns a PIL image into a tensor (set by the trainer).
-        training: shuffle shards and samples (seeded by ``seed`` and the epoch)
-            and drop the last partial batch.
         expand_captions: one sample per caption instead of one per image.
         shuffle_buffer: samples held for shuffling.
-        seed: base seed of every random choice of the pipeline.
-        text_augment: ``TEXT_AUGMENTS`` config applied to training captions'
-            token ids (VSE-infinity's mask / replace / delete), e.g.
-            ``{type: TokenAugment, p: 0.2}``.
+        seed: base seed of every random choice of the pipeline (the shard and sample
+            orders, with the epoch).
+        text_augment: ``TEXT_AUGMENTS`` config applied to the captions' token ids
+            (VSE-infinity's mask / replace / delete), e.g. ``{type: TokenAugment, p: 0.2}``.
         caption_key: read one caption per sample from this member (``txt`` for
             img2dataset / open_clip shards) instead of the JSON's ``captions``.
         retries: reads of a remote shard (URL, ``pipe:``) after one fails, each after
@@ -543,7 +542,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
-                 transform: Callable, training: bool = True, expand_captions: bool = False,
+                 transform: Callable, expand_captions: bool = False,
                  shuffle_buffer: int = 2000, seed: int = 0,
                  text_augment: dict | None = None, resampled: bool = False,
                  caption_key: str | None = None, retries: int = RETRIES,
@@ -564,7 +563,6 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self.batch_size = batch_size
         self.tokenizer = tokenizer
         self.transform = transform
-        self.training = training
         self.expand_captions = expand_captions
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
@@ -576,7 +574,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         # fewer is warned of as it is read
         self.claimed: dict[str, int] | None = None
         self.text_augment = (TEXT_AUGMENTS.build(text_augment, tokenizer=tokenizer)
-                             if text_augment and training else None)
+                             if text_augment else None)
 
     def num_samples(self) -> int:
         """Training samples in one pass over the shards: images, or captions when expanded.
@@ -607,7 +605,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     def check_readers(self, world_size: int, workers: int) -> None:
         """Fail early when the shards cannot give every rank and worker one of its own."""
-        if self.training and not self.resampled and len(self.urls) < world_size * workers:
+        if not self.resampled and len(self.urls) < world_size * workers:
             raise ValueError(
                 f"{len(self.urls)} training shard(s) cannot feed {world_size} rank(s) x "
                 f"{workers} data worker(s): every reader needs a shard of its own. Write more, "
@@ -655,38 +653,30 @@ class ShardDataset(torch.utils.data.IterableDataset):
         """The pipeline, stage by stage (see the module docstring)."""
         generator = torch.Generator().manual_seed(self._rng(3).getrandbits(63))
         return [*self.sample_stages(), wds.batched(
-            self.batch_size, partial=not self.training,
-            collation_fn=lambda s: collate_batch(s, self.tokenizer, self.counter,
-                                                 self.text_augment, generator))]
+            self.batch_size, collation_fn=lambda s: collate_batch(
+                s, self.tokenizer, self.counter, self.text_augment, generator))]
 
     def sample_stages(self) -> list:
         """The stages up to one transformed sample per caption choice (no batching)."""
         handler = self.counter
-        if self.training:
-            check = UnreadablePassCheck(self._unreadable_pass_message)
-            stages: list = [lambda: self.shard_stream(check)]
-            if not self.resampled:
-                stages += [wds.split_by_node, wds.split_by_worker]
-            shuffle = (functools.partial(shuffle_within_passes, size=self.shuffle_buffer,
-                                         rng=self._rng(1)) if self.exact_passes else
-                       wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
-                                   rng=self._rng(1)))
-            stages += [tar_samples(handler, retries=self.retries, timeout=self.timeout,
-                                   max_sample_bytes=self.max_sample_bytes, claimed=self.claimed),
-                       check.tag, shuffle, check.settle]
-        else:
-            stages = [wds.SimpleShardList(self.urls), wds.split_by_node, wds.split_by_worker,
-                      tar_samples(handler, retries=self.retries, timeout=self.timeout,
-                                  max_sample_bytes=self.max_sample_bytes)]
-        stages += [
-            wds.map(functools.partial(decode_sample, caption_key=self.caption_key),
-                    handler=handler),
-            lambda src: choose_captions(src, self.expand_captions, self._rng(2), self._rng(4)),
-            wds.map(lambda s: transform_image(s, self.transform), handler=handler),
-        ]
-        if self.training:
-            stages.append(check.count_readable)
-        return stages
+        check = UnreadablePassCheck(self._unreadable_pass_message)
+        stages: list = [lambda: self.shard_stream(check)]
+        if not self.resampled:
+            stages += [wds.split_by_node, wds.split_by_worker]
+        shuffle = (functools.partial(shuffle_within_passes, size=self.shuffle_buffer,
+                                     rng=self._rng(1)) if self.exact_passes else
+                   wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer // 2,
+                               rng=self._rng(1)))
+        return [*stages,
+                tar_samples(handler, retries=self.retries, timeout=self.timeout,
+                            max_sample_bytes=self.max_sample_bytes, claimed=self.claimed),
+                check.tag, shuffle, check.settle,
+                wds.map(functools.partial(decode_sample, caption_key=self.caption_key),
+                        handler=handler),
+                lambda src: choose_captions(src, self.expand_captions, self._rng(2),
+                                            self._rng(4)),
+                wds.map(lambda s: transform_image(s, self.transform), handler=handler),
+                check.count_readable]
 
     def __iter__(self) -> Iterator[dict]:
         return iter(wds.DataPipeline(*self.stages()))
@@ -874,13 +864,12 @@ class MixtureDataset(torch.utils.data.IterableDataset):
         sources: ``ShardDataset`` configs (without ``type`` and ``batch_size``), each
             with a ``name`` and a ``weight``, e.g. ``{name: web, weight: 3, shards:
             ..., caption_key: txt}``.
-        batch_size, tokenizer, transform, training, seed, text_augment, max_sample_bytes:
-            as ``ShardDataset``.
+        batch_size, tokenizer, transform, seed, text_augment, max_sample_bytes: as
+            ``ShardDataset``.
     """
 
     def __init__(self, sources: list[dict], batch_size: int, tokenizer: Callable,
-                 transform: Callable, training: bool = True, seed: int = 0,
-                 text_augment: dict | None = None,
+                 transform: Callable, seed: int = 0, text_augment: dict | None = None,
                  max_sample_bytes: int = MAX_SAMPLE_BYTES) -> None:
         super().__init__()
         if not sources:
@@ -898,15 +887,15 @@ class MixtureDataset(torch.utils.data.IterableDataset):
             # Through the registry: a wrong key in a source gets its message and hint.
             self.sources.append(DATASETS.build(
                 {"type": "ShardDataset", **source}, batch_size=1, tokenizer=tokenizer,
-                transform=transform, training=training, seed=seed + 7919 * index,
+                transform=transform, seed=seed + 7919 * index,
                 max_sample_bytes=max_sample_bytes))
         if len(set(self.names)) < len(self.names):
             raise ValueError(f"MixtureDataset source names must differ, got {self.names}")
-        self.batch_size, self.tokenizer, self.training = batch_size, tokenizer, training
+        self.batch_size, self.tokenizer = batch_size, tokenizer
         self.seed, self.epoch = seed, 0
         self.counter = SkipCounter()
         self.text_augment = (TEXT_AUGMENTS.build(text_augment, tokenizer=tokenizer)
-                             if text_augment and training else None)
+                             if text_augment else None)
 
     def num_samples(self) -> int:
         return sum(source.num_samples() for source in self.sources)

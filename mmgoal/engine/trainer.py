@@ -288,8 +288,7 @@ class Trainer:
         data workers that will share them."""
         data = self.config.data
         train_set = DATASETS.build(data.train, tokenizer=self.tokenizer,
-                                   transform=self.train_transform, training=True,
-                                   seed=self.config.train.seed,
+                                   transform=self.train_transform, seed=self.config.train.seed,
                                    max_sample_bytes=data.max_sample_bytes)
         if hasattr(train_set, "check_readers"):
             train_set.check_readers(self.strategy.world_size, max(data.num_workers, 1))

@@ -39,8 +39,9 @@ def tokenizer():
 
 
 def dataset(urls, tokenizer, **kwargs):
-    defaults = dict(batch_size=100, tokenizer=tokenizer,
-                    transform=build_transforms(None, 8), training=False)
+    """The training stream; a shuffle buffer of 1 keeps each shard's samples in order."""
+    defaults = dict(batch_size=100, tokenizer=tokenizer, transform=build_transforms(None, 8),
+                    shuffle_buffer=1)
     return ShardDataset(urls, **{**defaults, **kwargs})
 
 
@@ -52,13 +53,12 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path, tokenizer, caplog):
         writer.write({"__key__": "4", "png": png((0, 0, 0)), "json": b"{broken"})
         writer.write(sample(5, 5, []))  # no caption
         writer.write(sample(6, 6, ["a blue square"]))
-    data = dataset(str(tmp_path / "mixed-000000.tar"), tokenizer)
-    batches = list(data)
-    assert len(batches) == 1
-    assert batches[0]["image_ids"] == [1, 3, 6]
-    assert batches[0]["skipped"] == 3
-    assert data.counter.total == 3
-    assert data.counter.counts["CorruptSampleError"] == 3
+    data = dataset(str(tmp_path / "mixed-000000.tar"), tokenizer, batch_size=3)
+    batches = list(itertools.islice(data, 2))  # a batch a pass: its three readable samples
+    assert [b["image_ids"] for b in batches] == [[1, 3, 6]] * 2
+    assert [b["skipped"] for b in batches] == [3, 3]
+    assert data.counter.total == 6
+    assert data.counter.counts["CorruptSampleError"] == 6
     assert "unreadable image" in caplog.text and "unreadable JSON" in caplog.text
 
 
@@ -66,29 +66,38 @@ def test_truncated_shard_keeps_the_samples_before_the_damage(tmp_path, tokenizer
     with ShardWriter(tmp_path, "good", max_count=50) as writer:
         for key in range(20):
             writer.write(sample(key, key, ["a red square"]))
-    path = tmp_path / "good-000000.tar"
-    data = path.read_bytes()
+    with ShardWriter(tmp_path, "whole", max_count=50) as writer:
+        for key in range(20):
+            writer.write(sample(key, 100 + key, ["a red square"]))
+    data = (tmp_path / "whole-000000.tar").read_bytes()
     (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2])
-    ds = dataset([str(tmp_path / "cut.tar"), str(path)], tokenizer)
-    ids = [i for b in ds for i in b["image_ids"]]
-    assert ids[-20:] == list(range(20))  # the intact shard is read whole after the cut one
-    assert 0 < len(ids) - 20 < 20
-    assert ds.counter.total >= 1
+    ds = dataset([str(tmp_path / "cut.tar"), str(tmp_path / "good-000000.tar")], tokenizer,
+                 batch_size=8)
+    ids = [i for b in itertools.islice(ds, 10) for i in b["image_ids"]]  # over two passes
+    kept = sorted({i for i in ids if i >= 100})
+    assert kept == list(range(100, 100 + len(kept))) and 0 < len(kept) < 20  # before the cut
+    per_pass = 20 + len(kept)  # the intact shard is read whole, before or after the cut one
+    for start in (0, per_pass):
+        assert sorted(ids[start:start + per_pass]) == list(range(20)) + kept
+    assert ds.counter.counts["TarDamageError"] >= 2  # once a pass
 
 
 def test_expand_captions_and_image_groups(tmp_path, tokenizer):
     with ShardWriter(tmp_path, "s", max_count=10) as writer:
         writer.write(sample(1, "img-a", ["a red square", "a square"]))
         writer.write(sample(2, "img-b", ["a blue circle"]))
-    per_caption = next(iter(dataset(str(tmp_path / "s-000000.tar"), tokenizer,
+    per_caption = next(iter(dataset(str(tmp_path / "s-000000.tar"), tokenizer, batch_size=3,
                                     expand_captions=True)))
     assert per_caption["captions"] == ["a red square", "a square", "a blue circle"]
     assert per_caption["image_groups"].tolist() == [0, 0, 1]
     assert per_caption["tokens"].tolist() == [[2, 3, 5], [2, 5, 0], [2, 4, 6]]
     assert per_caption["lengths"].tolist() == [3, 2, 3]
-    per_image = next(iter(dataset(str(tmp_path / "s-000000.tar"), tokenizer)))
-    assert len(per_image["captions"]) == 2
-    assert per_image["captions"][0] in ("a red square", "a square")
+    per_image = list(itertools.islice(dataset(str(tmp_path / "s-000000.tar"), tokenizer,
+                                              batch_size=2), 10))
+    assert all(b["image_ids"] == ["img-a", "img-b"] for b in per_image)
+    assert all(b["captions"][1] == "a blue circle" for b in per_image)
+    # one caption of the image a pass, drawn at random
+    assert {b["captions"][0] for b in per_image} == {"a red square", "a square"}
     assert image_id_groups(["x", 3, "x", 3, 1]).tolist() == [0, 1, 0, 1, 2]
     # an epoch counts captions when they are expanded (the schedule's length depends on it)
     urls = str(tmp_path / "s-000000.tar")
@@ -103,7 +112,7 @@ def test_training_order_is_seeded_by_epoch(tmp_path, tokenizer):
     urls = str(tmp_path / "t-{000000..000004}.tar")
 
     def order(epoch, seed=0, batches=10):
-        ds = dataset(urls, tokenizer, training=True, batch_size=8, shuffle_buffer=16, seed=seed)
+        ds = dataset(urls, tokenizer, batch_size=8, shuffle_buffer=16, seed=seed)
         ds.set_epoch(epoch)
         return [(i, c) for b in itertools.islice(ds, batches)
                 for i, c in zip(b["image_ids"], b["captions"])]
@@ -127,7 +136,7 @@ def test_exact_passes_keep_each_pass_whole(tmp_path, tokenizer):
     urls = str(tmp_path / "t-{000000..000004}.tar")
 
     def passes(**kwargs):
-        ds = dataset(urls, tokenizer, training=True, batch_size=8, shuffle_buffer=32, **kwargs)
+        ds = dataset(urls, tokenizer, batch_size=8, shuffle_buffer=32, **kwargs)
         ids = [i for b in itertools.islice(ds, 15) for i in b["image_ids"]]
         return [ids[:40], ids[40:80], ids[80:]]
 
@@ -140,7 +149,7 @@ def test_exact_passes_keep_each_pass_whole(tmp_path, tokenizer):
     assert sorted(mixed[0]) != list(range(40))
     assert len(set(mixed[0])) < 40
     with pytest.raises(ValueError, match="exact_passes shuffles each pass .* resampled"):
-        dataset(urls, tokenizer, training=True, exact_passes=True, resampled=True)
+        dataset(urls, tokenizer, exact_passes=True, resampled=True)
 
 
 def test_training_stream_needs_a_shard_per_reader_and_a_readable_sample(tmp_path, tokenizer):
@@ -148,16 +157,16 @@ def test_training_stream_needs_a_shard_per_reader_and_a_readable_sample(tmp_path
         for key in range(8):
             writer.write(sample(key, key, ["a red square"]))
     urls = str(tmp_path / "t-{000000..000001}.tar")
-    ds = dataset(urls, tokenizer, training=True, batch_size=4)
+    ds = dataset(urls, tokenizer, batch_size=4)
     ds.check_readers(world_size=2, workers=1)
     with pytest.raises(ValueError, match="2 training shard.*2 rank.*x 2 data worker.*resampled"):
         ds.check_readers(world_size=2, workers=2)
-    dataset(urls, tokenizer, training=True, batch_size=4, resampled=True).check_readers(2, 2)
+    dataset(urls, tokenizer, batch_size=4, resampled=True).check_readers(2, 2)
     # resampled draws shards with replacement and still never runs dry
-    drawn = dataset(urls, tokenizer, training=True, batch_size=4, resampled=True)
+    drawn = dataset(urls, tokenizer, batch_size=4, resampled=True)
     assert len(list(itertools.islice(drawn, 12))) == 12
     (tmp_path / "bad.tar").write_bytes(b"not a tar file" * 100)
-    broken = dataset(str(tmp_path / "bad.tar"), tokenizer, training=True, batch_size=4)
+    broken = dataset(str(tmp_path / "bad.tar"), tokenizer, batch_size=4)
     with pytest.raises(RuntimeError, match="whole pass of its training shards without a readable"):
         next(iter(broken))
 
@@ -172,13 +181,14 @@ def test_a_pass_without_a_decodable_image_stops_the_training_stream(tmp_path, to
 
     # One readable image a pass keeps the stream going, although the default
     # shuffle buffer (2000) holds back some 250 passes of these shards.
-    one_good = dataset(shards("one", readable_key=5), tokenizer, training=True, batch_size=4)
+    one_good = dataset(shards("one", readable_key=5), tokenizer, batch_size=4,
+                       shuffle_buffer=2000)
     assert [b["image_ids"] for b in itertools.islice(one_good, 3)] == [[5] * 4] * 3
     # Sound tars and captions, no decodable image: the stream stops after a pass
     # (a resampled one after 16 draws), naming the shards and why samples were skipped.
     none_good = shards("none", readable_key=None)
     for resampled, pass_read in ((False, "read a whole pass of its"), (True, "drew 16 of its")):
-        ds = dataset(none_good, tokenizer, training=True, batch_size=4, resampled=resampled,
+        ds = dataset(none_good, tokenizer, batch_size=4, resampled=resampled,
                      shuffle_buffer=16)
         with pytest.raises(UnreadableShardsError) as error:
             next(iter(ds))
@@ -256,12 +266,15 @@ def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_pa
                       "boxes.npy": npy([[4, 4, 8, 8]])})
         bad = {**meta, "image_id": 3, "entities": [{"caption": 0, "boxes": [[0, 0, 4]]}]}
         writer.write({"__key__": "3", "png": png((0, 0, 0)), "json": json.dumps(bad).encode()})
-    data = dataset(str(tmp_path / "boxes-000000.tar"), tokenizer)
-    batch = next(iter(data))
-    assert batch["box_lengths"].tolist() == [2, 1]
-    torch.testing.assert_close(batch["boxes"], torch.tensor(
-        [[[0, 0, 0.5, 0.25], [0.25, 0.25, 1, 1]], [[0.5, 0.5, 1, 1], [0, 0, 0, 0]]]))
-    assert data.counter.total == 1 and "entity boxes must be xyxy" in data.counter.summary()
+    data = dataset(str(tmp_path / "boxes-000000.tar"), tokenizer, batch_size=2)
+    batches = list(itertools.islice(data, 2))  # a pass each: samples 1 and 2, 3 skipped
+    for batch in batches:
+        assert batch["image_ids"] == [1, 2] and batch["box_lengths"].tolist() == [2, 1]
+        torch.testing.assert_close(batch["boxes"], torch.tensor(
+            [[[0, 0, 0.5, 0.25], [0.25, 0.25, 1, 1]], [[0.5, 0.5, 1, 1], [0, 0, 0, 0]]]))
+    # a batch is collated when the sample after it is read: sample 3 has been skipped
+    assert [b["skipped"] for b in batches] == [1, 1]
+    assert data.counter.total == 2 and "entity boxes must be xyxy" in data.counter.summary()
     # evaluation batches keep every entity, its boxes as fractions of the image
     entities = next(iter_eval_batches(EvalReader(str(tmp_path / "boxes-000000.tar"), 8),
                                       build_transforms(None, 8)))["entities"]
@@ -279,12 +292,15 @@ def test_boxes_come_from_boxes_npy_or_entities_and_regions_replace_images(tmp_pa
             {"image_id": 3, "captions": ["a square"]}).encode()})  # neither image nor regions
         writer.write({"__key__": "4", "png": png((0, 0, 0)), "boxes.npy": npy([[1, 2, 3]]),
                       "json": json.dumps({"image_id": 4, "captions": ["a"]}).encode()})
-    data = dataset(str(tmp_path / "regions-000000.tar"), tokenizer)
-    batch = next(iter(data))
-    assert "images" not in batch and batch["region_lengths"].tolist() == [3, 2]
-    assert batch["regions"].shape == (2, 3, 4) and batch["regions"][1, 2].abs().sum() == 0
-    torch.testing.assert_close(batch["boxes"][0, 0], torch.tensor([0, 0, 0.5, 1.0]))
-    assert data.counter.total == 2  # no image nor regions; boxes of 3 numbers
+    data = dataset(str(tmp_path / "regions-000000.tar"), tokenizer, batch_size=2)
+    batches = list(itertools.islice(data, 2))
+    for batch in batches:
+        assert "images" not in batch and batch["region_lengths"].tolist() == [3, 2]
+        assert batch["regions"].shape == (2, 3, 4) and batch["regions"][1, 2].abs().sum() == 0
+        torch.testing.assert_close(batch["regions"][:, 0, 0], torch.tensor([1.0, 2.0]))
+        torch.testing.assert_close(batch["boxes"][0, 0], torch.tensor([0, 0, 0.5, 1.0]))
+    assert [b["skipped"] for b in batches] == [2, 2]  # no image nor regions; boxes of 3 numbers
+    assert data.counter.counts["CorruptSampleError"] == 4
     evaluation = next(iter_eval_batches(EvalReader(str(tmp_path / "regions-000000.tar"), 8),
                                         build_transforms(None, 8)))
     assert evaluation["region_lengths"].tolist() == [3, 2]
@@ -331,13 +347,15 @@ def test_a_cut_gzip_shard_is_counted_and_trained_on_up_to_the_damage(tmp_path, t
     packed = gzip.compress((tmp_path / "good-000000.tar").read_bytes())
     cut = tmp_path / "cut.tar.gz"
     cut.write_bytes(packed[: len(packed) // 2])  # the gzip stream ends early: EOFError
-    counted = dataset([str(cut)], tokenizer, training=True, batch_size=4).num_samples()
+    counted = dataset([str(cut)], tokenizer, batch_size=4).num_samples()
     assert 0 < counted < 20
     assert f"shard {cut} is damaged" in caplog.text
-    ids = [i for b in dataset([str(cut)], tokenizer) for i in b["image_ids"]]
-    assert ids == list(range(len(ids))) and 0 < len(ids) <= counted
-    training = iter(dataset([str(cut)], tokenizer, training=True, batch_size=4))
-    assert len(next(training)["image_ids"]) == 4  # the endless training stream reads it too
+    # the endless training stream reads it to the damage, pass after pass
+    training = dataset([str(cut)], tokenizer, batch_size=1)
+    ids = [b["image_ids"][0] for b in itertools.islice(training, 2 * counted + 1)]
+    read = ids.index(0, 1)  # the samples of a pass
+    assert 0 < read <= counted and ids == [n % read for n in range(len(ids))]
+    assert training.counter.counts["TarDamageError"] >= 2
     inspect = load_tool("inspect-shards")
     assert inspect.main([str(cut)]) == 1  # a report of the damage, not a traceback
     assert "cut.tar.gz" in capsys.readouterr().out

@@ -99,8 +99,9 @@ def test_a_zeroed_header_mid_file_is_damage_not_the_end(tmp_path, tokenizer, cap
     data[start:start + 512] = bytes(512)
     path.write_bytes(bytes(data))
     # a training (or any counting) reader: the first 32 samples, and the damage counted
-    counted = dataset(str(path), tokenizer)
-    assert sum(len(b["image_ids"]) for b in counted) == 32
+    counted = dataset(str(path), tokenizer, batch_size=32)
+    batch = next(iter(counted))  # a pass, collated once the next pass began
+    assert batch["image_ids"] == list(range(32)) and batch["skipped"] == 1
     assert counted.counter.counts == {"TarDamageError": 1}
     assert (f"shard {path} is damaged after 32 samples: a zero block at byte {start} ends "
             f"its tar, but data follows it" in counted.counter.last["TarDamageError"])
@@ -149,8 +150,8 @@ def test_a_valid_tar_followed_by_endless_junk_is_damage_read_boundedly(tmp_path,
     with open(path, "ab") as shard:
         shard.write(b"\x7f" * 3 * 2**20)
     with caplog.at_level(logging.WARNING):
-        read = dataset(str(path), tokenizer)
-        assert sum(len(b["image_ids"]) for b in read) == 8
+        read = dataset(str(path), tokenizer, batch_size=8)
+        assert next(iter(read))["image_ids"] == list(range(8))  # the training stream's pass
     assert read.counter.counts == {"TarDamageError": 1}
     assert (f"skipped a bad sample (TarDamageError): shard {path} is damaged after 8 "
             f"samples: a zero block at byte" in caplog.text)

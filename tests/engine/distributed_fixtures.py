@@ -26,7 +26,7 @@ class GlobalBatchSlices(torch.utils.data.IterableDataset):
     """This rank's slice of seeded global batches of (image, first caption) samples."""
 
     def __init__(self, shards: str, batch_size: int, tokenizer: Callable, transform: Callable,
-                 training: bool = True, seed: int = 0) -> None:
+                 seed: int = 0) -> None:
         super().__init__()
         self.batch_size, self.tokenizer, self.seed = batch_size, tokenizer, seed
         self.samples = []

@@ -5,6 +5,7 @@ The store is a server on 127.0.0.1 (tests/hub_server.py) serving the tiny benchm
 shards, which can cut a shard short once or never answer.
 """
 
+import itertools
 import json
 import logging
 import time
@@ -15,7 +16,13 @@ from hub_server import serving
 from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
 
 import mmgoal
-from mmgoal.data.pipeline import ShardDataset, UnreadableShardsError, expand_shards
+from mmgoal.data.pipeline import (
+    EvalReader,
+    ShardDataset,
+    UnreadableShardsError,
+    expand_shards,
+    iter_eval_batches,
+)
 from mmgoal.data.tokenizers import WordTokenizer
 from mmgoal.data.transforms import build_transforms
 from mmgoal.engine.trainer import Trainer
@@ -36,25 +43,26 @@ def store(tiny_benchmark):
         yield server, out
 
 
-def dataset(shards, training=False, **options):
-    return ShardDataset(shards, batch_size=8, tokenizer=WordTokenizer().fit(["a red circle"]),
-                        transform=build_transforms(None, 32), training=training,
-                        shuffle_buffer=16, **options)
+def dataset(shards, **options):
+    """The training stream of ``shards``, 8 samples a batch."""
+    return ShardDataset(shards, **{"batch_size": 8, "shuffle_buffer": 16, **options},
+                        tokenizer=WordTokenizer().fit(["a red circle"]),
+                        transform=build_transforms(None, 32))
 
 
-def batches(data, count=None):
-    taken = []
-    for batch in data:
-        taken.append(batch)
-        if count is not None and len(taken) == count:
-            break
-    return taken
+def batches(data, count):
+    return list(itertools.islice(data, count))
+
+
+def eval_batches(shards):
+    return list(iter_eval_batches(EvalReader(shards, 8), build_transforms(None, 32)))
 
 
 def same_batches(a, b):
+    """The same samples in the same order: ids, captions and images."""
     assert [x["image_ids"] for x in a] == [x["image_ids"] for x in b]
-    assert all(torch.equal(x["images"], y["images"]) and torch.equal(x["tokens"], y["tokens"])
-               for x, y in zip(a, b))
+    assert [x["captions"] for x in a] == [x["captions"] for x in b]
+    assert all(torch.equal(x["images"], y["images"]) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("scheme", ["http", "pipe"])
@@ -65,9 +73,10 @@ def test_remote_shards_stream_the_samples_of_the_local_ones(store, scheme):
     local = str(out / TRAIN)
     assert len(expand_shards(remote)) == 3
     # evaluation order, and the training stream (shuffled, seeded, endless): sample for sample
-    same_batches(batches(dataset(local)), batches(dataset(remote)))
-    same_batches(batches(dataset(local, training=True), 30),
-                 batches(dataset(remote, training=True), 30))
+    local_eval = eval_batches(local)
+    assert sum(len(b["image_ids"]) for b in local_eval) == 96
+    same_batches(local_eval, eval_batches(remote))
+    same_batches(batches(dataset(local), 30), batches(dataset(remote), 30))
     if scheme == "http":  # its size from sizes.json beside the shards, no shard read: the
         requests = len(server.requests)  # claims are checked against their lengths (HEAD)
         assert dataset(remote).num_samples() == dataset(local).num_samples() == 96
@@ -112,11 +121,13 @@ def test_a_shard_that_breaks_once_is_resumed_where_it_broke(store, caplog, range
     half = (out / "train-000001.tar").stat().st_size // 2
     server.cut_once[path] = half
     server.ranges_served.clear()
-    with caplog.at_level(logging.WARNING):
-        data = dataset(url, retries=2)
-        got = batches(data)
-    same_batches(batches(dataset(str(out / "train-000001.tar"))), got)
-    assert data.counter.total == 0  # nothing lost, nothing twice
+    with caplog.at_level(logging.WARNING):  # one pass: the shard's 32 samples in order
+        data = dataset(url, retries=2, shuffle_buffer=1)
+        got = batches(data, 4)
+    local = batches(dataset(str(out / "train-000001.tar"), shuffle_buffer=1), 4)
+    same_batches(local, got)
+    assert len({i for b in got for i in b["image_ids"]}) == 32  # nothing lost, nothing twice
+    assert data.counter.total == 0
     assert f"shard {url}: read failed at byte" in caplog.text and "retry 1 of 2" in caplog.text
     # resumed at the byte where it broke (or, without Range, read again and skipped to it)
     assert server.ranges_served == ([(path, half)] if ranges else [])
@@ -126,25 +137,31 @@ def test_a_shard_that_never_answers_is_bounded_and_said(store, caplog):
     server, out = store
     server.hang.add("/files/never.tar")
     hanging = f"{server.url}/files/never.tar"
-    start = time.monotonic()
-    with caplog.at_level(logging.WARNING):
-        data = dataset([hanging, str(out / "val-000000.tar")], retries=1, timeout=0.5)
-        got = batches(data)
-    assert time.monotonic() - start < 30  # two half-second waits and a pause, not an hour
-    assert sum(len(b["image_ids"]) for b in got) == 32  # the readable shard is read
-    assert data.counter.counts["ShardReadError"] == 1
+    start, requests = time.monotonic(), len(server.requests)
+    val = str(out / "val-000000.tar")
+    with caplog.at_level(logging.WARNING):  # two passes and more of the two shards
+        data = dataset([hanging, val], retries=1, timeout=0.5, shuffle_buffer=1)
+        got = batches(data, 9)
+    # each pass: two half-second waits and a pause for the hanging shard, not an hour
+    assert time.monotonic() - start < 30
+    ids = [i for b in got for i in b["image_ids"]]
+    assert sorted(ids[:32]) == sorted(ids[32:64]) == sorted(i for b in eval_batches(val)
+                                                            for i in b["image_ids"])
+    reads = server.requests[requests:].count(("GET", "/files/never.tar"))
+    assert data.counter.counts["ShardReadError"] * 2 == reads >= 4  # 2 attempts, then skipped
     assert (f"shard {hanging} could not be read after 2 attempt(s), at byte 0: no data for "
             f"0.5 s") in data.counter.summary()
     # training on it alone: a pass without a readable sample stops the reader, with the why
     with pytest.raises(UnreadableShardsError, match="no data for 0.5 s"):
-        batches(dataset(hanging, training=True, retries=0, timeout=0.5), 1)
+        batches(dataset(hanging, retries=0, timeout=0.5), 1)
 
 
 def test_a_failing_command_and_img2dataset_stats_say_what_they_say(store, tmp_path):
     server, out = store
     failing = dataset("pipe:cat /nowhere/train-000000.tar", retries=0)
-    assert batches(failing) == []
-    assert "the command exited with status 1" in failing.counter.summary()
+    with pytest.raises(UnreadableShardsError, match="the command exited with status 1"):
+        batches(failing, 1)
+    assert failing.counter.counts["ShardReadError"] == 1
     # img2dataset writes <shard>_stats.json beside each shard: its successes are the size
     (out / "train-000000_stats.json").write_text(json.dumps({"successes": 32, "failed": 3}))
     sizes = out / "sizes.json"

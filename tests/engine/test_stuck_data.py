@@ -75,9 +75,9 @@ class StuckAfterBatches(torch.utils.data.IterableDataset):
     """``batches`` training batches of ``shards``, then a reader stuck for ever (a hung
     file system) that has touched ``marker``."""
 
-    def __init__(self, shards, batch_size, batches, marker, tokenizer, transform, training, seed):
+    def __init__(self, shards, batch_size, batches, marker, tokenizer, transform, seed):
         super().__init__()
-        self.shard_data = ShardDataset(shards, batch_size, tokenizer, transform, training,
+        self.shard_data = ShardDataset(shards, batch_size, tokenizer, transform,
                                        shuffle_buffer=32, seed=seed)
         self.batch_size, self.batches, self.marker = batch_size, batches, Path(marker)
 
