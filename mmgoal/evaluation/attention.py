@@ -1,17 +1,6 @@
-"""Attention precision, recall and F1 (the CCR/CCS paper; docs/reference/scan.md).
-
-For a word ``t`` of a matched pair, region ``v`` is *relevant* when its IoU with
-a ground-truth box of ``t``'s phrase exceeds ``T_IoU`` (0.4) and *attended*
-when its attention weight exceeds ``T_att``. Each word has ``AP = |A n R| / |A|``
-(0 when nothing is attended), ``AR = |A n R| / |R|`` and ``AF = 2 AP AR / (AP +
-AR)`` (0 when both are 0). As the paper does, "we first calculate the attention
-metrics at word-level, and use the maximal values within each phrase as the
-phrase-level metrics": a phrase takes the maximum AP, the maximum AR and the
-maximum AF over its words, each on its own, and the reported AP, AR and AF are
-their means over phrases, for every ``T_att`` of the sweep. The reported AF is
-therefore not the F1 of the reported AP and AR, which is never lower (F1 is
-increasing in each argument and concave).
-Phrases without a box, or without any relevant region, are counted and left out.
+"""Attention precision, recall and F1 of the CCR/CCS paper, per word, maximised within a
+phrase and averaged over phrases for each ``T_att`` of a sweep (docs/reference/scan.md,
+"Attention precision, recall and F1"): the reported AF is not the F1 of AP and AR.
 """
 
 from __future__ import annotations
@@ -33,15 +22,8 @@ T_IOU = 0.4
 
 def word_precision_recall(weights: torch.Tensor, relevant: torch.Tensor,
                           thresholds: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """AP and AR of words at every threshold.
-
-    Args:
-        weights: (n_words, R) attention over regions; relevant: (n_words, R) bool.
-        thresholds: the ``T_att`` values.
-
-    Returns:
-        precision, recall: (n_words, n_thresholds).
-    """
+    """AP and AR, each (n_words, n_thresholds), of words' attention ``weights``
+    (n_words, R) over regions, ``relevant`` (n_words, R) bool, at each ``T_att``."""
     attended = weights[:, :, None] > torch.as_tensor(thresholds, dtype=weights.dtype,
                                                      device=weights.device)
     hits = (attended & relevant[:, :, None]).sum(1).double()
@@ -51,14 +33,7 @@ def word_precision_recall(weights: torch.Tensor, relevant: torch.Tensor,
 
 
 def word_f1(precision: torch.Tensor, recall: torch.Tensor) -> torch.Tensor:
-    """AF of words, ``2 AP AR / (AP + AR)``, 0 where both are 0.
-
-    Args:
-        precision, recall: (n_words, n_thresholds), from ``word_precision_recall``.
-
-    Returns:
-        (n_words, n_thresholds).
-    """
+    """AF of words, ``2 AP AR / (AP + AR)``, 0 where both are 0; (n_words, n_thresholds)."""
     total = precision + recall
     return torch.where(total > 0, 2 * precision * recall / total.clamp(min=1e-12),
                        torch.zeros_like(total))
@@ -66,12 +41,8 @@ def word_f1(precision: torch.Tensor, recall: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class AttentionReport:
-    """The sweep: one precision/recall/F1 per ``T_att``, and the best F1.
-
-    Each of ``precision``, ``recall`` and ``f1`` is the mean over phrases of the
-    phrase's best word for that metric, so ``f1`` is not the F1 of ``precision``
-    and ``recall``.
-    """
+    """The sweep: one precision/recall/F1 per ``T_att`` (each the mean over phrases of the
+    phrase's best word for it), and the best F1."""
 
     thresholds: list[float]
     precision: list[float]
@@ -110,12 +81,8 @@ class AttentionScorer:
 
     def add_phrase(self, weights: torch.Tensor, region_boxes: torch.Tensor,
                    phrase_boxes: torch.Tensor) -> None:
-        """One phrase of a matched pair.
-
-        Args:
-            weights: (n_phrase_words, R) attention of the phrase's words over regions.
-            region_boxes: (R, 4) xyxy; phrase_boxes: (n_boxes, 4) xyxy, same units.
-        """
+        """One phrase of a matched pair: ``weights`` (n_phrase_words, R) over regions,
+        ``region_boxes`` (R, 4) and ``phrase_boxes`` (n_boxes, 4), xyxy in the same units."""
         if len(phrase_boxes) == 0 or len(weights) == 0:
             self.without_box += 1
             return
@@ -167,14 +134,9 @@ def evaluate_attention(model: torch.nn.Module, gallery: Gallery, tokenizer,
                        thresholds: Sequence[float] = T_ATT_SWEEP, t_iou: float = T_IOU,
                        batch_size: int = 256, progress: bool = True,
                        entity_source: Callable | None = None) -> AttentionReport:
-    """Attention P/R/F1 of ``model`` (text queries over regions) on an encoded gallery.
-
-    Args:
-        gallery: from ``encode_gallery(..., with_annotations=True)``: tokens,
-            region boxes and entities.
-        entity_source: optional ``image_id -> entities`` (Flickr30K Entities
-            files) replacing the shards' entities.
-    """
+    """Attention P/R/F1 of ``model`` (text queries over regions) on a gallery encoded
+    ``with_annotations``; ``entity_source`` (``image_id -> entities``, Flickr30K
+    Entities files) replaces the shards' entities."""
     require(model, CrossAttentionModel, "the attention metrics")
     if not gallery.region_boxes:
         raise ValueError(f"{type(model.image_encoder).__name__} cannot say where its regions "

@@ -1,17 +1,11 @@
-"""Encoding a test gallery from shards and scoring it block by block.
+"""Encoding a test gallery from shards once, on the model's device, and scoring it in
+memory-bounded blocks, so a cross-attention model never forms the images x captions x
+regions x words tensor (docs/cross_attention.md, "Evaluation: blocks, ensembles";
+across ranks: docs/distributed.md, "Evaluation on every rank").
 
-``encode_gallery`` embeds every image and caption once, on the model's device
-(a GPU when the model is there), and keeps the features there. ``score_gallery``
-then calls the model's ``similarity`` on blocks of images x captions whose
-size follows a memory bound (on a GPU: half its free memory unless
-``max_block_mb`` says otherwise), so a cross-attention model never forms the
-n_images x n_captions x regions x words tensor; a dual encoder's blocks are
-plain matrix products. ``evaluate_retrieval`` averages the score matrices of
-several models when given an ensemble (SCAN's t2i AVG + i2t LSE).
-
-Each of them takes a ``stop`` callable, polled between the gallery's batches, the
-caption batches and the score blocks: when it returns True the evaluation ends there
-with :class:`EvaluationStopped` (the trainer's stop signals, in one process).
+``stop``, where taken, is polled between image batches, caption batches and score
+blocks, and ends the evaluation with :class:`EvaluationStopped`. One process only: a
+rank that left a collective alone would leave the others waiting.
 """
 
 from __future__ import annotations
@@ -61,12 +55,8 @@ _LIVE_COPIES = 6
 
 
 class EvaluationStopped(BaseException):
-    """The caller's ``stop`` asked an evaluation to end before it was done; nothing of it
-    is kept (the trainer drops a validation a stop signal ended, and --resume redoes it).
-
-    A BaseException, like KeyboardInterrupt: a request to stop, not an error, so code
-    that handles errors (``except Exception``) lets it through.
-    """
+    """The caller's ``stop`` ended an evaluation; nothing of it is kept. A BaseException,
+    like KeyboardInterrupt, so ``except Exception`` lets the request through."""
 
 
 def _stop_if_asked(stop: Callable[[], bool] | None) -> None:
@@ -90,23 +80,15 @@ def in_eval_mode(encode: Callable) -> Callable:
 
 @dataclass
 class Gallery:
-    """The encoded gallery of a split.
+    """The encoded gallery of a split, in shard order, each image id once.
 
     Attributes:
-        images, texts: features of every image and caption, in shard order.
         text_to_image: (n_texts,) the image index of each caption.
-        skipped: samples that could not be read.
-        duplicates: samples whose image id an earlier sample had (each image is
-            evaluated once; see :func:`encode_gallery`).
-        captions: every caption; image_ids: every image id, each once.
-        caption_ids: every caption's COCO caption id (``None`` where its shard has none:
-            :mod:`mmgoal.data.coco`).
-        entities: per image, the entity annotations of its JSON (``with_annotations``).
-        region_boxes: per image, its regions' boxes as xyxy fractions
-            (``with_annotations`` and an image encoder with ``region_boxes``).
-        image_rows: ``(start, end)`` when ``images`` holds only the gallery's images
-            ``start:end`` (this rank's share of the scoring: ``encode_gallery(...,
-            image_share=...)``); ``None`` when it holds them all.
+        duplicates: samples whose image id an earlier sample had.
+        caption_ids: COCO caption ids (``None`` where a shard has none: mmgoal.data.coco).
+        entities, region_boxes: per image (``with_annotations``); boxes as xyxy fractions.
+        image_rows: ``(start, end)`` when ``images`` holds only those rows (this rank's
+            scoring share: ``image_share``); ``None`` when it holds them all.
     """
 
     images: ImageFeatures
@@ -136,32 +118,15 @@ def encode_gallery(model: torch.nn.Module, reader: EvalReader | str | Sequence[s
                    with_annotations: bool = False, keep_tokens: bool = False,
                    across_ranks: bool = False, image_share: int | None = None,
                    stop: Callable[[], bool] | None = None) -> Gallery:
-    """Encode every image and caption that ``reader`` reads (an
-    :class:`~mmgoal.data.pipeline.EvalReader`: the split's shards and how to read them;
-    or shards, read with its defaults), in shard order, on the model's device.
+    """Encode every image and caption ``reader`` reads (an ``EvalReader``, or shards read
+    with its defaults), in shard order, on the model's device.
 
-    Each image id is one image of the gallery, as in training's positives and the
-    benchmarks' protocol (COCO 5K, Flickr30K 1K count every image once): a sample
-    repeating an earlier sample's image id (shards written twice, a split file
-    listing an image twice) is not kept again, its captions that the image does
-    not have yet become the image's, and a warning says how many there were.
-
-    ``with_annotations`` also keeps entities and region boxes (attention metrics);
-    ``keep_tokens`` keeps every token (ITM re-ranking). The reader's ``num_workers``
-    DataLoader workers decode the images while the model encodes (on a GPU into pinned
-    memory, copied without blocking); the gallery is the same with any number. Captions
-    are encoded in batches of the reader's ``batch_size``.
-
-    ``across_ranks`` (a collective: every rank of the process group calls it): each
-    rank decodes and encodes its share of the image batches and of the captions, and
-    every rank gets the whole gallery, equal to one process's. With ``image_share`` (the
-    scoring's ``block_images``) a rank keeps the features of only its share of the images,
-    the rows :func:`score_gallery` gives it (``gallery.image_rows``), and never holds the
-    others': a cross-attention gallery's region features are spread over the ranks.
-
-    ``stop`` is polled before each image batch and caption batch: when it returns True,
-    :class:`EvaluationStopped` leaves here, the DataLoader workers ended. One process only:
-    a rank that left the collective alone would leave the others waiting.
+    A sample repeating an earlier image id adds only its new captions to that image
+    (docs/data.md, "Duplicate images in an evaluation split"). ``with_annotations`` keeps
+    entities and region boxes (attention metrics), ``keep_tokens`` every token (ITM
+    re-ranking). ``across_ranks`` (a collective): each rank encodes its share and every
+    rank gets one process's gallery; with ``image_share`` (``block_images``) a rank keeps
+    only the image rows :func:`score_gallery` gives it (``gallery.image_rows``).
     """
     reader = EvalReader.of(reader)
     device = module_device(model)
@@ -262,10 +227,7 @@ def _encode_captions(model: torch.nn.Module, tokenizer: Callable, captions: list
 def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list[int]
                  ) -> list[int]:
     """Add a batch's images and captions to the gallery; return the rows of its new images.
-
-    A sample whose image id is in ``known`` (image id -> its index, its set of captions)
-    adds only the captions its image lacks, and counts in ``gallery.duplicates``.
-    """
+    A sample whose id is in ``known`` (id -> index, caption set) adds only new captions."""
     rows = []
     for row, (image_id, captions, caption_ids, entities) in enumerate(
             zip(batch["image_ids"], batch["captions"], batch["caption_ids"], batch["entities"])):
@@ -292,10 +254,8 @@ def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list
 
 
 def block_budget_mb(device: torch.device, max_block_mb: float | None = None) -> float:
-    """The memory bound of one scoring block: ``max_block_mb`` when given; else on the CPU
-    the process's share of the last-level cache (its threads' share: each rank of a node
-    its own), 32 to 1024 MiB (128 MiB where the system does not say), and on a GPU half
-    its free memory."""
+    """The memory bound of one scoring block in MiB: ``max_block_mb``, else half a GPU's free
+    memory or the process's share of the CPU's last-level cache (CPU_BLOCK_BOUNDS_MB)."""
     if max_block_mb is not None:
         return float(max_block_mb)
     free = free_memory_mb(device)
@@ -308,11 +268,8 @@ def block_budget_mb(device: torch.device, max_block_mb: float | None = None) -> 
 
 def block_sizes(n_images: int, n_texts: int, image_fragments: int, text_fragments: int,
                 block_images: int = 128, max_block_mb: float = CPU_BLOCK_MB) -> tuple[int, int]:
-    """Images and texts per scoring block so that the block's working set fits the bound.
-
-    A block of ``bi`` images and ``bt`` texts holds about ``6 * bi * bt * R * W``
-    floats at its peak (R, W: fragments per image/text; 1 for pooled embeddings).
-    """
+    """Images and texts per scoring block so that its working set, about
+    ``6 * bi * bt * R * W`` floats (R, W: fragments per image/text), fits the bound."""
     budget = max_block_mb * 2**20 / (4 * _LIVE_COPIES)
     per_pair = max(image_fragments, 1) * max(text_fragments, 1)
     bi = max(min(block_images, n_images), 1)
@@ -329,23 +286,14 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
                   progress: bool = True, matmul_precision: MatmulPrecision = "highest",
                   across_ranks: bool = False, image_rows: tuple[int, int] | None = None,
                   stop: Callable[[], bool] | None = None) -> torch.Tensor:
-    """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks.
+    """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks, on
+    the features' device.
 
-    The scores are computed and returned on the features' device.
-    ``max_block_mb`` bounds a block's working set (default: :func:`block_budget_mb`).
-    ``across_ranks`` (a collective): each rank scores a contiguous share of the images
-    against every text, and every rank gets the whole matrix. The shares are whole
-    ``block_images`` blocks, the same on every rank whatever its free memory; with
-    ``image_rows`` (``start, end``), ``images`` is already this rank's share, those rows
-    of the gallery (``encode_gallery(..., image_share=block_images)``).
-
-    ``matmul_precision`` is ``torch.set_float32_matmul_precision`` while scoring:
-    ``highest`` (exact float32, the default) or ``medium``, which lets float32
-    matrix products run in bfloat16 where the hardware has it (about twice as fast
-    on CPUs with AVX512-BF16; scores then differ by about 1e-3).
-
-    ``stop`` is polled before each block (:class:`EvaluationStopped` when it returns
-    True; one process only, as :func:`encode_gallery`'s).
+    ``across_ranks`` (a collective): each rank scores whole ``block_images`` blocks of
+    images against every text and every rank gets the whole matrix; with ``image_rows``,
+    ``images`` is already this rank's share. ``matmul_precision`` holds while scoring:
+    ``medium`` runs float32 products in bfloat16 where the hardware can (scores differ
+    by about 1e-3).
     """
     check_value("matmul_precision", matmul_precision, MatmulPrecision)
     previous = torch.get_float32_matmul_precision()
@@ -431,28 +379,14 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member],
     """Retrieval metrics on the gallery ``reader`` reads (plus ``skipped`` samples).
 
     Args:
-        model: a model (with ``transform`` and ``tokenizer``), or a list of
-            :class:`Member` whose score matrices are averaged (an ensemble).
-        reader: the split and how to read it (an :class:`~mmgoal.data.pipeline.EvalReader`,
-            built from a config by ``EvalReader.of_split``: batch size, caption member,
-            decoding workers, sample bound), or shards read with its defaults.
-        scoring: a :class:`ScoringConfig` or a mapping of its keys; with
-            ``rerank_k`` > 0 the metrics are the ITM re-ranked ones, and ``itc_*``
-            keys hold the ITC-only metrics.
-        across_ranks: a collective of every rank: each decodes and encodes its share of
-            the gallery, scores its share of the images and re-ranks its share of the
-            queries; every rank returns the metrics of one process.
-        protocols: what to report (default: ``scoring.protocols``): ``coco``'s metrics
-            always, and on COCO 5K test those of ``eccv``, ``cxc``, ``pm``
-            (:mod:`mmgoal.evaluation.protocols`; the gallery needs COCO ids).
-        rankings: a dict that receives every COCO test query's top items by COCO id
-            (``i2t``, ``t2i``: :func:`~mmgoal.evaluation.protocols.protocol_rankings`), the
-            lists the ``eccv_caption`` package reads; needs COCO 5K test too.
-        stop: polled between the gallery's image batches, its caption batches and the
-            score blocks (not inside the ITM re-ranking); when it returns True the
-            evaluation ends there with :class:`EvaluationStopped`. One process only: with
-            several ranks (``across_ranks``) a rank that left alone would leave the others
-            waiting in a collective.
+        model: a model (with ``transform`` and ``tokenizer``), or a list of :class:`Member` whose
+            score matrices are averaged (an ensemble).
+        scoring: with ``rerank_k`` > 0 the metrics are ITM re-ranked, ``itc_*`` the ITC's.
+        across_ranks: a collective; every rank returns one process's metrics.
+        protocols: default ``scoring.protocols`` (docs/reference/retrieval.md, "Protocols").
+        rankings: receives every COCO test query's top items by COCO id
+            (:func:`~mmgoal.evaluation.protocols.protocol_rankings`).
+        stop: as in the module doc; not polled inside the ITM re-ranking.
     """
     scoring = ScoringConfig.of(scoring)
     members = [Member(model, transform, tokenizer)] if isinstance(model, torch.nn.Module) \

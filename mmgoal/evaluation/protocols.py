@@ -1,26 +1,7 @@
-"""COCO 5K test as the field reports it beside Recall@K (docs/reference/retrieval.md, "COCO
-protocols"): ``evaluation.protocols``.
-
-- ``coco``: COCO's own labels, 5 captions an image: R@1/5/10, median and mean rank, rsum
-  (:func:`mmgoal.evaluation.retrieval.retrieval_metrics`, 1K with ``folds: 5``); always
-  computed.
-- ``eccv``: ECCV Caption (Chun et al., ECCV 2022), machine- and human-verified positives
-  for 1,332 query captions and 1,261 query images: mAP@R, R-Precision and R@1.
-- ``cxc``: Crisscrossed Captions (Parekh et al., EACL 2021): R@1/5/10 with CxC's positives.
-- ``pm``: PM-COCO's plausible matches (Chun et al., CVPR 2021): PMRP, the R-Precision over
-  them, from ``pm_image_to_caption.json`` / ``pm_caption_to_image.json``, which the user
-  downloads (``evaluation.pm_dir``).
-
-The positives of ``eccv`` and ``cxc`` and the test ids are those the ``eccv_caption``
-package ships (``pip install 'mmgoal[coco]'``; its data files are read when a protocol
-asks, its code is never imported). They are keyed by COCO image ids and COCO caption
-annotation ids, so the gallery needs both (the shards of ``mmgoal make-shards karpathy
---coco-captions``). The metrics are computed here from mmgoal's score matrix, for each
-query only its top ``k`` items (``k``: its most positives, at least 10), a block of
-queries at a time; they equal the package's on the same rankings
-(tests/evaluation/test_protocols.py calls it). Ties count against the query, as in
-:func:`~mmgoal.evaluation.retrieval.retrieval_metrics`: a positive scoring exactly as a
-negative is ranked below it.
+"""The extended COCO 5K test protocols of ``evaluation.protocols``: ECCV Caption (Chun et
+al., ECCV 2022), CxC (Parekh et al., EACL 2021), PM-COCO (Chun et al., CVPR 2021); what
+they need and how they are computed and checked: docs/reference/retrieval.md, "COCO
+protocols". Ties count against the query: a positive tied with a negative ranks below it.
 """
 
 from __future__ import annotations
@@ -59,14 +40,8 @@ def check_protocols(protocols: Sequence[str], pm_dir: str | None = None) -> None
 
 @dataclass(frozen=True)
 class CocoReference:
-    """COCO 5K test and the positives of the extended protocols, by COCO ids.
-
-    Attributes:
-        image_ids: the 5,000 test images; caption_ids: the 25,000 test captions
-            (``coco_test_ids.npy``'s order).
-        caption_image: each test caption's image (COCO's own label).
-        positives: protocol -> direction -> query id -> its positive item ids.
-    """
+    """COCO 5K test by COCO ids (captions in ``coco_test_ids.npy``'s order), each caption's
+    image (COCO's label), and ``positives``: protocol -> direction -> query id -> item ids."""
 
     image_ids: tuple[int, ...]
     caption_ids: tuple[int, ...]
@@ -126,17 +101,9 @@ def _examples(values) -> str:
 
 def gallery_positions(reference: CocoReference, image_ids: Sequence, caption_ids: Sequence,
                       text_to_image: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the test images and captions are in the gallery: ``(image_rows, caption_columns)``
-    in the reference's order.
-
-    The gallery must hold the 5,000 test images and no other, and every test caption with
-    its COCO image; a caption of a test image that is not a test caption (Karpathy's
-    sixth and seventh captions of a few images) is left out of the extended protocols.
-
-    Raises:
-        ValueError: the ids are missing, or the gallery is not COCO 5K test; the message
-            says what differs.
-    """
+    """``(image_rows, caption_columns)`` of the test images and captions in the gallery, in
+    the reference's order; a ``ValueError`` saying what differs unless the gallery is COCO
+    5K test exactly (extra captions of test images are left out)."""
     need = "the COCO protocols eccv, cxc and pm (evaluation.protocols)"
     remake = ("make the shards with mmgoal make-shards karpathy --json dataset_coco.json "
               "--image-root DIR --out DIR --coco-captions captions_val2014.json (docs/data.md, "
@@ -195,18 +162,11 @@ def gallery_positions(reference: CocoReference, image_ids: Sequence, caption_ids
 def ranked_hits(scores: torch.Tensor, queries: torch.Tensor, positives: Sequence[Sequence[int]],
                 k: int, by_columns: bool = False, excluded: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Some queries' top ``k`` items and which of them are positives, a block of queries at
-    a time (their scores within ``_BLOCK_MB``, in one buffer); the matrix is not copied.
+    """``(top, hits)``, (len(queries), k) on the CPU: the queries' top ``k`` items, best
+    first, and whether each is a positive, a block of queries (``_BLOCK_MB``) at a time.
 
-    Args:
-        scores: a gallery's score matrix, a query a row (``by_columns``: a column).
-        queries: the rows (columns) of the queries.
-        positives: per query, the columns (rows) of its positive items.
-        excluded: items that no query ranks (long), or None.
-
-    Returns:
-        ``(top, hits)``: (queries, k) items, best first, and bool, on the CPU. A positive
-        tied with a negative ranks below it.
+    ``scores`` has a query a row (``by_columns``: a column) and is not copied;
+    ``positives``: per query, its positive items; ``excluded``: items no query ranks.
     """
     n_items = scores.shape[0 if by_columns else 1]
     k = min(k, n_items)
@@ -247,10 +207,8 @@ def ranking_metrics(hits: torch.Tensor, positives: torch.Tensor) -> dict[str, fl
     """R@1/5/10, R-Precision and mAP@R (percent) of ranked hits.
 
     Args:
-        hits: (n_queries, k) bool, whether each query's r-th item is a positive; ``k`` is
-            at least every query's number of positives.
-        positives: (n_queries,) each query's number of positives, R (those outside the
-            gallery included, as eccv_caption counts them).
+        hits: (n_queries, k) bool, with ``k`` >= every query's number of positives.
+        positives: (n_queries,) R, those outside the gallery included (as eccv_caption).
     """
     hits = hits.double()
     r = positives.double()
@@ -305,17 +263,9 @@ def protocol_metrics(sims: torch.Tensor, image_ids: Sequence, caption_ids: Seque
                      text_to_image: Sequence[int], protocols: Sequence[str],
                      pm_dir: str | None = None, sims_t2i: torch.Tensor | None = None
                      ) -> dict[str, float]:
-    """The metrics of the extended ``protocols`` (``coco`` is computed elsewhere) on a
-    COCO 5K test gallery: ``{protocol}_{i2t|t2i}_{metric}``, percent.
-
-    Args:
-        sims: (n_images, n_texts) scores of the gallery (``image_ids``, ``caption_ids``,
-            ``text_to_image``: its :class:`~mmgoal.evaluation.gallery.Gallery`'s);
-            ``sims_t2i``: a separate matrix for text-to-image (ITM re-ranking).
-
-    Raises:
-        ValueError: :func:`gallery_positions`'s; ImportError: no eccv_caption.
-    """
+    """``{protocol}_{i2t|t2i}_{metric}`` (percent) of the extended ``protocols`` on a COCO
+    5K test gallery (ids: its ``Gallery``'s); ``sims_t2i``: a separate text-to-image matrix
+    (ITM re-ranking)."""
     extended = _extended(protocols, pm_dir)
     if not extended:
         return {}

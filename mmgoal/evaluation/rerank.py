@@ -1,10 +1,7 @@
-"""Top-k re-ranking of a gallery by a cross encoder's ITM head (X-VLM, ALBEF).
-
-The ITC scores rank every candidate; the ``k`` best of each query are scored
-again by ``match_logits`` (the "match" logit) and placed above every other
-candidate, which keep their ITC order. Image-to-text and text-to-image each get
-their own matrix, so the metrics come from :func:`retrieval_metrics` with
-``sims_t2i``.
+"""Top-k re-ranking of a gallery by a cross encoder's ITM head (X-VLM, ALBEF): each
+query's ``k`` best ITC candidates are scored by the "match" logit and placed above the
+rest, which keep their ITC order; one matrix per direction (``sims_t2i`` of
+:func:`retrieval_metrics`).
 """
 
 from __future__ import annotations
@@ -45,20 +42,10 @@ def itm_rerank(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
                itc: torch.Tensor, k: int, batch_size: int = 128, progress: bool = True,
                directions: tuple[str, ...] = ("i2t", "t2i"), across_ranks: bool = False
                ) -> tuple[torch.Tensor, ...]:
-    """Re-rank the top ``k`` candidates of every query in each direction.
-
-    Args:
-        images, texts: gallery features with tokens (the fusion layers need them).
-        itc: (n_images, n_texts) ITC scores.
-        k: candidates per query (clipped to the gallery).
-        directions: ``i2t`` (each image's top k texts re-scored) and/or ``t2i``
-            (each text's top k images).
-        across_ranks: a collective: each rank re-scores a contiguous share of the
-            queries, and every rank gets every matrix.
-
-    Returns:
-        one (n_images, n_texts) float64 matrix per direction, in order.
-    """
+    """One (n_images, n_texts) float64 matrix per direction (``i2t``: each image's top
+    ``k`` texts re-scored; ``t2i``: each text's top ``k`` images) from the ITC scores
+    ``itc``; ``images``/``texts`` need their tokens. ``across_ranks`` (a collective):
+    each rank re-scores a share of the pairs and every rank gets every matrix."""
     if k < 1:
         raise ValueError(f"re-ranking needs k >= 1, got {k}")
     n_images, n_texts = itc.shape

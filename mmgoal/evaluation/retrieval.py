@@ -12,17 +12,8 @@ _ROW_BLOCK = 1024
 
 
 def _ranks(sims: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
-    """0-based rank of each row's best-scoring positive among the row's negatives.
-
-    Ties count against the query: a negative scoring exactly as high as the best
-    positive is ranked above it, so a constant score matrix never looks good.
-
-    Args:
-        sims: (n_queries, n_items); positives: (n_queries, n_items) bool.
-
-    Returns:
-        (n_queries,) long.
-    """
+    """(n_queries,) 0-based rank of each row's best positive among its negatives; ties
+    count against the query. sims: (n_queries, n_items); positives: the same, bool."""
     ranks = []
     for start in range(0, sims.shape[0], _ROW_BLOCK):
         block = sims[start:start + _ROW_BLOCK]
@@ -57,23 +48,13 @@ def _single_fold(sims: torch.Tensor, text_to_image: torch.Tensor,
 
 def retrieval_metrics(sims: torch.Tensor, text_to_image, folds: int = 1,
                       sims_t2i: torch.Tensor | None = None) -> dict[str, float]:
-    """Image-to-text and text-to-image retrieval metrics of a score matrix.
+    """Both directions' Recall@K, median/mean rank and rsum of ``sims`` (n_images, n_texts),
+    given the (n_texts,) image index of each text; keys and rules:
+    docs/reference/retrieval.md, "Metrics".
 
     Args:
-        sims: (n_images, n_texts) scores, higher is better.
-        text_to_image: (n_texts,) int, the image index of each text (any
-            number of texts per image).
-        folds: 1 for the whole gallery; 5 averages over five consecutive folds
-            of ``n_images / 5`` images and their texts (COCO 1K).
-        sims_t2i: a separate (n_images, n_texts) matrix for text-to-image
-            retrieval (ITM re-ranking scores each direction's candidates);
-            ``sims`` then serves image-to-text only.
-
-    Returns:
-        ``i2t_r1 i2t_r5 i2t_r10 t2i_r1 t2i_r5 t2i_r10`` (percent), ``i2t_medr
-        t2i_medr i2t_meanr t2i_meanr`` (1-based ranks) and ``rsum`` (the sum of
-        the six recalls). Image-to-text ranks the best-ranked ground-truth
-        caption of each image. Ties are broken against the query.
+        folds: 5 averages over five consecutive folds of images and their texts (COCO 1K).
+        sims_t2i: a separate text-to-image matrix (ITM re-ranking); ``sims`` is then i2t's.
     """
     # Ranks are counted where the scores are (a GPU's gallery stays there).
     device = sims.device if isinstance(sims, torch.Tensor) else torch.device("cpu")

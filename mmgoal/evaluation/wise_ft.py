@@ -1,8 +1,5 @@
-"""WiSE-FT (Wortsman et al., "Robust fine-tuning of zero-shot models", CVPR 2022): the
-weight-space ensemble of a fine-tuned model and the pretrained weights it started from,
-``(1 - alpha) * start + alpha * fine-tuned`` (docs/models.md, "Fine-tune without
-forgetting"): ``alpha`` 0 is the zero-shot model, 1 the fine-tune; the points between
-often keep most of both its retrieval and the zero-shot accuracy it would lose.
+"""WiSE-FT (Wortsman et al., "Robust fine-tuning of zero-shot models", CVPR 2022):
+``(1 - alpha) * start + alpha * fine-tuned`` weights (docs/models.md, "WiSE-FT").
 """
 
 from __future__ import annotations
@@ -25,11 +22,7 @@ def check_alpha(alpha: float) -> float:
 def interpolate_weights(start: dict[str, torch.Tensor], finetuned: dict[str, torch.Tensor],
                         alpha: float) -> dict[str, torch.Tensor]:
     """``(1 - alpha) * start + alpha * finetuned`` of every floating tensor; the others
-    (step counters, token ids) are the fine-tune's.
-
-    Raises:
-        ValueError: the two hold other tensors or shapes (not one model's weights).
-    """
+    (step counters, token ids) are the fine-tune's. Refuses two different models."""
     check_alpha(alpha)
     if start.keys() != finetuned.keys():
         missing = sorted(set(start) ^ set(finetuned))[:5]
@@ -50,17 +43,9 @@ def interpolate_weights(start: dict[str, torch.Tensor], finetuned: dict[str, tor
 
 
 class WiseFT:
-    """The models between a fine-tune (``loaded``, as :func:`~mmgoal.runs.loading.
-    load_for_evaluation` gives it) and its pretrained start, one at a time.
-
-    A LoRA run's adapters (``model.peft``) are merged into the weights they adapt first,
-    in ``loaded``'s model and in the start (whose adapters add nothing yet): the mix is of
-    the merged weights (``merged``: the fine-tune's adapted layers).
-
-    Raises (on creation):
-        ValueError: the run has no pretrained start (its config names no pretrained
-            weights).
-    """
+    """The models between a fine-tune (``loaded``) and its pretrained start, one at a time;
+    LoRA adapters merged first (``merged``: the fine-tune's adapted layers). A
+    ``ValueError`` for a run whose config names no pretrained weights."""
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.start_model = load_pretrained_start(loaded)
@@ -77,7 +62,6 @@ class WiseFT:
         return interpolate_weights(self.start, self.finetuned, alpha)
 
     def at(self, alpha: float) -> LoadedModel:
-        """The model at ``alpha`` (the one model object, its weights set to ``alpha``'s:
-        a later call changes it)."""
+        """The model at ``alpha``: one model object, which a later call changes."""
         self.start_model.model.load_state_dict(self.weights(alpha))
         return dataclasses.replace(self.start_model, model=self.start_model.model.eval())

@@ -1,12 +1,5 @@
-"""Zero-shot classification of a dual encoder (docs/models.md, "Fine-tune without
-forgetting"), as CLIP and CLIP_benchmark compute it.
-
-Each class is the normalised mean of its prompts' normalised text embeddings (every
-template with the class name in it); each image goes to the class whose embedding its
-normalised embedding is closest to. Reported, in percent: top-1 and top-5 accuracy
-(top-5 with 5 classes or more) and the mean per-class recall (the recall of each class
-that has images, averaged: balanced accuracy). A fine-tune that keeps these is not
-forgetting what the pretrained model knew (WiSE-FT and LoRA: docs/models.md).
+"""Zero-shot classification of a dual encoder, as CLIP and CLIP_benchmark compute it
+(docs/models.md, "Zero-shot classification"): a fine-tune's measure of forgetting.
 """
 
 from __future__ import annotations
