@@ -1,15 +1,6 @@
-"""A trained model from Python: encode images and texts, score them, search a gallery.
-
-    import mmgoal
-    model = mmgoal.load("work_dirs/quickstart", device="cpu")   # its best checkpoint
-    model = mmgoal.load("quickstart.safetensors")               # an export (mmgoal export)
-    model.encode_images(["cat.png", pil_image])    # (n, d), L2-normalised (dual encoders)
-    model.encode_texts(["a red circle"])           # (m, d)
-    model.score(images, texts)                     # (n_images, n_texts), every model family
-    hits = model.search(["a red circle"], model.index(images), top_k=5)
-
-Everything runs batched, under ``no_grad``, on the model's device, with the
-model's own eval transform and tokenizer (:func:`mmgoal.runs.loading.load_for_evaluation`).
+"""A trained model from Python: encode images and texts, score them, search a gallery
+(docs/getting_started.md, "Use your model"). Batched, under ``no_grad``, on the model's
+device, with its own eval transform and tokenizer.
 """
 
 from __future__ import annotations
@@ -49,12 +40,8 @@ class Index:
 
 
 class Retriever:
-    """A loaded model with its preprocessing (see the module docstring).
-
-    Args:
-        loaded: what :func:`load_for_evaluation` returns.
-        batch_size: images or texts encoded at a time.
-    """
+    """A loaded model (:func:`load_for_evaluation`) with its preprocessing; ``batch_size``
+    images or texts are encoded at a time."""
 
     def __init__(self, loaded: LoadedModel, batch_size: int = 64) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
@@ -111,16 +98,12 @@ class Retriever:
     @torch.no_grad()
     def score(self, images: Sequence[ImageLike] | Index, texts: Sequence[str] | Index,
               rerank_k: int | None = None, direction: str = "t2i") -> torch.Tensor:
-        """(n_images, n_texts) similarities, scored by the model itself (cross attention
-        included), on memory-bounded blocks as in evaluation.
+        """(n_images, n_texts) similarities by the model itself, in blocks as in evaluation.
 
         Args:
-            rerank_k: a cross encoder's ITM head re-scores the top ``rerank_k`` candidates
-                of every query, placed above the rest (default: the config's
-                ``evaluation.rerank_k``; 0: the ITC scores alone). Re-ranked scores are
-                float64 (the ITC order kept below the ITM scores).
-            direction: with re-ranking, whose candidates: ``t2i`` (each text's top
-                images, the columns) or ``i2t`` (each image's top texts, the rows).
+            rerank_k: a cross encoder's ITM head re-scores every query's top ``rerank_k``,
+                placed above the rest, as float64 (default ``evaluation.rerank_k``; 0: off).
+            direction: whose candidates are re-ranked: ``t2i`` (columns) or ``i2t`` (rows).
         """
         image_features = images.features if isinstance(images, Index) else \
             self.image_features(images)
@@ -159,13 +142,11 @@ class Retriever:
 
 def load(path: str | os.PathLike, device: str | torch.device = "auto",
          batch_size: int = 64, *, trust_custom_imports: bool = False) -> Retriever:
-    """A trained model, built with the config saved inside it: a run directory (its
-    ``checkpoints/best.pt``, else its latest checkpoint), a checkpoint file, or an
-    export (``mmgoal export``: ``.pt`` or ``.safetensors``).
+    """A trained model, built with its saved config: a run directory (``best.pt``, else the
+    latest checkpoint), a checkpoint or an export (``.pt``, ``.safetensors``).
 
-    The saved config's ``custom_imports`` are not imported (a file you received must
-    not run code): a model that needs a plug-in of yours is loaded with
-    ``trust_custom_imports=True``, which imports them and logs each."""
+    The saved ``custom_imports`` run only with ``trust_custom_imports=True`` (a received
+    file must not run code)."""
     return Retriever(load_for_evaluation(path, device=device,
                                          trust_custom_imports=trust_custom_imports),
                      batch_size)
@@ -175,14 +156,10 @@ def from_config(config: str | os.PathLike | dict, checkpoint: str | os.PathLike 
                 device: str | torch.device = "auto", batch_size: int = 64,
                 overrides: Sequence[str] = (), *, trust_custom_imports: bool = False
                 ) -> Retriever:
-    """The model of a config: a training config, or one with only ``model`` (and
-    ``data.tokenizer``, eval preprocessing; left out, the model's own: an ``OpenCLIP`` or
-    ``HFCLIP`` section alone is enough). With ``checkpoint`` (a run directory or a
-    checkpoint/export file) it gets those weights and vocabulary; without, the weights
-    its own sections load (pretrained towers, a CLIP file) and a pretrained tokenizer.
-    ``overrides`` are ``--cfg-options`` strings (``"model.embed_dim=256"``). The
-    config's ``custom_imports`` are imported only with ``trust_custom_imports`` (as
-    :func:`load`)."""
+    """The model of a config (docs/getting_started.md, "Use your model"): with
+    ``checkpoint`` (run directory or file) its weights and vocabulary, else what its own
+    sections load. ``overrides``: ``--cfg-options`` strings; ``trust_custom_imports`` as
+    in :func:`load`."""
     if checkpoint is None:
         return Retriever(build_from_config(config, overrides, device,
                                            trust_custom_imports=trust_custom_imports),
@@ -194,11 +171,7 @@ def from_config(config: str | os.PathLike | dict, checkpoint: str | os.PathLike 
 
 
 def as_texts(texts: str | Sequence[str]) -> list[str]:
-    """``texts`` as a list of strings: one string is one text (not its characters).
-
-    Raises:
-        TypeError: something other than strings; ValueError: no text at all.
-    """
+    """``texts`` as a list of strings: one string is one text (not its characters)."""
     texts = [texts] if isinstance(texts, str) else texts
     if not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
         raise TypeError(f"texts must be a string or a list of strings, got "
@@ -209,11 +182,7 @@ def as_texts(texts: str | Sequence[str]) -> list[str]:
 
 
 def as_images(images: ImageLike | Sequence[ImageLike]) -> list[ImageLike]:
-    """``images`` as a list: one PIL image or path alone is a list of one.
-
-    Raises:
-        ValueError: no image at all.
-    """
+    """``images`` as a list: one PIL image or path alone is a list of one."""
     images = [images] if isinstance(images, (str, os.PathLike, Image.Image)) else list(images)
     if not images:
         raise ValueError("no images given: pass at least one image (a PIL image or a path)")
@@ -221,11 +190,7 @@ def as_images(images: ImageLike | Sequence[ImageLike]) -> list[ImageLike]:
 
 
 def rgb_image(image: ImageLike) -> Image.Image:
-    """An RGB PIL image from a PIL image or a file path.
-
-    Raises:
-        FileNotFoundError: a missing file; ValueError: a file that is not a readable image.
-    """
+    """An RGB PIL image from a PIL image or a file path (``ValueError`` if unreadable)."""
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     path = Path(image)

@@ -1,10 +1,6 @@
 """Where tensors live and in what precision: device choice, batch transfer, autocast.
-
-One config runs unchanged on a laptop CPU, one GPU and many: ``train.device:
-auto`` is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; ``cpu``,
-``cuda`` and ``cuda:N`` ask for one. Everything that trains or evaluates moves
-its inputs to the device of the model (:func:`module_device`), so the CPU only
-sees final matrices and metrics (docs/getting_started.md, "Training on GPUs").
+Inputs move to the model's device (:func:`module_device`), so one config runs unchanged
+on a CPU, one GPU or many (docs/getting_started.md, "Training on GPUs").
 """
 
 from __future__ import annotations
@@ -33,17 +29,9 @@ def cuda_summary() -> str:
 
 def resolve_device(spec: str = "auto", local_rank: int | None = None,
                    name: str = "train.device") -> torch.device:
-    """The device ``train.device`` names.
-
-    Args:
-        spec: ``auto`` (``cuda:<local rank>`` when CUDA is available, else ``cpu``),
-            ``cpu``, ``cuda`` (``cuda:<local rank>``) or ``cuda:N``.
-        local_rank: this process's index on its node (default: ``LOCAL_RANK`` or 0).
-        name: what the spec is called in messages (``--device`` for a tool).
-
-    Raises:
-        ValueError: an unknown spec, or CUDA asked for where there is none.
-    """
+    """The device ``spec`` names: ``auto`` (``cuda:<local rank>`` where CUDA is, else
+    ``cpu``), ``cpu``, ``cuda`` (``cuda:<local rank>``) or ``cuda:N``; ``name`` is how
+    messages call it. ``ValueError`` for an unknown spec or CUDA where there is none."""
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     spec = str(spec).strip().lower()
@@ -66,11 +54,7 @@ def resolve_device(spec: str = "auto", local_rank: int | None = None,
 
 
 def precision_dtype(precision: Precision) -> torch.dtype:
-    """``fp32`` / ``bf16`` / ``fp16`` -> the torch dtype.
-
-    Raises:
-        ValueError: any other name.
-    """
+    """``fp32`` / ``bf16`` / ``fp16`` -> the torch dtype (``ValueError`` for another)."""
     check_value("precision", precision, Precision)
     return _DTYPES[precision]
 
@@ -94,11 +78,8 @@ def autocast(device: torch.device, precision: Precision) -> contextlib.AbstractC
 
 
 def move_to_device(value, device: torch.device, non_blocking: bool = False):
-    """``value`` with every tensor moved to ``device``: mappings, lists, tuples and
-    dataclasses (``ImageFeatures``) are walked; anything else is returned as it is.
-
-    ``non_blocking`` overlaps the copy with compute when the source is pinned memory.
-    """
+    """``value`` with every tensor in its mappings, lists, tuples and dataclasses moved to
+    ``device`` (``non_blocking``: overlapped with compute from pinned memory)."""
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=non_blocking)
     if isinstance(value, Mapping):
@@ -166,12 +147,8 @@ def cache_share_mb(threads: int | None = None, caches: str = CPU_CACHES) -> floa
 
 def configure_cuda(device: torch.device, matmul_precision: MatmulPrecision,
                    cudnn_benchmark: bool) -> None:
-    """Per-process GPU settings: the current device, TF32 matmuls, cuDNN autotuning.
-
-    ``matmul_precision`` is ``torch.set_float32_matmul_precision``'s: ``high``
-    lets float32 products use TF32 on GPUs that have it (Ampere and newer),
-    ``highest`` keeps them exact. Nothing changes on the CPU, so CPU runs stay exact.
-    """
+    """Per-process GPU settings: the current device, TF32 matmuls (``matmul_precision``
+    ``high``; ``highest`` keeps them exact), cuDNN autotuning. Nothing on the CPU."""
     if device.type != "cuda":
         return
     torch.cuda.set_device(device)

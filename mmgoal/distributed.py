@@ -1,34 +1,9 @@
-"""Processes: how many a launcher started, joining their group, which rank this is, the
-random states, and gathering features across ranks.
+"""Processes: the launcher's world, the process group, this rank, random states, and the
+gathers across ranks; the one place that answers the world size (below the engine,
+objectives and evaluation: docs/architecture.md). Everything works in one process too.
 
-Below the engine, the objectives and the evaluation, which all ask it (the layering:
-docs/architecture.md): the one place that answers the world size. ``torch.distributed``
-is joined by :func:`init_process_group` (the strategies, ``mmgoal eval``); these functions
-work in one process too.
-
-Gathering features across ranks so objectives see the global batch:
-
-Every rank all-gathers the features of all ranks and computes the objective on
-the global score matrix, so hardest negatives are mined and weights normalised
-over the whole batch (open_clip's gather). The gather's backward sums the
-gradients that every rank computed for each slice and hands each rank the sum
-for its own slice, as a reduce-scatter (``torch.distributed.nn.all_gather``'s rule). With every rank
-computing the same global loss ``L``, rank ``r``'s encoder gradient is ``world x
-dL/dtheta`` through its slice, and the data-parallel average of those is exactly
-one process's gradient of ``L``; a parameter used after the gather (a learnable
-temperature, fusion layers) gets ``dL/dtheta`` on every rank, whose average is
-again exact. No loss rescaling is needed.
-
-A per-rank (local) loss ``L_r``, computed on rank ``r``'s own pairs (ITM's
-``pairs: local``, MLM, box grounding, CCR/CCS), may still reach other ranks'
-rows through the gathered features (ITM's negatives): the gather's backward
-sums ``dL_s/d(slice r)`` over the ranks ``s`` into rank ``r``'s slice, and a
-parameter used after the gather gets ``dL_r/dtheta`` on rank ``r``; the
-data-parallel average of either is ``d(mean_r L_r)/dtheta``. So a run trains on
-the global loss terms plus the mean over ranks of the local ones, again without
-rescaling; a local term is the global one exactly when it is a mean over the
-same number of items on every rank (ITM with every row holding a negative).
-The trainer logs rank 0's outputs: the local terms as rank 0 computed them.
+Why the differentiable gather (open_clip's) needs no loss rescaling, for global and
+per-rank losses alike: docs/distributed.md, "Objectives on the global batch".
 """
 
 from __future__ import annotations
@@ -151,10 +126,8 @@ def _same_shapes(local: torch.Tensor) -> list[torch.Size]:
 
 
 def check_equal_shapes(*tensors: torch.Tensor) -> None:
-    """Raise a ``RuntimeError`` that says so unless every rank holds ``tensors`` of the
-    same shapes (one small collective): a gather of different shapes would abort the
-    process group. For callers that cannot know it (a user's loop); the trainer's
-    batches are equal by construction (partial batches are dropped)."""
+    """Raise a ``RuntimeError`` unless every rank holds ``tensors`` of the same shapes
+    (one small collective), before a gather of different shapes aborts the group."""
     if world_info()[1] == 1:
         return
     shapes = _shapes(list(tensors))
@@ -166,18 +139,12 @@ def check_equal_shapes(*tensors: torch.Tensor) -> None:
 
 def gather_with_grad(local: torch.Tensor, pad_dim: int | None = None,
                      shapes: Sequence[torch.Size] | None = None) -> torch.Tensor:
-    """(B, ...) per rank -> (world * B, ...) in rank order, differentiable (see the module doc).
+    """(B, ...) per rank -> (world * B, ...) in rank order, differentiable.
 
-    Args:
-        local: this rank's rows; every rank must have the same number of rows
-            (training batches drop their last partial batch for that reason), and
-            without ``pad_dim`` the same shape: it is not checked, so that a gather
-            costs one collective (a rank whose shape differs fails in it).
-        pad_dim: a dimension whose size may differ across ranks (token counts);
-            it is zero-padded to the largest size before gathering, and every
-            rank's shape is exchanged first.
-        shapes: every rank's shape of ``local`` when the caller has them (one
-            exchange for several tensors: :func:`gather_features`).
+    Every rank needs the same number of rows and, without ``pad_dim``, the same shape,
+    unchecked so that a gather is one collective. ``pad_dim`` (token counts) is
+    zero-padded to the largest rank after a shape exchange, unless ``shapes`` (every
+    rank's, from :func:`gather_features`) are given.
     """
     rank, world = world_info()
     if world == 1:
@@ -199,12 +166,7 @@ def gather_with_grad(local: torch.Tensor, pad_dim: int | None = None,
 
 @torch.no_grad()
 def gather_varying_length(local: torch.Tensor) -> torch.Tensor:
-    """(n_r,) per rank -> (n_0 + n_1 + ...,): every rank's values in rank order, on every rank.
-
-    The lengths may differ across ranks (statistics of a batch, such as one score per
-    positive pair); each rank's values are padded to the longest for the collective
-    and cut back after. No gradient.
-    """
+    """(n_r,) per rank -> (n_0 + n_1 + ...,) in rank order, on every rank; no gradient."""
     if world_info()[1] == 1:
         return local
     lengths = [shape[0] for shape in _same_shapes(local)]
@@ -231,13 +193,8 @@ def _token_like(value: torch.Tensor) -> bool:
 
 
 def gather_features(features: Any) -> Any:
-    """A feature object (tensor or ``ImageFeatures``-like dataclass) gathered over ranks.
-
-    Every tensor field is gathered along the batch; fields of rank 3 or more
-    (tokens) and masks are padded along dimension 1 to the longest rank. The
-    shapes of the padded fields are exchanged in one collective for them all;
-    pooled fields (B, D) are gathered without one.
-    """
+    """A tensor or ``ImageFeatures``-like dataclass gathered along the batch; tokens and
+    masks padded along dim 1 to the longest rank (one shape exchange for them all)."""
     if world_info()[1] == 1:
         return features
     if isinstance(features, torch.Tensor):
@@ -311,14 +268,11 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @torch.no_grad()
 def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[Any]:
-    """Every rank's ``local`` on every rank, in rank order: a tensor or a feature dataclass
-    (``ImageFeatures``) whose tensors may differ across ranks in every dimension (rows of
-    a rank's share of a gallery, token counts), or ``None`` on a rank that has nothing
-    (its share is empty; ``device`` is then where its empty part of the collective lives:
-    the GPU under NCCL). No gradient: evaluation's gather.
+    """Every rank's ``local`` on every rank, in rank order; no gradient (evaluation's).
 
-    Each tensor is zero-padded to the largest shape for the collective and cut back to
-    its rank's own; bool tensors travel as uint8 (gloo cannot gather bool).
+    ``local``: a tensor or feature dataclass whose shapes may differ across ranks in
+    every dimension, or ``None`` on a rank with an empty share (``device`` then places
+    its part of the collective: the GPU under NCCL).
     """
     world = world_info()[1]
     if world == 1:
@@ -353,16 +307,12 @@ def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[
 @torch.no_grad()
 def gather_rows(local: Any, wanted: Sequence[tuple[int, int]],
                 device: torch.device | str | None = None) -> Any:
-    """The rows ``wanted`` (``(rank, row)`` pairs, in the order wanted) of the ranks'
-    ``local`` values, where each rank may want other rows: a collective.
+    """The rows ``wanted`` (``(rank, row)`` pairs, in that order) of the ranks' ``local``
+    (as for :func:`gather_uneven`); each rank may want other rows. A collective, no gradient.
 
-    ``local`` is as for :func:`gather_uneven` (a tensor or a feature dataclass, ``None`` on
-    a rank with nothing). Each rank's value is sent once, by a broadcast from it, and
-    every rank keeps only the rows it wants, so none holds more than those and one
-    rank's value in flight (a rank's share of a cross-attention gallery, not the whole
-    gallery). The rows' other dimensions are zero-padded to the widest among the ranks
-    they come from (tokens and their masks, as :func:`mmgoal.structures.cat_features`
-    pads them). Without a process group, the rows of ``local`` (``rank`` 0). No gradient.
+    Each rank's value is broadcast once and every rank keeps only its rows, so none
+    holds more than those plus one rank's value in flight. Other dimensions are
+    zero-padded to the widest among the source ranks (as ``cat_features`` pads tokens).
     """
     rank, world = world_info()
     specs, fields = _field_specs(local)
@@ -413,16 +363,14 @@ def _tensor_fields(value: Any) -> dict[str, torch.Tensor | None]:
 
 def global_losses(outputs: dict[str, torch.Tensor], world: int, parts_are_means: bool = False,
                   statistics: bool = False) -> dict[str, torch.Tensor]:
-    """A rank's part of each ``*_loss`` made the global loss: its value the sum of every
-    rank's part (one all-reduce of them all), its gradient ``world`` times the part's, so
-    that the data-parallel average of the ranks' gradients is the global loss's gradient.
+    """A rank's part of each ``*_loss`` made the global loss: its value the sum of the
+    ranks' parts (one all-reduce), its gradient ``world`` times the part's, so that the
+    data-parallel average is the global loss's gradient.
 
     Args:
-        parts_are_means: each part is a mean over the rank's share (an attention
-            constraint's ``reduction: mean``; equal shares): the value is the mean of the
-            parts, the gradient the part's own.
-        statistics: also average the other scalar outputs over the ranks (in the same
-            all-reduce); an objective on score tiles makes its statistics global itself.
+        parts_are_means: each part is a mean over an equal share (a constraint's
+            ``reduction: mean``): the value is the parts' mean, the gradient the part's.
+        statistics: also average the other scalar outputs over the ranks.
     """
     keys = [key for key, value in outputs.items() if key.endswith("_loss")
             or (statistics and value.numel() == 1)]
