@@ -1,18 +1,9 @@
-"""Shard sources for image-caption collections of any origin (``mmgoal make-shards SOURCE``).
+"""Shard sources for what a CLIP fine-tuner has at hand: open_clip's CSV files (``csv``), a
+folder of images with caption files (``folder``), a Hugging Face dataset (``hf``).
 
-What a CLIP fine-tuner has at hand, as open_clip and Hugging Face keep it:
-
-- ``csv``: open_clip's CSV files (``open_clip_train --dataset-type csv``), an image
-  path column and a caption column, a file per split;
-- ``folder``: a folder of images, each with a caption file of its name (``.txt``, a
-  caption a line, or ``.json`` with ``caption``/``captions``), a folder per split;
-- ``hf``: a Hugging Face ``datasets`` dataset, a folder written by ``save_to_disk`` or
-  a hub id, with an image column and a caption column.
-
-Each writes samples as ``karpathy`` does: the image (its bytes as they are) and a JSON
-with ``image_id``, ``captions``, ``split``, ``width`` and ``height``, so the shards
-train and evaluate like the papers' data sets. Images that are missing or unreadable,
-and images without captions, are skipped and counted (:mod:`mmgoal.data.conversion`).
+Each writes samples as ``karpathy`` does (the image's bytes, and a JSON with ``image_id``,
+``captions``, ``split``, ``width``, ``height``); what each takes, skips and refuses:
+docs/data.md, "Your own data" and "What a conversion takes".
 """
 
 from __future__ import annotations
@@ -46,11 +37,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".ti
 
 
 def given_splits(what: str, **inputs: str | None) -> dict[str, Path]:
-    """The splits that were given an input (``train=..., val=None``), in split order.
-
-    Raises:
-        ValueError: none was given.
-    """
+    """The splits that were given an input (``train=..., val=None``), in split order; a
+    ValueError where none was."""
     given = {split: Path(value) for split, value in inputs.items() if value}
     if not given:
         raise ValueError(f"give the {what} of at least one split: "
@@ -59,13 +47,9 @@ def given_splits(what: str, **inputs: str | None) -> dict[str, Path]:
 
 
 def caption_list(value: Any, where: str) -> list[str]:
-    """A caption field as a list of captions: a string is one, a list of strings is several;
-    empty and blank captions (and nulls in a list) are left out.
-
-    Raises:
-        SkippedItem: a value that is not text (a number, a mapping, a list holding one):
-            refused, never turned into text (a mapping's field names are no captions).
-    """
+    """A caption field as a list of captions: a string is one, a list of strings several;
+    blanks and nulls are left out. A value that is not text (a number, a mapping) is a
+    SkippedItem, never turned into text (a mapping's field names are no captions)."""
     if value is None:
         return []
     values = [value] if isinstance(value, str) else value
@@ -89,32 +73,18 @@ def captioned_image(split: str, image_id: str | int, captions: list[str],
 
 @SHARD_SOURCES.register("csv")
 class CSVSource(ShardSource):
-    """Images and captions of open_clip's CSV files (``--dataset-type csv``).
-
-    Each split's file has a header row naming its columns, among them the image path
-    column and the caption column. Rows that name the same image path are one sample
-    with the captions of all of them, in the file's order (COCO written as a CSV has
-    five rows per image); a sample's ``image_id`` is the image path as the file writes
-    it. A row without an image path, an image without a caption, a row with more fields
-    than the header (a caption holding the separator, unquoted) and an image outside the
-    image root are skipped and counted, each under its reason with the file and line.
+    """Images and captions of open_clip's CSV files (``--dataset-type csv``), a file per
+    split (docs/data.md, "Your own data"). Rows naming one image path are one sample with
+    all their captions; ``image_id`` is the path as the file writes it.
 
     Args:
-        train: the training split's CSV file.
-        val: the validation split's.
-        test: the test split's (at least one of the three).
-        img_key: the image path column (open_clip's ``--csv-img-key``).
-        caption_key: the caption column (``--csv-caption-key``).
-        separator: the column separator (``--csv-separator``), one character; ``\\t``
-            may be written as the two characters backslash and t.
-        image_root: the folder relative image paths are relative to (default: the
-            folder of each split's CSV file; open_clip reads them from its working
-            directory); an image must lie inside it.
-        allow_outside: also take images outside the image root (absolute paths, ``..``,
-            links to elsewhere), which a CSV someone sends could use to copy your files
-            into shards you later share.
-        max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
-        jpeg_quality: re-encode every image as JPEG at this quality.
+        img_key, caption_key, separator: open_clip's ``--csv-img-key``,
+            ``--csv-caption-key``, ``--csv-separator`` (``\\t`` may be backslash and t).
+        image_root: where relative image paths start and images must lie (default: each
+            CSV file's folder).
+        allow_outside: also take images outside it (absolute paths, ``..``, links).
+        max_size, jpeg_quality: re-encode as JPEG images whose longer side exceeds
+            ``max_size``, or every image at ``jpeg_quality``.
     """
 
     def __init__(self, train: str | None = None, val: str | None = None,
@@ -167,14 +137,9 @@ EXTRA_FIELDS = "more fields than the header"
 
 def read_csv_images(path: Path, img_key: str, caption_key: str, separator: str
                     ) -> list[CSVItem]:
-    """The items of every image a CSV file names, in the order of their first rows, and of
-    every row refused whole (:data:`CSVItem`), in the file's order.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: the file lacks a column (the message names those it has), or is not
-            a regular file.
-    """
+    """The items of every image a CSV file names, in the order of their first rows, then of
+    every row refused whole (:data:`CSVItem`). A ValueError for a missing column names
+    those the file has."""
     if not path.is_file():
         raise FileNotFoundError(f"CSV file {path} does not exist")
     images: dict[str, CSVItem] = {}
@@ -222,26 +187,12 @@ def csv_column_error(path: Path, key: str, option: str, header: list[str],
 
 @SHARD_SOURCES.register("folder")
 class FolderSource(ShardSource):
-    """Images in a folder, each with a caption file of the same name.
-
-    ``cat.jpg`` takes its captions from ``cat.txt`` (a caption a line, blank lines left
-    out) or, failing that, ``cat.json`` (a ``captions`` list or a ``caption`` string; an
-    img2dataset folder, with both, gives the ``.txt``). Sub-folders are read too, in sorted order;
-    files and folders whose names start with a dot are not. A sample's ``image_id`` is
-    the image's path in the folder without its extension (``dogs/cat``). An image
-    without a caption file, or with an empty one, is skipped and counted; so is a
-    second image of one name (``cat.png`` beside ``cat.jpg``: they would share a
-    caption file), a file that is no regular file (a device, a FIFO named ``pipe.jpg``)
-    and a link to a file outside the folder.
-
-    Args:
-        train: the training split's folder.
-        val: the validation split's.
-        test: the test split's (at least one of the three).
-        allow_outside: also take images and caption files that are symbolic links to
-            files outside the folder (a folder someone sends could link your own files).
-        max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
-        jpeg_quality: re-encode every image as JPEG at this quality.
+    """Images in a folder per split, each with a caption file of its name: ``cat.jpg`` takes
+    ``cat.txt`` (a caption a line) or else ``cat.json`` (``captions`` or ``caption``).
+    ``image_id`` is the path without extension (``dogs/cat``); a second image of one name
+    (``cat.png`` beside ``cat.jpg``) is skipped, as they would share a caption file
+    (docs/data.md, "Your own data"). ``allow_outside`` takes links to files outside the
+    folder; ``max_size``, ``jpeg_quality``: as :class:`CSVSource`.
     """
 
     def __init__(self, train: str | None = None, val: str | None = None,
@@ -281,11 +232,8 @@ class FolderSource(ShardSource):
 
 
 def folder_images(root: Path) -> list[str]:
-    """The images under ``root`` (paths relative to it, sorted), hidden ones left out.
-
-    Raises:
-        FileNotFoundError: ``root`` is not a folder, or holds no image.
-    """
+    """The images under ``root`` (paths relative to it, sorted), hidden ones left out; a
+    FileNotFoundError where it is no folder or holds none."""
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} is not a folder")
     images = []
@@ -302,12 +250,8 @@ def folder_images(root: Path) -> list[str]:
 
 def caption_file_captions(image: Path, root: Path | None = None) -> list[str]:
     """The captions of ``image``'s caption file (``.txt``, else ``.json``), which must lie
-    in ``root`` as the image must (:func:`~mmgoal.data.conversion.within`).
-
-    Raises:
-        SkippedItem: neither file exists, it cannot be read (not a regular file, past
-            :data:`~mmgoal.files.MAX_LIST_BYTES`, not UTF-8), or it holds no caption.
-    """
+    in ``root`` (:func:`~mmgoal.data.conversion.within`); a SkippedItem where there is
+    none, it cannot be read, or it holds no caption."""
     text_file, json_file = image.with_suffix(".txt"), image.with_suffix(".json")
     if not os.path.lexists(text_file) and not os.path.lexists(json_file):
         raise SkippedItem("no caption file", f"{image} has no {text_file.name} or "
@@ -333,32 +277,19 @@ def caption_file_captions(image: Path, root: Path | None = None) -> list[str]:
 
 @SHARD_SOURCES.register("hf")
 class HFSource(ShardSource):
-    """Images and captions of a Hugging Face ``datasets`` dataset.
-
-    ``dataset`` is a folder written by ``save_to_disk`` (a ``Dataset``, which is one
-    split, ``train`` unless it names its own, or a ``DatasetDict``), or else anything
-    ``load_dataset`` takes: a hub id (online; downloaded into the Hugging Face cache),
-    a folder of data files. The image column is an ``Image`` feature (its bytes are kept
-    as they are), a path or bytes; the caption column a string or a list of strings. A
-    sample's ``image_id`` is the ``id_key`` column's value, and rows with the same value
-    are one sample with the captions of all of them; without ``id_key`` every row is an
-    image, ``{split}-{row:07d}``. A row without an image, without a caption or with a
-    null id, and an image file outside the dataset's folder, are skipped and counted; a
-    caption column that is not text, or an id column that is not one value a row, is
-    refused at once. Needs the ``hf`` extra (``pip install 'mmgoal[hf]'``).
+    """Images and captions of a Hugging Face ``datasets`` dataset (the ``hf`` extra;
+    docs/data.md, "Your own data").
 
     Args:
-        dataset: the ``save_to_disk`` folder, or a hub id.
-        image_key: the image column.
-        caption_key: the caption column.
-        id_key: a column of image ids (default: none; the row numbers).
-        splits: which splits to convert (default: all of them), comma-separated.
-        names: shard names of the dataset's splits (``"validation=val"``: the name the
-            configs use).
-        allow_outside: also read image files the dataset names by path outside its folder
-            (for a hub id: outside the ``datasets`` cache).
-        max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
-        jpeg_quality: re-encode every image as JPEG at this quality.
+        dataset: a ``save_to_disk`` folder (a ``Dataset`` is one split, ``train`` unless it
+            names its own), or anything ``load_dataset`` takes (a hub id, online).
+        id_key: a column of image ids; rows with one id are one sample with all their
+            captions. Without it every row is an image, ``{split}-{row:07d}``.
+        splits: comma-separated splits to convert (default: all).
+        names: shard names of the dataset's splits (``"validation=val"``).
+        allow_outside: also read image files named by a path outside the dataset's folder
+            (for a hub id: the ``datasets`` cache).
+        max_size, jpeg_quality: as :class:`CSVSource`.
     """
 
     def __init__(self, dataset: str, image_key: str = "image", caption_key: str = "caption",
@@ -476,13 +407,9 @@ class HFSource(ShardSource):
 
 def check_column_kinds(features: dict, caption_key: str, id_key: str | None,
                        where: str) -> None:
-    """Refuse a caption column that is not text (a string, or a list of strings) and an id
-    column that is not a plain value: a mapping's field names are no captions, a list is
-    no image id.
-
-    Raises:
-        ValueError: naming the column, its kind and the option.
-    """
+    """A ValueError for a caption column that is not text (a string, or a list of strings)
+    and an id column that is not a plain value: a mapping's field names are no captions, a
+    list is no image id."""
     datasets = importlib.import_module("datasets")
 
     def text(feature: Any) -> bool:

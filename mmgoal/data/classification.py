@@ -1,21 +1,7 @@
-"""Image classification sets for zero-shot classification (docs/models.md, "Fine-tune
-without forgetting").
-
-Two layouts are read, both as CLIP_benchmark and torchvision hold them:
-
-- **WebDataset** (CLIP_benchmark's ``wds/`` layout): ``ROOT/classnames.txt`` (one class
-  name per line, in label order), ``ROOT/zeroshot_classification_templates.txt`` (one
-  prompt per line, the class name as ``{c}``), and per split ``ROOT/<split>/nshards.txt``
-  with the shards ``ROOT/<split>/0.tar ... <n-1>.tar``, each sample an image member
-  (jpg, jpeg, png, webp) and a ``cls`` member (its label, an integer).
-- **ImageFolder**: ``ROOT/<class>/<image>`` (or ``ROOT/<split>/<class>/<image>``), the
-  classes in sorted folder order; the class names are the folder names with ``_`` read as
-  a space, or ``ROOT/classnames.txt`` (in sorted folder order; or naming the folders
-  themselves, in label order); the prompts ``ROOT/zeroshot_classification_
-  templates.txt`` or :data:`DEFAULT_TEMPLATES`.
-
-:func:`write_synthetic_classification` writes a set of the synthetic scenes' shapes or
-colours in either layout, so that zero-shot classification is testable offline.
+"""Image classification sets for zero-shot classification, in CLIP_benchmark's WebDataset
+layout or as an image folder (both layouts: docs/models.md, "Zero-shot classification").
+:func:`write_synthetic_classification` writes one of the synthetic scenes, so that zero-shot
+classification is testable offline.
 """
 
 from __future__ import annotations
@@ -51,15 +37,9 @@ SYNTHETIC_TEMPLATES = {"shape": ("a {c}.", "there is a {c}.", "a small {c}.", "a
 
 @dataclass
 class ClassificationSet:
-    """A split of a classification set: its class names, prompts and images.
-
-    Attributes:
-        root: the set's folder.
-        classnames: label ``k``'s name.
-        templates: prompts with the class name as ``{c}``.
-        shards: the split's shards (WebDataset layout), or None.
-        files: ``(image path, label)`` of every image (ImageFolder layout), or None.
-    """
+    """A split of a classification set: its class names (by label), prompts (the class name
+    as ``{c}``) and images: ``shards`` (WebDataset layout) or ``(path, label)`` ``files``
+    (image folder)."""
 
     root: Path
     classnames: list[str]
@@ -76,13 +56,7 @@ def _lines(path: Path) -> list[str]:
 
 
 def read_classification_set(root: str | Path, split: str = "test") -> ClassificationSet:
-    """The ``split`` of the classification set in ``root`` (either layout of the module).
-
-    Raises:
-        FileNotFoundError: ``root`` is missing, or holds neither layout.
-        ValueError: a template without ``{c}``, a class name list of another length than
-            the classes, no class name at all.
-    """
+    """The ``split`` of the classification set in ``root`` (either layout of the module)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"zero-shot classification set {root}: no such folder")
@@ -136,11 +110,8 @@ def _listed_shards(folder: Path) -> list[str]:
 
 
 def _decoded(data: bytes | Path, where: str) -> Image.Image:
-    """An RGB image (:func:`~mmgoal.data.images.decode_image`: a regular file only, bounded).
-
-    Raises:
-        ValueError: naming ``where`` and why.
-    """
+    """An RGB image (:func:`~mmgoal.data.images.decode_image`: a regular file only,
+    bounded); a ValueError naming ``where`` and why."""
     try:
         return decode_image(data, where).convert("RGB")
     except OSError as error:  # a file gone since the folder was listed
@@ -151,10 +122,8 @@ def iter_labelled_images(cset: ClassificationSet, skipped: SkipCounter,
                          max_sample_bytes: int = MAX_SAMPLE_BYTES
                          ) -> Iterator[tuple[Image.Image, int]]:
     """``(RGB image, label)`` of every image of the set, in order; an image that cannot be
-    read, or a label outside the classes, is counted by ``skipped`` and left out. A shard
-    that cannot be read whole raises an
-    :class:`~mmgoal.data.pipeline.IncompleteSplitError` (an evaluation reads its split
-    whole)."""
+    read, or a label outside the classes, is counted by ``skipped`` and left out; a shard
+    not read whole raises :class:`~mmgoal.data.pipeline.IncompleteSplitError`."""
     n_classes = len(cset.classnames)
     if cset.files is not None:
         for path, label in cset.files:
@@ -185,11 +154,9 @@ def write_synthetic_classification(out: str | Path, task: SyntheticTask = "shape
                                    count: int = 200, seed: int = 0, image_size: int = 64,
                                    shard_size: int = 500, split: str = "test",
                                    layout: SyntheticLayout = "wds") -> ClassificationSet:
-    """A classification set of one-object synthetic scenes: the object's shape (6 classes)
-    or colour (8) is the class. Images are drawn as the retrieval benchmark's (its own
-    seeds: no scene of the benchmark), in CLIP_benchmark's WebDataset layout or as an
-    image folder (``layout``: ``wds`` or ``folder``), with the prompts of
-    :data:`SYNTHETIC_TEMPLATES`. Always the same set for the same arguments."""
+    """A classification set of one-object synthetic scenes, the object's shape (6 classes)
+    or colour (8) the class, drawn as the retrieval benchmark's but with seeds of its own;
+    the same set for the same arguments."""
     from mmgoal.data.shards import ShardWriter
     from mmgoal.data.synthetic import COLOURS, SHAPES, place_objects, render_scene
 

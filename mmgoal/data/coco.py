@@ -1,12 +1,9 @@
 """COCO caption annotation ids for the sentences of other files (docs/data.md, "COCO ids").
 
-The Karpathy split file names every COCO image by its ``cocoid`` but its sentences by
-ids of its own; the extended COCO protocols (ECCV Caption, CxC, PM-COCO:
-docs/reference/retrieval.md) key captions by COCO's caption annotation ids, which only
-COCO's ``captions_{train,val}2014.json`` hold. :class:`CaptionIds` reads those files and
-finds each sentence's annotation among its image's: by its text with case and spacing
-ignored, else with punctuation ignored too. An image with the same sentence twice (COCO
-has such) gets its two annotations, in their order in the file, one per sentence.
+Karpathy's split file has sentence ids of its own; ECCV Caption, CxC and PM-COCO
+(docs/reference/retrieval.md) key captions by the ids only COCO's
+``captions_{train,val}2014.json`` hold. :class:`CaptionIds` matches each sentence to one of
+its image's annotations by text.
 """
 
 from __future__ import annotations
@@ -33,16 +30,8 @@ def caption_text_keys(text: str) -> tuple[str, str]:
 
 
 class CaptionIds:
-    """The caption annotations of COCO files, by image id, to match sentences to.
-
-    Args:
-        paths: ``captions_train2014.json``, ``captions_val2014.json``... (a list, or
-            one string with commas between the files).
-
-    Raises:
-        FileNotFoundError: a file does not exist.
-        ValueError: a file is not COCO caption annotations.
-    """
+    """The caption annotations of COCO files (a list, or comma-separated), by image id, to
+    match sentences to."""
 
     def __init__(self, paths: str | Sequence[str]) -> None:
         files = [p for p in paths.split(",") if p] if isinstance(paths, str) else list(paths)
@@ -117,13 +106,9 @@ def package_data_dir() -> Path:
 
 
 def check_caption_ids(shards: str | Sequence[str], protocols: Sequence[str]) -> None:
-    """What a test split needs for the protocols beyond ``coco``: eccv_caption installed,
-    and COCO caption ids in the first sample of the first local shard (remote shards, and
-    the whole COCO 5K check, come with the test itself).
-
-    Raises:
-        ImportError: no eccv_caption; ValueError: the shards have no caption ids.
-    """
+    """What a test split needs for the protocols beyond ``coco``, before training:
+    eccv_caption installed, and COCO caption ids in the first sample of the first local
+    shard (remote shards, and the whole COCO 5K check, come with the test itself)."""
     if all(protocol == "coco" for protocol in protocols):
         return
     package_data_dir()

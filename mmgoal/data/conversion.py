@@ -1,20 +1,10 @@
 """Converting datasets into shards: sources, one shard per task, resumable.
 
-A source (registered in ``SHARD_SOURCES``) says which splits it has, which items
-each split holds and how one item becomes a shard sample. The converter cuts
-every split into shards of ``shard_size`` items (``{split}-{index:06d}.tar``),
-writes each shard as one task (several in parallel with ``workers``), and next
-to it ``.{split}-{index:06d}.stats.json`` with what the shard holds and what was
-skipped and why. A shard is written to a temporary name and renamed when
-complete, and its stats after it; so a conversion killed at any moment and run
-again with ``resume`` redoes the shards that are not finished (a finished shard has stats
-and is there, whole, of the size they record: one cut short or deleted is written again),
-and the result is byte for byte that of an uninterrupted run. ``summary.json`` records the options
-of a conversion when it starts, and ``resume`` refuses other options (shards of
-two shard sizes would hold some items twice and miss others). Sample keys are
-made safe for WebDataset, which reads a member name up to its first dot as the
-key: see :func:`safe_key`. An item that cannot be converted (a missing or
-unreadable image, a caption file short of lines) is skipped and counted under
+A source (registered in ``SHARD_SOURCES``) says which splits it has, which items each
+holds and how one item becomes a shard sample. The converter cuts every split into shards
+of ``shard_size`` items, each one task with its ``.stats.json`` written after it, so a
+killed conversion run again with ``resume`` redoes only the unfinished shards, byte for byte
+(docs/data.md, "Conversion"). An item that cannot be converted is skipped and counted under
 its reason, never fatal.
 """
 
@@ -87,22 +77,11 @@ def image_member(path: Path, max_size: int | None = None, jpeg_quality: int | No
                  ) -> tuple[str, bytes, int, int]:
     """An image file as a sample member: (extension, bytes, width, height).
 
-    The file is decoded whole to catch truncated images. Its bytes are kept as
-    they are unless it is larger than ``max_size`` (longer side), ``jpeg_quality``
-    asks for re-encoding, or its format is one the training pipeline does not read
-    as an image (``IMAGE_EXTENSIONS``: a BMP, GIF or TIFF); then it is written as JPEG.
-
-    Args:
-        path: the file; with ``data``, only its name (for the extension and messages).
-        data: the file's bytes when they are not on disk (a Hugging Face dataset's
-            image column); the extension then comes from the name or, without one,
-            from the decoded format.
-        root: the folder of the source the file must lie in, links followed
-            (:func:`within`); ``None``: anywhere.
-
-    Raises:
-        SkippedItem: the file is missing, outside ``root``, not a regular file (a device,
-            a FIFO), too large or unreadable.
+    Decoded whole to catch truncated images; the bytes are kept unless the longer side
+    exceeds ``max_size``, ``jpeg_quality`` is set, or the pipeline does not read the format
+    (not in ``IMAGE_EXTENSIONS``: BMP, GIF, TIFF): then it is written as JPEG. With ``data``
+    (bytes not on disk: a Hugging Face image column), ``path`` only names it. The file must
+    lie in ``root`` (:func:`within`; ``None``: anywhere). Raises SkippedItem.
     """
     if data is None:
         within(root, path)
@@ -132,14 +111,9 @@ def image_member(path: Path, max_size: int | None = None, jpeg_quality: int | No
 
 
 def within(root: Path | None, path: Path) -> None:
-    """Refuse ``path`` where it leads outside the folder ``root`` (``..``, an absolute path,
-    a symbolic link to elsewhere): a converter copies no file from outside the source it was
-    given, since a list someone sends could otherwise pull your own files into shards you
-    later share. ``root`` ``None``: the user allowed it (``--allow-outside``).
-
-    Raises:
-        SkippedItem: outside ``root``.
-    """
+    """A SkippedItem where ``path`` leads outside the folder ``root`` (``..``, an absolute
+    path, a link): a list someone sends could otherwise pull your own files into shards you
+    later share. ``root`` ``None``: allowed (``--allow-outside``)."""
     if root is None or not os.path.exists(path):  # nothing there: the read says it is missing
         return
     real, base = os.path.realpath(path), os.path.realpath(root)
@@ -150,14 +124,9 @@ def within(root: Path | None, path: Path) -> None:
 
 
 def safe_key(key: str) -> str:
-    """``key`` as a WebDataset sample key: without dots or slashes.
-
-    WebDataset splits a member name at its first dot (``img.with.dots.png`` is key
-    ``img``, extension ``with.dots.png``) and a slash makes folders, so a sample
-    under such a key cannot be read back. They become ``_``, and a changed key
-    gets 8 hex digits of the original's SHA-1, so that ``a.b`` and ``a_b`` stay
-    two keys.
-    """
+    """``key`` as a WebDataset sample key: WebDataset splits a member name at its first dot
+    and a slash makes folders, so both become ``_``, and a changed key gets 8 hex digits
+    of the original's SHA-1 (``a.b`` and ``a_b`` stay two keys)."""
     safe = re.sub(r"[./]", "_", key)
     if safe == key and key:
         return key
@@ -166,11 +135,7 @@ def safe_key(key: str) -> str:
 
 def split_names(names: str | dict[str, str]) -> dict[str, str]:
     """Shard names of input splits: ``"dev=val,testall=test"`` (or that mapping) ->
-    ``{"dev": "val", "testall": "test"}``.
-
-    Raises:
-        ValueError: a pair without ``=``.
-    """
+    ``{"dev": "val", "testall": "test"}``."""
     if isinstance(names, dict):
         return dict(names)
     pairs = [pair for pair in names.split(",") if pair]
@@ -218,11 +183,9 @@ def shard_path(out_dir: Path, split: str, index: int) -> Path:
 
 
 def finished_stats(out_dir: Path, split: str, index: int) -> dict | None:
-    """The stats of shard ``index`` of ``split`` where it is finished: its stats file is
-    there and readable, and the shard is there, a file of the size the stats record (an
-    empty shard: no file). None where it must be written again (killed before its stats, cut
-    short, deleted, or stats of an mmgoal that recorded no size); a shard that is there but
-    not as its stats say is logged."""
+    """The stats of shard ``index`` of ``split`` where it is finished: stats readable, the
+    shard there with the size they record (an empty shard: no file). None where it must be
+    written again; a shard not as its stats say is logged."""
     path, shard = stats_path(out_dir, split, index), shard_path(out_dir, split, index)
     if not path.is_file():
         return None
@@ -247,19 +210,9 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
             options: dict | None = None) -> dict:
     """Convert every split of ``source`` into shards under ``out_dir``.
 
-    Args:
-        options: what made ``source`` (``mmgoal make-shards``: the source's name
-            and arguments); with ``shard_size`` they are recorded in
-            ``summary.json`` and ``resume`` requires the same.
-
-    Returns:
-        The summary (also written to ``out_dir/summary.json``): ``options``, and
-        under ``splits`` per split the shards, samples, captions and skipped items
-        by reason, with examples.
-
-    Raises:
-        FileExistsError: ``out_dir`` already holds shards and ``resume`` is off.
-        ValueError: ``resume`` with options other than those ``out_dir`` was started with.
+    ``options`` (what made ``source``) and ``shard_size`` are recorded in ``summary.json``,
+    and ``resume`` requires the same. Returns the summary written there: ``options``, and
+    per split the shards, samples, captions and skipped items by reason, with examples.
     """
     out_dir = Path(out_dir)
     if out_dir.is_symlink() and not out_dir.exists():

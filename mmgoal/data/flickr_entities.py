@@ -1,13 +1,10 @@
 """Flickr30K Entities reader: phrases of ``Sentences/<id>.txt``, boxes of
 ``Annotations/<id>.xml``.
 
-A sentence marks its phrases as ``[/EN#<entity id>/<type>[/<type>...] words]``;
-an annotation lists ``<object>`` elements with one or more ``<name>`` (entity
-ids) and a ``<bndbox>`` (pixels, xmin/ymin/xmax/ymax) or ``<nobndbox>`` /
-``<scene>`` (no box). The reader gives, per image, the plain captions and the
-entities in the layout the shards' JSON uses (``caption``, ``first_word``,
-``phrase``, ``entity_id``, ``type``, ``boxes``), so the attention metrics read
-both the same way.
+A sentence marks phrases as ``[/EN#<entity id>/<type>[/<type>...] words]``; an annotation's
+``<object>`` has ``<name>`` entity ids and a ``<bndbox>`` (pixels) or ``<nobndbox>`` /
+``<scene>``. Entities come out in the shards' JSON layout (``caption``, ``first_word``,
+``phrase``, ``entity_id``, ``type``, ``boxes``), so the attention metrics read both alike.
 """
 
 from __future__ import annotations
@@ -27,10 +24,8 @@ def normalise_caption(caption: str) -> str:
 
 
 def parse_sentence(line: str) -> tuple[str, list[dict]]:
-    """One marked-up sentence -> (plain caption, phrases with ``first_word`` indices).
-
-    ``first_word`` indexes ``caption.split()``.
-    """
+    """One marked-up sentence -> (plain caption, phrases with ``first_word`` indices into
+    ``caption.split()``)."""
     words: list[str] = []
     phrases = []
     position = 0
@@ -75,12 +70,8 @@ def parse_annotation(path: str | Path) -> dict:
 
 
 def read_image_entities(root: str | Path, image_id: str | int) -> dict | None:
-    """Captions and entities of one image, or ``None`` when its files are missing.
-
-    Returns:
-        ``{"captions": [...], "width", "height", "entities": [...]}``; entity
-        boxes in pixels; phrases whose entity has no box are kept with ``boxes: []``.
-    """
+    """``{"captions", "width", "height", "entities"}`` of one image (boxes in pixels; a
+    phrase without a box has ``boxes: []``), or ``None`` when its files are missing."""
     root = Path(root)
     sentences = root / "Sentences" / f"{image_id}.txt"
     annotation = root / "Annotations" / f"{image_id}.xml"

@@ -1,13 +1,9 @@
 """Decoding an image, wherever mmgoal reads one: bounded in bytes and in pixels.
 
-Every reader (shard samples, make-shards, zero-shot sets, ``mmgoal.api``, inspect-shards)
-decodes through :func:`decode_image`. An image file is read as a regular file only
-(:func:`mmgoal.files.read_bytes`: no device, FIFO or socket) of at most
-:data:`~mmgoal.files.MAX_IMAGE_BYTES`, and an image of more than PIL's
-``Image.MAX_IMAGE_PIXELS`` (89.5 megapixels, about 9,460 x 9,460) is refused from its
-header, before it is decoded: PIL itself only warns between one and two times that
-bound, and such an image decodes to up to 537 MB of RGB (2 GB peaks in an evaluation).
-Raise ``PIL.Image.MAX_IMAGE_PIXELS`` in your own code to take larger images.
+Every reader decodes through :func:`decode_image`: a regular file of at most
+:data:`~mmgoal.files.MAX_IMAGE_BYTES`, refused from its header past PIL's
+``Image.MAX_IMAGE_PIXELS``, where PIL itself only warns (docs/data.md, "What a conversion
+takes").
 """
 
 from __future__ import annotations
@@ -27,17 +23,9 @@ class ImageDecodeError(ValueError):
 
 
 def decode_image(data: bytes | str | os.PathLike, where: str) -> Image.Image:
-    """The image in ``data`` (its bytes, or a file's path), decoded whole.
-
-    Args:
-        where: what the image is, for messages (``sample 'a' of x.tar``, a path).
-
-    Raises:
-        ImageDecodeError: not an image format PIL knows, damaged, or more pixels than
-            ``Image.MAX_IMAGE_PIXELS``.
-        FileNotFoundError, NotAFileError, OversizedFileError: a path that is missing, not a
-            regular file, or larger than :data:`~mmgoal.files.MAX_IMAGE_BYTES`.
-    """
+    """The image in ``data`` (its bytes, or a file's path), decoded whole; ``where`` names
+    it in messages. An ImageDecodeError where PIL cannot read it or it has too many pixels;
+    a path's errors are :func:`~mmgoal.files.read_bytes`'s."""
     if not isinstance(data, bytes):
         data = read_bytes(data, "image", MAX_IMAGE_BYTES)
     try:

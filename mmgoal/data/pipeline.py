@@ -1,19 +1,13 @@
 """Streaming shards: a WebDataset pipeline built as an explicit list of stages.
 
-Training: endless passes over the shard list, each in a seeded, epoch-dependent
-order shared by all ranks -> split by node -> split by worker (or, with
-``resampled``, shards drawn with replacement by each rank and worker from its own
-seeded stream, open_clip's pattern) -> tar to samples -> seeded sample shuffle ->
-decode -> caption choice (one per image) or expansion (one sample per caption)
--> image transform -> tokenize and batch. The stream never runs dry, so every
-rank yields as many batches as the trainer takes in an epoch
-(``train.samples_per_epoch`` / global batch), whatever the shards hold and
-whatever a corrupt shard costs one rank. Evaluation reads the shards in order,
-one sample per image with all its captions. Every stage that can meet bad data
-has a handler that logs the problem, counts it and skips the sample; a corrupt
-sample never stops a run, but a reader that goes through a whole pass of its
-shards without one readable sample does (:class:`UnreadablePassCheck`): its
-stream would otherwise spin for ever.
+Training: endless seeded passes over the shards, in one order on every rank (or, with
+``resampled``, shards drawn with replacement per rank and worker, as open_clip) -> split by
+node and worker -> tar to samples -> seeded shuffle -> decode -> one caption per image (or
+one sample per caption) -> image transform -> tokenize and batch. The stream never runs
+dry, so every rank yields the batches an epoch takes, whatever a corrupt shard costs it
+(docs/data.md, "What an epoch is"). Evaluation reads the shards in order, one sample per
+image with all its captions. A bad sample is logged, counted and skipped; a training reader
+with no readable sample in a whole pass stops (:class:`UnreadablePassCheck`).
 """
 
 from __future__ import annotations
@@ -50,8 +44,8 @@ from mmgoal.registry import DATASETS, TEXT_AUGMENTS
 
 logger = logging.getLogger(__name__)
 
-# Draws that make a resampled reader's pass at least: one unreadable shard among
-# few must not stop a run by being drawn a few times in a row.
+# Draws that make a resampled reader's pass at least: one unreadable shard among few must
+# not stop a run by being drawn a few times in a row (half unreadable: 1 pass in 65,536).
 MIN_RESAMPLED_PASS = 16
 
 
@@ -69,11 +63,8 @@ class IncompleteSplitError(ValueError):
 
 
 class SkipCounter:
-    """Handler for WebDataset stages: logs and counts a bad sample, then continues.
-
-    One counter lives in each worker process; ``take()`` hands the number of
-    skips since the last call to the batch that carries it to the trainer.
-    """
+    """Handler for WebDataset stages: logs and counts a bad sample, then continues. One per
+    worker process; ``take()`` hands the skips since its last call to the next batch."""
 
     def __init__(self, max_logged: int = 20) -> None:
         self.counts: Counter[str] = Counter()
@@ -128,13 +119,8 @@ def whole_split(counter: SkipCounter) -> Callable[[Exception], bool]:
 
 def shuffle_within_passes(samples: Iterator[dict], size: int, rng: random.Random
                           ) -> Iterator[dict]:
-    """A shuffle buffer of ``size`` samples that never mixes two passes (``exact_passes``).
-
-    As ``wds.shuffle``: half the buffer is read before the first sample comes out, then
-    a random one of the buffer leaves for each sample read (two are read while it is
-    not full). A sample of a new pass (its ``__pass__`` tag, :class:`UnreadablePassCheck`)
-    first empties the buffer of the last pass, in random order.
-    """
+    """``wds.shuffle``'s buffer of ``size`` samples, never mixing two passes
+    (``exact_passes``): a sample with a new ``__pass__`` tag first empties the buffer."""
     buffer: list[dict] = []
     current = None
     samples = iter(samples)
@@ -165,17 +151,11 @@ def shuffle_within_passes(samples: Iterator[dict], size: int, rng: random.Random
 class UnreadablePassCheck:
     """Stops a training reader after a whole pass of its shards without a readable sample.
 
-    A readable sample is one that comes out of the sample stages decoded and
-    transformed, not a tar member: shards whose tars are sound but whose images
-    all fail would otherwise be read pass after pass for ever. The shuffle buffer
-    may hold many passes of small shards, so samples carry the number of the
-    pass they were read in, and a pass is judged once its reading has ended and
-    each of its samples has been decoded or skipped. Its stages: ``tag`` after
-    the tar reader, ``settle`` after the shuffle buffer, ``count_readable``
-    after the last sample stage; the shard stream calls ``start_pass``.
-
-    Args:
-        message: builds the error's text (called when a pass fails).
+    Readable: decoded and transformed, not just a tar member (sound tars of bad images would
+    otherwise be read for ever). The shuffle buffer may hold many passes, so samples carry
+    their pass number and a pass is judged once read and each sample decoded or skipped.
+    Stages: ``tag`` after the tar reader, ``settle`` after the shuffle, ``count_readable``
+    last; the shard stream calls ``start_pass``. ``message()`` builds the error's text.
     """
 
     def __init__(self, message: Callable[[], str]) -> None:
@@ -240,16 +220,9 @@ CHUNK_BYTES = 1 << 20
 
 
 def split_overlaps(train: Sequence[str], splits: dict[str, Sequence[str]]) -> list[str]:
-    """What each evaluation split shares with the training split, as sentences: its shards
-    that are training shards (the same file, or the same bytes) and the sample keys it
-    shares with the training shards. Metrics over samples trained on are no test of the
-    model. Only local shards are compared: a remote shard's keys are not known before it is
-    read.
-
-    Args:
-        train: the training split's shards (expanded: :func:`expand_shards`).
-        splits: the evaluation splits' shards by name (``data.val``, ``data.test``).
-    """
+    """Sentences naming what each evaluation split (name -> expanded shards) shares with the
+    ``train`` shards: the same file or bytes, or sample keys; metrics over samples trained on
+    are no test. Only local shards are compared (a remote one's keys are unknown unread)."""
     train = [url for url in train if not is_remote(url)]
     by_size: dict[int, list[str]] = {}
     for url in train:
@@ -290,7 +263,6 @@ def _same_bytes(a: str, b: str) -> bool:
                 return True
 
 
-
 def shard_listing(shards: str | Sequence[str]) -> list[list]:
     """``[[file name, bytes], ...]`` of a split's shards: what a report records of the test
     set it was measured on, so that runs on other test sets are never compared
@@ -321,14 +293,11 @@ def _load_npy(data: bytes, where: str, name: str) -> np.ndarray:
 def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
     """Tar members -> ``{"key", "image_id", "captions"}`` plus what the sample has.
 
-    Captions come from the JSON's ``captions`` list, or with ``caption_key``
-    from that member alone (``txt``: img2dataset / open_clip shards, one caption
-    per sample, the JSON optional). ``image`` (PIL RGB) from an image member;
-    ``regions`` ((R, D) float tensor) from ``regions.npy``; ``boxes`` ((R, 4)
-    xyxy as fractions of the image size) from ``boxes.npy`` or, failing that,
-    from the boxes of the JSON's entities; ``entities``: the JSON's entities with
-    their boxes as fractions too; ``caption_ids``: the JSON's COCO caption ids, one per
-    caption. A sample needs an image or regions.
+    Captions from the JSON's ``captions``, or with ``caption_key`` (``txt``: img2dataset)
+    from that member alone, the JSON optional. ``image`` (PIL RGB); ``regions`` ((R, D)
+    float) from ``regions.npy``; ``boxes`` ((R, 4) xyxy fractions of the image size) from
+    ``boxes.npy`` or the JSON's entities; ``entities``, their boxes as fractions too;
+    ``caption_ids`` (COCO's, one per caption). A sample needs an image or regions.
     """
     key = sample.get("__key__", "?")
     where = f"sample {key!r} of {sample.get('__url__', '?')}"
@@ -423,12 +392,9 @@ def choose_captions(samples: Iterator[dict], expand: bool, rng: random.Random,
                     phrase_rng: random.Random | None = None) -> Iterator[dict]:
     """One sample per caption (``expand``) or per image with a random caption.
 
-    With ``phrase_rng``, a sample whose caption has entities with boxes also gets
-    one of them at random: ``phrase`` and ``phrase_box`` (its first box, xyxy
-    fractions), for box grounding. The samples leave without their ``entities``:
-    a training batch has no use for them, and the many small objects of every
-    sample in a batch would otherwise live until it is collated (each of Python's
-    garbage collections then has more to look at).
+    With ``phrase_rng``, one of the caption's entities with boxes, at random, as ``phrase``
+    and ``phrase_box`` (its first box, xyxy fractions), for box grounding. ``entities`` are
+    dropped: their many small objects would live until collation, slowing every GC.
     """
     for sample in samples:
         captions, entities = sample["captions"], sample.pop("entities", None) or []
@@ -458,10 +424,8 @@ def pad_rows(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.
 
 
 def collate_visual(samples: list[dict]) -> dict:
-    """``images`` (B, 3, H, W); ``regions`` + ``region_lengths``; ``boxes`` + ``box_lengths``.
-
-    Each key appears when every sample of the batch has it.
-    """
+    """``images`` (B, 3, H, W); ``regions`` + ``region_lengths``; ``boxes`` + ``box_lengths``;
+    each where every sample of the batch has it."""
     batch: dict = {}
     if all("image" in s for s in samples):
         batch["images"] = torch.stack([s["image"] for s in samples])
@@ -507,38 +471,22 @@ class ShardDataset(torch.utils.data.IterableDataset):
     stages); evaluation reads shards with :func:`iter_eval_batches`.
 
     Args:
-        shards: brace pattern, glob or list of tar files.
-        batch_size: samples per batch.
-        tokenizer: turns captions into token ids (set by the trainer).
-        transform: turns a PIL image into a tensor (set by the trainer).
+        shards: brace patterns, globs, lists, URLs or ``pipe:`` commands.
+        tokenizer, transform: captions -> token ids, PIL image -> tensor (set by the trainer).
         expand_captions: one sample per caption instead of one per image.
-        shuffle_buffer: samples held for shuffling.
-        seed: base seed of every random choice of the pipeline (the shard and sample
-            orders, with the epoch).
-        text_augment: ``TEXT_AUGMENTS`` config applied to the captions' token ids
-            (VSE-infinity's mask / replace / delete), e.g. ``{type: TokenAugment, p: 0.2}``.
-        caption_key: read one caption per sample from this member (``txt`` for
-            img2dataset / open_clip shards) instead of the JSON's ``captions``.
-        retries: reads of a remote shard (URL, ``pipe:``) after one fails, each after
-            a doubling pause, before it is skipped and counted (:mod:`mmgoal.data.remote`).
-        timeout: seconds a remote read may wait for data.
-        resampled: draw training shards with replacement (each rank and worker
-            from its own seeded, epoch-dependent stream) instead of splitting them;
-            any number of shards then feeds any number of readers, and an epoch
-            is ``train.samples_per_epoch`` samples, not a pass over the data.
-            A reader's pass is then as many draws as its share of the shards,
-            at least ``MIN_RESAMPLED_PASS`` (16), and such a pass without a
-            readable sample stops it, as a whole pass does without ``resampled``
-            (were half the shards unreadable, one pass in 65,000 would be all bad).
-        exact_passes: shuffle each pass over the shards on its own, so that an epoch of
-            ``train.samples_per_epoch`` (one pass, by default) is the pass: every image
-            once, up to the last partial batch and uneven shares of the shards across
-            ranks and workers. By default the buffer shuffles the endless stream across
-            passes, so an epoch's last batches already hold samples of the next pass and
-            about a buffer's worth of this one is left for later (docs/data.md, "What an
-            epoch is"). Not with ``resampled``.
-        max_sample_bytes: a sample whose members hold more bytes is skipped and counted
-            without being read (``data.max_sample_bytes``, which the trainer passes).
+        seed: base seed of every random choice (shard and sample orders, with the epoch).
+        text_augment: ``TEXT_AUGMENTS`` config for the token ids (VSE-infinity's mask /
+            replace / delete), e.g. ``{type: TokenAugment, p: 0.2}``.
+        caption_key: one caption per sample from this member (``txt``: img2dataset)
+            instead of the JSON's ``captions``.
+        retries, timeout: reads of a failed remote shard, each after a doubling pause, before
+            it is skipped; seconds a read may wait for data (:mod:`mmgoal.data.remote`).
+        resampled: draw shards with replacement per rank and worker instead of splitting
+            them, so any number of shards feeds any number of readers; a reader's pass is
+            its share of draws, at least ``MIN_RESAMPLED_PASS``.
+        exact_passes: shuffle each pass on its own, so that an epoch of one pass holds every
+            image once (docs/data.md, "What an epoch is"). Not with ``resampled``.
+        max_sample_bytes: a sample whose members hold more is skipped unread.
     """
 
     def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
@@ -577,16 +525,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
                              if text_augment else None)
 
     def num_samples(self) -> int:
-        """Training samples in one pass over the shards: images, or captions when expanded.
-
-        Read from the tar headers (images) or the JSON members (captions); no
-        image is decoded. Remote shards are not read for it: their ``sizes.json``
-        or img2dataset stats say how many images they hold.
-
-        Raises:
-            ValueError: remote shards that say nothing of their size (or captions to
-                count), naming the three ways to say it.
-        """
+        """Training samples in one pass: images (tar headers), or captions when expanded
+        (JSON members). Remote shards are not read: their ``sizes.json`` or img2dataset
+        stats say it, or a ValueError names the three ways to say it."""
         if any(is_remote(url) for url in self.urls):
             sizes = None if self.expand_captions else shard_sizes(self.urls, self.timeout)
             if sizes is None:
@@ -684,21 +625,14 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
 @dataclass(frozen=True)
 class EvalReader:
-    """How an evaluation split is read: its shards, and the reading settings of the
-    config's ``data`` section. The one object :func:`iter_eval_batches`,
-    :func:`~mmgoal.evaluation.gallery.encode_gallery` and the evaluation above them take
-    (:meth:`of_split` builds it from a config).
+    """How an evaluation split is read: its shards and the ``data`` section's settings; what
+    :func:`iter_eval_batches` and :func:`~mmgoal.evaluation.gallery.encode_gallery` take.
 
     Attributes:
-        shards: brace patterns, globs, lists, URLs or ``pipe:`` commands
-            (:func:`expand_shards`).
-        batch_size: samples per batch (``data.eval_batch_size``).
-        caption_key: each sample's one caption from this member (img2dataset's ``txt``),
-            not the JSON's ``captions`` (``data.<split>.caption_key``).
-        num_workers: DataLoader worker processes that decode while the caller encodes
-            (``data.num_workers``; 0: in the caller).
-        max_sample_bytes: a sample whose members hold more is skipped unread
-            (``data.max_sample_bytes``).
+        shards: as :func:`expand_shards` takes them.
+        caption_key: each sample's one caption from this member (``txt``), not the JSON's.
+        num_workers: DataLoader processes that decode while the caller encodes (0: none).
+        max_sample_bytes: a sample whose members hold more is skipped unread.
     """
 
     shards: str | Sequence[str]
@@ -724,17 +658,13 @@ class EvalReader:
 class EvalBatches(torch.utils.data.IterableDataset):
     """Evaluation batches in shard order, decoded by a share of the readers of the stream.
 
-    Batch ``b`` holds the samples ``b * batch_size`` to ``(b + 1) * batch_size - 1`` of
-    the shards' stream, counted before decoding; ``part=(index, count)`` decodes only
-    the batches ``b`` with ``b % count == index`` (a rank's share: ``(rank, world)``),
-    and worker ``w`` of a DataLoader's ``W`` only those of share ``index * W + w`` of
-    ``count * W``. Each reader reads every shard's bytes and decodes its own batches,
-    so a DataLoader, which takes the next item of each worker in turn, yields the
-    batches in shard order. A batch whose samples all failed is yielded empty, to keep
-    the turns; every batch carries ``skipped``: its samples that could not be read
-    (a sample over the reader's ``max_sample_bytes`` among them). A shard that cannot be
-    read to its end stops the reading with an :class:`IncompleteSplitError`
-    (:func:`whole_split`).
+    Batch ``b`` holds samples ``b * batch_size`` to ``(b + 1) * batch_size - 1`` of the
+    stream, counted before decoding; ``part=(index, count)`` decodes only the ``b`` with
+    ``b % count == index``, and DataLoader worker ``w`` of ``W`` share ``index * W + w`` of
+    ``count * W``. Every reader reads all the bytes, so a DataLoader, taking each worker's
+    next item in turn, yields shard order; a batch whose samples all failed is yielded
+    empty to keep the turns. Each batch carries ``skipped``; a shard not read to its end
+    raises :class:`IncompleteSplitError` (:func:`whole_split`).
     """
 
     def __init__(self, reader: EvalReader, transform: Callable, part: tuple[int, int] = (0, 1),
@@ -798,21 +728,16 @@ def iter_eval_batches(reader: EvalReader | str | Sequence[str], transform: Calla
     """Evaluation batches of ``reader`` (an :class:`EvalReader`, or shards read with its
     defaults) in shard order, one sample per image with all its captions.
 
-    A reader with ``num_workers`` > 0 decodes in that many DataLoader worker processes
-    while the caller encodes (``pin_memory`` for a copy to the GPU with
-    ``non_blocking``); the batches and their order are the same. ``part=(rank, world)``
-    yields only a rank's share of the batches (:class:`EvalBatches`), and ``numbered``
-    yields ``(number, batch)``, the batch's place in the one-process stream. ``counter``
-    counts the samples that could not be read (in workers: their number).
-
-    Raises:
-        IncompleteSplitError: a shard failed, or its tar is damaged.
+    ``num_workers`` > 0 decodes in DataLoader workers while the caller encodes, giving the
+    same batches in the same order (``pin_memory`` for ``non_blocking`` copies).
+    ``part=(rank, world)`` yields a rank's share (:class:`EvalBatches`); ``numbered`` yields
+    ``(number, batch)``, its place in the one-process stream. ``counter`` counts unreadable
+    samples; a shard that failed or is damaged raises :class:`IncompleteSplitError`.
 
     Yields:
-        ``{"images": (B,3,H,W), "image_ids": [...], "captions": [[...], ...],
-        "caption_ids": [...], "entities": [[...], ...]}`` (each JSON's COCO caption ids,
-        None where it has none, and entity annotations), with
-        ``regions``/``boxes`` and their lengths where the shards have them.
+        ``{"images": (B,3,H,W), "image_ids", "captions": [[...], ...], "caption_ids" (None
+        where a JSON has none), "entities"}``, with ``regions``/``boxes`` and their lengths
+        where the shards have them.
     """
     reader = EvalReader.of(reader)
     counter = counter if counter is not None else SkipCounter()
@@ -829,11 +754,8 @@ def iter_eval_batches(reader: EvalReader | str | Sequence[str], transform: Calla
 
 
 def read_captions(shards: str | list[str], caption_key: str | None = None) -> list[str]:
-    """Every caption of the shards (used to fit word vocabularies); images are not decoded.
-
-    Args:
-        caption_key: read the captions from that member (``txt``) instead of the JSON.
-    """
+    """Every caption of the shards, from the JSON or the ``caption_key`` member (to fit word
+    vocabularies); images are not decoded."""
     counter = SkipCounter()
     captions: list[str] = []
     suffix = f".{caption_key or 'json'}"
@@ -852,20 +774,13 @@ def read_captions(shards: str | list[str], caption_key: str | None = None) -> li
 class MixtureDataset(torch.utils.data.IterableDataset):
     """Training batches mixed from several shard sources, each with a sampling weight.
 
-    Every sample of a batch comes from source ``k`` with probability
-    ``weight_k / sum(weights)``, drawn from a seeded stream that depends on the
-    seed, the epoch, the rank and the data worker; each source streams without
-    end like a ``ShardDataset`` (set ``resampled`` per source for open_clip-style
-    draws). An epoch is ``train.samples_per_epoch`` samples (default: the sum of
-    the sources' sizes). Batches carry ``source_counts`` (samples per source
-    name), which the trainer logs.
-
-    Args:
-        sources: ``ShardDataset`` configs (without ``type`` and ``batch_size``), each
-            with a ``name`` and a ``weight``, e.g. ``{name: web, weight: 3, shards:
-            ..., caption_key: txt}``.
-        batch_size, tokenizer, transform, seed, text_augment, max_sample_bytes: as
-            ``ShardDataset``.
+    Each sample comes from source ``k`` with probability ``weight_k / sum(weights)`` (a
+    stream seeded by seed, epoch, rank and worker); each source streams without end as a
+    ``ShardDataset``. An epoch is ``train.samples_per_epoch`` (default: the sources' sizes
+    summed). Batches carry ``source_counts`` (samples per source), which the trainer logs.
+    ``sources``: ``ShardDataset`` configs without ``type`` and ``batch_size``, each with a
+    ``name`` and ``weight``: ``{name: web, weight: 3, shards: ..., caption_key: txt}``; the
+    other arguments are ``ShardDataset``'s.
     """
 
     def __init__(self, sources: list[dict], batch_size: int, tokenizer: Callable,

@@ -1,23 +1,10 @@
 """Shards from anywhere webdataset reads, with retries: local files, HTTP(S) URLs, ``pipe:``.
 
-A shard is named as webdataset names it: a local path, an ``http://`` or ``https://``
-URL (S3, GCS and Azure serve these too, presigned or public), or ``pipe:COMMAND``,
-a command that writes the tar to its standard output (``pipe:aws s3 cp
-s3://bucket/train-000.tar -``, ``pipe:gsutil cat gs://...``, ``pipe:curl -s -L ...``).
-Brace patterns expand in all of them (``https://host/train-{000..099}.tar``).
-
-A remote shard is read through :class:`ResilientStream`: a read that fails (the
-connection drops, the server stops answering within ``timeout`` seconds, the
-command exits with an error) is retried where it broke, up to ``retries`` times
-with a doubling pause (an HTTP server that honours ``Range`` resumes at the byte;
-otherwise the shard is read again and the bytes already read are skipped), so the
-tar reader sees one unbroken stream. After the last retry the read fails with
-:class:`ShardReadError`, which the pipeline counts and skips like a corrupt sample,
-naming the shard and why. Local files are opened as webdataset opens them.
-
-An epoch's size of remote shards is not found by reading them: :func:`shard_sizes`
-reads ``sizes.json`` beside them (``{"train-000.tar": 10000, ...}``, the
-webdataset and open_clip convention) or img2dataset's ``<shard>_stats.json``.
+A remote shard is read through :class:`ResilientStream`: a failed read is retried where it
+broke (``Range``, or read again and skipped to the byte), so the tar reader sees one
+unbroken stream; after the last retry a :class:`ShardReadError` is counted and skipped like
+a corrupt sample. :func:`shard_sizes` reads an epoch's size from ``sizes.json`` or
+img2dataset stats, not the shards. docs/data.md, "Shards on S3, GCS or HTTP".
 """
 
 from __future__ import annotations
@@ -77,11 +64,8 @@ class RateFloor:
         self.start, self.count = time.monotonic(), 0
 
     def received(self, size: int) -> None:
-        """Count ``size`` bytes just received.
-
-        Raises:
-            SlowShardError: the window that just ended brought too few.
-        """
+        """Count ``size`` bytes just received; a SlowShardError where the window that just
+        ended brought too few."""
         self.count += size
         elapsed = time.monotonic() - self.start
         if elapsed < self.window:
@@ -105,19 +89,10 @@ class UntrustedDataPathError(ValueError):
 
 
 def check_trusted_locations(shards: str | Sequence[str], key: str, source: str) -> None:
-    """Refuse shards that would run a command or fetch a URL when they came from a file
-    that may be anyone's (a checkpoint's stored config, an export, a run folder, a config
-    someone sent), not from the command line: its ``pipe:`` command would run, its URL
-    would be requested (a beacon, or a request into the user's network). Local files
-    are read as they are. docs/received_files.md says when mmgoal trusts a location.
-
-    Args:
-        key: the dotted config key that holds them (``data.test.shards``).
-        source: where the config came from (``the config stored in best.pt``).
-
-    Raises:
-        UntrustedDataPathError: the first such location, what it would have done, and
-            the two ways to allow it.
+    """Refuse shards that would run a ``pipe:`` command or fetch a URL when a file that may
+    be anyone's named them (a checkpoint's config, a run folder), not the command line
+    (docs/received_files.md). ``key``: the config key holding them (``data.test.shards``);
+    ``source``: where the config came from (``the config stored in best.pt``).
     """
     for _, location in brace_expanded(shards):
         if is_remote(location):
@@ -136,11 +111,7 @@ MAX_SHARDS = 1_000_000
 
 def brace_expanded(shards: str | Sequence[str]) -> Iterator[tuple[str, str]]:
     """``(pattern, name)`` for every name the brace patterns of ``shards`` stand for
-    (``train-{000..009}.tar``), in order.
-
-    Raises:
-        ValueError: more than :data:`MAX_SHARDS` names.
-    """
+    (``train-{000..009}.tar``), in order; a ValueError past :data:`MAX_SHARDS`."""
     patterns = [shards] if isinstance(shards, str) else list(shards)
     count = 0
     for pattern in patterns:
@@ -155,12 +126,8 @@ def brace_expanded(shards: str | Sequence[str]) -> Iterator[tuple[str, str]]:
 def expand_shards(shards: str | Sequence[str]) -> list[str]:
     """Shard paths and URLs from brace patterns (``a-{000..009}.tar``), globs or lists.
 
-    A local shard must exist; an ``http(s)://`` URL or a ``pipe:`` command
-    (:mod:`mmgoal.data.remote`) is taken as it is, read when the pipeline reads it.
-
-    Raises:
-        FileNotFoundError: a pattern matches no file, or a listed shard is missing.
-        ValueError: a glob in a URL or command (a store cannot be listed: use braces).
+    A local shard must exist; a URL or ``pipe:`` command is taken as it is, and may hold no
+    glob (a store cannot be listed: use braces).
     """
     paths: list[str] = []
     for pattern, expanded in brace_expanded(shards):
@@ -210,11 +177,9 @@ def _identity(response: Any, position: int) -> tuple[int | None, str | None]:
 def _opened_http(url: str, position: int, timeout: float,
                  identity: tuple[int | None, str | None] | None
                  ) -> tuple[Any, tuple[int | None, str | None]]:
-    """An HTTP response from byte ``position`` on, and the object's identity (length,
-    ETag: :func:`_identity`). A read resumed at ``position`` > 0 must be of the object
-    whose ``identity`` the first read gave: an answer whose length or ETag differs, or
-    that says neither, raises :class:`ShardChangedError` (a 200 to a ``Range`` request
-    with another body would otherwise be cut at the byte and read on as the same tar).
+    """An HTTP response from byte ``position`` on, and the object's (length, ETag). A
+    resumed read whose answer differs from ``identity``, or says neither, raises
+    :class:`ShardChangedError`: another body would otherwise be read on as the same tar.
     """
     request = urllib.request.Request(url, headers={"Range": f"bytes={position}-"}
                                      if position else {})
@@ -276,22 +241,11 @@ class _Pipe:
 
 
 class ResilientStream(io.RawIOBase):
-    """The bytes of one remote shard, reopened where a read fails (see the module docstring).
-
-    A read fails when no byte comes for ``timeout`` seconds, and also when bytes come
-    slower than ``min_rate`` bytes/s over a ``timeout``-second window: a server that
-    drips a byte a second would otherwise hold a reader for ever.
-
-    Args:
-        url: an ``http(s)://`` URL or ``pipe:COMMAND``.
-        retries: reads after the first one fails.
-        timeout: seconds a read may wait for data, and the window of ``min_rate``.
-        backoff: seconds before the first retry, doubled for each later one.
-        min_rate: bytes per second a shard must send, on average over each window.
-
-    Raises:
-        ShardReadError: (from ``read``) the shard failed ``retries + 1`` times.
-        ShardChangedError: (from ``read``) a resumed HTTP read is of another object.
+    """The bytes of one remote shard (``http(s)://`` or ``pipe:``), reopened where a read
+    fails: no byte for ``timeout`` seconds, or under ``min_rate`` bytes/s over a
+    ``timeout``-second window (:class:`RateFloor`). ``retries`` reads after the first
+    failure, ``backoff`` seconds before the first, doubled each time; then ``read`` raises
+    :class:`ShardReadError` (:class:`ShardChangedError` for a changed HTTP object).
     """
 
     def __init__(self, url: str, retries: int = RETRIES, timeout: float = TIMEOUT,
@@ -418,15 +372,11 @@ def tar_samples(handler: Callable[[Exception], bool],
                 timeout: float = TIMEOUT, max_sample_bytes: int = MAX_SAMPLE_BYTES,
                 min_rate: float = MIN_RATE, claimed: Mapping[str, int] | None = None
                 ) -> Callable[[Iterable[dict]], Iterator[dict]]:
-    """The pipeline stage from ``{"url": ...}`` items to samples (``webdataset``'s
-    ``tarfile_to_samples``, with :func:`open_shard` opening each shard and
-    :func:`mmgoal.data.tars.tar_stream_samples` reading it).
-
-    An HTTP shard that changes under a resumed read (:class:`ShardChangedError`) is read
-    again from its start, once, its samples already given left out. ``claimed``: the
-    samples that ``sizes.json`` (:func:`shard_sizes`) says each URL holds; a shard read
-    to its sound end with fewer is warned of, naming the file (an epoch planned from
-    the claim repeats samples).
+    """The pipeline stage from ``{"url": ...}`` items to samples (webdataset's
+    ``tarfile_to_samples`` on :func:`open_shard` and
+    :func:`~mmgoal.data.tars.tar_stream_samples`). A shard changed under a resumed read is
+    read again from its start, once, without repeats. A shard with fewer samples than
+    ``claimed`` (``sizes.json``) is warned of: an epoch planned from the claim repeats samples.
     """
     said: set[str] = set()  # the short shards named, each once (a pass reads it again)
 
@@ -513,12 +463,8 @@ CHECKED_CLAIMS = 8
 
 
 def _json_beside(url: str, name: str, timeout: float, min_rate: float = MIN_RATE) -> Any:
-    """``name`` in the folder of the shard ``url`` as JSON, or None where there is none; read
-    to at most :data:`MAX_JSON_BESIDE` bytes, at ``min_rate`` (:class:`RateFloor`).
-
-    Raises:
-        ValueError: the file is larger, not JSON, or slower than ``min_rate``.
-    """
+    """``name`` in the folder of the shard ``url`` as JSON, or None where there is none; a
+    ValueError past :data:`MAX_JSON_BESIDE` bytes, under ``min_rate``, or not JSON."""
     if url.startswith("pipe:"):
         return None
     location = posixpath.join(posixpath.dirname(url), name)
@@ -555,17 +501,10 @@ def _claim(value: Any, what: str) -> int:
 
 
 def shard_sizes(urls: Sequence[str], timeout: float = TIMEOUT) -> list[int] | None:
-    """The samples of each remote shard, from ``sizes.json`` beside them or each shard's
-    img2dataset ``<name>_stats.json`` (``successes``); None where neither says (a
-    ``pipe:`` command's shards never say).
-
-    The files are someone's claims: each count must be a non-negative integer, and the
-    :data:`CHECKED_CLAIMS` largest are checked against their shard's length (a HEAD
-    request): a shard of L bytes holds at most L / 512 samples.
-
-    Raises:
-        ValueError: a file that is not a JSON object of counts, a count that is none, or a
-            claim its shard cannot hold, each naming the file and the shard.
+    """The samples of each remote shard, from ``sizes.json`` beside them or img2dataset's
+    ``<name>_stats.json`` (``successes``); None where neither says (``pipe:`` never does).
+    The files are claims: each count must be a non-negative integer, and the
+    :data:`CHECKED_CLAIMS` largest are checked against their shard's length (HEAD).
     """
     sizes: dict[str, dict] = {}
     counts = []

@@ -1,10 +1,6 @@
-"""Writing WebDataset shards.
-
-A shard is a tar of samples; each sample is a dict ``{"__key__": str, ext:
-bytes, ...}`` whose entries become ``<key>.<ext>`` members. Shards are written
-to a temporary file and renamed when complete (:func:`mmgoal.files.temporary_for`), so
-an interrupted writer never leaves a truncated shard that looks finished, and a link
-where a shard would go is refused.
+"""Writing WebDataset shards: tars of samples ``{"__key__": str, ext: bytes, ...}``, each
+entry a ``<key>.<ext>`` member. A shard is written to a temporary file and renamed when
+complete (:func:`mmgoal.files.temporary_for`): no truncated shard looks finished.
 """
 
 from __future__ import annotations
@@ -24,15 +20,9 @@ if TYPE_CHECKING:  # webdataset imports torch: loaded with the first shard, not 
 class ShardWriter:
     """Writes samples into numbered shards of at most ``max_count`` samples.
 
-    Args:
-        out_dir: folder of the shards (created if missing).
-        prefix: shard names are ``{prefix}-{index:06d}.tar``; an empty prefix names
-            them ``{index}.tar`` (CLIP_benchmark's layout).
-        max_count: samples per shard.
-        first_index: number of the first shard (a conversion writes shard ``i`` alone).
-
-    Attributes:
-        paths: the finished shards, in order.
+    Shards are ``{prefix}-{index:06d}.tar``, or ``{index}.tar`` for an empty prefix
+    (CLIP_benchmark's layout), from ``first_index`` (a conversion writes shard ``i`` alone);
+    ``paths`` lists those written, in order.
     """
 
     def __init__(self, out_dir: str | os.PathLike, prefix: str, max_count: int = 1000,

@@ -1,13 +1,7 @@
-"""Shard sources for the data sets the papers use (``mmgoal make-shards SOURCE``).
-
-- ``karpathy``: a Karpathy split JSON (``dataset_coco.json``, ``dataset_flickr30k.json``)
-  plus the image folder -> image shards per split with five captions each (and, given
-  COCO's caption annotations, each caption's COCO id);
-- ``precomputed``: SCAN / VSE-infinity region features (``{split}_ims.npy``,
-  ``{split}_caps.txt``, optional boxes and image sizes) -> ``regions.npy`` shards,
-  read through memory maps so a 30 GB feature file is never loaded whole;
-- ``entities``: Flickr30K Entities ``Sentences/`` + ``Annotations/`` joined by
-  image id into the ``entities`` field of existing shards.
+"""Shard sources for the papers' data sets (``mmgoal make-shards SOURCE``): ``karpathy``
+(a Karpathy split JSON and its images), ``precomputed`` (SCAN / VSE-infinity region
+features, read through memory maps) and ``entities`` (Flickr30K Entities joined into
+existing shards); docs/data.md has each one's downloads and commands.
 """
 
 from __future__ import annotations
@@ -47,26 +41,19 @@ def _npy(array: np.ndarray) -> bytes:
 
 @SHARD_SOURCES.register("karpathy")
 class KarpathySource(ShardSource):
-    """Images and captions of a Karpathy split JSON.
+    """Images and captions of a Karpathy split JSON: ``images[]`` entries with ``filename``,
+    optional ``filepath``, ``split`` and ``sentences[].raw`` (the captions, as they are).
 
-    ``images[]`` entries carry ``filename``, optional ``filepath`` (COCO's
-    ``train2014``/``val2014``), ``split`` and ``sentences[].raw``. A sample's
-    ``image_id`` is ``cocoid`` when given (COCO), else the file name without
-    extension (Flickr30K's Flickr id, which Flickr30K Entities uses); captions
-    are the ``raw`` sentences as they are. An image listed twice (the same image
-    id) is converted once, from its first entry, with a warning: evaluation would
-    count its copy as a negative.
+    ``image_id`` is ``cocoid`` (COCO), else the file name without extension (the Flickr id
+    Flickr30K Entities uses). An image listed twice is converted once, from its first
+    entry, with a warning: evaluation would count its copy as a negative.
 
     Args:
-        json: the split file.
-        image_root: folder the ``filepath/filename`` paths are relative to.
-        max_size: shrink images whose longer side exceeds this (re-encoded as JPEG).
-        jpeg_quality: re-encode every image as JPEG at this quality.
-        coco_captions: COCO's caption annotations (``captions_val2014.json``; several
-            files with commas between them): each sample's JSON then holds
-            ``caption_ids``, the COCO caption id of each caption (null where none of its
-            image's annotations has its text), which the ECCV Caption, CxC and PM-COCO
-            protocols need (:mod:`mmgoal.data.coco`).
+        image_root: the folder ``filepath/filename`` paths start from.
+        max_size, jpeg_quality: re-encode as JPEG images whose longer side exceeds
+            ``max_size``, or every image at ``jpeg_quality``.
+        coco_captions: COCO's caption annotation files, comma-separated: each JSON then
+            holds ``caption_ids`` for ECCV Caption, CxC and PM-COCO (:mod:`mmgoal.data.coco`).
         allow_outside: also take images whose path leads outside ``image_root``.
     """
 
@@ -153,23 +140,17 @@ def _read_json(path: Path) -> Any:
 class PrecomputedSource(ShardSource):
     """Region features of SCAN / VSE-infinity: ``{split}_ims.npy`` + ``{split}_caps.txt``.
 
-    ``{split}_ims.npy`` holds (images, regions, dim) features, or one row per
-    caption (every ``captions_per_image``-th row is the image's, as SCAN's loader
-    reads them); ``{split}_caps.txt`` holds ``captions_per_image`` lines per
-    image. Optional: ``{split}_boxes.npy`` or ``{split}_ims_bbx.npy`` (images,
-    regions, 4) pixel boxes, ``{split}_ims_size.npy`` (images, 2) width and
-    height (so boxes become fractions when read), ``{split}_ids.txt`` image ids.
+    ``{split}_ims.npy``: (images, regions, dim), or one row per caption (every
+    ``captions_per_image``-th row is the image's, as SCAN's loader reads it). Optional:
+    ``{split}_boxes.npy`` or ``{split}_ims_bbx.npy`` (images, regions, 4) pixel boxes,
+    ``{split}_ims_size.npy`` (images, 2) width and height, ``{split}_ids.txt`` image ids.
     Features and boxes keep their dtype.
 
     Args:
-        data_dir: the folder of those files.
-        splits: which splits to convert (default: every ``*_caps.txt``); a
-            comma-separated string or a list.
-        captions_per_image: 5 for COCO and Flickr30K.
-        names: shard names of input splits, ``"dev=val,testall=test"`` (SCAN's
-            ``dev`` is mmgoal's ``val``; COCO's ``testall`` is the 5K test set).
-        coco_captions: COCO's caption annotations, as for ``karpathy``: with COCO
-            image ids in ``{split}_ids.txt``, each caption gets its COCO caption id.
+        splits: comma-separated or a list (default: every ``*_caps.txt``).
+        names: shard names of input splits, ``"dev=val,testall=test"`` (COCO's ``testall``
+            is the 5K test set).
+        coco_captions: as ``karpathy``'s; needs COCO image ids in ``{split}_ids.txt``.
     """
 
     def __init__(self, data_dir: str, splits: str | list[str] | None = None,
@@ -283,15 +264,10 @@ class PrecomputedSource(ShardSource):
 class EntitiesSource(ShardSource):
     """Existing shards with Flickr30K Entities phrases and boxes joined in.
 
-    Every input shard becomes an output shard of the same name; a sample's
-    captions are matched to the Entities sentences of its ``image_id``
-    (case- and space-insensitive) and its JSON gains ``entities`` (phrase,
-    first word, type, pixel boxes per caption). Samples without annotation
-    files are kept as they are.
-
-    Args:
-        shards: the input shards (brace pattern, glob or list).
-        entities_root: the folder with ``Sentences/`` and ``Annotations/``.
+    Every input shard becomes an output shard of its name; a sample's captions are matched
+    to the Entities sentences of its ``image_id`` (case- and space-insensitive) and its JSON
+    gains ``entities``. Samples without annotation files are kept as they are.
+    ``entities_root`` holds ``Sentences/`` and ``Annotations/``.
     """
 
     def __init__(self, shards: str | list[str], entities_root: str) -> None:

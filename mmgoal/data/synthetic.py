@@ -1,13 +1,7 @@
-"""Synthetic scenes: a retrieval benchmark that needs no download.
+"""Synthetic scenes: a retrieval benchmark that needs no download (docs/synthetic.md).
 
-Each image holds 1-4 coloured shapes on a dark, noisy background; each image
-gets five captions written from different templates (object lists, "there is"
-forms, positions, spatial relations, counts) with entity annotations (phrase ->
-box) as in the data contract. Every caption names every object's colour and
-shape, most name sizes, and captions of one-object scenes name its position, so
-a caption picks out its image among a thousand only when the model gets colour,
-shape, size and relation right. Scenes are a pure function of ``(seed, index)``:
-the same call always writes the same shards.
+1-4 coloured shapes on a dark, noisy background, five captions from different templates
+with entity annotations (phrase -> box); a scene is a pure function of ``(seed, index)``.
 """
 
 from __future__ import annotations
@@ -351,12 +345,8 @@ def write_flickr_entities(scenes: list[Scene], out_dir: str | Path) -> None:
 def write_benchmark(out_dir: str | Path, counts: dict[str, int] | None = None, seed: int = 0,
                     image_size: int = 64, shard_size: int = 500,
                     flickr_entities: bool = False, progress: bool = True) -> dict:
-    """Write the train/val/test shards of the benchmark (and optionally the Entities layout).
-
-    Returns:
-        A summary: per split, its shard paths and image/caption counts; it is
-        also written to ``out_dir/meta.json``.
-    """
+    """Write the train/val/test shards of the benchmark (and optionally the Entities layout);
+    return the summary written to ``out_dir/meta.json``: per split, its shards and counts."""
     from tqdm import tqdm
 
     from mmgoal.data.shards import ShardWriter

@@ -1,20 +1,12 @@
 """A shard's tar stream, member by member, into samples: bounded, and damage said.
 
-WebDataset's reader (``tar_file_expander`` + ``group_by_keys``) reads every member
-whole into memory and ends quietly where Python's ``tarfile`` does: at a zeroed
-header in the middle of a file, at junk after the archive, at a cut inside a header.
-:func:`tar_stream_samples` reads the same layout (``<key>.<ext>`` members grouped by
-key, webdataset's naming) but:
-
-* reads no sample larger than ``max_sample_bytes`` (``data.max_sample_bytes``): its
-  members' sizes are in their headers, so an oversized sample (a 9 MB ``.tar.gz``
-  whose one member unpacks to 2 GB) is skipped and counted without a byte of it in
-  memory;
-* says why a shard ended before its file did (:class:`TarDamageError`, counted once,
-  naming the shard and the byte): a zero block followed by data, bytes that are not a
-  header, a header or member cut short, no end-of-archive marker at all. After the
-  end-of-archive marker at most :data:`END_PADDING` bytes of zeros are read, so an
-  endless stream behind a valid tar is not read for ever.
+WebDataset's reader (``tar_file_expander`` + ``group_by_keys``) reads every member whole
+into memory and ends quietly where ``tarfile`` does (a zeroed header mid-file, junk after
+the archive, a cut header). :func:`tar_stream_samples` reads the same layout but skips a
+sample over ``max_sample_bytes`` unread (member sizes are in their headers: a 9 MB
+``.tar.gz`` may unpack to 2 GB), and says why a shard ended before its file did
+(:class:`TarDamageError`, naming the byte), reading at most :data:`END_PADDING` zeros after
+the end-of-archive marker so that an endless stream behind a valid tar ends.
 """
 
 from __future__ import annotations
@@ -47,12 +39,8 @@ class ShardError(OSError):
 
 
 class TarDamageError(ShardError):
-    """A shard whose tar ends before its file does, or is cut (see the module docstring).
-
-    Attributes:
-        samples: the samples read (or skipped) before the damage.
-        reason: what is wrong, and at which byte.
-    """
+    """A shard whose tar ends before its file does, or is cut: ``samples`` read (or skipped)
+    before the damage, ``reason`` what is wrong and at which byte."""
 
     def __init__(self, url: str, samples: int, reason: str) -> None:
         super().__init__(f"shard {url} is damaged after {samples} samples: {reason}; the rest "
@@ -110,11 +98,9 @@ def tar_stream_samples(stream: IO[bytes], url: str, handler: Callable[[Exception
     """The samples of one shard's tar stream (``.tar``, or compressed: ``.tar.gz``...):
     ``{"__key__", "__url__", ext: bytes, ...}``, members grouped by key.
 
-    ``handler`` gets each problem (and may raise to stop): an
-    :class:`OversizedSampleError` or a member given twice (that sample or member is
-    skipped), and at most one :class:`ShardError` (a :class:`TarDamageError`, or the
-    stream's own), after which the rest of the shard is lost. ``select_files`` keeps
-    only the members whose names it accepts.
+    ``handler`` gets each problem (and may raise to stop): an :class:`OversizedSampleError`
+    or a member given twice (skipped), and at most one :class:`ShardError`, after which the
+    rest of the shard is lost. ``select_files`` keeps the members whose names it accepts.
     """
     sample: dict | None = None
     size = 0  # bytes of the current sample's members, read or not

