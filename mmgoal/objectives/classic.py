@@ -1,10 +1,6 @@
-"""Classic metric-learning losses as ordinary autograd objectives.
-
-They are the references of the GOAL equivalence tests (docs/reference/goal.md,
-"The 15 combinations and the known losses they equal"; the formulas:
-docs/reference/objectives.md) and baselines for users. All but ``InfoNCELoss`` and
-``MultiSimilarityLoss`` work on the hardest negative of every positive, in both
-directions.
+"""Classic metric-learning losses (docs/reference/objectives.md): baselines, and the
+references of the GOAL equivalence tests (docs/reference/goal.md). All but
+``InfoNCELoss`` and ``MultiSimilarityLoss`` work on every positive's hardest negative.
 """
 
 from __future__ import annotations
@@ -25,12 +21,8 @@ from mmgoal.structures import ObjectiveInputs
 
 @OBJECTIVES.register()
 class NTXentHardLoss(HardNegativeLoss):
-    """Hard-negative NT-Xent: ``-log(e^{tau s_p} / (e^{tau s_p} + e^{tau s_n}))``.
-
-    Args:
-        tau: inverse temperature.
-        reduction: ``sum`` or ``mean`` over positives.
-    """
+    """Hard-negative NT-Xent: ``-log(e^{tau s_p} / (e^{tau s_p} + e^{tau s_n}))``, ``tau``
+    an inverse temperature."""
 
     name = "ntxent"
 
@@ -44,10 +36,8 @@ class NTXentHardLoss(HardNegativeLoss):
 
 @OBJECTIVES.register()
 class BinomialDevianceLoss(HardNegativeLoss):
-    """Binomial deviance on (positive, hardest negative).
-
-    ``(1/alpha) log(1 + e^{-alpha(s_p - lam)}) + (1/beta) log(1 + e^{beta(s_n - lam)})``.
-    """
+    """Binomial deviance on (positive, hardest negative):
+    ``(1/alpha) log(1 + e^{-alpha(s_p - lam)}) + (1/beta) log(1 + e^{beta(s_n - lam)})``."""
 
     name = "binomial"
 
@@ -63,15 +53,9 @@ class BinomialDevianceLoss(HardNegativeLoss):
 
 @OBJECTIVES.register()
 class CircleLoss(HardNegativeLoss):
-    """Circle loss (Sun et al., CVPR 2020) on (positive, hardest negative).
-
+    """Circle loss (Sun et al., CVPR 2020) on (positive, hardest negative):
     ``softplus(gamma (a_n (s_n - m) - a_p (s_p - 1 + m)))`` with detached
-    ``a_p = [1 + m - s_p]_+`` and ``a_n = [s_n + m]_+``.
-
-    Args:
-        margin: relaxation ``m``.
-        gamma: scale.
-    """
+    ``a_p = [1 + m - s_p]_+``, ``a_n = [s_n + m]_+`` and ``m`` the ``margin``."""
 
     name = "circle"
 
@@ -95,17 +79,10 @@ def _log1p_sum_exp(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def multi_similarity_rows(sims: torch.Tensor, positives: torch.Tensor, alpha: float,
                           beta: float, lam: float, eps: float) -> torch.Tensor:
-    """Multi-similarity loss of every row as an anchor (Wang et al., CVPR 2019, eq. 12).
-
-    Pairs are mined first (their eq. 7-8): a negative is kept when ``S + eps >``
-    the anchor's lowest positive, a positive when ``S - eps <`` its highest negative.
-
-    Args:
-        sims: (n_anchor, n_ref); positives: (n_anchor, n_ref) bool.
-
-    Returns:
-        (n_anchor,) losses (0 for an anchor without kept pairs).
-    """
+    """(n_anchor,) multi-similarity loss of every row of ``sims`` (n_anchor, n_ref) as an
+    anchor (Wang et al., CVPR 2019, eq. 12; 0 without kept pairs). Pairs are mined first
+    (eq. 7-8): a negative is kept when ``S + eps >`` the anchor's lowest positive, a
+    positive when ``S - eps <`` its highest negative."""
     detached = sims.detach()
     negatives = ~positives
     min_pos = detached.masked_fill(negatives, float("inf")).amin(dim=1, keepdim=True)
@@ -136,17 +113,9 @@ def _segment_min(values: torch.Tensor, segments: torch.Tensor, n_segments: int) 
 class MultiSimilarityLoss(nn.Module):
     """Multi-similarity loss over all mined pairs, images and texts both as anchors.
 
-    Args:
-        alpha, beta, lam: the MS scales and threshold (2, 50, 0.5 in the MS paper;
-            ``beta`` 10 matches GOAL's ``sig`` default).
-        eps: pair-mining margin.
-        reduction: ``sum`` or ``mean`` over anchors.
-
-    On score tiles (:mod:`mmgoal.scoring`): an anchor keeps its negatives above its lowest
-    positive less ``eps`` (known from the positive scores before any tile), so one pass
-    reduces each anchor's hardest negative and the log-sum-exp of its kept negatives; the
-    kept positives (below the hardest negative plus ``eps``) are O(n) pairs scored with
-    their gradient, and the backward recomputes each tile once for the negatives' part.
+    ``alpha``, ``beta``, ``lam``: the MS scales and threshold (2, 50, 0.5 in the MS paper;
+    ``beta`` 10 matches GOAL's ``sig`` default); ``eps``: the pair-mining margin. On score
+    tiles: docs/reference/objectives.md, "Score tiles".
     """
 
     def __init__(self, alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
@@ -217,33 +186,15 @@ def softmax_sum(x: torch.Tensor, row_lse: torch.Tensor, col_lse: torch.Tensor,
 
 @OBJECTIVES.register()
 class InfoNCELoss(nn.Module):
-    """CLIP/ITC contrastive loss with a learnable temperature.
+    """CLIP/ITC contrastive loss with a learnable temperature, clamped to
+    ``[min_temperature, max_temperature]`` (X-VLM: 0.001, 0.5; initial 0.07).
 
-    Rows and columns of ``sims / temperature`` are softmax-normalised; the
-    target of each row (column) spreads uniformly over its positives, so every
-    caption of the same image counts as a positive (X-VLM's ITC). The
-    temperature is clamped to ``[min_temperature, max_temperature]``.
-
-    A model that learns its own temperature (a
-    :class:`~mmgoal.contract.TemperatureModel`: CLIP's ``1 / exp(logit_scale)``)
-    sets it: the scores are divided by ``model.temperature()``, which the gradient
-    trains, and this loss's own ``temperature`` is not used. Built for such a model
-    (the trainer passes ``model``), the loss's temperature is then a buffer, not a
-    parameter: nothing the optimizer would hold without a gradient.
-
-    On score tiles (:mod:`mmgoal.scoring`), as Inf-CL computes it: one pass reduces every
-    row's and column's log-sum-exp (a running maximum and sum); the positives' part is
-    O(n) pairs scored with their gradient; the backward recomputes each tile once, its
-    ``dl/dS`` the two softmaxes less nothing (the targets are the positives' part).
-
-    Args:
-        temperature: initial temperature (0.07 in CLIP and X-VLM).
-        learnable: optimise the temperature with the model.
-        min_temperature, max_temperature: clamp range (X-VLM: 0.001, 0.5).
-        model: the model it trains (set by the trainer, not the config).
-
-    Returns (from ``forward``): ``infonce_loss`` (mean of both directions) and
-    the logged ``temperature``.
+    A row's (column's) target spreads over its positives, so every caption of the image
+    counts (X-VLM's ITC). A :class:`~mmgoal.contract.TemperatureModel` (``model``, passed
+    by the trainer) sets the temperature instead; this loss's own is then a buffer, which
+    no optimizer holds without a gradient. On score tiles, as Inf-CL computes it:
+    docs/reference/objectives.md, "Score tiles". ``forward`` gives ``infonce_loss`` (mean
+    of both directions) and the logged ``temperature``.
     """
 
     def __init__(self, temperature: float = 0.07, learnable: bool = True,

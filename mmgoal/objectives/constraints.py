@@ -1,20 +1,9 @@
 """CCR and CCS attention constraints ("More Than Just Attention: Improving Cross-Modal
-Attentions with Contrastive Constraints for Image-Text Matching"; docs/reference/scan.md).
+Attentions with Contrastive Constraints for Image-Text Matching"; docs/reference/scan.md
+gives the formulas and the reversed weights ``reverse`` chooses).
 
-Both act on the attention of matched pairs (:class:`~mmgoal.models.layers.
-cross_attention.Attention`), so they work with any model whose ``attention``
-returns one. For each pair one query fragment ``q`` is sampled; with its
-attention weights ``w`` over the keys ``k`` of the paired item:
-
-- attended feature ``a = sum_j w_j k_j``;
-- reversed feature ``a^ = sum_j w^_j k_j`` with ``w^ = (1 - w) / sum(1 - w)``
-  (``reverse: complement``, the default) or ``softmax(-lambda * s)`` over the
-  same scores ``s`` the attention was taken of (``reverse: negated_softmax``);
-- CCR (Contrastive Content Re-sourcing): ``[margin - cos(q, a) + cos(q, a^)]_+``: the
-  attended content must describe the query better than what was ignored;
-- CCS (Contrastive Content Swapping): ``[margin - cos(a, q) + cos(a, q^)]_+`` with
-  ``q^`` another fragment of the same sentence or image: the attended content
-  must belong to its own query more than to a sibling.
+Both act on the :class:`~mmgoal.structures.Attention` of matched pairs, so they work with
+any model whose ``attention`` returns one; one query fragment is sampled per pair.
 """
 
 from __future__ import annotations
@@ -30,20 +19,14 @@ from mmgoal.objectives.mining import draw_one_per_row
 from mmgoal.registry import CONSTRAINTS
 from mmgoal.structures import Attention
 
-# the weights of what an attention ignored (module docstring)
+# the weights of what an attention ignored (docs/reference/scan.md)
 Reverse = Literal["complement", "negated_softmax"]
 
 
 def sample_fragments(mask: torch.Tensor, generator: torch.Generator | None = None,
                      exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One uniformly sampled real fragment per row of ``mask`` (B, L).
-
-    Args:
-        exclude: (B,) an index per row that must not be drawn (CCS's sibling).
-
-    Returns:
-        index (B,) long; valid (B,) bool, False where a row has nothing to draw.
-    """
+    """One uniformly sampled real fragment per row of ``mask`` (B, L), never ``exclude``
+    (B,): index (B,) and valid (B,), False where a row has nothing to draw."""
     allowed = mask.clone()
     if exclude is not None:
         allowed[torch.arange(len(mask), device=mask.device), exclude] = False
@@ -103,16 +86,8 @@ class _AttentionConstraint(nn.Module):
 @CONSTRAINTS.register()
 class CCRConstraint(_AttentionConstraint):
     """Contrastive Content Re-sourcing: ``[margin - cos(q, a) + cos(q, a^)]_+`` for one
-    sampled query fragment per matched pair.
-
-    Args:
-        weight: lambda_CCR, the loss's factor in the total.
-        margin: gamma_2.
-        reverse: ``complement`` (``(1 - w) / sum(1 - w)``) or ``negated_softmax``.
-        reverse_lambda: the negated softmax's inverse temperature (default: the
-            attention's own lambda_softmax).
-        reduction: ``sum`` over pairs (the triplet loss's convention) or ``mean``.
-    """
+    sampled query fragment per matched pair; ``weight`` is lambda_CCR, ``margin`` gamma_2,
+    ``reverse_lambda`` the negated softmax's (default: the attention's lambda_softmax)."""
 
     name = "ccr"
 
@@ -131,12 +106,8 @@ class CCRConstraint(_AttentionConstraint):
 @CONSTRAINTS.register()
 class CCSConstraint(_AttentionConstraint):
     """Contrastive Content Swapping: ``[margin - cos(a, q) + cos(a, q^)]_+``, ``q^`` another
-    fragment of the query's own sentence or image, sampled uniformly; items with a single
-    fragment contribute nothing.
-
-    Args: as :class:`CCRConstraint` (``weight`` is lambda_CCS, ``margin``
-    gamma_3); ``reverse`` is unused by CCS.
-    """
+    fragment of the query's own sentence or image, sampled uniformly (none: no term).
+    Options as :class:`CCRConstraint`'s (lambda_CCS, gamma_3); ``reverse`` is unused."""
 
     name = "ccs"
 

@@ -1,20 +1,12 @@
 """GOAL: objectives defined by their gradient (Xuan & Chen, WACV 2023).
 
-Every triplet-family loss has the gradient ``T(s_p, s_n) * P+`` on the positive
-and ``T(s_p, s_n) * P-`` on the negative of each hardest-negative triplet
-(docs/reference/goal.md). ``GoalObjective`` assembles that gradient ``G =
-dl/dS`` for any triplet weight x pair weight, including the combinations that
-no loss integrates to. ``G`` has entries only at the positive pairs and each
-anchor's mined negative, so it never needs the score matrix: one pass over the score
-tiles (:mod:`mmgoal.scoring`) mines each anchor's hardest negative and the sums of its
-multi-similarity set ``R-`` (whose threshold comes from the positive scores, computed
-first), then the O(n) chosen pairs are scored again with their gradient and ``G``'s
-entries are put on them (``loss = violation + sum g s - sum g s`` detached: the value
-is the logged violation, the gradient exactly ``G``, times whatever gradient flows
-in). For a dual encoder the backward is a gather of O(n) feature rows, the paper's
-eq. 2-4; for SCAN, a cross attention of O(n) pairs. Unlike the authors' code it honours
-the incoming gradient, handles several positives per row, and has no Python loop over
-the batch.
+``GoalObjective`` trains with ``G = dl/dS`` of any triplet weight x pair weight
+(docs/reference/goal.md), including combinations no loss integrates to. ``G`` has
+entries only at the positives and each anchor's mined negative, so the O(n) chosen pairs
+are scored again and carry it (``loss = violation + sum g s - sum g s`` detached): for a
+dual encoder a gather of O(n) feature rows, the paper's eq. 2-4. Unlike the authors' code
+it honours the incoming gradient, handles several positives per row, and has no Python
+loop over the batch.
 """
 
 from __future__ import annotations
@@ -97,30 +89,14 @@ def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
 
 
 def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
-    """Look up the weight of ``objective.triplet`` or ``objective.pair`` and check its options.
+    """The weight of ``objective.triplet`` or ``objective.pair`` (``slot``), every option
+    filled in and checked.
 
-    A weight's options are its keyword parameters after the call-time inputs its
-    registry declares (the scores ``s_p``, ``s_n`` and a pair weight's ``relative``);
-    the registry checks them as it checks any component's config
-    (:meth:`~mmgoal.registry.Registry.check`).
-
-    Args:
-        slot: ``triplet`` or ``pair``.
-        spec: a registered weight name (its default options), or a mapping
-            ``{type: name, option: value, ...}`` whose other keys are options of
-            that weight.
-
-    Returns:
-        The weight with every option it takes, defaults filled in.
-
-    Raises:
-        UnknownNameError: the name is not registered (a ``KeyError`` and a
-            ``ValueError``; the message lists the names and the closest one).
-        ValueError: ``spec`` is neither a name nor a mapping with a ``type``, it
-            sets an option the weight does not take (with the closest option) or of
-            the wrong type, or leaves out one without a default; a pair weight takes
-            ``relative`` but no ``eps``; ``lam: auto``'s options are out of range,
-            come without it, or it is set where it cannot apply.
+    ``spec`` is a registered name (its defaults) or ``{type: name, option: value, ...}``.
+    A weight's options are its keyword parameters after its registry's call-time inputs
+    (``s_p``, ``s_n``, ``relative``), checked as any config is
+    (:meth:`~mmgoal.registry.Registry.check`; docs/objectives.md, "Configuring the
+    weights"). Raises ``UnknownNameError`` or ``ValueError`` saying what to write.
     """
     registry = WEIGHT_REGISTRIES[slot]
     where = f"objective.{slot}"
@@ -176,15 +152,10 @@ def _misplaced_options_error(specs: Mapping[str, Any], misplaced: Mapping[str, A
 
 
 class GoalGradient(NamedTuple):
-    """What :meth:`GoalObjective.tile_gradient` computes on a batch's score tiles.
-
-    Attributes:
-        loss: the logged violation, whose gradient with respect to the scores is ``G``.
-        violation: the weighted violation ``sum T (s_n - s_p)`` of this rank's triplets.
-        weight_sum: the sum of the triplet weights of the whole batch.
-        positive_scores: every positive pair's score, of the whole batch.
-        hardest: every valid triplet's hardest-negative score, of the whole batch.
-    """
+    """What :meth:`GoalObjective.tile_gradient` computes: ``loss`` (value the logged
+    violation, gradient ``G``), ``violation`` (``sum T (s_n - s_p)`` of this rank's
+    triplets); of the whole batch, ``weight_sum`` of the triplet weights, every
+    ``positive_scores`` and every valid triplet's ``hardest`` negative score."""
 
     loss: torch.Tensor
     violation: torch.Tensor
@@ -197,41 +168,19 @@ class GoalGradient(NamedTuple):
 class GoalObjective(nn.Module):
     """Triplet weight x pair weight, applied directly as the gradient of the scores.
 
-    Each weight is a registered name (its default options) or a mapping with
-    ``type`` and options of that weight only, e.g. ``triplet: {type: cir, tau:
-    10, cir_offset: 0.5}`` (docs/objectives.md lists every weight's options).
-
     Args:
-        triplet: a ``TRIPLET_WEIGHTS`` entry: ``con`` (``margin``), ``nca``
-            (``tau``: the paper's figures 10, released code 1), ``cir`` (``tau``,
-            ``cir_offset``: released code 0.5, paper 0).
-        pair: a ``PAIR_WEIGHTS`` entry: ``con``, ``lin`` (``lin_shift``), ``sig``
-            (``alpha``, ``beta``, ``lam``), ``lin_ms`` (``lin_shift``, ``eps``),
-            ``sig_ms`` (``alpha``, ``beta``, ``lam``, ``eps``). ``eps``, the
-            multi-similarity comparison margin, builds the ``relative`` sets.
-            ``lam: auto`` (``sig``, ``sig_ms``; with ``lam_momentum``,
-            ``lam_init``, ``lam_steps``) is mmgoal's adaptive lambda, not the
-            paper's: a moving average of the midpoint between the median
-            positive and the median hardest-negative score over the first
-            ``lam_steps`` optimisation steps, then held
-            (:mod:`mmgoal.objectives.adaptive_lam`, docs/objectives.md).
+        triplet, pair: a ``TRIPLET_WEIGHTS`` / ``PAIR_WEIGHTS`` name (its default options)
+            or a mapping with ``type`` and that weight's options, e.g. ``{type: cir, tau:
+            10, cir_offset: 0.5}``; docs/objectives.md lists them, ``lam: auto`` included.
         reduction: ``sum`` over triplets (VSE++) or ``mean`` over positives.
-        **misplaced: accepted only to reject weight options given at the
-            objective level (the old flat form ``tau: 5``) with the nested form
-            to write instead; any key here is a ``ValueError``.
+        **misplaced: only to reject options given at the objective level (the old flat
+            ``tau: 5``) with the nested form to write instead.
 
-    Returns (from ``forward``): ``goal_loss``, whose value is the weighted
-    violation ``sum T * (s_n - s_p)`` (for logging; it is not a loss whose
-    gradient is ``G``) and whose gradient is ``G``; ``active_fraction``, the
-    mean triplet weight; ``positive_median`` and ``negative_median``, the median
-    positive score and the median hardest-negative score of the valid triplets
-    (both directions; left out when no triplet is valid), which show where a fixed
-    ``lam`` sits against the scores (docs/objectives.md, "Choosing a combination and
-    lam"); with ``lam: auto``, ``lam``, the value this call used.
-
-    Attributes:
-        adaptive_lam: the running ``lam`` of ``lam: auto`` (its state is
-            checkpointed with the objective); ``None`` for a fixed ``lam``.
+    ``forward`` returns ``goal_loss`` (value the weighted violation ``sum T (s_n - s_p)``,
+    for logging; gradient ``G``), ``active_fraction`` (the mean triplet weight),
+    ``positive_median`` and ``negative_median`` of the valid triplets (none without one;
+    docs/objectives.md, "Choosing a combination and lam") and, with ``lam: auto``, ``lam``.
+    ``adaptive_lam`` holds the running, checkpointed ``lam`` of ``lam: auto``, else None.
     """
 
     def __init__(self, triplet: str | Mapping[str, Any] = "con",
@@ -254,16 +203,12 @@ class GoalObjective(nn.Module):
 
     def tile_gradient(self, tiles: ScoreTiles) -> GoalGradient:
         """``G = dl/dS`` of this rank's triplets (its images' and its own texts'), put on the
-        scores of their O(n) pairs, with the batch's statistics.
+        scores of their O(n) pairs.
 
-        One pass over the tiles mines every anchor's hardest negative and, for a pair
-        weight that compares with the batch (``R-``), the anchor's sums over its negatives
-        above the threshold, which comes from the positive scores, computed first. The
-        batch-wide numbers the weights read (the positive scores of ``R+``, the threshold
-        of ``R-``, ``lam: auto``'s medians) are O(n) and gathered; under local scoring the
-        ranks' ``G`` sum to one process's. Weights are computed in float32 at least from
-        detached scores whatever their dtype (float64 scores keep float64), so bf16/fp16
-        training gets exact weights.
+        One pass over the tiles mines every anchor's hardest negative and the sums of its
+        ``R-`` (whose threshold comes from the positive scores, read first). The batch-wide
+        numbers the weights read are O(n) and gathered, so the ranks' ``G`` sum to one
+        process's. Weights are computed in float32 at least from detached scores.
         """
         triplet, pair = self.triplet_weight, self.pair_weight
         positives = {"i2t": tiles.pair_scores(tiles.positive_rows, tiles.positive_cols),

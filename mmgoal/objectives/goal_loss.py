@@ -1,12 +1,8 @@
-"""``GoalLoss``: GOAL as a plain ``torch.nn.Module`` for a training loop of your own.
-
-open_clip's training script, a Hugging Face ``Trainer.compute_loss`` or a loop of
-a dozen lines: ``loss = GoalLoss(...)(image_embeds, text_embeds)`` then
-``loss.backward()``. The gradient is the registered ``GoalObjective``'s ``G =
-dl/dS`` on the scores ``S = image_embeds @ text_embeds.T``, which ``GoalLoss``
-builds on and does not re-derive (docs/reference/goal.md); the statistics it
-reports say where to put ``lam`` (docs/objectives.md, "GOAL in your own training
-loop").
+"""``GoalLoss``: GOAL as a plain ``torch.nn.Module`` for a training loop of your own
+(open_clip's script, a Hugging Face ``Trainer.compute_loss``): ``GoalObjective``'s ``G``
+on ``S = image_embeds @ text_embeds.T``, not re-derived. docs/reference/objectives.md
+("GOAL over embeddings") is its contract; docs/objectives.md ("GOAL in your own training
+loop") shows it in use.
 """
 
 from __future__ import annotations
@@ -101,8 +97,7 @@ def _check_scores(scores: Any, check_values: bool) -> None:
 
 
 def _id_kind(image_id: Any) -> str | None:
-    """``an integer`` (a Python or numpy integer, not a bool), ``a string``, or None: not an
-    id."""
+    """``an integer`` (Python or numpy, not a bool), ``a string``, or None: not an id."""
     if isinstance(image_id, str):
         return "a string"
     if isinstance(image_id, numbers.Integral) and not isinstance(image_id, bool):
@@ -151,58 +146,28 @@ def _ids_tensor(image_ids: torch.Tensor | Sequence, n_pairs: int,
 class GoalLoss(nn.Module):
     """GOAL over a batch of paired embeddings (or a score matrix), for any training loop.
 
-    ``loss = goal(image_embeds, text_embeds)`` scores every image against every
-    text, ``S = image_embeds @ text_embeds.T``, and returns a loss whose gradient
-    with respect to ``S`` is exactly ``GoalObjective``'s ``G`` (times whatever
-    gradient flows in: loss scaling, accumulation), which autograd carries on into
-    both towers. Its value is ``GoalObjective``'s ``goal_loss``, the weighted
-    violation ``sum T (s_n - s_p)``: for logging, not a loss whose gradient is ``G``.
+    The loss's gradient with respect to ``S`` is exactly ``GoalObjective``'s ``G`` (times
+    whatever gradient flows in); its value is the weighted violation, for logging.
 
     Args:
-        triplet: the triplet weight, as ``GoalObjective``'s: a name (``con``,
-            ``nca``, ``cir``) or ``{"type": name, option: value}``.
-        pair: the pair weight, likewise (``con``, ``lin``, ``sig``, ``lin_ms``,
-            ``sig_ms``); ``sig``/``sig_ms`` take ``"lam": "auto"``.
-        reduction: ``sum`` over triplets (VSE++) or ``mean`` over positives.
-        gather: with ``torch.distributed`` initialised and more than one rank,
-            all-gather the embeddings (and image ids) of every rank, gradients
-            flowing back to their owners, so that the hardest negatives are mined in
-            the global batch, as open_clip's ``gather_with_grad``; each rank streams
-            its own images against every text (its share of the tiles, the columns'
-            statistics combined over the ranks) and the loss returned is the global
-            one, whose gradient under DDP's average is exactly one process's
-            (:mod:`mmgoal.distributed`). Every rank must pass the same number of
-            pairs; without ``torch.distributed`` it changes nothing.
-        step_each_call: with ``lam: auto``, every training-mode call is one
-            optimisation step: the call ends the step itself once ``G`` is computed
-            (``GoalObjective.finish_step``; a call whose loss is not finite is a
-            skipped step). ``False`` (gradient accumulation, a ``GradScaler`` that
-            may skip steps): call :meth:`step` after each optimizer step instead,
-            or ``lam`` never moves. Nothing to do for a fixed ``lam``.
-        tile_rows, tile_cols: the score tiles' shape (``None``: 1024 x 4096): the largest
-            tensor the loss makes, whatever the batch (docs/objectives.md, "Score tiles").
-        check_values: refuse embeddings whose rows are not L2-normalised or hold NaN
-            or inf, and scores that hold NaN or inf (a ``ValueError`` saying how many).
-            Each check is one reduction that the call waits for on a GPU (one per
-            tensor); ``False`` leaves them out, for a loop that must never wait: a
-            non-finite input then gives a NaN loss, and unnormalised embeddings go
-            unnoticed. Shapes, dtypes and image ids are checked either way.
+        triplet, pair, reduction: as ``GoalObjective``'s.
+        gather: with ``torch.distributed`` and several ranks, mine the hardest negatives
+            in the global batch (every rank passes the same number of pairs); the loss is
+            the global one, whose gradient under DDP's average is one process's.
+        step_each_call: with ``lam: auto``, every training-mode call is one optimisation
+            step; ``False`` (gradient accumulation, a ``GradScaler`` that may skip steps):
+            call :meth:`step` after each optimizer step instead, or ``lam`` never moves.
+        tile_rows, tile_cols: the score tiles' shape, the largest tensor the loss makes
+            (``None``: :mod:`mmgoal.scoring`'s default).
+        check_values: refuse non-finite or unnormalised embeddings and non-finite scores;
+            each check is one reduction the call waits for on a GPU. Shapes, dtypes and
+            image ids are checked either way.
 
     Attributes:
-        objective: the ``GoalObjective`` that computes ``G``; with ``lam: auto`` its
-            running ``lam`` is ``objective.adaptive_lam.value``, and it is in this
-            module's ``state_dict`` (checkpoint it with your model).
-        last_stats: the statistics of the last call, as floats (read only when
-            asked): ``active_fraction`` (the mean triplet weight),
-            ``positive_median`` and ``negative_median`` (the median positive and
-            hardest-negative score; absent when no pair has a negative), and with
-            ``lam: auto`` ``lam``, the value that call used. ``{}`` before the first.
-
-    Example:
-        >>> goal = GoalLoss(triplet="cir", pair={"type": "sig_ms", "lam": "auto"})
-        >>> loss = goal(F.normalize(image, dim=-1), F.normalize(text, dim=-1))
-        >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
-        >>> goal.last_stats["positive_median"], goal.last_stats["negative_median"]
+        objective: the ``GoalObjective``; with ``lam: auto`` its running ``lam``
+            (``objective.adaptive_lam.value``) is in this module's ``state_dict``.
+        last_stats: the last call's ``GoalObjective`` outputs but ``goal_loss``, as floats
+            (``{}`` before the first call).
     """
 
     def __init__(self, triplet: str | Mapping[str, Any] = "con",
@@ -236,23 +201,11 @@ class GoalLoss(nn.Module):
         """The GOAL loss of one batch: a scalar whose gradient with respect to the scores is ``G``.
 
         Args:
-            image_embeds: (N, D) L2-normalised image embeddings; row ``i`` and
-                ``text_embeds``' row ``i`` are pair ``i``.
-            text_embeds: (N, D) L2-normalised text embeddings.
-            scores: (N, N) a ready score matrix (image ``i``, text ``j``) instead of
-                the embeddings; not with ``gather``.
-            image_ids: (N,) integer tensor, or a list of ids, all integers or all
-                strings (not None, bool or float): pairs with equal ids are positives
-                of each other, never negatives (several captions of one image in a
-                batch); ``None``: pair ``i`` only. With ``gather``, ids must name the
-                same image on every rank (dataset ids, not positions in the batch).
-
-        Raises:
-            TypeError: embeddings or scores that are not tensors.
-            ValueError: embeddings and scores both or neither given; shapes that do
-                not match; embeddings that are not L2-normalised, or embeddings or
-                scores holding NaN or inf (unless ``check_values=False``); image ids of
-                the wrong length or kind; ``gather`` with ``scores``.
+            image_embeds, text_embeds: (N, D) L2-normalised; row ``i`` of each is pair ``i``.
+            scores: (N, N) a ready score matrix instead of the embeddings; not with ``gather``.
+            image_ids: (N,) integer tensor, or a list of ids all integers or all strings:
+                equal ids are positives of each other (several captions of one image);
+                ``None``: pair ``i`` only. With ``gather``, dataset ids, not positions.
         """
         if scores is not None:
             if image_embeds is not None or text_embeds is not None:

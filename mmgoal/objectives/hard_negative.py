@@ -15,19 +15,12 @@ Reduction = Literal["sum", "mean"]
 
 
 class HardNegativeLoss(nn.Module):
-    """A per-triplet loss ``triplet_loss(s_p, s_n)`` summed over both directions.
+    """A per-triplet loss ``triplet_loss(s_p, s_n)`` summed over both directions' triplets
+    (docs/reference/goal.md, "Hard-negative mining"); ``mean`` divides by the number of
+    positives. Subclasses set ``name`` (the output key is ``{name}_loss``).
 
-    Every positive ``(i, j)`` gives an image-to-text triplet (negative: the
-    hardest text of row ``i``) and a text-to-image triplet (negative: the
-    hardest image of column ``j``); positives are never negatives. ``sum``
-    adds the triplet losses; ``mean`` divides by the number of positives.
-    Subclasses set ``name`` (the output key is ``{name}_loss``).
-
-    It works on score tiles (:mod:`mmgoal.scoring`): one pass mines every anchor's
-    hardest negative, then the O(n) triplets' pairs are scored again with their
-    gradient, so the backward touches no tile. Under local scoring a rank computes the
-    triplets of its images and its own texts, and the parts of every rank sum to the
-    one-process loss.
+    One pass over the score tiles mines every anchor's hardest negative; the O(n)
+    triplets' pairs are then scored with their gradient, so the backward touches no tile.
     """
 
     name = "loss"

@@ -1,17 +1,6 @@
-"""Image-text matching (ITM) with hard negatives sampled from the ITC scores (X-VLM, ALBEF).
-
-For every text one negative image, and for every image one negative text, is
-drawn with probabilities ``softmax(S / temperature)`` over the batch, entries of
-the same image set to zero; the fusion layers then classify the positive pairs
-and the negatives (cross entropy on the 2-way ITM head). The draws are made on score
-tiles, exactly, by the Gumbel-max trick (:class:`~mmgoal.scoring.GumbelMax`: a running
-argmax of ``S / temperature`` plus noise fixed by each entry's position and a seed).
-
-With several processes and gathered features, each rank runs the fusion layers on
-its own pairs only (its rows of the global batch and their negatives, which may be
-any image or text of the global batch), as X-VLM and ALBEF do; ``pairs: global``
-runs them on every pair of the global batch on every rank (redundant, the same
-update in expectation).
+"""Image-text matching (ITM) with hard negatives sampled from the ITC scores (X-VLM, ALBEF;
+docs/reference/xvlm.md). The draws are made on score tiles, exactly, by the Gumbel-max
+trick (:class:`~mmgoal.scoring.GumbelMax`).
 """
 
 from __future__ import annotations
@@ -42,12 +31,8 @@ def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperatu
                           generator: torch.Generator | None = None,
                           seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One negative column per row of a score matrix, drawn from ``softmax(sims[row] /
-    temperature)`` over the row's negatives (the Gumbel-max draw ITMLoss makes on tiles;
-    ``seed``: its noise, else drawn from ``generator``).
-
-    Returns:
-        index (n_rows,) long; valid (n_rows,) bool, False for a row without negatives.
-    """
+    temperature)`` over the row's negatives as ITMLoss does on tiles: index (n_rows,) and
+    valid (n_rows,), False for a row without negatives."""
     seed = draw_seed(generator) if seed is None else seed
     draws = GumbelMax(temperature, seed, sims.shape[1], sims.shape[0], cols=False)
     ScoreTiles(MatrixScorer(sims.detach()), *sims.shape, positives=positives.bool()
@@ -57,36 +42,14 @@ def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperatu
 
 @OBJECTIVES.register()
 class ITMLoss(nn.Module):
-    """Cross entropy of the ITM head on positives and softmax-sampled hard negatives.
+    """Cross entropy of the ITM head on the batch's pairs (image ``b``, text ``b``) and
+    softmax-sampled hard negatives, from any image or text of the global batch.
 
-    The training batch pairs image ``b`` with text ``b``; ``sims`` are the ITC
-    scores of the batch. Needs the model (``match_logits``) and the features,
-    which the trainer passes.
-
-    The negatives are drawn on the score tiles by the Gumbel-max trick (one pass, the
-    matrix never built): a row's negative is the argmax of ``S / temperature + g`` over
-    its negatives, ``g`` Gumbel noise fixed by the entry's position and a seed drawn once
-    a step (:class:`~mmgoal.scoring.GumbelMax`), an exact draw from the row's softmax.
-    With several processes the features are the gathered global batch, in rank order
-    (rank ``r`` of ``W`` owns pairs ``[r B, (r + 1) B)``). Under local scoring a rank
-    draws its images' negative texts from its rows and its texts' negative images from
-    their columns (reduced over the ranks), classifies its ``3 B`` pairs, and returns its
-    part of the mean over the global batch's pairs (the count summed over the ranks), so
-    the logged loss and the gradient are one process's in distribution. Under replicated
-    scoring every rank streams every tile and ``pairs`` chooses (below). The negatives may
-    be any image or text of the global batch.
-
-    Args:
-        weight: the loss's factor in the total.
-        temperature: of the sampling softmax (X-VLM samples from its ITC logits,
-            ``S / 0.07`` at the start of training).
-        pairs: under replicated scoring, ``local`` (the default) runs the fusion layers
-            on this rank's own ``B`` positive pairs and their ``2 B`` negatives: the loss
-            is this rank's, and data-parallel averaging trains on the mean of the ranks'
-            losses (the ``pairs: global`` loss when every row has negatives;
-            ``mmgoal/distributed.py``). ``global`` runs them on all ``3 W B``
-            pairs of the global batch on every rank (each rank repeats the same
-            fusion work). The same in one process, or with features not gathered.
+    Under local scoring a rank classifies its own ``3 B`` pairs and returns its part of the
+    global mean, so loss and gradient are one process's in distribution. Under replicated
+    scoring ``pairs`` chooses: ``local`` this rank's pairs (X-VLM's way), ``global`` all
+    ``3 W B`` on every rank (docs/distributed.md, "Objectives on the global batch").
+    ``temperature``: of the sampling softmax (X-VLM's ITC logits are ``S / 0.07`` at first).
     """
 
     def __init__(self, weight: float = 1.0, temperature: float = 0.07,
@@ -153,14 +116,9 @@ class ITMLoss(nn.Module):
 @OBJECTIVES.register()
 class ObjectiveSum(nn.Module):
     """Several objectives on the same scores, their losses added (X-VLM: ITC + ITM).
-
-    Args:
-        terms: ``OBJECTIVES`` configs. Swap one term for another with an
-            override, e.g. ``objective.terms.0={type: GoalObjective, ...}`` puts
-            a GOAL objective in place of the ITC term while ITM stays.
-        tokenizer: handed to the terms that take one (MLM, box grounding; set by the trainer).
-        model: the model trained, handed to the terms that take it (set by the trainer).
-    """
+    ``terms``: ``OBJECTIVES`` configs, each swappable by an override
+    (``objective.terms.0={type: GoalObjective, ...}``); the trainer's ``tokenizer`` and
+    ``model`` are handed to the terms that take them."""
 
     def __init__(self, terms: list[dict], tokenizer=None, model: nn.Module | None = None
                  ) -> None:

@@ -23,13 +23,8 @@ def diagonal_positives(sims: torch.Tensor) -> torch.Tensor:
 
 def positives_from_groups(image_groups: torch.Tensor, text_groups: torch.Tensor | None = None
                           ) -> torch.Tensor:
-    """(n_img, n_txt) bool: image ``i`` and text ``j`` come from the same image id.
-
-    Args:
-        image_groups: (n_img,) integer id of each image row.
-        text_groups: (n_txt,) id of each text column; defaults to ``image_groups``
-            (one caption per image row, as in a training batch).
-    """
+    """(n_img, n_txt) bool: image ``i`` and text ``j`` have the same id; ``text_groups``
+    defaults to ``image_groups`` (one caption per image row, as in a training batch)."""
     text_groups = image_groups if text_groups is None else text_groups
     return image_groups[:, None] == text_groups[None, :]
 
@@ -109,18 +104,8 @@ def mine_triplets(tiles: ScoreTiles, hardest: HardestNegative | None = None,
 
 def hardest_negatives(sims: torch.Tensor, positives: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The hardest negative of every image row and every text column of a score matrix.
-
-    Args:
-        sims: (n_img, n_txt) scores (detached inside).
-        positives: (n_img, n_txt) bool.
-
-    Returns:
-        text_of_image: (n_img,) index ``n(i)`` of the highest-scoring negative text of row i;
-        image_of_text: (n_txt,) index ``m(j)`` of the highest-scoring negative image of column j;
-        row_valid: (n_img,) bool, the row has at least one negative;
-        col_valid: (n_txt,) bool, the column has at least one negative.
-    """
+    """The hardest negative of every image row and text column of ``sims`` (n_img, n_txt):
+    ``n(i)`` (n_img,), ``m(j)`` (n_txt,), and whether each row and column has a negative."""
     hardest = HardestNegative()
     ScoreTiles(MatrixScorer(sims.detach()), *sims.shape, positives=positives.bool()
                ).statistics(hardest)

@@ -1,12 +1,5 @@
-"""X-VLM's pretraining objectives beside ITC and ITM: masked language modelling and
-box grounding (docs/reference/xvlm.md).
-
-MLM masks 15% of a caption's real, non-special tokens (80% become [MASK], 10% a
-random token, 10% stay) and predicts them from the fusion layers' states, so the
-words are recovered with the image in view. Box grounding predicts the box of a
-phrase from the fusion CLS state of (image, phrase) and scores it with L1 on
-(cx, cy, w, h) plus 1 - GIoU, as DETR and X-VLM do.
-"""
+"""X-VLM's pretraining objectives beside ITC and ITM: masked language modelling and box
+grounding (docs/reference/xvlm.md, "Pretraining objectives")."""
 
 from __future__ import annotations
 
@@ -45,11 +38,8 @@ def box_xyxy_to_cxcywh(boxes: torch.Tensor) -> torch.Tensor:
 
 
 def paired_generalized_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """GIoU of box ``a[i]`` with box ``b[i]`` (both (N, 4) xyxy): (N,).
-
-    IoU minus the share of the smallest enclosing box that the union leaves
-    empty (Rezatofighi et al. 2019); 1 for equal boxes, towards -1 far apart.
-    """
+    """(N,) GIoU of box ``a[i]`` with box ``b[i]`` (both (N, 4) xyxy): IoU minus the share of
+    the enclosing box the union leaves empty (Rezatofighi et al. 2019)."""
     area_a = (a[:, 2] - a[:, 0]).clamp(min=0) * (a[:, 3] - a[:, 1]).clamp(min=0)
     area_b = (b[:, 2] - b[:, 0]).clamp(min=0) * (b[:, 3] - b[:, 1]).clamp(min=0)
     inter_wh = (torch.minimum(a[:, 2:], b[:, 2:]) - torch.maximum(a[:, :2], b[:, :2])).clamp(min=0)
@@ -61,12 +51,8 @@ def paired_generalized_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def box_loss(predicted: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean L1 on (cx, cy, w, h) and mean 1 - GIoU of (N, 4) predictions vs xyxy targets.
-
-    Args:
-        predicted: (N, 4) cxcywh as fractions of the image (the head's sigmoid output).
-        target: (N, 4) xyxy fractions.
-    """
+    """Mean L1 on (cx, cy, w, h) and mean 1 - GIoU of ``predicted`` (N, 4) cxcywh against
+    ``target`` (N, 4) xyxy, both fractions of the image."""
     l1 = F.l1_loss(predicted, box_xyxy_to_cxcywh(target), reduction="none").sum(-1).mean()
     giou = 1 - paired_generalized_iou(box_cxcywh_to_xyxy(predicted), target)
     return {"l1": l1, "giou": giou.mean()}
@@ -74,16 +60,9 @@ def box_loss(predicted: torch.Tensor, target: torch.Tensor) -> dict[str, torch.T
 
 @OBJECTIVES.register()
 class MLMLoss(nn.Module):
-    """Masked language modelling through the fusion layers of a cross encoder.
-
-    Needs a model with ``mlm_logits`` (``XVLM(mlm_head: tied)``) and a tokenizer
-    with a mask token (``HFTokenizer``); takes this rank's pairs of the batch.
-
-    Args:
-        weight: the loss's factor in the total.
-        mask_prob: share of real, non-special tokens predicted (BERT, X-VLM: 0.15).
-        tokenizer: gives the mask token, special ids and vocabulary size (set by the trainer).
-    """
+    """Masked language modelling through the fusion layers of a cross encoder, on this
+    rank's pairs: needs ``mlm_logits`` (``XVLM(mlm_head: tied)``) and a tokenizer with a mask
+    token (``HFTokenizer``, passed by the trainer)."""
 
     def __init__(self, weight: float = 1.0, mask_prob: float = 0.15, tokenizer=None) -> None:
         super().__init__()
@@ -109,16 +88,9 @@ class MLMLoss(nn.Module):
 
 @OBJECTIVES.register()
 class BoxGroundingLoss(nn.Module):
-    """Box of a phrase from the fusion CLS of (image, phrase): L1 + (1 - GIoU).
-
-    Training batches carry one phrase per sample whose entity has a box
-    (``phrases``, ``phrase_boxes``, ``phrase_valid`` from the shards' entities);
-    samples without one do not count.
-
-    Args:
-        weight: the loss's factor in the total.
-        l1_weight, giou_weight: of the two terms (X-VLM: 1 and 1).
-        tokenizer: tokenizes the phrases (set by the trainer).
+    """Box of a phrase from the fusion CLS of (image, phrase): L1 + (1 - GIoU), weighted
+    ``l1_weight``, ``giou_weight``. Batches carry one phrase per sample whose entity has a
+    box (``phrases``, ``phrase_boxes``, ``phrase_valid``); samples without one do not count.
     """
 
     def __init__(self, weight: float = 1.0, l1_weight: float = 1.0, giou_weight: float = 1.0,

@@ -1,17 +1,6 @@
-"""SigLIP's pairwise sigmoid loss (Zhai et al., ICCV 2023), computed in row blocks.
-
-Every image-text pair of the batch is a binary decision: ``z_ij = +1`` for a matching
-pair (every caption of the image, with several per image), ``-1`` otherwise, and
-
-    L = -1/n_img sum_ij log sigmoid(z_ij (t s_ij + b))
-
-with ``t = exp(t')`` a learnable scale and ``b`` a learnable bias (the paper's
-initialisation: ``t' = log 10``, ``b = -10``; docs/reference/objectives.md). It equals
-open_clip's ``SigLipLoss`` on the same features (tests/objectives/test_siglip.py).
-
-The loss and its gradient are computed on score tiles (:mod:`mmgoal.scoring`): no
-tensor of the score matrix's shape is ever made, whatever the batch (the backward pass
-recomputes each tile and its sigmoid).
+"""SigLIP's pairwise sigmoid loss (Zhai et al., ICCV 2023) on score tiles:
+``L = -1/n_img sum_ij log sigmoid(z_ij (t s_ij + b))`` (docs/reference/objectives.md,
+"SigLIP"). It equals open_clip's ``SigLipLoss`` on the same features.
 """
 
 from __future__ import annotations
@@ -56,22 +45,13 @@ class _SigmoidTerms(Statistic):
 
 @OBJECTIVES.register()
 class SigLIPLoss(nn.Module):
-    """SigLIP's pairwise sigmoid loss with a learnable scale and bias (see the module).
+    """SigLIP's pairwise sigmoid loss with a learnable scale ``t = exp(t')`` (``init_scale``
+    is ``t'``) and bias.
 
-    A model with a scale of its own (a :class:`~mmgoal.contract.TemperatureModel`: CLIP's
-    ``logit_scale``, ``t = 1 / temperature()``) and a bias of its own (a
-    :class:`~mmgoal.contract.LogitBiasModel` whose ``logit_bias()`` is not None: a SigLIP
-    model's ``logit_bias``) uses those, which the gradient trains; this loss's own are
-    then buffers, not parameters (the trainer passes ``model``).
-
-    Args:
-        init_scale: the initial ``t' = log t`` (the paper: log 10).
-        init_bias: the initial bias (the paper: -10).
-        learnable: optimise the loss's own scale and bias.
-        model: the model it trains (set by the trainer, not the config).
-
-    Returns (from ``forward``): ``siglip_loss``, and the logged ``logit_scale`` (``t``)
-    and ``logit_bias``.
+    A :class:`~mmgoal.contract.TemperatureModel` (``t = 1 / temperature()``) and a
+    :class:`~mmgoal.contract.LogitBiasModel` with a bias (``model``, passed by the trainer)
+    set them instead; this loss's own are then buffers. ``forward`` gives ``siglip_loss``
+    and the logged ``logit_scale`` (``t``) and ``logit_bias``.
     """
 
     def __init__(self, init_scale: float = math.log(10.0), init_bias: float = -10.0,

@@ -13,19 +13,9 @@ from mmgoal.structures import ObjectiveInputs
 
 def sum_of_hinges(scores: torch.Tensor, positives: torch.Tensor, margin: float
                   ) -> torch.Tensor:
-    """Hinges summed over every negative (VSE0), per positive pair of one direction: the
-    dense formula, for a whole matrix (the reference of the tiled loss).
-
-    For a positive ``(a, p)`` of anchor ``a``: ``sum_k [m + S[a, k] - S[a, p]]_+`` over
-    the negatives ``k`` of the anchor.
-
-    Args:
-        scores: (n_anchors, n_others) scores, anchors along dimension 0; positives: same
-            shape, bool.
-
-    Returns:
-        (n_pos,) in ``positives.nonzero()`` order.
-    """
+    """(n_pos,) ``sum_k [m + S[a, k] - S[a, p]]_+`` over the negatives ``k`` of each
+    positive ``(a, p)`` (VSE0; in ``positives.nonzero()`` order), anchors along dimension
+    0 of ``scores``: the dense formula, the reference of the tiled loss."""
     anchors, others = positives.nonzero(as_tuple=True)
     s_pos = scores[anchors, others][:, None]
     return ((margin + scores[anchors] - s_pos).clamp(min=0) * ~positives[anchors]).sum(1)
@@ -33,14 +23,9 @@ def sum_of_hinges(scores: torch.Tensor, positives: torch.Tensor, margin: float
 
 class _Hinges(Statistic):
     """The hinges ``[m + S[a, k] - s_p]_+`` of every positive pair's anchor against its
-    negatives, on each tile: their sum (``value``), how many are active for each positive
-    pair (``i2t``: this rank's rows' pairs; ``t2i``: every text's pairs, partial over the
-    ranks' rows), and, for the backward, each entry's number of active hinges (:meth:`weight`).
-
-    Args:
-        i2t: this rank's image rows' positive pairs ``(rows, cols)`` and their scores.
-        t2i: every text's positive pairs ``(images, texts)`` (sorted by text) and scores.
-    """
+    negatives: their sum (``value``), the active ones of each positive pair (``i2t``: this
+    rank's rows' ``(rows, cols, scores)``; ``t2i``: every text's ``(images, texts,
+    scores)``, partial over the ranks' rows) and, for the backward, :meth:`weight`."""
 
     def __init__(self, tiles: ScoreTiles, margin: float, i2t: tuple, t2i: tuple) -> None:
         self.tiles, self.margin, self.i2t, self.t2i = tiles, margin, i2t, t2i
@@ -89,20 +74,9 @@ class _Hinges(Statistic):
 
 @OBJECTIVES.register()
 class TripletLoss(HardNegativeLoss):
-    """Bidirectional triplet ranking loss with the hardest or all negatives.
-
-    Args:
-        margin: hinge margin (0.2 in VSE++/SCAN).
-        max_violation: hardest negative only (VSE++) instead of the sum over
-            all negatives (VSE0).
-        reduction: ``sum`` over positive pairs (VSE++ convention) or ``mean``.
-
-    Returns (from ``forward``): ``triplet_loss``.
-
-    With the hardest negative, its gradient is sparse (the positives and each anchor's
-    mined negative): one pass over the score tiles, then O(n) pairs. Over all negatives
-    it is dense: a pass for the value and each positive pair's number of active hinges,
-    and the backward recomputes each tile once (:mod:`mmgoal.scoring`).
+    """Bidirectional triplet ranking loss (``triplet_loss``) with the hardest negative
+    (``max_violation``, VSE++) or the sum over all negatives (VSE0); ``margin`` 0.2 in
+    VSE++/SCAN. On score tiles: docs/reference/objectives.md, "Score tiles".
     """
 
     name = "triplet"

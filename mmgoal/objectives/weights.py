@@ -1,25 +1,10 @@
 """GOAL triplet and pair weights (docs/reference/goal.md): pure functions of scores.
 
-A triplet weight maps the scores of the positive and the mined negative,
-``s_p, s_n: (N,)``, to ``T: (N,)``; a pair weight maps them to ``(P+, P-)``,
-each ``(N,)``. A weight's options are its keyword parameters after the two
-scores: a config sets them with the weight it belongs to (``triplet: {type:
-cir, tau: 5}``) and ``GoalObjective`` rejects any option the weight does not
-name. Pair weights that compare with the rest of the batch (multi-similarity)
-take a ``relative`` parameter, a :class:`RelativeScores`, and an ``eps``
-option: ``GoalObjective`` builds the comparison sets with that ``eps``, so the
-weight's signature declares it even though its body only reads ``relative``.
-Likewise a weight whose ``lam`` may be ``auto`` (mmgoal's adaptive lambda, not
-the paper's; its type ``float | Literal["auto"]`` says so) declares ``lam_momentum``,
-``lam_init`` and ``lam_steps``, which ``GoalObjective`` reads to keep the running
-``lam`` it passes in. The registries check the options against the signatures (names,
-types, the closest name to a typo) as they check every component's config.
-
-Add a weight of your own in a few lines (docs/objectives.md)::
-
-    @PAIR_WEIGHTS.register("sq")
-    def pair_weight_sq(s_p, s_n):
-        return (1 - s_p) ** 2, s_n.clamp(min=0) ** 2
+A triplet weight maps ``s_p, s_n: (N,)`` to ``T: (N,)``, a pair weight to ``(P+, P-)``.
+Its options are its keyword parameters after the scores. A multi-similarity pair weight
+takes ``relative`` (a :class:`RelativeScores`) and declares the ``eps`` it is built with;
+a weight whose ``lam`` may be ``auto`` declares the adaptive lambda's options, which
+``GoalObjective`` reads; neither body reads them (docs/objectives.md, "Adding a weight").
 """
 
 from __future__ import annotations
@@ -54,13 +39,10 @@ def triplet_weight_cir(s_p: torch.Tensor, s_n: torch.Tensor, tau: float = 10.0,
 
 
 class NegativeSums:
-    """What ``R-`` needs of each triplet's anchor, from the score tiles: over the anchor's
-    negatives with ``r >= threshold`` (the mined one included), their ``count``, their
-    ``total`` (``sum r``) and ``log sum exp(scale r)`` at each scale asked.
-
-    Built in two steps: :meth:`asked` records what a pair weight reads (a dry run of the
-    weight on one triplet), the objective reduces exactly those over the tiles, then
-    gives the values per triplet (:meth:`of`)."""
+    """What ``R-`` needs of each triplet's anchor: over its negatives with ``r >= threshold``
+    (the mined one included), their ``count``, ``total`` (``sum r``) and ``log sum
+    exp(scale r)`` at each scale asked. A dry run of the pair weight records what it reads;
+    the objective reduces exactly those over the tiles and gives them back (:meth:`of`)."""
 
     def __init__(self) -> None:
         self.scales: list[float] = []
@@ -124,23 +106,12 @@ def negative_sums(asked: NegativeSums, statistics: dict[str | float, Statistic],
 
 
 class RelativeScores:
-    """The multi-similarity comparison sets of one direction's triplets (docs/reference/goal.md).
+    """The multi-similarity comparison sets ``R+``, ``R-`` of one direction's triplets
+    (docs/reference/goal.md), whose means the pair weights ask for.
 
-    ``R+`` of a triplet: the scores ``r`` of the batch's *other* positive pairs
-    with ``r <= s_n + eps``; ``R-``: the anchor's negatives other than the mined
-    one with ``r >= min(batch positive scores) - eps``. Pair weights ask for
-    means over these sets. ``R+`` reads only the batch's positive scores (sorted, a
-    prefix sum: no (n_pos x n_pos) tensor); ``R-`` reads the anchor's sums over its
-    negatives above the threshold, which the objective reduces over the score tiles
-    (:class:`NegativeSums`; the threshold comes from the positive scores, known before any
-    tile). Under local scoring each rank builds the sets of its own triplets, equal to
-    one process's.
-
-    Args:
-        s_p, s_n: (N,) the triplets' scores (detached).
-        positive_scores: (n_pos,) the score of every positive pair of the batch, once.
-        eps: comparison margin.
-        negatives: the sums of each triplet's anchor over its negatives.
+    ``R+`` reads the batch's ``positive_scores`` (n_pos,), sorted, by a prefix sum (no
+    (n_pos x n_pos) tensor); ``R-`` reads ``negatives``, the anchor's sums over its
+    negatives above the threshold (:class:`NegativeSums`).
     """
 
     def __init__(self, s_p: torch.Tensor, s_n: torch.Tensor, positive_scores: torch.Tensor,
@@ -217,11 +188,7 @@ def pair_weight_sig(s_p: torch.Tensor, s_n: torch.Tensor, alpha: float = 2.0,
                     lam_init: float = 0.5, lam_steps: int | None = 10
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid (binomial deviance): ``1/(1+e^{alpha(s_p-lam)})``, ``1/(1+e^{-beta(s_n-lam)})``.
-
-    ``lam_momentum``, ``lam_init`` and ``lam_steps`` configure ``lam: auto``, mmgoal's adaptive
-    lambda (:mod:`mmgoal.objectives.adaptive_lam`): ``GoalObjective`` then passes
-    the running value as ``lam``, so the body never reads them.
-    """
+    ``lam_*`` configure ``lam: auto`` (:mod:`mmgoal.objectives.adaptive_lam`)."""
     return torch.sigmoid(-alpha * (s_p - lam)), torch.sigmoid(beta * (s_n - lam))
 
 
@@ -231,11 +198,8 @@ def pair_weight_sig_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeS
                        lam: float | Literal["auto"] = 0.5,
                        eps: float = 0.1, *, lam_momentum: float = 0.9, lam_init: float = 0.5,
                        lam_steps: int | None = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid with multi-similarity terms: ``1/(m+ + e^{alpha(s_p-lam)})``, ``1/(m- + ...)``.
-
-    ``m+ = mean_{R+} e^{alpha(s_p - r)}``, ``m- = mean_{R-} e^{-beta(s_n - r)}``; 1 when empty.
-    ``eps`` is the comparison margin ``relative`` was built with; ``lam_momentum``,
-    ``lam_init`` and ``lam_steps`` configure ``lam: auto`` (as for ``sig``).
+    """Sigmoid with multi-similarity terms: ``1/(m+ + e^{alpha(s_p-lam)})``, ``1/(m- + ...)``;
+    ``m+ = mean_{R+} e^{alpha(s_p - r)}``, ``m- = mean_{R-} e^{-beta(s_n - r)}``, 1 when empty.
     """
     m_pos = relative.pos_mean_exp(alpha, empty=1.0)
     m_neg = relative.neg_mean_exp(beta, empty=1.0)
@@ -247,14 +211,9 @@ def pair_weight_sig_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeS
 def pair_weight_lin_ms(s_p: torch.Tensor, s_n: torch.Tensor, relative: RelativeScores,
                        lin_shift: float = 0.0, eps: float = 0.1
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Linear with multi-similarity terms: ``(1 - l+) [1 + g - s_p]_+``, ``(1 + l-) [s_n + g]_+``.
-
-    ``l+ = mean_{R+} (s_p - r)``, ``l- = mean_{R-} (s_n - r)``; 0 when empty.
-    ``eps`` is the comparison margin ``relative`` was built with.
-    **Choice**: the linear factors are those of ``lin`` (clamped, shift ``g``), so
-    an empty comparison set gives exactly ``lin`` (docs/reference/goal.md); the
-    unclamped ``(1 - s_p)``, ``s_n`` of the released code differ for ``s_n < 0``.
-    """
+    """Linear with multi-similarity terms: ``(1 - l+) [1 + g - s_p]_+``, ``(1 + l-) [s_n + g]_+``;
+    ``l+ = mean_{R+} (s_p - r)``, ``l- = mean_{R-} (s_n - r)``, 0 when empty. ``lin``'s
+    clamped factors, not the released code's (docs/objectives.md, ``lin_ms``)."""
     l_pos = relative.pos_mean_diff(empty=0.0)
     l_neg = relative.neg_mean_diff(empty=0.0)
     w_pos, w_neg = pair_weight_lin(s_p, s_n, lin_shift)
