@@ -1,14 +1,9 @@
-"""The model contract: what the trainer, objectives and evaluation call on a model
-(and the one optional method the strategies call on an objective:
-:class:`StepAwareObjective`).
+"""The model contract: what the trainer, objectives and evaluation call on a model (and
+:class:`StepAwareObjective`, what the strategies call on an objective).
 
-Every registered model satisfies :class:`RetrievalModel`; the other protocols
-are capabilities a model may add, checked by name with :func:`require` where a
-component needs one (tests/test_every_component_builds.py checks every registered
-model against the protocols it claims). docs/plugins.md shows a model of your own.
-
-A model class may also bring its own preprocessing (transforms and tokenizer) with a
-classmethod ``preprocessing(cfg, image_size)``: :mod:`mmgoal.runs.preprocessing`.
+Every registered model is a :class:`RetrievalModel`; the other protocols are capabilities,
+checked with :func:`require` where a component needs one. docs/plugins.md shows a model of
+your own; its preprocessing: :mod:`mmgoal.runs.preprocessing`.
 """
 
 from __future__ import annotations
@@ -24,12 +19,10 @@ from mmgoal.structures import Attention, ImageFeatures, TextFeatures
 class RetrievalModel(Protocol):
     """Required of every model.
 
-    ``encode_image`` / ``encode_text`` take a collated batch (images under
-    ``images`` or regions under ``regions``; tokens under ``input_ids`` and
-    ``attention_mask``) and return features; ``similarity`` scores every image
-    against every text: ``(n_img, n_txt)``, higher is more similar.
-    An optional class attribute ``similarity_uses_tokens = True`` says that
-    scoring needs the token features, so the evaluation gallery keeps them.
+    ``encode_image`` / ``encode_text`` take a collated batch (``images`` or ``regions``;
+    ``input_ids`` and ``attention_mask``); ``similarity`` gives ``(n_img, n_txt)``, higher
+    is more similar. A class attribute ``similarity_uses_tokens = True`` makes the
+    evaluation gallery keep the token features.
     """
 
     def encode_image(self, batch: dict) -> ImageFeatures: ...
@@ -93,10 +86,9 @@ class LogitBiasModel(RetrievalModel, Protocol):
 
 @runtime_checkable
 class StepAwareObjective(Protocol):
-    """An objective whose state follows the optimisation steps (``GoalObjective``'s ``lam:
-    auto``): the strategy calls ``finish_step(applied)`` on every rank after every step,
-    once the window's micro-batches have run; ``applied`` is False for a skipped step. It
-    may be collective (all-gather what the step's calls recorded)."""
+    """An objective whose state follows the optimisation steps (``lam: auto``): the strategy
+    calls ``finish_step(applied)`` on every rank after every step's micro-batches
+    (``applied`` False for a skipped step); it may be collective."""
 
     def finish_step(self, applied: bool) -> None: ...
 

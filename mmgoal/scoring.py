@@ -1,28 +1,12 @@
 """A batch's scores as tiles: what an objective reads, the score matrix never built.
 
-An objective does not receive the score matrix ``S`` (n_img, n_txt). It receives a
-:class:`ScoreTiles`: the features and a :class:`Scorer` (a dot product for dual
-encoders, CLIP and X-VLM's ITC; the model's cross attention for SCAN; the slices of a
-matrix that was given whole), the images this rank streams and the texts whose terms it
-owns, and the positive pairs (equal image ids). From it an objective
-
-* computes per-row and per-column statistics tile by tile (:meth:`ScoreTiles.statistics`:
-  associative reductions, :class:`HardestNegative`, :class:`LogSumExp`, :class:`Sum`,
-  :class:`GumbelMax`), with no tile alive but the one being reduced; across ranks the
-  rows are this rank's own and the columns' partial statistics are combined exactly over
-  the ranks (O(n) numbers a step);
-* reads the scores of chosen pairs with their gradient (:meth:`ScoreTiles.pair_scores`:
-  the positives, each anchor's mined negative), so an objective whose gradient is sparse
-  (GOAL, the hardest-negative triplet losses) back-propagates through O(n) pairs and no
-  tile;
-* or, for a dense objective (InfoNCE, SigLIP, the sum of hinges, multi-similarity), gives
-  the gradient weight of every entry from the entry's score and its row's and column's
-  statistics (:meth:`ScoreTiles.dense_loss`): the backward pass recomputes each tile once
-  and writes the feature gradients (``dq += W k``, ``dk += W^T q`` for a dot product;
-  autograd of the tile for cross attention).
-
+An objective receives a :class:`ScoreTiles` (a :class:`Scorer` of the features, the rows
+this rank streams, the texts it owns, the positive pairs) and from it reduces rows and
+columns tile by tile (:meth:`ScoreTiles.statistics`), scores chosen pairs with their
+gradient (:meth:`ScoreTiles.pair_scores`: sparse objectives) or gives every entry's
+gradient weight (:meth:`ScoreTiles.dense_loss`: dense objectives).
 docs/reference/objectives.md ("Score tiles") derives each objective this way;
-docs/distributed.md gives the memory and time of it, one process and many.
+docs/distributed.md gives its memory and time.
 """
 
 from __future__ import annotations
@@ -39,10 +23,8 @@ import torch.distributed as dist
 from mmgoal.distributed import gather_varying_length, sum_over_ranks, world_info
 from mmgoal.structures import ImageFeatures, TextFeatures, index_features
 
-# A dot product's tile: rows x columns scores at once (1 M values, 4 MiB in float32: the
-# tile and what a pass makes of it stay in a CPU's cache; its columns' reductions are 2.4x
-# faster than a 1024-row tile's). The size of a tile bounds what an objective holds,
-# whatever the batch.
+# A dot product's tile: 1 M scores, 4 MiB in float32, stays in a CPU's cache with what a
+# pass makes of it (its columns' reductions are 2.4x faster than a 1024-row tile's)
 TILE_ROWS = 256
 TILE_COLS = 4096
 # A cross-attention tile: pairs scored at once, each of which holds its tokens' attention
@@ -52,14 +34,9 @@ TOKEN_TILE_COLS = 32
 
 # --------------------------------------------------------------------------- scorers
 class Scorer:
-    """How the scores of a batch are computed from what the objective's gradient flows to.
-
-    ``inputs``: the tensors the scores are a function of (the gradient of an objective's
-    loss goes to them); :meth:`tile` the scores of a block of images against a block of
-    texts (without a graph); :meth:`pairs` the scores of chosen pairs (with one);
-    :meth:`tile_backward` adds the gradient of ``sum(W * tile)`` to ``grads`` (one per
-    input).
-    """
+    """How a batch's scores are computed from ``inputs`` (what the loss's gradient flows
+    to): :meth:`tile` a block of images x texts without a graph, :meth:`pairs` chosen
+    pairs with one."""
 
     inputs: tuple[torch.Tensor, ...] = ()
     dtype: torch.dtype = torch.float32
@@ -147,12 +124,10 @@ def _rows_of(features, index) -> Any:
 
 
 class ModelScorer(Scorer):
-    """The model's own scoring of features (``model.similarity``): SCAN's cross attention,
-    or any model that does not declare dot-product scores. A tile is the model's scores of
-    a block of images against a block of texts; its backward recomputes the tile with a
-    graph and takes its vector-Jacobian product (one more forward of the tile, as gradient
-    caching pays one more forward of the towers). Chosen pairs are scored by the model's
-    ``pair_similarity`` where it has one, else as small tiles whose diagonal is kept."""
+    """The model's own ``similarity`` (SCAN's cross attention; any model without
+    dot-product scores). A tile's backward recomputes it with a graph for its
+    vector-Jacobian product; chosen pairs are scored by ``pair_similarity`` where the model
+    has one, else as small tiles whose diagonal is kept."""
 
     token_tiles = True
 
@@ -210,9 +185,8 @@ class DotProductScores:
 
 
 def scorer_for(model: Any, images: ImageFeatures, texts: TextFeatures) -> Scorer:
-    """The scorer of ``model``'s scores of ``images`` against ``texts``: a dot product of the
-    embeddings where the model declares its scores are one (``dot_product_scores = True``),
-    else the model's own ``similarity`` on tiles."""
+    """A dot product of the embeddings where ``model.dot_product_scores``, else the model's
+    own ``similarity`` on tiles."""
     if getattr(model, "dot_product_scores", False):
         return DotScorer(*(features if isinstance(features, torch.Tensor) else features.embedding
                            for features in (images, texts)))
@@ -222,16 +196,11 @@ def scorer_for(model: Any, images: ImageFeatures, texts: TextFeatures) -> Scorer
 # --------------------------------------------------------------------------- tiles
 @dataclass
 class Tile:
-    """One tile of ``S``: images ``rows`` (positions in the batch) against texts ``cols``.
+    """One tile of ``S``: images ``rows`` against texts ``cols`` (positions in the batch).
 
-    Attributes:
-        scores: (r, c) the tile's scores, without a graph, in at least float32.
-        positive_index: ``(rows, cols)`` of the tile's positive entries (the pairs of one
-            image, a few a row), positions in the tile.
-        cache: what the statistics of one pass share (the masked scores...).
-
-    Positives are few, so a tile keeps their positions and sets them by indexing: on a
-    CPU a dense bool mask and every operation on one cost several times a float pass.
+    ``scores``: (r, c), without a graph, in at least float32. ``positive_index``: the
+    positions in the tile of its few positives, set by indexing (on a CPU a dense bool mask
+    costs several float passes). ``cache``: what the statistics of one pass share.
     """
 
     rows: slice
@@ -337,15 +306,13 @@ def _max_over_ranks(values: torch.Tensor, indices: torch.Tensor
 
 
 class LogSumExp(Statistic):
-    """``log sum exp(scale * s)`` over the selected entries of every row and column, kept
-    as a running maximum and a sum scaled by it (the online softmax): ``row``/``col``;
-    ``-inf`` where nothing is selected.
+    """``log sum exp(scale * s)`` over the selected entries of every row and column (the
+    online softmax): ``row``/``col``, ``-inf`` where nothing is selected.
 
     Args:
         scale: a number or a 0-d tensor (an inverse temperature).
-        select: the tile's entries taken (``(r, c)`` bool, or 0/1 in the scores' dtype, from
-            the tile and the row offset), ``None``: all of them; a pair ``(for rows, for
-            columns)`` where they differ.
+        select: ``(tile, row_offset) ->`` the entries taken, ``(r, c)`` bool or 0/1;
+            ``None``: all; a pair ``(for rows, for columns)`` where they differ.
         floor: a score no taken entry lies below (GOAL's threshold of ``R-``), ``scale``
             positive: then one exp, shifted by the tile's largest score, serves the rows
             and the columns wherever ``scale (largest - floor)`` keeps it from underflowing.
@@ -465,14 +432,9 @@ def _finish(maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
 
 
 class Sum(Statistic):
-    """``sum f(s)`` over the selected entries of every row and column (a count where ``f``
-    is ``None``): ``row``/``col``.
-
-    Args:
-        select: as :class:`LogSumExp`'s.
-        values: ``f(tile)``, ``(r, c)`` values of the tile's entries, or ``None``: 1 a
-            taken entry (a count).
-    """
+    """``sum f(s)`` over the selected entries of every row and column: ``row``/``col``.
+    ``select`` as :class:`LogSumExp`'s; ``values``: ``f(tile)``, (r, c), or ``None`` for a
+    count."""
 
     def __init__(self, select=None, values=None, rows: bool = True, cols: bool = True) -> None:
         self.select = select if isinstance(select, tuple) else (select, select)
@@ -482,8 +444,7 @@ class Sum(Statistic):
         self.row, self.col = like.new_zeros(n_rows), like.new_zeros(n_cols)
 
     def _taken(self, tile: Tile, select, row_offset: int) -> torch.Tensor:
-        """The taken entries as a mask or 0/1 (a count), or their values (zero where not
-        taken)."""
+        """The taken entries (mask or 0/1), or their values (zero where not taken)."""
         taken = (select(tile, row_offset) if select is not None
                  else torch.ones_like(tile.scores))
         if self.values is None:
@@ -588,23 +549,17 @@ class GumbelMax(Statistic):
 
 # --------------------------------------------------------------------------- ScoreTiles
 class ScoreTiles:
-    """The score matrix ``S`` (n_img, n_txt) of a batch as tiles (see the module).
+    """The score matrix ``S`` (n_img, n_txt) of the (global) batch as tiles.
 
     Args:
-        scorer: how scores are computed (:func:`scorer_for`, :class:`MatrixScorer`).
-        n_images, n_texts: the batch's images and texts (the global batch's).
-        image_groups, text_groups: (n_img,), (n_txt,) integer ids: equal ids are positives
-            (several captions of one image); or
-        positives: (n_img, n_txt) bool, given whole (a :class:`MatrixScorer`'s mask).
-        rows: the images this rank streams (its own; all of them in one process), the
-            anchors of its image-to-text terms.
+        image_groups, text_groups: (n_img,), (n_txt,) integer ids, equal ids positives;
+            or ``positives``: (n_img, n_txt) bool, given whole.
+        rows: the images this rank streams, the anchors of its image-to-text terms.
         own_texts: the texts whose text-to-image terms this rank computes.
-        tile_rows, tile_cols: a tile's shape (default: the scorer's kind's).
 
     Attributes:
-        positive_rows, positive_cols: every positive pair of this rank's rows (row-major).
-        own_positive_rows, own_positive_cols: every positive pair of its own texts (sorted
-            by text, then image).
+        positive_rows, positive_cols: every positive pair of this rank's rows (row-major);
+            ``own_positive_*``: those of its own texts (sorted by text, then image).
         positive_count: the positive pairs of the whole batch.
         sharded: the rows are a share of the batch (several ranks).
     """

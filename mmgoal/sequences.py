@@ -15,12 +15,8 @@ def pack_kept(values: torch.Tensor, keep: torch.Tensor,
               fill: float | int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Move the kept elements of every row to its front, in their order; pad with ``fill``.
 
-    Args:
-        values: (B, L) or (B, L, D).
-        keep: (B, L) bool.
-
-    Returns:
-        values (B, L') with L' the most elements any row keeps, lengths (B,).
+    ``values`` (B, L) or (B, L, D), ``keep`` (B, L) bool -> values (B, L') with L' the most
+    elements any row keeps, lengths (B,).
     """
     order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
     index = order if values.dim() == 2 else order[..., None].expand_as(values)
@@ -34,17 +30,10 @@ def corrupt_tokens(tokens: torch.Tensor, lengths: torch.Tensor, special_ids: tor
                    vocab_size: int, mask_id: int, p: float, mask: float, replace: float,
                    generator: torch.Generator | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pick real, non-special tokens with probability ``p``; mask or replace some of them.
-
-    A picked token becomes ``mask_id`` with probability ``mask``, a random
-    non-special token with probability ``replace``, and stays otherwise (BERT's
-    MLM: p 0.15, 80% / 10% / 10%; VSE-infinity deletes the rest).
-
-    Args:
-        tokens: (B, L) ids; lengths: (B,) real tokens per row.
-
-    Returns:
-        (ids after masking/replacing, picked, masked, replaced), all (B, L).
+    """Pick real, non-special tokens with probability ``p``; a picked token becomes
+    ``mask_id`` with probability ``mask``, a random non-special token with probability
+    ``replace``, and stays otherwise (BERT's MLM: p 0.15, 80% / 10% / 10%; VSE-infinity
+    deletes the rest). ``tokens`` (B, L) -> (new ids, picked, masked, replaced), all (B, L).
     """
     batch, width = tokens.shape
     real = length_mask(lengths, width)

@@ -1,10 +1,6 @@
-"""Data shared by models, objectives, data and evaluation: features, attention, objective
-inputs, a model's preprocessing.
-
-Models produce them, objectives and constraints consume them, evaluation caches
-and slices them; they live below all of them so that none imports another for them
-(docs/architecture.md).
-"""
+"""Data shared by models, objectives, data and evaluation (features, attention, objective
+inputs, a model's preprocessing), below all of them so that none imports another for them
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -20,13 +16,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class ImageFeatures:
-    """Image-side output of a model.
-
-    Attributes:
-        embedding: (B, D) pooled, L2-normalised embedding.
-        tokens: (B, R, D) region/grid features where the model uses them.
-        mask: (B, R) bool, True for real (not padded) tokens.
-    """
+    """Image-side output of a model: ``embedding`` (B, D) pooled, L2-normalised;
+    ``tokens`` (B, R, D) region/grid features and ``mask`` (B, R) bool, True for real
+    tokens, where the model uses them."""
 
     embedding: torch.Tensor
     tokens: torch.Tensor | None = None
@@ -35,13 +27,8 @@ class ImageFeatures:
 
 @dataclass
 class TextFeatures:
-    """Text-side output of a model.
-
-    Attributes:
-        embedding: (B, D) pooled, L2-normalised embedding.
-        tokens: (B, W, D) word features where the model uses them.
-        mask: (B, W) bool, True for real (not padded) words.
-    """
+    """Text-side output of a model: ``embedding`` (B, D) pooled, L2-normalised; ``tokens``
+    (B, W, D) word features and ``mask`` (B, W) bool, True for real words, where used."""
 
     embedding: torch.Tensor
     tokens: torch.Tensor | None = None
@@ -76,25 +63,15 @@ class Attention:
 class ObjectiveInputs:
     """What an objective receives for one batch (``TrainingStep`` fills it in).
 
-    An objective that works on tiles (``works_on_tiles``, every registered one) reads
-    ``tiles``: the batch's scores as tiles, never the whole matrix (docs/reference/
-    objectives.md, "Score tiles"); a plug-in written against a whole matrix reads
-    ``scores`` and ``positives``. Per-pair objectives (ITM, MLM, box grounding) read the
-    model, the features and the batch as well.
+    An objective with ``works_on_tiles`` (every registered one) reads ``tiles``, the
+    batch's scores as :class:`~mmgoal.scoring.ScoreTiles` (``scores`` and ``positives``
+    are then None); a plug-in written against a whole matrix reads ``scores`` (n_img,
+    n_txt) of the global batch and ``positives`` (bool; ``None``: the diagonal). Per-pair
+    objectives (ITM, MLM, box grounding) also read the model, the features and the batch.
 
     Attributes:
-        scores: (n_img, n_txt) the model's similarities of the batch (with several
-            processes: of the global batch, gathered from every rank), for an objective
-            that does not work on tiles; None otherwise.
-        positives: (n_img, n_txt) bool, the matching pairs; ``None``: the diagonal.
-        image_features, text_features: the features that were scored.
         local_image_features, local_text_features: this rank's own features.
-        batch: this rank's collated batch.
-        model: the model being trained (its heads: ``match_logits``, ``mlm_logits``, ...).
         generator: for random draws (ITM's negatives, MLM's masks); ``None``: torch's.
-        tiles: the batch's scores as :class:`~mmgoal.scoring.ScoreTiles` (this rank's
-            images against every text under local scoring); ``scores`` and ``positives``
-            are then None.
     """
 
     scores: torch.Tensor | None
@@ -111,17 +88,12 @@ class ObjectiveInputs:
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """How images and captions become a model's inputs: plain data, as timm's ``default_cfg``.
+    """How images and captions become a model's inputs: plain data, as timm's ``default_cfg``
+    (``TRANSFORMS`` configs, a ``TOKENIZERS`` config; ``None`` where the model has none).
 
-    A model class may declare its own with a classmethod ``preprocessing(cfg,
-    image_size) -> Preprocessing`` (its config section and ``data.image_size``,
-    ``None`` when not set); each field is ``None`` where it has none of its own.
-    :func:`mmgoal.runs.preprocessing.resolve_preprocessing` decides what a run uses.
-
-    Attributes:
-        train_transforms: ``TRANSFORMS`` configs of the training images.
-        eval_transforms: ``TRANSFORMS`` configs of the evaluated images.
-        tokenizer: a ``TOKENIZERS`` config.
+    A model class may declare its own with a classmethod ``preprocessing(cfg, image_size)
+    -> Preprocessing``; :func:`mmgoal.runs.preprocessing.resolve_preprocessing` decides
+    what a run uses.
     """
 
     train_transforms: list[dict] | None = None
@@ -140,9 +112,8 @@ class Member:
 
 
 def check_inputs(inputs: ObjectiveInputs, needed_by: str, *fields: str) -> ObjectiveInputs:
-    """``inputs`` when it is an ``ObjectiveInputs`` holding ``fields``; else an error for
-    people: a ``TypeError`` for anything else (an objective called the old way, with a
-    tensor), a ``ValueError`` naming the missing fields."""
+    """``inputs`` when it is an ``ObjectiveInputs`` holding ``fields``; else a ``TypeError``
+    (e.g. a tensor, the old call) or a ``ValueError`` naming the missing fields."""
     if not isinstance(inputs, ObjectiveInputs):
         raise TypeError(f"{needed_by} takes one ObjectiveInputs (mmgoal.structures), got "
                         f"{type(inputs).__name__}: call objective(ObjectiveInputs(sims, "
