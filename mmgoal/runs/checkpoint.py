@@ -1,16 +1,9 @@
 """Checkpoints: written atomically, read with ``weights_only=True``.
 
-A checkpoint is a plain dict of tensors and Python primitives. It is written to
-a temporary file in the same folder, flushed to disk and renamed over the
-target, so a run killed while saving leaves the previous checkpoint intact and
-never a truncated file under the real name. An exported model may also be a
-``.safetensors`` file (:func:`save_safetensors`): the tensors, with the config,
-tokenizer and format version in its metadata; :func:`load_checkpoint` reads both.
-
-Weights holding NaN or inf are never checkpointed: the strategies and the
-trainer check the model first and stop the run with :class:`NonFiniteStateError`
-(the last good checkpoint stays), and the tools refuse such a checkpoint written
-by an older mmgoal (:func:`check_finite_weights`).
+A checkpoint is a plain dict of tensors and primitives, written to a temporary file and
+renamed over the target, so a run killed while saving leaves the previous one intact. An
+export may be ``.safetensors`` (:func:`save_safetensors`); :func:`load_checkpoint` reads both.
+Weights holding NaN or inf are never checkpointed (:class:`NonFiniteStateError`).
 """
 
 from __future__ import annotations
@@ -55,14 +48,8 @@ def describe_tensors(names: list[str]) -> str:
 
 
 class NonFiniteStateError(FloatingPointError):
-    """The model holds NaN or inf: the run stops before evaluating or checkpointing it.
-
-    Args:
-        names: the tensors holding NaN/inf.
-        checkpoint_dir: the run's checkpoint folder.
-        step: the step at which the state was found.
-        resumable: the folder holds an earlier (finite) resumable checkpoint.
-    """
+    """The model holds NaN or inf in the tensors ``names``: the run stops before evaluating
+    or checkpointing it (``resumable``: an earlier finite checkpoint is there)."""
 
     def __init__(self, names: list[str], checkpoint_dir: Path, step: int,
                  resumable: bool) -> None:
@@ -78,11 +65,8 @@ class NonFiniteStateError(FloatingPointError):
 
 
 def check_finite_weights(weights: dict[str, torch.Tensor], source: str) -> None:
-    """Refuse weights holding NaN or inf (a checkpoint an older mmgoal wrote as its run diverged).
-
-    Raises:
-        ValueError: naming how many tensors and the first few.
-    """
+    """Refuse weights holding NaN or inf (a checkpoint an older mmgoal wrote as its run
+    diverged)."""
     names = nonfinite_tensors(weights)
     if names:
         raise ValueError(f"{source} holds NaN or inf in {describe_tensors(names)}: its run had "
@@ -100,15 +84,9 @@ RESUME = "continue with --resume"
 
 
 def _write_atomically(path: str | os.PathLike, write: Any, then: str = RESUME) -> None:
-    """``write(temporary_path)``, then renamed over ``path`` (:func:`mmgoal.files.write_atomically`:
-    durable, with the umask's permissions, never through a link); the temporary files of
-    earlier writes a kill interrupted are removed first. ``then``: what to do once the
-    folder has room (``continue with --resume``; an export: run it again).
-
-    Raises:
-        CheckpointWriteError: the write failed (no space left...); ``path`` is untouched.
-        LinkedPathError: ``path`` is a symbolic link.
-    """
+    """``write(temporary_path)``, then renamed over ``path``
+    (:func:`mmgoal.files.write_atomically`; stale temporaries removed first). A failure is a
+    :class:`CheckpointWriteError` saying ``then``, what to do once the folder has room."""
     try:
         write_atomically(path, write, remove_stale=True)
     except LinkedPathError:
@@ -135,13 +113,9 @@ def copy_checkpoint(source: str | os.PathLike, path: str | os.PathLike) -> None:
 
 
 def save_safetensors(state: dict[str, Any], path: str | os.PathLike, then: str = RESUME) -> None:
-    """Atomically write an exported model as safetensors: ``state["model"]`` as the
-    tensors, every other entry (config, tokenizer, epoch...) JSON in the metadata,
-    with the format version under ``format``.
-
-    Tensors sharing memory (tied weights) are written once; the metadata's
-    ``aliases`` maps the other names to it, and :func:`load_checkpoint` restores them.
-    """
+    """Atomically write an exported model as safetensors: ``state["model"]`` as the tensors,
+    every other entry JSON in the metadata. Tied weights are written once; the metadata's
+    ``aliases`` maps the other names to it."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -193,11 +167,8 @@ STATE_TYPES = {"model": dict, "tokenizer": dict, "config": (dict, type(None)),
 
 
 def check_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``state`` when its entries are of the kinds an mmgoal checkpoint holds.
-
-    Raises:
-        ValueError: naming the entry that is not.
-    """
+    """``state`` when its entries are of the kinds an mmgoal checkpoint holds, else a
+    ValueError naming the entry."""
     for key, kind in STATE_TYPES.items():
         if key in state and not isinstance(state[key], kind):
             raise ValueError(f"checkpoint {path}: its {key!r} is a {type(state[key]).__name__}, "
@@ -213,12 +184,7 @@ def check_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` (tensors and primitives only),
-    or an export written by :func:`save_safetensors` (a ``.safetensors`` file).
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: the file is not a readable mmgoal checkpoint.
-    """
+    or an export written by :func:`save_safetensors`."""
     path = Path(path)
     if path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} is a folder, not a checkpoint file; give "
@@ -271,19 +237,10 @@ def config_differences(saved: Any, wanted: Any, name: str) -> list[str]:
 
 def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
                           source: str = "the checkpoint") -> dict[str, list[str]]:
-    """Load the weights ``model`` shares with ``weights``; list what is left on either side.
-
-    A pretraining checkpoint starts a finetuning model: heads the finetuning
-    model lacks (MLM, box) are dropped, parts the checkpoint lacks keep their
-    initial values.
-
-    Returns:
-        ``{"dropped": checkpoint keys the model has no place for, "missing":
-        model keys the checkpoint does not fill}``.
-
-    Raises:
-        ValueError: a shared key with another shape, no key in common (another
-            architecture), or weights holding NaN/inf.
+    """Load the weights ``model`` shares with ``weights`` (a pretraining checkpoint starting a
+    finetuning model: its MLM and box heads dropped, parts it lacks left initial). Returns
+    ``{"dropped": keys with no place in the model, "missing": model keys not filled}``; a
+    shared key of another shape, or no key in common, is a ValueError.
     """
     own = model.state_dict()
     shared = [k for k in weights if k in own]

@@ -1,11 +1,7 @@
 """A trained model ready to evaluate: weights, vocabulary, eval transforms and config.
 
-Every command that evaluates a checkpoint (``mmgoal eval``, ``search``,
-``plot-attention``, ``score-stats``, ``export --format``) and the Python API
-(:mod:`mmgoal.api`) build it here, so the model, its preprocessing and the defaults they
-fall back on are the trainer's own (:mod:`mmgoal.runs.schema`,
-:func:`mmgoal.runs.preprocessing.resolve_preprocessing`). A model is first built on the
-meta device and checked against the checkpoint's tensors (:func:`model_from_checkpoint`).
+Every command that evaluates a checkpoint and the Python API build it here, so the model,
+its preprocessing and their defaults are the trainer's own.
 """
 
 from __future__ import annotations
@@ -46,13 +42,10 @@ class LoadedModel(Member):
     """A model in eval mode on its device with its eval transform and tokenizer.
 
     Attributes:
-        config: the resolved run config it was built from.
         checkpoint: the file its weights came from (``None``: built from a config alone).
-        epoch: the epoch the checkpoint was written after (``None`` when it does not say).
-        config_source: where ``config`` came from (``the config stored in best.pt``,
-            ``config x.yaml``), for messages.
-        given_keys: the dotted keys the caller's overrides set (``--cfg-options``): what
-            of ``config`` is the caller's own rather than the file's.
+        config_source: where ``config`` came from (``the config stored in best.pt``).
+        given_keys: the dotted keys the caller's ``--cfg-options`` set: what of ``config``
+            is the caller's own rather than the file's.
     """
 
     config: dict
@@ -63,16 +56,9 @@ class LoadedModel(Member):
 
     def split(self, name: str, shards: str | list[str] | None = None,
               trust_data_paths: bool = False) -> dict:
-        """The ``data.<name>`` section (``val``, ``test``) to evaluate on: with ``shards``,
-        those (the caller's own) in place of the config's; else the config's, whose
-        ``pipe:`` commands and remote URLs are refused unless the caller set them
-        (:attr:`given_keys`) or ``trust_data_paths``: the file that holds them may be
-        anyone's (docs/received_files.md).
-
-        Raises:
-            ValueError: the config has no such split and no ``shards`` are given; or an
-                :class:`~mmgoal.data.remote.UntrustedDataPathError`.
-        """
+        """The ``data.<name>`` section to evaluate on, with the caller's ``shards`` in place
+        of the config's; the config's ``pipe:`` commands and URLs are refused unless the
+        caller set them or ``trust_data_paths`` (docs/received_files.md)."""
         section = dict(self.config["data"].get(name) or {})
         if shards is not None:
             return {"folds": 1, "caption_key": None, **section, "shards": shards}
@@ -92,23 +78,13 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
     """Build the model of a checkpoint for evaluation.
 
     Args:
-        checkpoint: ``best.pt``, ``last.pt``, another mmgoal checkpoint, an export
-            (``.pt`` or ``.safetensors``, or the folder of ``--format open_clip`` or
-            ``hf``), or a run directory (its best checkpoint, else its latest).
-        config: the YAML config to build with (default: the config saved in the
-            checkpoint): a training config, or one with only the model's sections
-            (:class:`~mmgoal.runs.schema.ModelConfig`).
-        overrides: ``--cfg-options`` on top of that config.
-        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
-        trust_custom_imports: import the ``custom_imports`` of that config (the given
-            one, or the one a checkpoint or export holds, which may come from anyone);
-            without, they are left out with a warning that names them.
-
-    Raises:
-        FileNotFoundError: a missing checkpoint or config.
-        ValueError: an unreadable checkpoint, a checkpoint without a config when
-            none is given, a bad config or override, a device this machine lacks,
-            weights holding NaN/inf or of another model than the config builds.
+        checkpoint: an mmgoal checkpoint, an export (``.pt``, ``.safetensors``, or the
+            folder of ``--format open_clip`` or ``hf``), or a run directory (its best
+            checkpoint, else its latest).
+        config: the config to build with (default: the checkpoint's): a training config,
+            or only the model's sections (:class:`~mmgoal.runs.schema.ModelConfig`).
+        trust_custom_imports: import that config's ``custom_imports`` (a checkpoint's may
+            come from anyone); without, they are left out with a warning.
     """
     target = resolve_device(device, name="device")
     fmt = export_folder_format(checkpoint) if config is None else None
@@ -138,13 +114,8 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
 
 def check_same_model(model: torch.nn.Module, state: dict[str, Any], model_cfg: dict,
                      source: str) -> None:
-    """Refuse checkpoint weights that do not fit ``model`` (built from ``model_cfg``) exactly.
-
-    Raises:
-        ValueError: saying where the checkpoint's model config differs from
-            ``model_cfg`` (when the checkpoint holds one), then the first tensors
-            whose shapes differ or that one side lacks.
-    """
+    """Refuse checkpoint weights that do not fit ``model`` (built from ``model_cfg``)
+    exactly, saying where the checkpoint's model config differs, then which tensors."""
     own, weights = model.state_dict(), state["model"]
     mismatched = shape_mismatches(own, weights)
     missing = [k for k in own if k not in weights]
@@ -174,13 +145,8 @@ def check_same_model(model: torch.nn.Module, state: dict[str, Any], model_cfg: d
 def check_same_dtypes(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
                       source: str) -> None:
     """Refuse a tensor whose dtype is not its model tensor's, but for two floating dtypes
-    (float16 weights into a float32 model), which are converted with a warning: a float32
-    weight relabelled int32 in a safetensors header (the same bytes) would load as numbers
-    no training made.
-
-    Raises:
-        ValueError: naming the first tensors and their dtypes.
-    """
+    (converted with a warning): a float32 weight relabelled int32 in a safetensors header
+    would load as numbers no training made."""
     differing = [k for k in weights if k in own and weights[k].dtype != own[k].dtype]
     refused = [f"{k} is {str(weights[k].dtype).removeprefix('torch.')} where the model holds "
                f"{str(own[k].dtype).removeprefix('torch.')}" for k in differing
@@ -204,20 +170,10 @@ def model_from_checkpoint(cfg: dict, state: dict[str, Any], source: str = "the c
     """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``
     (``preprocessing``: ``cfg``'s, where the caller has resolved it already).
 
-    Nothing is imported here: ``cfg`` is resolved by the caller, which decides whether
-    its ``custom_imports`` may be imported (:func:`mmgoal.runs.schema.with_overrides`).
-    The model is first built on the meta device, which allocates nothing, and checked
-    against the file's tensors: a file whose config claims a model far larger than the
-    weights it holds is refused before any memory is taken for it.
-
-    Returns:
-        (model in eval mode, tokenizer).
-
-    Raises:
-        ValueError: the weights hold NaN/inf or belong to another model (see
-            :func:`check_same_model`), or the config cannot build the tokenizer or the
-            model (a size torch refuses, a bad value of a nested component), naming
-            ``source``.
+    The caller resolved ``cfg`` (and chose whether to import its ``custom_imports``). The
+    model is first built on the meta device and checked against the file's tensors, so a
+    config claiming a model far larger than its weights is refused before any memory is
+    taken. Returns the model in eval mode and the tokenizer.
     """
     check_finite_weights(state["model"], source)
     preprocessing = preprocessing or resolve_preprocessing(cfg)
@@ -238,11 +194,10 @@ Built = TypeVar("Built")
 
 
 def built_from_config(build: Callable[[], Built], what: str, source: str) -> Built:
-    """``build()``, the ``what`` (``model``, ``tokenizer``) of the config loaded with
-    ``source``; what it raises (torch's ``negative dimension`` deep inside a layer, a
-    nested component's bad value) becomes a ``ValueError`` that names ``source``, as the
-    config may be anyone's (a checkpoint's stored config). An unknown component name
-    stays the registry's error, which lists the names it knows."""
+    """``build()`` of the ``what`` (``model``, ``tokenizer``) of the config loaded with
+    ``source``, which may be anyone's: what it raises (torch's ``negative dimension`` deep
+    in a layer) becomes a ``ValueError`` naming ``source``; an unknown name stays the
+    registry's error."""
     try:
         return build()
     except UnknownNameError:
@@ -254,11 +209,9 @@ def built_from_config(build: Callable[[], Built], what: str, source: str) -> Bui
 
 
 def meta_model(model_cfg: dict, tokenizer: Any) -> torch.nn.Module | None:
-    """The model of ``model_cfg`` on the meta device: its shapes, no memory. ``None`` where
-    a component cannot be built there (a library that reads a weights file into real
-    tensors while building, as transformers' ``from_pretrained`` and open_clip's
-    ``create_model`` do: their sizes are the files'); the caller then checks the real
-    model instead."""
+    """The model of ``model_cfg`` on the meta device: its shapes, no memory. ``None`` where a
+    component cannot be built there (``from_pretrained``, open_clip's ``create_model``
+    read real files); the caller then checks the real model."""
     try:
         # a pretrained tower's weights copied onto meta tensors warn at every tensor
         with torch.device("meta"), warnings.catch_warnings():
@@ -292,14 +245,9 @@ def warn_preprocessing_changes(trained: dict | None, cfg: dict, checkpoint: Path
 def build_from_config(config: str | os.PathLike | dict, overrides: Iterable[str] = (),
                       device: str | torch.device = "auto", *,
                       trust_custom_imports: bool = False) -> LoadedModel:
-    """The model of a config with the weights its own sections name (pretrained towers,
-    a CLIP checkpoint), no mmgoal checkpoint: to use a pretrained model as it is. The
-    config's ``custom_imports`` are imported only with ``trust_custom_imports``.
-
-    Raises:
-        ValueError: besides a bad config, a tokenizer whose vocabulary is fitted on
-            training captions (it exists only in a trained run's checkpoint).
-    """
+    """The model of a config with the weights its own sections name (pretrained towers, a
+    CLIP checkpoint), no mmgoal checkpoint: a pretrained model as it is. A tokenizer fitted
+    on training captions is refused (its vocabulary is only in a checkpoint)."""
     target = resolve_device(device, name="device")
     cfg = load_model_config(config, overrides, trust_custom_imports=trust_custom_imports)
     return _build_resolved(cfg, target, _origin(config, overrides))
@@ -341,12 +289,7 @@ def pretrained_weights(cfg: dict) -> str | None:
 
 def load_pretrained_start(loaded: LoadedModel) -> LoadedModel:
     """The model of ``loaded``'s config with the pretrained weights the config names, on
-    its device: the weights a fine-tune of it started from (WiSE-FT's zero-shot end).
-
-    Raises:
-        ValueError: the config names no pretrained weights: the run started from random
-            weights, and has no pretrained start.
-    """
+    its device: where a fine-tune of it started (WiSE-FT's zero-shot end)."""
     cfg = loaded.config
     if not pretrained_weights(cfg):
         raise ValueError(f"{loaded.config_source}: its {cfg['model']['type']} section names no "
@@ -362,12 +305,8 @@ def load_zero_shot(config: str | os.PathLike, overrides: Iterable[str] = (),
                    device: str | torch.device = "auto", *,
                    trust_custom_imports: bool = False) -> tuple[LoadedModel, str]:
     """The model of a config with the pretrained weights its sections name, for zero-shot
-    evaluation; with what it loaded them from.
-
-    Raises:
-        ValueError: the model names no pretrained weights (its weights would be random,
-            and their metrics would mean nothing), or what :func:`build_from_config` raises.
-    """
+    evaluation, and what it loaded them from (none: a ValueError, as random weights'
+    metrics mean nothing)."""
     cfg = load_model_config(config, overrides, trust_custom_imports=trust_custom_imports)
     source = pretrained_weights(cfg)
     if not source:

@@ -1,26 +1,11 @@
 """The one place that decides a run's preprocessing, from the config and the model's own.
 
-A model class may say how its inputs are prepared with a classmethod
-``preprocessing(cfg, image_size) -> Preprocessing`` (:class:`mmgoal.structures.Preprocessing`,
-plain data): given its config section and ``data.image_size`` (``None``: not set),
-its train and eval transforms (lists of ``TRANSFORMS`` configs) and its tokenizer
-(a ``TOKENIZERS`` config), each ``None`` where it has none of its own. An open_clip
-model brings open_clip's transforms and tokenizer; a dual encoder with a pretrained
-timm tower brings timm's statistics. The models say it in data; this module, above
-both the models and the data pipeline, reads it (neither imports the other).
-
-:func:`resolve_preprocessing` decides what a run (the trainer), an evaluation and
-the Python API use: a value the config gives always wins; ``data.tokenizer``,
-``data.train_transforms`` and ``data.eval_transforms`` left null are the model's
-own; transforms that neither gives are the ImageNet default at ``data.image_size``
-(:func:`~mmgoal.data.transforms.default_transforms`).
-
-The model's preprocessing is resolved when a run is built, not written into the
-config: null keeps its meaning, "the model's own", in ``config.yaml`` and in a
-checkpoint. A config resolved once and changed after (``--cfg-options`` naming
-another model, a checkpoint's config evaluated with another model section) would
-otherwise carry the transforms of the model it no longer builds. What the model
-gave is logged.
+A model class may say, as plain data, how its inputs are prepared: a classmethod
+``preprocessing(cfg, image_size) -> Preprocessing`` (docs/architecture.md). A value the
+config gives always wins; ``data.tokenizer``, ``data.train_transforms`` and
+``data.eval_transforms`` left null are the model's own, else the ImageNet default. It is
+resolved when a run is built, never written into the config, so that a config changed
+later (another model) carries no stale transforms (docs/models.md, "CLIP-family models").
 """
 
 from __future__ import annotations
@@ -41,14 +26,8 @@ def model_preprocessing(model_cfg: dict, image_size: int | None) -> Preprocessin
 
 
 def resolve_preprocessing(cfg: dict) -> Preprocessing:
-    """The preprocessing of a resolved run or model config (see the module docstring).
-
-    Returns:
-        A ``Preprocessing`` with every field set.
-
-    Raises:
-        ValueError: the config has no ``data.tokenizer`` and the model none of its own.
-    """
+    """The preprocessing of a resolved run or model config, every field set (see the module
+    docstring)."""
     data, model_cfg = cfg["data"], cfg["model"]
     own = model_preprocessing(model_cfg, data.get("image_size"))
     default = default_transforms(data.get("image_size"))

@@ -1,19 +1,11 @@
 """The run config's schema: every section, its keys and their defaults, in one place.
 
-Sections the trainer reads itself are :class:`~mmgoal.config.ConfigSection`
-dataclasses (``train``, ``data`` with ``data.val``/``data.test``,
-``evaluation``); sections that build a registered component (``model``,
-``objective``, ``optimizer``, ``schedule``, ``strategy``, ``data.tokenizer``,
-``data.train``, each of ``hooks``, ``loggers`` and ``constraints``) hold a ``type`` and the
-keyword arguments of the class registered under that name, which the registry
-checks; each is a :func:`~mmgoal.config.component` field naming its registry, so
-:class:`RunConfig` alone says what the sections are (a new section is one field).
-Keys that the code building a component reads itself (``optimizer.paramwise``...)
-are declared by that code on its registry (:meth:`~mmgoal.registry.Registry.read_by_builder`).
-:func:`load_run_config` resolves a file with every default written out,
-then applies ``--cfg-options``: any key a section or its component knows can be
-overridden, defaulted or not; a key nothing knows is an error with the closest
-match.
+Sections the trainer reads itself (``train``, ``data``, ``evaluation``) are
+:class:`~mmgoal.config.ConfigSection` dataclasses; a section that builds a registered
+component holds a ``type`` and that class's keyword arguments, a
+:func:`~mmgoal.config.component` field naming its registry, so :class:`RunConfig` alone says
+what the sections are. Keys a builder reads itself (``optimizer.paramwise``) are declared on
+its registry (:meth:`~mmgoal.registry.Registry.read_by_builder`). Every key: docs/configs.md.
 """
 
 from __future__ import annotations
@@ -72,23 +64,8 @@ PROTOCOLS = ("coco", "eccv", "cxc", "pm")
 @dataclass
 class ScoringConfig(ConfigSection):
     """``evaluation``: how a gallery is scored (:func:`mmgoal.evaluation.gallery.score_gallery`,
-    ITM re-ranking).
-
-    Args:
-        block_images: images scored against every text at a time.
-        max_block_mb: bound of a block's working set (``None``: the process's share of the
-            last-level cache on a CPU, 32 to 1024 MiB; half the free memory on a GPU).
-        matmul_precision: float32 matmul precision while scoring.
-        rerank_k: re-rank every query's top k by the ITM head (0: off).
-        rerank_batch_size: pairs the ITM head scores at a time.
-        protocols: what the test split reports: ``coco`` (R@K, always computed), and on
-            COCO 5K test ``eccv`` (ECCV Caption), ``cxc`` (CxC), ``pm`` (PM-COCO).
-        pm_dir: the folder of PM-COCO's ``pm_*.json`` (for ``pm``).
-        zeroshot: ``{root: DIR, split: test}``, a zero-shot classification set
-            (docs/models.md, "Fine-tune without forgetting") that every validation also
-            classifies, logging ``zeroshot_top1`` beside rsum: what a fine-tune forgets,
-            epoch by epoch.
-    """
+    ITM re-ranking), what the test split reports, and a zero-shot set every validation
+    classifies (docs/configs.md, "Sections")."""
 
     MINIMUM: ClassVar[dict[str, float]] = {"block_images": 1, "rerank_k": 0,
                                            "rerank_batch_size": 1}
@@ -340,32 +317,17 @@ def known_keys(path: list[str], mapping: dict) -> Iterable[str]:
 def load_run_config(path: str | os.PathLike, overrides: Iterable[str] = (), *,
                     trust_custom_imports: bool = True) -> dict:
     """A run config from a file: ``_base_`` merged, defaults filled in, overrides applied.
-
-    Args:
-        trust_custom_imports: import the config's ``custom_imports`` (training does;
-            printing or checking a config you received should not: see
-            :func:`with_overrides`).
-
-    Raises:
-        FileNotFoundError: the file or a base is missing.
-        ValueError: an unknown key (in the file or an override), or a bad value.
-    """
+    ``trust_custom_imports``: training imports them; printing or checking a config you
+    received should not (:func:`with_overrides`)."""
     return with_overrides(load_config(path), overrides, beside=Path(path).parent,
                           trust_custom_imports=trust_custom_imports, source=f"config {path}")
 
 
 def load_model_config(config: str | os.PathLike | dict, overrides: Iterable[str] = (), *,
                       trust_custom_imports: bool = False) -> dict:
-    """The config of a model to use: a training config resolved as a run's, or one
-    holding only what :class:`ModelConfig` knows (``model``, ``data.tokenizer``...)
-    resolved with that schema's defaults. ``config`` is a file or a loaded mapping.
-    Its ``custom_imports`` are imported only when ``trust_custom_imports``
-    (:func:`with_overrides`).
-
-    Raises:
-        FileNotFoundError: the file or a base is missing.
-        ValueError: an unknown key, a bad value or override.
-    """
+    """The config (a file or a mapping) of a model to use: a training config resolved as a
+    run's, or one holding only what :class:`ModelConfig` knows, with its defaults;
+    ``custom_imports`` only with ``trust_custom_imports`` (:func:`with_overrides`)."""
     beside, source = None, "the config"
     if not isinstance(config, dict):
         beside, source, config = Path(config).parent, f"config {config}", load_config(config)
@@ -388,13 +350,10 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
     registries: a model to use (``checked=ModelConfig``) imports no optimizer, strategy or
     logger module to check sections it never builds.
 
-    With ``trust_custom_imports``, the config's ``custom_imports`` are imported first
-    (also from ``beside``, the config's folder; each is logged with its file), so
-    overrides may name the options of components registered there. Without, nothing
-    the config names is imported: a config or checkpoint someone sent could run code
-    through them (docs/received_files.md); a
-    warning names them, and a component only they register is an error that says how
-    to allow them.
+    With ``trust_custom_imports``, the config's ``custom_imports`` are imported first (also
+    from ``beside``, its folder), so overrides may name their components' options. Without,
+    none is: a received config could run code through them (docs/received_files.md); a
+    warning names them, and a component only they register is an error saying how to allow.
     """
     cfg = resolve_config(cfg, schema)
     not_imported: list[str] = []

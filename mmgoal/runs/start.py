@@ -1,11 +1,6 @@
-"""Starting a run in its folder: one function for every way a run starts.
-
-``mmgoal train`` (one process, or every rank of a ``torchrun``/``deepspeed`` launch) and
-each cell of ``mmgoal sweep`` start their runs through :func:`started_run`, so each
-refuses what the others refuse: another process in the folder, a folder that holds a
-run (unless resumed or ``--overwrite``), a link among the run's files, a resume whose
-config changes what a resumed run must keep, missing shards, a COCO test split without
-the ids its protocols need. What the run folder holds and why: :mod:`mmgoal.runs.run_dir`.
+"""Starting a run in its folder: ``mmgoal train`` (every rank) and each cell of ``mmgoal
+sweep`` start through :func:`started_run`, so each refuses what the others refuse. What the
+run folder holds and why: :mod:`mmgoal.runs.run_dir`.
 """
 
 from __future__ import annotations
@@ -32,15 +27,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunStart:
-    """What :func:`started_run` decided.
-
-    Attributes:
-        work_dir: the run folder.
-        resume: the run continues from its checkpoint.
-        changes: the accepted config changes of a resume (dotted key -> [old, new]).
-        deleted: what ``overwrite`` deleted of an earlier run (relative to ``work_dir``).
-        finished: the report of a finished run that ``reuse`` accepted: nothing to train.
-    """
+    """What :func:`started_run` decided: ``changes``, a resume's accepted config changes
+    (dotted key -> [old, new]); ``deleted``, what ``overwrite`` deleted (relative to
+    ``work_dir``); ``finished``, the report of a finished run ``reuse`` accepted."""
 
     work_dir: Path
     resume: bool = False
@@ -74,11 +63,6 @@ def started_run(work_dir: str | os.PathLike, cfg: dict, resume: bool = False,
        (:func:`~mmgoal.runs.run_dir.resume_changes`);
     6. the shards of every split exist, and a COCO test split carries the ids its
        protocols need (before the epochs, not after).
-
-    Raises:
-        ValueError: the folder is in use, holds a run, holds a link, or the resume changes
-            what it must keep; or bad shards.
-        FileNotFoundError: missing shards. ImportError: an extra the config needs.
     """
     work_dir = Path(work_dir)
     with contextlib.ExitStack() as held:
