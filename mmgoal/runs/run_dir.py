@@ -164,10 +164,17 @@ def clear_unfinished_copies(directory: Path) -> list[Path]:
     return stale
 
 
+def latest_deepspeed_tag(directory: Path) -> Path | None:
+    """The folder of the newest complete DeepSpeed tag in ``directory`` (a run's
+    ``checkpoints/``), which ``deepspeed/latest`` names; None where no tag is complete."""
+    tag = read_pointer(directory / DEEPSPEED / LATEST)
+    return directory / DEEPSPEED / tag if tag else None
+
+
 def has_checkpoint(directory: Path) -> bool:
     """Whether ``directory`` (a run's ``checkpoints/``) holds a resumable checkpoint of any
     strategy."""
-    return ((directory / LAST).is_file() or (directory / DEEPSPEED / LATEST).is_file()
+    return ((directory / LAST).is_file() or latest_deepspeed_tag(directory) is not None
             or bool(epoch_checkpoints(directory)))
 
 
@@ -193,9 +200,8 @@ def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path
     if which in ("best", "best_or_latest"):
         candidates.append(checkpoints / BEST)
     if which in ("latest", "best_or_latest"):
-        tag = read_pointer(checkpoints / DEEPSPEED / LATEST)
-        candidates.append(checkpoints / DEEPSPEED / tag / DEEPSPEED_WEIGHTS if tag is not None
-                          else checkpoints / LAST)
+        tag = latest_deepspeed_tag(checkpoints)
+        candidates.append(tag / DEEPSPEED_WEIGHTS if tag is not None else checkpoints / LAST)
         kept = epoch_checkpoints_by_progress(checkpoints)
         if tag is None and kept:
             candidates.append(kept[-1][1])

@@ -52,7 +52,13 @@ from mmgoal.extras import require_extra
 from mmgoal.files import read_text
 from mmgoal.registry import STRATEGIES
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
-from mmgoal.runs.run_dir import DEEPSPEED, DEEPSPEED_WEIGHTS, LATEST, read_pointer, write_pointer
+from mmgoal.runs.run_dir import (
+    DEEPSPEED,
+    DEEPSPEED_WEIGHTS,
+    LATEST,
+    latest_deepspeed_tag,
+    write_pointer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -435,7 +441,8 @@ class DeepSpeedStrategy(Strategy):
     def save(self, directory: Path, state: dict) -> None:
         root = directory / DEEPSPEED
         tag = f"epoch{state['epoch']:04d}-step{state['step']:09d}"
-        if tag == read_pointer(root / LATEST):  # never overwrite the checkpoint in use
+        in_use = latest_deepspeed_tag(directory)
+        if in_use is not None and in_use.name == tag:  # never overwrite the checkpoint in use
             tag += "-again"
         weights = self.full_state_dict()
         self.check_finite(directory, state["step"], weights)
@@ -455,21 +462,22 @@ class DeepSpeedStrategy(Strategy):
             prune_except(root, tag)
         self.barrier()
 
-    def latest_tag(self, directory: Path) -> tuple[Path, str]:
-        root = directory / DEEPSPEED
-        tag = read_pointer(root / LATEST)
-        if tag is None:
-            raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint under {root}; "
-                                    f"start without --resume or point --work-dir at the run")
-        return root, tag
+    def latest_tag(self, directory: Path) -> Path:
+        """The newest complete tag's folder in ``directory`` (a run's ``checkpoints/``)."""
+        folder = latest_deepspeed_tag(directory)
+        if folder is None:
+            raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint under "
+                                    f"{directory / DEEPSPEED}; start without --resume or point "
+                                    f"--work-dir at the run")
+        return folder
 
     def read_state(self, directory: Path) -> dict:
-        root, tag = self.latest_tag(directory)
-        return load_checkpoint(root / tag / TRAINER_STATE)
+        return load_checkpoint(self.latest_tag(directory) / TRAINER_STATE)
 
     def load(self, directory: Path, state: dict | None = None) -> dict:
-        root, tag = self.latest_tag(directory)
-        state = state if state is not None else load_checkpoint(root / tag / TRAINER_STATE)
+        folder = self.latest_tag(directory)
+        root, tag = folder.parent, folder.name
+        state = state if state is not None else load_checkpoint(folder / TRAINER_STATE)
         with weights_only_loading():
             if state["world_size"] == self.world_size and state["zero_stage"] == self.zero_stage:
                 self.engine.load_checkpoint(str(root), tag=tag)
@@ -504,7 +512,8 @@ class DeepSpeedStrategy(Strategy):
                                    f"and ZeRO stage, or start from its weights with load_from: "
                                    f"{root / tag / DEEPSPEED_WEIGHTS}")
         self.barrier()
-        self.engine._config.load_universal_checkpoint = True  # read at load time
+        # no public way: checkpoint.load_universal is read at initialize, before the layout is known
+        self.engine._config.load_universal_checkpoint = True
         try:
             self.engine.load_checkpoint(str(root), tag=universal.name)
         finally:
