@@ -1,11 +1,6 @@
-"""Memory and speed switches for big recipes: gradient checkpointing and ``torch.compile``.
-
-``model.grad_checkpointing: true`` recomputes the towers' activations in the
-backward instead of keeping them (timm's ``set_grad_checkpointing``, Hugging
-Face's ``gradient_checkpointing_enable``, mmgoal's fusion layers): about a third
-more compute for a fraction of the activation memory. ``train.compile: true``
-compiles each part of the model with ``torch.compile`` in place
-(``nn.Module.compile``), so parameter names and checkpoints do not change.
+"""Memory and speed switches for big recipes: ``model.grad_checkpointing`` and
+``train.compile`` (docs/getting_started.md). Compiling is in place (``nn.Module.compile``),
+so parameter names and checkpoints do not change.
 """
 
 from __future__ import annotations
@@ -34,16 +29,8 @@ def _switch_on(module: nn.Module) -> bool:
 
 
 def enable_grad_checkpointing(model: nn.Module) -> list[str]:
-    """Turn on gradient checkpointing in every part of ``model`` that supports it.
-
-    The outermost module that supports it is switched on, not its submodules.
-
-    Returns:
-        The names of the modules switched on.
-
-    Raises:
-        ValueError: no part of the model supports it.
-    """
+    """Turn on gradient checkpointing in the outermost parts of ``model`` that support it;
+    their names. A ``ValueError`` where no part does."""
     enabled: list[str] = []
     for name, module in model.named_modules():
         if module is model or any(name.startswith(f"{done}.") for done in enabled):
@@ -59,15 +46,9 @@ def enable_grad_checkpointing(model: nn.Module) -> list[str]:
 
 
 def compile_model(model: nn.Module) -> list[str]:
-    """Compile every direct part of ``model`` that holds parameters, in place.
-
-    Models are called through ``encode_image``/``encode_text``/``similarity``,
-    not ``forward``, so the parts they call (towers, projections, poolers) are
-    what is compiled; each compiles at its first call (seconds to minutes).
-
-    Returns:
-        The names of the compiled parts.
-    """
+    """Compile every direct part of ``model`` that holds parameters, in place; their names.
+    Models are called through ``encode_image``/``encode_text``/``similarity``, not
+    ``forward``, so the parts they call are what is compiled."""
     compiled = []
     for name, child in model.named_children():
         if any(True for _ in child.parameters()):

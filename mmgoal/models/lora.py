@@ -1,30 +1,10 @@
 """LoRA adapters on a CLIP model's own weights, through peft (``model.peft``).
 
-LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022,
-eq. 3) freezes a pretrained weight ``W`` (out, in) and learns a low-rank update of it:
-``h = W x + (alpha / r) B A x`` with ``A`` (r, in) random and ``B`` (out, r) zero at
-the start, so training starts from the pretrained model exactly. Only ``A`` and ``B``
-are trained, and the parameters the config keeps trainable (the CLIP temperature); a
-merged model folds ``(alpha / r) B A`` into ``W`` and is the plain model again
-(:func:`merge_adapters`, what ``mmgoal export`` writes).
-
-``model.peft: {type: lora, r: 8, ...}`` of :class:`~mmgoal.models.clip.OpenCLIP` and
-:class:`~mmgoal.models.clip.HFCLIP` builds :class:`LoRA`; its :meth:`LoRA.apply` puts
-the adapters into the library's model in place with peft's ``inject_adapter_in_model``:
-module names stay, an adapted layer holds its frozen ``base_layer`` beside
-``lora_A.default`` and ``lora_B.default``, and the model's state dict (what checkpoints
-hold) has both. peft is imported only there (the ``lora`` extra).
-
-Which weights: ``target_modules`` names layers (a ``Linear``, a convolution, an
-embedding) whose forward peft wraps; ``target_parameters`` names weights that no
-layer's forward multiplies, adapted while the module holding them runs (peft's
-``ParamWrapper``, a torch parametrization). open_clip's attention is torch's
-``nn.MultiheadAttention``, which reads its ``in_proj_weight`` (queries, keys and values
-in one) and ``out_proj.weight`` itself: its queries, keys and values are adapted as the
-parameter ``attn.in_proj_weight``. Its ``out_proj`` cannot be adapted: as a module its
-LoRA would never run, and peft's adapter for the whole ``nn.MultiheadAttention`` adds
-its update into the frozen weights before each forward and subtracts it after, which
-moves them by rounding at every step; both are refused.
+LoRA (Hu et al., ICLR 2022, eq. 3): ``h = W x + (alpha / r) B A x``, ``W`` frozen, ``B``
+zero at the start. :meth:`LoRA.apply` puts the adapters into the library's model in place
+(peft's ``inject_adapter_in_model``: names stay, checkpoints hold ``base_layer`` and the
+adapters); :func:`merge_adapters` folds them back for an export. Which weights can be
+adapted, and why a ``nn.MultiheadAttention``'s ``out_proj`` cannot: docs/models.md, "LoRA".
 """
 
 from __future__ import annotations
@@ -51,13 +31,8 @@ SHOWN_NAMES = 8  # names an error lists before "..."
 @dataclass(frozen=True)
 class LoRATargets:
     """What a model family adapts when ``model.peft`` names neither ``target_modules`` nor
-    ``target_parameters``, and what it keeps trainable when it names no ``trainable``.
-
-    Attributes:
-        target_modules: layer names (suffixes, as peft matches them).
-        target_parameters: parameter names (suffixes).
-        trainable: parameters trained beside the adapters, those the model has.
-    """
+    ``target_parameters`` (name suffixes, as peft matches them), and what it keeps
+    ``trainable`` (those the model has) when it names none."""
 
     target_modules: tuple[str, ...] = ()
     target_parameters: tuple[str, ...] = ()
@@ -78,7 +53,7 @@ def short_names(names: Iterable[str]) -> str:
 
 def multihead_parts(model: nn.Module) -> dict[str, str]:
     """Name -> what it is, for every ``nn.MultiheadAttention`` of ``model`` and its
-    ``out_proj``: the layers whose LoRA would drift or be ignored (module docstring)."""
+    ``out_proj``: the layers whose LoRA would drift or be ignored (docs/models.md, "LoRA")."""
     parts = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
@@ -89,22 +64,8 @@ def multihead_parts(model: nn.Module) -> dict[str, str]:
 
 @ADAPTERS.register("lora")
 class LoRA:
-    """LoRA's hyperparameters and targets (``model.peft: {type: lora, ...}``).
-
-    Args:
-        r: the rank of each update ``B A``.
-        alpha: the update is scaled by ``alpha / r``.
-        dropout: dropout on the input of each adapted layer's ``A`` (0 for
-            ``target_parameters``, where peft cannot apply it).
-        target_modules: the layers to adapt, by name or name suffix (``q_proj``,
-            ``mlp.c_fc``). With neither this nor ``target_parameters``: the family's
-            default (its attention projections; docs/models.md, "LoRA").
-        target_parameters: the weights no layer multiplies itself to adapt, by name or
-            suffix (``attn.in_proj_weight``, open_clip's queries, keys and values).
-        trainable: parameters (or modules, by their path in the library's model) trained
-            beside the adapters; default: the temperature ``logit_scale``, and
-            ``logit_bias`` where the model has one (SigLIP); ``[]``: the adapters alone.
-    """
+    """LoRA's hyperparameters and targets (``model.peft: {type: lora, ...}``); docs/models.md,
+    "LoRA", says what each key does and each family's defaults."""
 
     def __init__(self, r: PositiveInt = 8, alpha: float = 16.0, dropout: float = 0.0,
                  target_modules: list[str] | None = None,
@@ -121,17 +82,8 @@ class LoRA:
 
     def apply(self, model: nn.Module, defaults: LoRATargets, where: str) -> None:
         """Put the adapters into ``model`` (the library's model) in place and freeze every
-        other parameter but the ``trainable`` ones.
-
-        Args:
-            defaults: the model family's targets and trainable parameters.
-            where: the model, for messages (``OpenCLIP ViT-B-32``).
-
-        Raises:
-            ImportError: peft is not installed (the ``lora`` extra).
-            ValueError: a target or trainable entry that names nothing in ``model``, a
-                target LoRA cannot adapt there, or dropout on a parameter target.
-        """
+        other parameter but the ``trainable`` ones; ``where`` names the model in messages
+        (``OpenCLIP ViT-B-32``). Needs peft (the ``lora`` extra)."""
         require_extra("peft", "model.peft")
         from peft import LoraConfig, inject_adapter_in_model
 
@@ -213,13 +165,8 @@ def has_adapters(config: dict | None) -> bool:
 
 def merge_adapters(model: nn.Module) -> int:
     """Fold every LoRA adapter of ``model`` into the weight it adapts and put the plain layer
-    back (peft's ``merge_and_unload``, for a model adapted in place): the model is then the
-    one built without ``peft``, with the same parameter names. Returns how many adapted
-    layers it merged (0: none, nothing changes).
-
-    Raises:
-        ValueError: a merged weight holds NaN/inf (peft's ``safe_merge``).
-    """
+    back (peft's ``merge_and_unload``, for a model adapted in place, ``safe_merge``): the
+    model built without ``peft``, same names. Returns how many adapted layers it merged."""
     require_extra("peft", "merging model.peft's adapters")
     from peft.tuners.tuners_utils import BaseTunerLayer
 

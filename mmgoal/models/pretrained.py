@@ -1,26 +1,9 @@
-"""Pretrained weights from local files, with a key-remapping function per checkpoint family.
+"""Pretrained weights from local files, with a key-remapping function per checkpoint family
+(``CHECKPOINT_REMAPS``; docs/models.md, "Pretrained weights from local files", adds one).
 
-A checkpoint written by another code base names its parameters its own way. A
-remap (registered in ``CHECKPOINT_REMAPS``) turns such a state dict into the
-names of the timm model it is loaded into. ``remap: auto`` asks every
-registered remap whether it recognises the keys; ``timm`` (the default when
-none does) only unwraps ``{"state_dict": ...}`` and ``module.`` prefixes, which
-is all a timm or torchvision checkpoint of the same architecture needs.
-
-Add a family::
-
-    from mmgoal.registry import CHECKPOINT_REMAPS
-
-    @CHECKPOINT_REMAPS.register(name="my_family")
-    def remap_my_family(state_dict, model):
-        return {key.replace("backbone.", ""): value for key, value in state_dict.items()}
-    remap_my_family.detects = lambda state_dict: any(k.startswith("backbone.") for k in state_dict)
-
-A folder or file that pairs a config with weights (a Hugging Face folder, an open_clip
-``local-dir:``) is checked before its library builds the model: the model the config
-describes is built on the meta device (shapes, no memory) and compared with the header of
-the weights file (:func:`check_weights_fit`), so a config claiming a model far larger than
-its weights is refused before any memory is taken for it.
+A config paired with weights (a Hugging Face folder, an open_clip ``local-dir:``) is
+checked against the weights file's header before its library builds the model
+(:func:`check_weights_fit`), so a config claiming a far larger model takes no memory.
 """
 
 from __future__ import annotations
@@ -121,24 +104,12 @@ def detect_remap(state_dict: dict[str, torch.Tensor]) -> str:
 
 
 def load_pretrained(model: nn.Module, path: str | Path, remap: str = "auto") -> dict[str, list]:
-    """Load a local checkpoint into ``model`` (weights only), remapping its keys.
+    """Load a local ``.pth``/``.pt``/``.bin``/``.safetensors`` checkpoint (``pkg://`` too)
+    into ``model``, weights only, its keys remapped (``auto``: detected).
 
-    Every parameter and buffer of the model must be in the checkpoint; keys
-    the model does not have (typically a classifier the encoder drops) are
-    ignored and logged.
-
-    Args:
-        model: the module to fill, e.g. a timm model.
-        path: a ``.pth``/``.pt``/``.bin`` state dict or a ``.safetensors`` file
-            (``pkg://package/file`` for a file inside an installed package).
-        remap: a ``CHECKPOINT_REMAPS`` name, or ``auto`` to detect it from the keys.
-
-    Returns:
-        ``{"remap": name, "ignored": [keys not in the model]}``.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: the checkpoint lacks some of the model's weights, or shapes differ.
+    Every weight of the model must be in the checkpoint (else a ``ValueError``); keys the
+    model lacks (a classifier the encoder drops) are ignored, logged and returned:
+    ``{"remap": name, "ignored": [...]}``.
     """
     path = Path(resolve_path(path))
     if not path.is_file():
@@ -196,19 +167,9 @@ def weights_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]] | None:
 
 def check_weights_fit(model: nn.Module, shapes: dict[str, tuple[int, ...]], config: str,
                       weights: str) -> None:
-    """Refuse a model that needs more than ``WEIGHTS_FILE_SLACK`` times the values its
-    weights file holds, before its library allocates it.
-
-    Args:
-        model: the model the config describes, built on the meta device.
-        shapes: the file's tensors (:func:`weights_file_shapes`).
-        config: what describes the model, for the message (``OpenCLIP local-dir:x: its
-            open_clip_config.json``).
-        weights: the weights file(s), for the message.
-
-    Raises:
-        ValueError: naming both, the two counts and the first tensors whose shapes differ.
-    """
+    """Refuse a ``model`` (built on the meta device) that needs more than
+    ``WEIGHTS_FILE_SLACK`` times the values its weights file holds (``shapes``), before its
+    library allocates it; ``config`` and ``weights`` name the two in the message."""
     own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     needed = sum(math.prod(shape) for shape in own.values())
     held = sum(math.prod(shape) for shape in shapes.values())
@@ -242,16 +203,11 @@ def hf_weights_files(folder: Path) -> list[Path]:
 
 
 def load_hf_model(path: str, what: str) -> nn.Module:
-    """``AutoModel.from_pretrained`` of a local folder (``pkg://`` too) or a hub name
-    (:func:`mmgoal.paths.from_pretrained`); a local folder's ``config.json`` is checked
-    against its weights first (:func:`check_weights_fit`): transformers builds the model
-    the config describes and allocates every tensor the file does not fill, so a
-    config.json claiming a huge hidden size would take gigabytes before the load failed.
+    """``AutoModel.from_pretrained`` of a local folder (``pkg://`` too) or a hub name. A
+    local folder's ``config.json`` is checked against its weights first
+    (:func:`check_weights_fit`): transformers allocates every tensor the file does not
+    fill, so a huge claimed hidden size would take gigabytes before the load failed.
     On the meta device: the model its config describes, without weights.
-
-    Raises:
-        ValueError: a config that does not describe the folder's weights; a file that
-            cannot be read. FileNotFoundError: no such folder or hub model.
     """
     from transformers import AutoConfig, AutoModel
 

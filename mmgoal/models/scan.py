@@ -1,9 +1,6 @@
-"""SCAN: stacked cross attention for image-text matching (Lee et al., ECCV 2018).
-
-Regions (precomputed, or RoIAlign regions / a grid from the image) are
-projected to the joint space and L2-normalised one by one; so are the words of
-a (bi)GRU or a Hugging Face encoder. The score of a pair is the stacked cross
-attention of :func:`mmgoal.models.layers.cross_attention.scan_similarity`.
+"""SCAN: stacked cross attention for image-text matching (Lee et al., ECCV 2018;
+docs/reference/scan.md): regions and words projected and L2-normalised one by one, a
+pair scored by :func:`mmgoal.models.layers.cross_attention.scan_similarity`.
 """
 
 from __future__ import annotations
@@ -36,12 +33,8 @@ def _mean_embedding(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
 
 
 def unit_fragments(fragments: torch.Tensor) -> torch.Tensor:
-    """(B, L, D) fragments L2-normalised in float32, padding (zeros) kept zero.
-
-    In float16 the norm's floor (1e-12) is zero and a zero padding row turns into
-    NaN, which the cross attention's products would spread; SCAN's attention runs
-    in float32 anyway (``full_precision``).
-    """
+    """(B, L, D) fragments L2-normalised in float32, padding (zeros) kept zero: in float16
+    the norm's floor (1e-12) is zero and a padding row would turn into NaN."""
     return F.normalize(at_least_float32(fragments), dim=-1)
 
 
@@ -50,24 +43,15 @@ class SCAN(nn.Module):
     """Regions and words in one space, scored by stacked cross attention.
 
     Args:
-        image_encoder: config of an ``ENCODERS`` image encoder that returns
-            tokens (``PrecomputedRegionEncoder``, ``RoIRegionEncoder``, or
-            ``TimmImageEncoder`` with ``output: grid``).
-        text_encoder: config of an ``ENCODERS`` text encoder with
-            ``forward_tokens`` (``GRUTextEncoder``, ``HFTextEncoder``).
-        embed_dim: size of the joint space (1024 in the paper).
-        image_projection, text_projection: ``linear``, ``mlp`` or ``none``
-            (SCAN: a linear layer for regions, none for the GRU's words).
-        direction: ``t2i`` (words attend to regions) or ``i2t``.
-        lambda_softmax: attention inverse temperature (9 for t2i, 4 for i2t).
-        pooling: ``avg`` or ``lse`` over the query fragments' relevances.
-        lambda_lse: LogSumExp sharpness (6 t2i; 5 Flickr30K / 20 COCO i2t).
-        grad_checkpointing: recompute the towers' activations in the backward.
-        tokenizer: passed to the text encoder.
+        image_encoder: an ``ENCODERS`` config that returns tokens
+            (``PrecomputedRegionEncoder``, ``RoIRegionEncoder``, ``TimmImageEncoder``
+            with ``output: grid``).
+        text_encoder: an ``ENCODERS`` config with ``forward_tokens``.
+        direction, lambda_softmax, pooling, lambda_lse: the cross attention's; the
+            paper's values per direction: docs/reference/scan.md.
 
-    ``ImageFeatures.embedding`` / ``TextFeatures.embedding`` hold the normalised
-    mean of the fragments (for logging and dual-encoder style shortcuts); the
-    score never uses them.
+    The features' ``embedding`` is the fragments' normalised mean, for logging; the score
+    never uses it.
     """
 
     similarity_uses_tokens = True  # the gallery keeps every region and word for scoring

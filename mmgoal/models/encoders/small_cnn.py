@@ -1,11 +1,7 @@
 """A small CNN for CPU-sized experiments, registered in timm as ``mmgoal_small_cnn``.
 
-Plain conv-norm-ReLU stages (batch norm, or group norm where per-sample
-statistics matter: several processes on CPU, where SyncBatchNorm does not run),
-optionally fed with two coordinate channels (CoordConv, Liu et al. 2018) so that
-globally pooled features still know where things are: captions of the synthetic
-benchmark talk about positions and left/right relations. Built through
-``timm.create_model`` like any timm model.
+Optional coordinate channels (CoordConv, Liu et al. 2018) let globally pooled features
+know where things are: the synthetic benchmark's captions talk about positions.
 """
 
 from __future__ import annotations
@@ -28,12 +24,10 @@ class SmallCNN(nn.Module):
     Args:
         widths: channels of each stage; each stage halves the resolution.
         coord_channels: append normalised x/y coordinates to the input.
-        in_chans: image channels.
         num_classes: size of a linear classifier; 0 gives pooled features.
-        global_pool: timm pooling name (``avg``, ``max``, ``avgmax``, ``''`` for none).
-        drop_rate: dropout before the classifier.
-        norm: ``batch`` or ``group`` (8 groups or fewer; batch-independent, so a
-            batch split over processes trains exactly as the whole batch in one).
+        norm: ``batch`` or ``group`` (8 groups or fewer; batch-independent, so a batch
+            split over processes trains exactly as the whole batch in one: SyncBatchNorm
+            does not run on CPU).
     """
 
     def __init__(self, widths: Sequence[PositiveInt] = (32, 64, 128, 256),

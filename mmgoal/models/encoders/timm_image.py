@@ -1,8 +1,7 @@
 """Image encoders built through timm: a globally pooled vector (VSE++) or a grid of tokens.
 
-Image encoders take the batch and return either ``(B, out_dim)`` pooled
-features (``returns_tokens = False``) or ``(tokens (B, L, out_dim), lengths
-(B,))`` (``returns_tokens = True``) for a pooler such as GPO to reduce.
+Image encoders return ``(B, out_dim)`` (``returns_tokens = False``) or ``(tokens (B, L,
+out_dim), lengths (B,))`` (``returns_tokens = True``) for a pooler such as GPO.
 """
 
 from __future__ import annotations
@@ -24,17 +23,9 @@ from mmgoal.structures import Preprocessing
 def create_timm_backbone(model_name: str, pretrained: str | bool | None = None,
                          checkpoint_remap: str = "auto", model_kwargs: dict | None = None,
                          global_pool: str = "avg") -> nn.Module:
-    """``timm.create_model`` without a classifier, with weights from a local file.
-
-    Args:
-        model_name: a timm model name.
-        pretrained: a local checkpoint path (loaded with ``load_pretrained``
-            and ``checkpoint_remap``), ``True`` for timm's own pretrained
-            weights (needs timm's cache on this machine), or ``None``/``False``.
-        checkpoint_remap: a ``CHECKPOINT_REMAPS`` name or ``auto``.
-        model_kwargs: extra keyword arguments for ``timm.create_model``.
-        global_pool: timm pooling name (``''`` keeps the feature map).
-    """
+    """``timm.create_model`` without a classifier; ``pretrained``: a local checkpoint
+    (``load_pretrained`` with ``checkpoint_remap``), ``True`` for timm's own weights, or
+    ``None``/``False``. ``global_pool=''`` keeps the feature map."""
     try:
         model = timm.create_model(model_name, pretrained=pretrained is True, num_classes=0,
                                   global_pool=global_pool, **(model_kwargs or {}))
@@ -57,19 +48,9 @@ def create_timm_backbone(model_name: str, pretrained: str | bool | None = None,
 
 def drop_tokens(tokens: torch.Tensor, lengths: torch.Tensor,
                 p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop each real token with probability ``p`` and pack the survivors to the front.
-
-    VSE-infinity's feature dropout (p = 0.2) for region and grid tokens; at
-    least one token of every row survives and the order is kept.
-
-    Args:
-        tokens: (B, L, D) padded.
-        lengths: (B,) real tokens per row.
-
-    Returns:
-        tokens (B, L', D) with L' the longest surviving row (padding zeroed),
-        lengths (B,).
-    """
+    """Drop each real token of ``tokens`` (B, L, D) with probability ``p`` and pack the
+    survivors to the front, in order, at least one a row: VSE-infinity's feature dropout
+    (p = 0.2). Returns tokens (B, L', D), L' the longest surviving row, and lengths."""
     batch, length, _ = tokens.shape
     keep = (torch.rand(batch, length, device=tokens.device) >= p) & length_mask(lengths, length)
     keep[keep.sum(1) == 0, 0] = True
@@ -78,20 +59,11 @@ def drop_tokens(tokens: torch.Tensor, lengths: torch.Tensor,
 
 @ENCODERS.register()
 class TimmImageEncoder(nn.Module):
-    """Any timm model as an image encoder: pooled vector or grid of tokens.
+    """Any timm model as an image encoder (arguments as :func:`create_timm_backbone`'s).
 
-    Args:
-        model_name: a timm model name (``resnet152``, ``tf_efficientnet_lite0``,
-            ``mmgoal_small_cnn``, ``vit_tiny_patch16_224``, ...).
-        pretrained: local checkpoint path, ``True`` for timm's cache, or ``None``.
-        checkpoint_remap: how to rename the checkpoint's keys (``auto`` detects
-            the family; see ``mmgoal.models.pretrained``).
-        model_kwargs: extra keyword arguments for ``timm.create_model``.
-        global_pool: timm pooling name for ``output: pooled``.
-        output: ``pooled`` (VSE++: one vector per image) or ``grid`` (VSE-infinity
-            grid features: every position of the last feature map, or every
-            token of a transformer, is a token).
-        token_dropout: in training, drop each grid token with this probability.
+    ``output``: ``pooled`` (VSE++: one vector per image) or ``grid`` (VSE-infinity: every
+    position of the last feature map, or every token of a transformer, is a token, each
+    dropped in training with probability ``token_dropout``).
     """
 
     def __init__(self, model_name: str, pretrained: str | bool | None = None,
@@ -109,11 +81,9 @@ class TimmImageEncoder(nn.Module):
 
     @classmethod
     def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:
-        """timm's preprocessing of the model's pretrained config (``TimmTransform``: its
-        mean/std, resize and centre crop; ``data.image_size`` sets the crop) for training
-        and evaluation alike (augmentation is the config's choice), when the tower loads
-        pretrained weights: random weights have no statistics of their own, nor does a
-        model timm has no pretrained config for."""
+        """timm's preprocessing of the model's pretrained config (``TimmTransform``;
+        ``data.image_size`` sets the crop), for training and evaluation alike, when the
+        tower loads pretrained weights that have one."""
         if not cfg.get("pretrained") or timm.models.get_pretrained_cfg(cfg["model_name"]) is None:
             return Preprocessing()
         transform = {"type": "TimmTransform", "model_name": cfg["model_name"]}

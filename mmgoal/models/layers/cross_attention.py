@@ -1,19 +1,10 @@
-"""SCAN's stacked cross attention (Lee et al., ECCV 2018), batched over all pairs.
+"""SCAN's stacked cross attention (Lee et al., ECCV 2018; steps 1-4 of
+docs/reference/scan.md), batched over all pairs.
 
-For a query item (a caption's words, or an image's regions) and a key item:
-
-1. ``s[q, k] = cos(query_q, key_k)``, LeakyReLU(0.1), then L2-normalised over the
-   query axis ("clipped L2 norm");
-2. attention ``a[q, k] = softmax_k(lambda_softmax * s[q, k])``;
-3. attended vector ``att_q = sum_k a[q, k] key_k``;
-4. relevance ``R_q = cos(query_q, att_q)``, pooled over queries by the mean
-   (AVG) or ``(1 / lambda_lse) log sum_q exp(lambda_lse R_q)`` (LSE).
-
-Text-to-image uses words as queries and regions as keys; image-to-text swaps
-them. :func:`scan_similarity` scores every (image, text) pair of two blocks at
-once without forming the attended vectors: ``query_q . att_q = sum_k a[q, k]
-s_raw[q, k]`` and ``|att_q|^2 = a_q G a_q^T`` with ``G`` the key item's Gram
-matrix, so the heavy work is one matrix product of all queries with all keys.
+:func:`scan_similarity` scores every (image, text) pair of two blocks without forming
+the attended vectors: ``query_q . att_q = sum_k a[q, k] s_raw[q, k]`` and ``|att_q|^2 =
+a_q G a_q^T`` with ``G`` the key item's Gram matrix, so the heavy work is one matrix
+product of all queries with all keys.
 """
 
 from __future__ import annotations
@@ -41,13 +32,8 @@ def _check(direction: Direction, pooling: Pooling) -> None:
 
 
 def clipped_l2_scores(raw: torch.Tensor, query_mask: torch.Tensor, query_dim: int) -> torch.Tensor:
-    """LeakyReLU(0.1) then L2 normalisation over the query axis, padded queries excluded.
-
-    Args:
-        raw: raw query-key cosines, any layout.
-        query_mask: bool, broadcastable to ``raw``, True for real queries.
-        query_dim: the axis of ``raw`` that indexes queries.
-    """
+    """LeakyReLU(0.1) then L2 normalisation over ``raw``'s ``query_dim`` axis, padded
+    queries (``query_mask``, broadcastable to ``raw``) excluded."""
     scores = F.leaky_relu(raw, 0.1) * query_mask
     # norm() has a zero gradient at zero (a padded key), where sqrt(sum of squares) has NaN.
     return scores / (scores.norm(dim=query_dim, keepdim=True) + EPS)
@@ -71,11 +57,8 @@ def reuse_buffers():
 
 def _buffer(name: str, shape: tuple[int, ...], like: torch.Tensor,
             enabled: bool) -> torch.Tensor | None:
-    """A work array of ``shape`` from the workspace, or ``None`` (allocate) outside one.
-
-    Only the no-autograd path uses it (``enabled``): autograd keeps its tensors for
-    the backward pass.
-    """
+    """A work array of ``shape`` from the workspace, or ``None`` (allocate) outside one or
+    where not ``enabled`` (autograd keeps its tensors for the backward pass)."""
     if _workspace is None or not enabled:
         return None
     numel = math.prod(shape)
@@ -169,20 +152,9 @@ def scan_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words: tor
                     word_mask: torch.Tensor, direction: Direction = "t2i",
                     lambda_softmax: float = 9.0, pooling: Pooling = "avg",
                     lambda_lse: float = 6.0) -> torch.Tensor:
-    """SCAN scores of every (image, text) pair of a block of images and a block of texts.
-
-    Args:
-        regions: (n_img, R, D) region features, L2-normalised; region_mask:
-            (n_img, R) bool, True for real regions.
-        words: (n_txt, W, D) word features, L2-normalised; word_mask: (n_txt, W).
-        direction: ``t2i`` (words attend to regions) or ``i2t`` (regions attend to words).
-        lambda_softmax: attention inverse temperature.
-        pooling: ``avg`` or ``lse`` over the queries' relevances.
-        lambda_lse: LogSumExp sharpness.
-
-    Returns:
-        (n_img, n_txt) scores.
-    """
+    """(n_img, n_txt) SCAN scores of ``regions`` (n_img, R, D) against ``words`` (n_txt, W,
+    D), both L2-normalised, with bool masks (True: real); ``lambda_softmax`` is the
+    attention's inverse temperature, ``lambda_lse`` the LSE pooling's sharpness."""
     _check(direction, pooling)
     region_mask, word_mask = region_mask.bool(), word_mask.bool()
     with full_precision(regions.device):
@@ -198,15 +170,8 @@ def scan_pair_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words
                          word_mask: torch.Tensor, direction: Direction = "t2i",
                          lambda_softmax: float = 9.0, pooling: Pooling = "avg",
                          lambda_lse: float = 6.0) -> torch.Tensor:
-    """SCAN scores of aligned pairs, ``regions[b]`` with ``words[b]``: the diagonal of
-    :func:`scan_similarity`, computed for those pairs alone (score tiles score O(n) chosen
-    pairs this way, with their graph).
-
-    Args: as :func:`scan_similarity`, with the same number of images and texts.
-
-    Returns:
-        (B,) scores.
-    """
+    """(B,) SCAN scores of aligned pairs, ``regions[b]`` with ``words[b]``: the diagonal of
+    :func:`scan_similarity` for those pairs alone (score tiles' O(n) chosen pairs)."""
     _check(direction, pooling)
     if regions.shape[0] != words.shape[0]:
         raise ValueError(f"aligned pairs need as many images as texts, got "
@@ -235,10 +200,8 @@ def scan_pair_similarity(regions: torch.Tensor, region_mask: torch.Tensor, words
 def scan_attention(regions: torch.Tensor, region_mask: torch.Tensor, words: torch.Tensor,
                    word_mask: torch.Tensor, direction: Direction = "t2i",
                    lambda_softmax: float = 9.0) -> Attention:
-    """SCAN attention of matched pairs: ``regions[b]`` with ``words[b]``.
-
-    Args: as :func:`scan_similarity`, with the same number of images and texts.
-    """
+    """SCAN attention of matched pairs: ``regions[b]`` with ``words[b]`` (arguments as
+    :func:`scan_similarity`'s)."""
     _check(direction, "avg")
     if regions.shape[0] != words.shape[0]:
         raise ValueError(f"matched pairs need as many images as texts, got "

@@ -24,12 +24,8 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class FusionLayer(nn.Module):
-    """Self-attention over text, cross-attention to image tokens, feed-forward.
-
-    Args:
-        config: a ``BertConfig`` (its ``is_decoder`` is ignored: self-attention
-            is never causal here).
-    """
+    """Self-attention over text, cross-attention to image tokens, feed-forward; ``config``
+    is a ``BertConfig`` whose ``is_decoder`` is ignored (self-attention is never causal)."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -56,14 +52,8 @@ class FusionLayer(nn.Module):
 
 
 class FusionEncoder(nn.Module):
-    """A stack of :class:`FusionLayer`.
-
-    Args:
-        config: the text model's ``BertConfig``.
-        num_layers: fusion layers.
-        init_from: optional BERT layers (``BertLayer``) whose self-attention and
-            feed-forward weights initialise the fusion layers, one for one.
-    """
+    """A stack of :class:`FusionLayer`; ``init_from``: BERT layers whose self-attention and
+    feed-forward weights initialise them, one for one."""
 
     def __init__(self, config, num_layers: int, init_from: list[nn.Module] | None = None) -> None:
         super().__init__()

@@ -1,10 +1,6 @@
-"""Set poolers over padded token features: mean, max and GPO.
-
-GPO is the Generalized Pooling Operator of VSE-infinity (Chen et al., CVPR
-2021, "Learning the Best Pooling Strategy for Visual Semantic Embedding"): a
-weighted sum of each channel's values sorted in descending order, where the
-weights depend only on the number of tokens. The formulas follow
-docs/reference/dual_encoders.md and the authors' release (``lib/modules/aggr/gpo.py``).
+"""Set poolers over padded token features: mean, max and GPO, the Generalized Pooling
+Operator of VSE-infinity (Chen et al., CVPR 2021; docs/reference/dual_encoders.md, after
+the authors' ``lib/modules/aggr/gpo.py``).
 
 Every pooler maps ``features (B, L, D)`` padded and ``lengths (B,)`` to
 ``(pooled (B, D), weights (B, L) or None)``.
@@ -37,16 +33,8 @@ def sinusoidal_positions(length: int, dim: int,
 
 def sorted_weighted_sum(features: torch.Tensor, lengths: torch.Tensor,
                         weights: torch.Tensor) -> torch.Tensor:
-    """Sort every channel over the real tokens (descending) and sum with ``weights``.
-
-    Args:
-        features: (B, L, D) padded token features.
-        lengths: (B,) real tokens per row.
-        weights: (B, L) position weights, zero at padding.
-
-    Returns:
-        (B, D): ``sum_k weights[:, k] * sorted_k``; padding sorts last and counts 0.
-    """
+    """(B, D) ``sum_k weights[:, k] * sorted_k``: every channel of ``features`` (B, L, D)
+    sorted over the real tokens (descending), ``weights`` (B, L); padding counts 0."""
     mask = length_mask(lengths, features.shape[1])[..., None]
     ordered = features.masked_fill(~mask, -math.inf).sort(dim=1, descending=True).values
     ordered = ordered.masked_fill(~mask, 0.0)
@@ -82,20 +70,9 @@ class MaxPool(nn.Module):
 
 @POOLERS.register()
 class GPO(nn.Module):
-    """Generalized Pooling Operator.
-
-    Position encodings of ``0..L-1`` run through a bidirectional GRU (directions
-    averaged) and a linear layer to one score per position; ``softmax(score /
-    temperature)`` over the real positions gives the weights. Every channel of
-    the features is sorted in descending order independently and the pooled
-    vector is the weighted sum of the sorted values. The weights depend only on
-    the set size, never on the feature values.
-
-    Args:
-        d_pe: size of the position encoding (32 in VSE-infinity).
-        d_hidden: GRU state size (32).
-        temperature: softmax temperature of the scores (0.1).
-    """
+    """Generalized Pooling Operator (docs/reference/dual_encoders.md, "GPO"): weights from
+    the set size alone, through a GRU over position encodings (``d_pe``, ``d_hidden``) and
+    a softmax at ``temperature``, on every channel's values sorted in descending order."""
 
     def __init__(self, d_pe: PositiveInt = 32, d_hidden: PositiveInt = 32,
                  temperature: float = 0.1) -> None:
