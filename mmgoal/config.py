@@ -1,23 +1,9 @@
 """YAML configs with ``_base_`` inheritance, ``_delete_`` and command-line overrides.
 
-A config is plain data: it is read with ``yaml.safe_load`` and never runs code.
-
-* ``_base_: path`` or ``_base_: [a, b]`` (relative to the file) are loaded
-  first, merged left to right, then the file itself is deep-merged on top.
-* A mapping with ``_delete_: true`` replaces the inherited mapping instead of
-  merging into it.
-* ``overrides`` (``--cfg-options``) are ``dotted.key=value`` strings; values are
-  parsed as Python literals (``1``, ``1e-3``, ``[1, 2]``, ``'a'``; ``true``,
-  ``false``, ``null`` too), anything else stays a string. Overriding a key that
-  nothing knows is an error with the closest match, so a typo never passes
-  silently; ``apply_override``'s ``known_keys`` says which absent keys a
-  schema knows (the trainer's: :func:`mmgoal.runs.schema.load_run_config`).
-* :class:`ConfigSection` is the base of a section's schema: a dataclass whose
-  fields are the section's keys with their defaults, read by ``from_dict``.
-* The configs of the repository's ``configs/`` ship inside the package
-  (``mmgoal/configs/``): :func:`find_config` takes a file, or the name of a
-  shipped one (``quickstart``, ``clip/clip_vit_b_32_coco``) where no such file
-  exists; :func:`shipped_configs` lists them (``mmgoal configs``, docs/configs.md).
+A config is plain data, read with a ``yaml.SafeLoader``: it never runs code. Inheritance,
+overrides and the shipped configs :func:`find_config` finds by name: docs/configs.md.
+:class:`ConfigSection` is the base of a section's schema: a dataclass whose fields are the
+section's keys with their defaults (the run's: :mod:`mmgoal.runs.schema`).
 """
 
 from __future__ import annotations
@@ -80,13 +66,8 @@ class _SelfContaining(ValueError):
 def _expanded_values(node: yaml.Node, seen: dict[int, int], limit: int,
                      inside: set[int] | None = None) -> int:
     """How many values ``node`` stands for once every alias is copied out (stops counting
-    past ``limit``); ``seen`` holds the nodes counted so far (an alias is the same node
-    object as its anchor), ``inside`` the nodes ``node`` lies in.
-
-    Raises:
-        _SelfContaining: an alias of a node met inside that node (a value holding itself
-            cannot be copied out: it has no end).
-    """
+    past ``limit``); ``seen`` holds the nodes counted so far (an alias is its anchor's node
+    object), ``inside`` the nodes ``node`` lies in, where an alias raises _SelfContaining."""
     inside = set() if inside is None else inside
     if id(node) in inside:
         raise _SelfContaining(node.start_mark.line + 1)
@@ -107,13 +88,8 @@ def _expanded_values(node: yaml.Node, seen: dict[int, int], limit: int,
 
 
 def read_yaml(text: str, where: str) -> Any:
-    """``text`` as plain data (:class:`ConfigLoader`), refusing aliases that expand it past
-    :data:`MAX_EXPANDED_VALUES` values: such a file would take memory and time it does
-    not hold (a YAML alias bomb) before anything could look at it.
-
-    Raises:
-        ValueError: malformed YAML, or the expansion past the bound.
-    """
+    """``text`` as plain data (:class:`ConfigLoader`); a ValueError for aliases that expand
+    it past :data:`MAX_EXPANDED_VALUES` values (a YAML alias bomb)."""
     loader = ConfigLoader(text)
     try:
         node = loader.get_single_node()
@@ -140,20 +116,8 @@ _YAML_WORDS = {"true": True, "false": False, "null": None, "none": None, "~": No
 
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:
-    """Load a YAML config, resolve ``_base_``/``_delete_`` and apply overrides.
-
-    Args:
-        path: the YAML file.
-        overrides: ``["a.b=1", "c=[1, 2]"]``.
-
-    Returns:
-        The resolved config as a plain dict.
-
-    Raises:
-        FileNotFoundError: the file or one of its bases is missing.
-        ValueError: malformed YAML, a cycle of bases, or an override of a key
-            that does not exist.
-    """
+    """A YAML config as a plain dict, ``_base_``/``_delete_`` resolved and ``overrides``
+    (``["a.b=1", "c=[1, 2]"]``) applied."""
     cfg = _load_with_bases(Path(path), chain=(), loaded={})
     for override in overrides:
         apply_override(cfg, override)
@@ -179,16 +143,10 @@ def shipped_config_name(text: str | os.PathLike) -> str:
 
 
 def find_config(text: str | os.PathLike) -> Path:
-    """The config ``text`` names: a file that exists always wins (``text`` itself, else
-    ``text.yaml``, else ``configs/<name>.yaml`` under the working directory: a clone's own
-    configs), then the config of that name shipped with mmgoal (``quickstart``,
-    ``configs/quickstart.yaml`` or ``clip/clip_vit_b_32_coco``; a shipped DeepSpeed JSON
-    too, ``configs/distributed/zero3_bf16.json``), so the documented commands run from
-    any folder.
-
-    Raises:
-        FileNotFoundError: none of these; the message gives the closest shipped names.
-    """
+    """The config ``text`` names: a file that exists always wins (``text``, ``text.yaml``,
+    ``configs/<name>.yaml``), then the shipped config of that name (a shipped DeepSpeed JSON
+    too), so the documented commands run from any folder (docs/configs.md, "The shipped
+    configs")."""
     given = Path(text)
     relative = given.as_posix().removeprefix("configs/")
     # a name without a suffix is a YAML config's; other files (a DeepSpeed JSON) keep theirs
@@ -212,11 +170,7 @@ MAX_CONFIG_BYTES = 1 << 20
 
 def read_config_text(path: Path, where: str = "") -> str:
     """The text of the config file ``path``, refused unread past :data:`MAX_CONFIG_BYTES`
-    (:func:`mmgoal.files.read_text`: a device or FIFO is never opened).
-
-    Raises:
-        ValueError: the file is larger, not a regular file, or not UTF-8 text.
-    """
+    (:func:`mmgoal.files.read_text`: a device or FIFO is never opened)."""
     try:
         return read_text(path, "config", MAX_CONFIG_BYTES)
     except OversizedFileError:
@@ -264,11 +218,8 @@ def _load_with_bases(path: Path, chain: tuple[Path, ...], loaded: dict[Path, dic
 
 
 def merge_configs(base: Mapping, update: Mapping) -> dict:
-    """Deep-merge ``update`` into a copy of ``base``.
-
-    Mappings merge key by key; a mapping in ``update`` with ``_delete_: true``
-    replaces the one in ``base``; any other value replaces.
-    """
+    """Deep-merge ``update`` into a copy of ``base``: mappings key by key, unless ``update``'s
+    has ``_delete_: true``; any other value replaces."""
     result = copy.deepcopy(dict(base))
     for key, value in update.items():
         if isinstance(value, Mapping) and not value.get(DELETE_KEY, False) and isinstance(
@@ -316,11 +267,8 @@ def override_key(override: str) -> str:
 
 
 def apply_override(cfg: dict, override: str, known_keys: KnownKeys | None = None) -> None:
-    """Apply one ``dotted.key=value`` override in place.
-
-    The key must exist, or ``known_keys(path, mapping)`` (``path``: the keys
-    leading to ``mapping``) must name it as a key that mapping may hold.
-    """
+    """Apply one ``dotted.key=value`` override in place. The key must exist, or
+    ``known_keys(path, mapping)`` (``path``: the keys leading to ``mapping``) must name it."""
     if "=" not in override:
         raise ValueError(f"override {override!r} must look like key.subkey=value")
     dotted, text = override_key(override), override.split("=", 1)[1]
@@ -362,12 +310,8 @@ def config_text(cfg: Mapping) -> str:
 
 
 def config_changes(old: Any, new: Any, prefix: str = "") -> dict[str, list]:
-    """Dotted key -> ``[old value, new value]`` for every place two configs differ.
-
-    Mappings are compared key by key (``old``'s keys first, then those only
-    ``new`` has; a missing key reads as ``None``); anything else, lists included,
-    as a whole.
-    """
+    """Dotted key -> ``[old value, new value]`` for every place two configs differ: mappings
+    key by key (a missing key reads as ``None``), anything else, lists included, whole."""
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         changes: dict[str, list] = {}
         for key in [*old, *(k for k in new if k not in old)]:
@@ -445,15 +389,10 @@ _KINDS = {float: "a number", int: "an integer", bool: "true or false", str: "a s
 def check_value(where: str, value: Any, hint: Any) -> None:
     """A ``ValueError`` when a config value (plain data) cannot be of the type ``hint``.
 
-    Simple types are checked exactly (an int is a number, a bool is neither a
-    number nor an integer); a list suits sequence types, each item checked against
-    the item type (``list[str]``), a mapping suits mapping types, and a class
-    (``torch.Tensor``) only its instances, which config data never is; a hint this
-    cannot read (``Any``, callables, forward references) allows anything.
-    ``Annotated[int, AtLeast(1)]`` (:data:`PositiveInt`) is an int of at least 1, in
-    a union (``PositiveInt | None``) or a list (``list[PositiveInt]``) too. A
-    ``Literal`` is one of its values, and the message lists them with the closest: the
-    one check of a choice, also for an argument that no config carries.
+    Simple types exactly (a bool is neither a number nor an integer); a list's items against
+    the item type (``list[str]``); a class (``torch.Tensor``) only its instances; a hint this
+    cannot read (``Any``, callables) allows anything. :data:`PositiveInt` bounds, in a union
+    or list too. A ``Literal`` lists its values and the closest: the one check of a choice.
     """
     members = _union_members(hint)
     fitting = next((member for member in members if suits(value, member)), None)
@@ -538,25 +477,17 @@ def _check_within(where: str, value: Any, hint: Any) -> None:
 
 @dataclasses.dataclass
 class ConfigSection:
-    """A config section's schema: subclasses are dataclasses whose fields are its keys.
-
-    A field whose type is another ``ConfigSection`` (or ``None`` or one) is read
-    as a nested section; a field of a simple type (``int``, ``float | None``, ...)
-    must hold a value of that type, and ``MINIMUM`` (field -> least value) bounds
-    numbers. ``__post_init__`` of a subclass checks the rest.
-    """
+    """A config section's schema: subclasses are dataclasses whose fields are its keys. A
+    field typed ``ConfigSection`` (or ``X | None``) is a nested section; other fields are
+    type-checked, ``MINIMUM`` (field -> least value) bounds numbers, and a subclass's
+    ``__post_init__`` checks the rest."""
 
     MINIMUM: typing.ClassVar[dict[str, float]] = {}
 
     @classmethod
     def from_dict(cls, given: Mapping[str, Any] | None, where: str):
-        """The section from a config mapping; an unknown key is a ``ValueError``.
-
-        Args:
-            given: the section as written (``None``: every default).
-            where: its dotted name, for messages (``"train"``, ``"data.val"``; ``""``:
-                the whole config).
-        """
+        """The section from ``given`` as written (``None``: every default), ``where`` its
+        dotted name (``""``: the whole config); an unknown key is a ``ValueError``."""
         if given is not None and not isinstance(given, Mapping):
             raise ValueError(f"'{where or 'the config'}' must be a mapping, got {given!r}")
         given = dict(given or {})

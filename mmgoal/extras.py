@@ -1,9 +1,7 @@
 """Optional dependencies: the packages of ``pip install 'mmgoal[EXTRA]'``.
 
-``import mmgoal``, the torch strategy, evaluation and every tool but the plots
-need none of them. Each optional package is imported only where it is used,
-after :func:`require_extra` has checked that it is installed, so a missing one
-is reported with the extra that installs it rather than with a bare
+Each is imported only where it is used, after :func:`require_extra` checked it is
+installed, so a missing one is reported with the extra that installs it, not a bare
 ``ModuleNotFoundError`` from deep inside a run.
 """
 
@@ -28,15 +26,8 @@ EXTRAS = {
 
 
 def require_extra(module: str, purpose: str) -> None:
-    """Check that the optional package ``module`` is installed, without importing it.
-
-    Args:
-        module: a key of :data:`EXTRAS` (``"deepspeed"``).
-        purpose: what needs it, for the message (``"strategy: {type: deepspeed}"``).
-
-    Raises:
-        ImportError: ``module`` is not installed; the message names the extra.
-    """
+    """Check that the optional package ``module`` (a key of :data:`EXTRAS`) is installed,
+    without importing it; ``purpose`` is what needs it (``"strategy: {type: deepspeed}"``)."""
     if importlib.util.find_spec(module) is None:
         raise ImportError(
             f"{purpose} needs {module}, which is not installed; install it with "
@@ -44,11 +35,7 @@ def require_extra(module: str, purpose: str) -> None:
 
 
 def pyplot(purpose: str) -> ModuleType:
-    """``matplotlib.pyplot`` drawing to files only (the Agg backend: no display needed).
-
-    Raises:
-        ImportError: matplotlib is not installed; the message names the extra.
-    """
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend: no display needed)."""
     require_extra("matplotlib", purpose)
     importlib.import_module("matplotlib").use("Agg")
     return importlib.import_module("matplotlib.pyplot")

@@ -1,21 +1,11 @@
 """Files mmgoal writes: whole or not at all, and never through a link it did not make.
 
-A folder mmgoal writes into may be someone else's: a received run folder resumed with
-``--resume``, whose ``.mmgoal-run.lock`` is a symbolic link to a file of yours; an export
-folder whose ``open_clip_config.json`` points outside it. So every file mmgoal writes goes
-through :func:`write_atomically`: a temporary file created new in the target's folder
-(``O_EXCL | O_NOFOLLOW``: never an existing file, never a link), written, flushed to
-disk, then renamed over the target. The target's old content is never opened, a reader
-never sees half a file, and a symbolic link where mmgoal would write is refused with a
-:class:`LinkedPathError` that names it. The files mmgoal appends to (``metrics.jsonl``,
-``config_changes.jsonl``) and the run lock are opened with ``O_NOFOLLOW``
-(:func:`open_unlinked`). docs/received_files.md is the whole set of receive-side rules.
-
-Files mmgoal reads that a user points it at (images, caption and class-name files, annotation
-files, configs) go through :func:`open_regular`: a device, FIFO or socket (``/dev/zero``
-behind a link, a named pipe called ``pipe.jpg``) is refused before it is opened, as it
-would fill memory or block for ever; :func:`read_bytes` and :func:`read_text` also refuse a
-file past a size bound, before reading it.
+A folder mmgoal writes into may be someone else's (a received run folder whose lock is a
+link to a file of yours), so every file goes through :func:`write_atomically`: a new
+temporary file (``O_EXCL | O_NOFOLLOW``), flushed, renamed over the target; appended files
+and the run lock are opened with ``O_NOFOLLOW`` (:func:`open_unlinked`). Files a user points
+mmgoal at are read through :func:`open_regular` (no device, FIFO or socket) and bounded by
+:func:`read_bytes`. The rules: docs/received_files.md.
 """
 
 from __future__ import annotations
@@ -65,12 +55,8 @@ def _not_a_file(path: str | os.PathLike, what: str, mode: int) -> NotAFileError:
 
 
 def check_regular(path: str | os.PathLike, what: str = "file") -> os.stat_result:
-    """The ``stat`` of ``path`` (links followed) when it is a regular file, read nothing.
-
-    Raises:
-        FileNotFoundError: nothing there (or a dangling link).
-        NotAFileError: a device, FIFO, socket or folder.
-    """
+    """The ``stat`` of ``path`` (links followed) when it is a regular file, read nothing;
+    else a :class:`NotAFileError` (FileNotFoundError where nothing is there)."""
     info = os.stat(path)
     if not stat.S_ISREG(info.st_mode):
         raise _not_a_file(path, what, info.st_mode)
@@ -80,14 +66,8 @@ def check_regular(path: str | os.PathLike, what: str = "file") -> os.stat_result
 def open_regular(path: str | os.PathLike, what: str = "file") -> IO[bytes]:
     """``path`` opened for reading in binary, when it is a regular file: it is checked before
     it is opened (opening a device can act) and again once open without blocking (a FIFO
-    swapped in between would otherwise wait for a writer for ever).
-
-    Args:
-        what: what the file is, for messages (``caption file``).
-
-    Raises:
-        FileNotFoundError: nothing there.
-        NotAFileError: a device, FIFO, socket or folder.
+    swapped in between would otherwise wait for a writer for ever). ``what`` names the file
+    in messages (``caption file``).
     """
     check_regular(path, what)
     try:
@@ -108,13 +88,8 @@ def open_regular(path: str | os.PathLike, what: str = "file") -> IO[bytes]:
 
 
 def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
-    """The bytes of the regular file ``path`` (:func:`open_regular`), refused unread when it
-    holds more than ``limit`` bytes.
-
-    Raises:
-        FileNotFoundError, NotAFileError: as :func:`open_regular`.
-        OversizedFileError: past ``limit``, saying so.
-    """
+    """The bytes of the regular file ``path`` (:func:`open_regular`); an
+    :class:`OversizedFileError`, unread, when it holds more than ``limit`` bytes."""
     with open_regular(path, what) as stream:
         size = os.fstat(stream.fileno()).st_size
         data = stream.read(limit + 1) if size <= limit else b""
@@ -127,12 +102,7 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int) -> bytes:
 
 def read_text(path: str | os.PathLike, what: str, limit: int = MAX_LIST_BYTES,
               encoding: str = "utf-8") -> str:
-    """The text of the regular file ``path``, bounded as :func:`read_bytes` bounds it.
-
-    Raises:
-        FileNotFoundError, NotAFileError, OversizedFileError: as :func:`read_bytes`.
-        ValueError: the bytes are not ``encoding`` text, naming the file.
-    """
+    """The text of the regular file ``path``, bounded as :func:`read_bytes` bounds it."""
     data = read_bytes(path, what, limit)
     try:
         return data.decode(encoding)
@@ -153,15 +123,8 @@ def refuse_link(path: str | os.PathLike) -> None:
 
 def open_unlinked(path: str | os.PathLike, flags: int, what: str) -> IO:
     """``path`` opened with ``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC)`` (created with
-    the umask's permissions where ``flags`` has ``O_CREAT``) as a text stream.
-
-    Args:
-        what: what the file is, for messages (``the run lock``).
-
-    Raises:
-        LinkedPathError: ``path`` is a symbolic link.
-        ValueError: ``path`` is a folder.
-    """
+    the umask's permissions where ``flags`` has ``O_CREAT``) as a text stream; ``what``
+    names it in messages (``the run lock``)."""
     mode = "a" if flags & os.O_APPEND else "r+" if flags & os.O_RDWR else "w"
     try:
         descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
@@ -224,12 +187,8 @@ def temporary_for(path: str | os.PathLike, remove_stale: bool = False,
     Args:
         durable: fsync the file and the folder (off: thousands of small files a generator
             can write again, where two fsyncs would cost more than the writes).
-        remove_stale: first delete the temporary files that killed writes of ``path`` left
-            (:func:`remove_stale_temporaries`: for large files, such as checkpoints; it
-            lists the folder, too slow for thousands of small files in one).
-
-    Raises:
-        LinkedPathError: ``path`` is a symbolic link.
+        remove_stale: first delete what killed writes of ``path`` left
+            (:func:`remove_stale_temporaries`; it lists the folder: for large files only).
     """
     path = Path(path)
     refuse_link(path)
@@ -277,12 +236,8 @@ def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
     """A new, empty folder beside ``folder`` for the block to write files into (a library's
     ``save_pretrained``, which opens its own files); afterwards each file gets the
     permissions the umask gives a new file (whatever its writer chose: safetensors writes
-    0600) and is renamed into ``folder`` (created if missing), over a file of the same
-    name but never through a link. If the block raises, nothing reaches ``folder``.
-
-    Raises:
-        LinkedPathError: a symbolic link stands where one of the files would go (checked
-            for every file before any is moved).
+    0600) and is renamed into ``folder``, over a file of the same name but never through a
+    link (every file checked before any moves). If the block raises, nothing reaches ``folder``.
     """
     folder = Path(folder)
     refuse_link(folder)

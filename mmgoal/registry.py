@@ -1,15 +1,10 @@
 """Registries: one build contract (``type`` + keyword arguments) for every component.
 
-Every registry of the package lives in this module. ``@OBJECTIVES.register()``
-registers a class or function under its own name; ``OBJECTIVES.build({"type":
-"TripletLoss", "margin": 0.2})`` builds it. Each registry knows where its built-in
-components are registered (``locations``, as mmengine's registries do): the first time
-a built-in name is asked for, its module is imported, so a name is never missing
-because a module was not imported, and ``import mmgoal`` imports none of them (a tool
-that evaluates a dual encoder never loads timm's other models, DeepSpeed or W&B).
-tests/test_registry.py checks the tables against what importing every module registers.
-Third-party components come from ``custom_imports`` in a config or from the
-``mmgoal.plugins`` entry-point group; nothing else is ever imported.
+Every registry of the package lives here. ``@OBJECTIVES.register()`` registers a class or
+function under its own name; ``OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})``
+builds it. A built-in name's module is imported the first time it is asked for
+(``locations``: docs/architecture.md, "What is loaded when"); third-party components come
+from a config's ``custom_imports`` or the ``mmgoal.plugins`` entry points (docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -34,11 +29,8 @@ PLUGIN_GROUP = "mmgoal.plugins"
 
 
 class ConfigError(ValueError, TypeError):
-    """A component config that cannot be built: an unknown or missing key, a bad value.
-
-    A ``ValueError`` (tools report it and exit 2) and, as the arguments a
-    component was called with, a ``TypeError``.
-    """
+    """A component config that cannot be built: an unknown or missing key, a bad value. A
+    ``ValueError`` (tools report it and exit 2) and, as a call's arguments, a ``TypeError``."""
 
 
 class UnknownNameError(ConfigError, KeyError):
@@ -52,21 +44,13 @@ class Registry:
     """A named mapping from component names to classes or functions.
 
     Args:
-        name: what the registry holds, used in error messages (``"objective"``).
-        inputs: parameters its entries receive when called (a weight's scores),
-            which are never config keys.
+        name: what the registry holds, for messages (``"objective"``).
+        inputs: parameters its entries receive when called (a weight's scores), never
+            config keys.
         locations: the module that registers each built-in name, imported the first time
             the name is asked for.
-        builder: the module that declares :attr:`builder_keys` (imported when they are
-            asked for).
-
-    Attributes:
-        builder_keys: the schema (a :class:`~mmgoal.config.ConfigSection`) of keys
-            that the code building this registry's components reads itself from
-            their configs and does not pass on (``optimizer.paramwise``); ``None``:
-            every key goes to the component. Declared by that code
-            (:meth:`read_by_builder`), whose module (``builder``) asking for them imports.
-        locations: the module that registers each built-in name.
+        builder: the module that declares :attr:`builder_keys`, the keys the code building
+            this registry's components reads itself (``optimizer.paramwise``).
     """
 
     def __init__(self, name: str, inputs: tuple[str, ...] = (),
@@ -112,10 +96,8 @@ class Registry:
         return self._builder_keys
 
     def register(self, name: str | None = None, force: bool = False) -> Callable:
-        """Decorator registering a class or function under ``name`` (default: its own name).
-
-        A name that is already taken is refused unless ``force=True``.
-        """
+        """Decorator registering a class or function under ``name`` (default: its own name);
+        a name already taken is refused unless ``force=True``."""
 
         def decorator(obj: Callable[..., Any]) -> Callable[..., Any]:
             key = name or obj.__name__
@@ -158,12 +140,8 @@ class Registry:
         return self._entries[name]
 
     def parameters(self, name: str) -> tuple[list[str], bool]:
-        """The keyword parameters of the component ``name``, and whether it takes any.
-
-        A class whose ``__init__`` passes ``**kwargs`` on to its base class takes
-        the base's parameters too (followed up the MRO); it takes any keyword
-        only when no class on the way names its parameters in full.
-        """
+        """The keyword parameters of the component ``name``, and whether it takes any: an
+        ``__init__`` passing ``**kwargs`` on takes its bases' too, up the MRO."""
         params, takes_any = _keyword_parameters(self.get(name))
         return [p.name for p in params if p.name not in self.inputs], takes_any
 
@@ -184,17 +162,8 @@ class Registry:
     def check(self, cfg: Mapping[str, Any], where: str | None = None,
               provided: Iterable[str] = ()) -> None:
         """Check a component config without building it: a registered ``type``, known keys
-        of the right simple types, every required key given.
-
-        Args:
-            cfg: ``type`` plus keyword arguments.
-            where: the config path for messages (default: the registry's name).
-            provided: parameters the caller passes itself (the tokenizer), not required
-                of the config.
-
-        Raises:
-            UnknownNameError: an unknown ``type``; ConfigError: anything else.
-        """
+        of the right simple types, every required key given but those the caller passes
+        itself (``provided``: the tokenizer). ``where``: the config path for messages."""
         prefix = f"{where}: " if where else ""
         if not isinstance(cfg, Mapping) or "type" not in cfg:
             raise ConfigError(f"{prefix}a {self.name} config must be a mapping with a 'type' "
@@ -220,13 +189,9 @@ class Registry:
                               f"{', '.join(missing)}")
 
     def build(self, cfg: Mapping[str, Any], **context: Any) -> Any:
-        """Build the component described by ``cfg`` (``type`` plus keyword arguments),
-        checked first (:meth:`check`).
-
-        ``context`` holds values the caller knows (e.g. the tokenizer); each is
-        passed only when the component accepts a parameter of that name and the
-        config does not set it.
-        """
+        """Build the component described by ``cfg``, checked first (:meth:`check`).
+        ``context`` (the tokenizer) is passed where the component has a parameter of that
+        name and the config does not set it."""
         accepted = self.parameters(cfg["type"])[0] if isinstance(cfg, Mapping) and \
             "type" in cfg else []
         # Context goes to named parameters only: a class without its own __init__
@@ -359,20 +324,9 @@ _plugins_loaded = False
 
 def import_custom_modules(modules: Iterable[str], beside: str | os.PathLike | None = None
                           ) -> None:
-    """Import the modules a config names under ``custom_imports``.
-
-    Args:
-        modules: dotted module names.
-        beside: the config file's folder: a named module that is not importable
-            otherwise is looked for there (the folder joins ``sys.path``), so a
-            plug-in can sit next to its config. Only the named modules are imported.
-
-    Each module imported is logged with the file it came from (a plug-in's code runs
-    when it is imported: the log says whose).
-
-    Raises:
-        ImportError: a module cannot be imported; the message names it and says
-            where it was looked for.
+    """Import the modules a config names under ``custom_imports``, each logged with its file
+    (its code runs: the log says whose). A module not importable otherwise is looked for
+    ``beside`` the config (the folder joins ``sys.path``), so a plug-in can sit next to it.
     """
     if isinstance(modules, str):
         modules = [modules]

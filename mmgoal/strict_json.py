@@ -1,15 +1,9 @@
 """JSON that every strict parser reads: NaN and infinities are written as ``null``.
 
-Python's ``json`` writes ``NaN`` and ``-Infinity``, which JSON does not have (jq,
-JavaScript's ``JSON.parse`` and Go refuse them). The JSON files mmgoal writes as its
-results and records go through :func:`dumps`: ``report.json``, ``metrics.jsonl``, an
-evaluation's ``--out`` and ``--rankings``, a sweep's ``runs.json``, ``mmgoal
-inspect-shards --json``, an export's manifest, the state in a checkpoint's metadata,
-``wise_ft.json``, a synthetic benchmark's ``meta.json``, a conversion's ``summary.json``
-and shard stats. A ``null`` where a number stood means "none": a diverged loss, or the
-best validation rsum of a run that never validated. The ``json`` member of a shard's
-sample is not a file of its own: it is written with plain ``json.dumps`` and read
-back with Python's ``json``.
+Python's ``json`` writes ``NaN`` and ``-Infinity``, which jq, ``JSON.parse`` and Go refuse.
+Every JSON file mmgoal writes as a result or record goes through :func:`dumps`; a ``null``
+where a number stood means "none" (a diverged loss). A shard sample's ``json`` member is
+not such a file: plain ``json.dumps``, read back by Python.
 """
 
 from __future__ import annotations
