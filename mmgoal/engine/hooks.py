@@ -14,20 +14,8 @@ if TYPE_CHECKING:
 
 
 class Hook:
-    """Base class: every method is a no-op; override the ones you need.
-
-    The trainer calls them in this order (docs/plugins.md):
-
-    * ``before_train``: once per ``fit()``, also when a resumed run starts.
-    * ``before_epoch``: ``trainer.epoch`` is the epoch about to run (after the
-      model is put in train mode; on a resume, before the epoch's rest).
-    * ``after_step``: ``trainer.step`` counts the step just taken; ``outputs``
-      are its losses averaged over the accumulation window, plus ``nonfinite``.
-    * ``after_epoch``: ``trainer.epoch`` is still the epoch just trained; after
-      validation (``metrics``; empty when it did not run) and best.pt, before
-      the epoch counter moves and the epoch's checkpoint is written.
-    * ``after_train``: after the last epoch, before the test evaluation.
-    """
+    """Base class: every method is a no-op; override the ones you need. When the trainer
+    calls each, and what ``trainer`` holds then: docs/plugins.md, "3. Hooks"."""
 
     def before_train(self, trainer: Trainer) -> None: ...
 
@@ -42,21 +30,9 @@ class Hook:
 
 @HOOKS.register()
 class ObjectiveWarmup(Hook):
-    """Train with another objective, or other objective attributes, in the first epochs.
-
-    VSE-infinity's warm-up sums the hinges over all negatives before the
-    hardest negative takes over; either of these does it:
-    ``{type: ObjectiveWarmup, epochs: 1, attributes: {max_violation: false}}``
-    changes attributes of the configured objective; ``{type: ObjectiveWarmup,
-    epochs: 1, objective: {type: TripletLoss, max_violation: false}}`` swaps in
-    a whole objective (so it works whatever the configured objective is, e.g. a
-    ``GoalObjective``). A warm-up objective's own parameters are not trained.
-
-    Args:
-        epochs: how many epochs the warm-up holds.
-        attributes: attribute name -> value during the warm-up.
-        objective: config of the objective used during the warm-up.
-    """
+    """For the first ``epochs``, set ``attributes`` of the configured objective
+    (``{max_violation: false}``: VSE-infinity's sum of hinges) or swap in the
+    ``objective`` config, whose own parameters are not trained."""
 
     def __init__(self, epochs: int, attributes: dict[str, Any] | None = None,
                  objective: dict[str, Any] | None = None) -> None:
@@ -93,26 +69,10 @@ class ObjectiveWarmup(Hook):
 
 @HOOKS.register()
 class FreezeSchedule(Hook):
-    """Freeze modules, then unfreeze parts of them at given epochs.
-
-    VSE++'s first stage freezes the backbone for the whole run
-    (``frozen: [image_encoder.model]``); VSE-infinity's embedding warm-up
-    freezes it for the first epochs and then unfreezes it block by block::
-
-        {type: FreezeSchedule, frozen: [image_encoder.model],
-         unfreeze: {1: [image_encoder.model.layer4], 2: [image_encoder.model]}}
-
-    The state follows from the epoch alone, so a resumed run freezes the same
-    parameters. Frozen modules also keep their normalisation statistics
-    (batch norm in eval mode) when ``freeze_norm``. What the model froze itself (a
-    LoRA model's base weights: ``model.peft``) stays frozen when its module thaws: the
-    optimizer does not hold it.
-
-    Args:
-        frozen: module paths frozen from the first epoch.
-        unfreeze: epoch -> module paths made trainable from that epoch on.
-        freeze_norm: put the frozen modules' norm layers in eval mode.
-    """
+    """Freeze the ``frozen`` module paths, then unfreeze parts of them from the epochs of
+    ``unfreeze`` (epoch -> paths); ``freeze_norm`` keeps frozen batch norms in eval mode
+    (docs/models.md, "Training schedules"). The state follows from the epoch alone;
+    what the model froze itself (LoRA's base weights) stays frozen."""
 
     def __init__(self, frozen: list[str], unfreeze: dict[int, list[str]] | None = None,
                  freeze_norm: bool = True) -> None:

@@ -1,17 +1,6 @@
-"""Loggers: the records of ``metrics.jsonl`` sent on to TensorBoard or Weights & Biases.
-
-``metrics.jsonl`` is always written; each entry of the config's ``loggers:``
-list (``[{type: TensorBoardLogger}]``) receives the same records, on rank 0
-only. A record's finite numbers become scalars named ``<type>/<key>`` by the
-global step: ``train/loss``, ``train/lr``, ``train/<term>_loss``,
-``train/samples_per_s`` every ``train.log_every`` steps; ``val/rsum``,
-``val/i2t_r1``, ... every evaluated epoch; ``test/rsum``, ... at the end.
-A NaN or inf value (the loss of a skipped step), which ``metrics.jsonl`` holds
-as ``null``, is left out, as in ``mmgoal plot-curves``.
-
-The packages come with ``pip install 'mmgoal[tracking]'``; each is imported
-when its logger opens, never by ``import mmgoal``. docs/logging.md shows the
-workflow.
+"""Loggers: the records of ``metrics.jsonl`` sent on to TensorBoard or Weights & Biases,
+on rank 0 only (docs/logging.md). Each package (the ``tracking`` extra) is imported when
+its logger opens, never by ``import mmgoal``.
 """
 
 from __future__ import annotations
@@ -36,39 +25,25 @@ class LoggerError(RuntimeError):
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The finite numbers of a ``metrics.jsonl`` record, named ``<type>/<key>``.
-
-    ``{"type": "val", "step": 12, "epoch": 1, "rsum": 151.2}`` gives
-    ``{"val/rsum": 151.2}``: the step is the x axis and the epoch follows from
-    it; booleans, strings, ``None`` and NaN/inf are left out.
-    """
+    """The finite numbers of a ``metrics.jsonl`` record but its placement, named
+    ``<type>/<key>``: ``{"type": "val", "step": 12, "epoch": 1, "rsum": 151.2}`` gives
+    ``{"val/rsum": 151.2}``."""
     return {f"{record['type']}/{key}": float(value) for key, value in record.items()
             if key not in PLACEMENT_KEYS and isinstance(value, (int, float))
             and not isinstance(value, bool) and math.isfinite(value)}
 
 
 class Logger:
-    """Base class of the ``loggers:`` entries; register your own in ``LOGGERS``.
+    """Base class of the ``loggers:`` entries (docs/logging.md, "A logger of your own").
 
-    The trainer builds every entry on every rank (the constructor only checks
-    its options and that its package is installed, so a bad option stops every
-    rank alike before anything is trained). On rank 0 alone it then calls
-    ``open`` when ``fit()`` starts, ``log`` with every record it appends to
-    ``metrics.jsonl``, and ``close`` when ``fit()`` ends, however it ends (also
-    after an exception or a stop signal). A resumed run opens the logger again
-    in the same run directory, at the step of its checkpoint.
-
-    A subclass implements ``log_scalars`` (and ``open``/``close`` when it holds a
-    writer), or overrides ``log`` to see whole records.
+    Built on every rank, so the constructor only checks options and packages; rank 0
+    alone calls ``open``, ``log`` per record and ``close``, however ``fit()`` ends. A
+    subclass implements ``log_scalars``, or overrides ``log`` to see whole records.
     """
 
     def check(self, work_dir: Path) -> None:
-        """Refuse, before the run writes anything, a place this logger could not write to
-        (the trainer calls it on rank 0 before ``config.yaml``). Nothing by default.
-
-        Raises:
-            LoggerError: saying what to change.
-        """
+        """Raise ``LoggerError`` for a place this logger could not write to, before the run
+        writes anything (on rank 0, before ``config.yaml``). Nothing by default."""
 
     def open(self, work_dir: Path, config: dict[str, Any], step: int) -> None:
         """Start logging a run in ``work_dir`` (it exists) with the resolved ``config``, from
@@ -103,19 +78,9 @@ def config_as_markdown(config: dict[str, Any]) -> str:
 
 @LOGGERS.register()
 class TensorBoardLogger(Logger):
-    """Scalars as TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``), and
-    the resolved config as text (tag ``config``, at the step each segment of a run starts).
-
-    ``tensorboard --logdir work_dirs/RUN/tensorboard`` shows them. A resumed run
-    appends to the same folder, and TensorBoard drops the events of the steps after
-    its checkpoint that the first run logged (a ``purge_step``), as ``metrics.jsonl``
-    loses their records: those steps are trained and logged again.
-
-    Args:
-        log_dir: where the event files go; relative to the run directory
-            (default ``tensorboard``, i.e. ``<work_dir>/tensorboard``).
-        flush_secs: how often pending events are written to disk, in seconds.
-    """
+    """Scalars as TensorBoard event files in ``log_dir`` (relative to the run directory),
+    written every ``flush_secs``, and the resolved config as text (docs/logging.md,
+    "TensorBoard"). A resumed run purges the steps after its checkpoint."""
 
     def __init__(self, log_dir: str = "tensorboard", flush_secs: float = 30.0) -> None:
         if flush_secs <= 0:
@@ -163,25 +128,10 @@ class TensorBoardLogger(Logger):
 
 @LOGGERS.register()
 class WandbLogger(Logger):
-    """Scalars to a Weights & Biases run, with the resolved config as the run's config.
-
-    The run's id is kept in ``<work_dir>/wandb_id``, so a resumed mmgoal run
-    continues the same W&B run. ``mode: offline`` needs no network and no
-    account: the run is written under ``<dir>/wandb/offline-run-*`` and
-    uploaded later with ``wandb sync``.
-
-    Args:
-        project: the W&B project (W&B's default: ``uncategorized``, or ``WANDB_PROJECT``).
-        entity: the user or team that owns the project (default: your own).
-        name: the run's display name (default: one W&B makes up).
-        group: groups runs in the W&B interface (e.g. a sweep).
-        tags: labels of the run.
-        notes: a description of the run.
-        mode: ``online``, ``offline`` or ``disabled``; default W&B's own choice
-            (``WANDB_MODE``, or what ``wandb offline``/``wandb online`` set; else online).
-        dir: where W&B writes its files (a ``wandb/`` folder in it); relative to
-            the run directory (default: the run directory itself).
-    """
+    """Scalars to a Weights & Biases run, with the resolved config as the run's config;
+    the options are ``wandb.init``'s, ``None`` leaving W&B's default (docs/logging.md,
+    "Weights & Biases"). ``dir``, relative to the run directory, receives ``wandb/``; the
+    run's id is kept in ``<work_dir>/wandb_id``, so a resumed run continues it."""
 
     ID_FILE = "wandb_id"
 

@@ -1,10 +1,5 @@
-"""A run's logs, on rank 0: ``metrics.jsonl`` (one JSON object per logged step and epoch)
-and ``train.log`` (plain text: every log line of mmgoal while the run trains, and a line
-every ``log_every`` steps with the loss, learning rate, samples/s and ETA, whatever
-``train.progress`` says, as open_clip's ``out.log``).
-
-Every record also goes to the loggers of the config's ``loggers:`` (TensorBoard, W&B:
-:mod:`mmgoal.engine.loggers`).
+"""A run's logs, on rank 0: ``metrics.jsonl``, ``train.log`` (plain text, as open_clip's
+``out.log``; docs/getting_started.md, "The run directory") and the ``loggers:``.
 """
 
 from __future__ import annotations
@@ -29,15 +24,9 @@ step_logger = logging.getLogger("mmgoal.steps")
 
 
 class MetricLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` (rank 0 only: ``enabled``);
-    a NaN or inf value (a diverged loss) is written as ``null``. Every record also goes
-    to ``loggers`` (TensorBoard, W&B), between :meth:`open` and :meth:`close`, and a
-    training record becomes a line of ``train.log``.
-
-    Args:
-        progress: a progress bar shows the steps on the console (their lines then go to
-            ``train.log`` only).
-    """
+    """Appends one strict JSON object per line to ``metrics.jsonl`` (NaN/inf as ``null``;
+    rank 0 only: ``enabled``), hands each record to ``loggers`` and makes a training
+    record a line of ``train.log`` (and of the console, unless ``progress`` shows a bar)."""
 
     def __init__(self, path: Path, enabled: bool = True, loggers: Sequence[Logger] = (),
                  progress: bool = True) -> None:

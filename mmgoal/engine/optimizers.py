@@ -1,39 +1,11 @@
-"""Optimizers (registered under their torch names) and their parameter groups.
+"""Optimizers (registered under their torch names) and their parameter groups: the
+``paramwise``, ``no_decay`` and ``layer_decay`` keys of ``optimizer`` (docs/models.md,
+"Training schedules" and "Parameter groups for CLIP fine-tuning"); the other keys go to
+the torch optimizer.
 
-``build_optimizer`` reads an ``optimizer`` config such as::
-
-    optimizer:
-      type: AdamW
-      lr: 5.0e-4
-      weight_decay: 0.2
-      paramwise:                          # module path prefix -> multipliers
-        image_encoder.model: {lr_mult: 0.01}
-        text_encoder: {lr_mult: 0.1}
-      no_decay: [bias, norm, embedding, temperature, vector]
-      layer_decay: {rate: 0.75, modules: [image_encoder]}
-
-``paramwise``, ``no_decay`` and ``layer_decay`` are mmgoal's
-(:class:`ParameterGroupOptions`); the other keys go to the torch optimizer. A
-parameter's learning rate and weight decay are the base values times
-
-- ``paramwise``: the multipliers of the longest module path that prefixes its
-  name (VSE-infinity: BERT x0.1, backbone x0.01);
-- ``no_decay``: weight decay 0 for the kinds of parameter listed
-  (:data:`NO_DECAY_RULES`), as CLIP fine-tuning does (open_clip's ``exclude``
-  rule, X-VLM's ``no_decay`` list);
-- ``layer_decay``: lr x ``rate ** (L + 1 - layer)`` inside each named tower of L
-  transformer blocks (:func:`transformer_layers`: embeddings are layer 0, block N
-  layer N + 1, what follows the blocks layer L + 1; BEiT, MAE and timm's
-  ``param_groups_layer_decay``).
-
-The objective's parameters (InfoNCE's temperature) follow ``no_decay`` at the
-base rate. Parameters with the same factors share a group, named after them
-(:func:`group_name`); without ``no_decay`` and ``layer_decay`` there is one group
-per ``paramwise`` prefix and ``objective``, as there always was. Parameters
-frozen when the optimizer is built (a LoRA model's base weights: ``model.peft``,
-docs/models.md "LoRA") are left out: the optimizer holds what trains. Parameters
-frozen later (``FreezeSchedule``) stay in their groups, so unfreezing them needs no
-new optimizer: optimizers skip parameters without a gradient.
+Parameters frozen when the optimizer is built (a LoRA model's base weights) are left
+out; those frozen later (``FreezeSchedule``) stay in their groups, so unfreezing needs no
+new optimizer (optimizers skip parameters without a gradient).
 """
 
 from __future__ import annotations
@@ -84,13 +56,8 @@ BLOCK_INDEX = re.compile(r"(?:^|\.)(blocks|layers?|resblocks)\.(\d+)\.")
 
 @dataclass
 class LayerDecay(ConfigSection):
-    """``optimizer.layer_decay``: layer-wise learning-rate decay of transformer towers.
-
-    Args:
-        rate: the factor per layer, in (0, 1] (0.65-0.75 for ViT-B fine-tuning).
-        modules: the towers' module paths (``[image_encoder]``); each holds one
-            sequence of blocks (:func:`transformer_layers`).
-    """
+    """``optimizer.layer_decay``: the factor per layer ``rate`` in (0, 1] (0.65-0.75 for
+    ViT-B fine-tuning) inside each tower of ``modules`` (module paths)."""
 
     rate: float
     modules: list[str]
@@ -110,13 +77,8 @@ class LayerDecay(ConfigSection):
 
 @dataclass
 class ParameterGroupOptions(ConfigSection):
-    """The keys of ``optimizer`` that mmgoal reads itself (the module docstring shows them).
-
-    Args:
-        paramwise: module path -> ``{lr_mult, weight_decay_mult}``.
-        no_decay: kinds of parameter without weight decay, keys of :data:`NO_DECAY_RULES`.
-        layer_decay: layer-wise lr decay of transformer towers, or ``None``.
-    """
+    """The keys of ``optimizer`` that mmgoal reads itself; ``paramwise``: module path ->
+    ``{lr_mult, weight_decay_mult}``; ``no_decay``: keys of :data:`NO_DECAY_RULES`."""
 
     paramwise: dict | None = None
     no_decay: list[NoDecayKind] = field(default_factory=list)
@@ -160,21 +122,10 @@ def parameter_counts(*modules: nn.Module) -> dict[str, int]:
 
 
 def transformer_layers(tower: nn.Module, where: str) -> tuple[dict[str, int], int]:
-    """The layer of each parameter of a tower (by its name in the tower), and its block count L.
-
-    Block N (``blocks.N.``, ``layer.N.``, ``layers.N.`` or ``resblocks.N.`` in the
-    name; the first such index where they nest) is layer N + 1. The others are
-    layer 0 when they come before the blocks (patch, token and position
-    embeddings, the class token, a pre-norm) and L + 1 after them (the final norm,
-    a pooler or projection): see :func:`precedes_blocks`.
-
-    Args:
-        tower: the module whose layers decay.
-        where: its module path, for the message.
-
-    Raises:
-        ValueError: no blocks, or more than one sequence of them (a whole dual encoder).
-    """
+    """The layer of each parameter of a tower (by its name in the tower), and its block
+    count L: block N is layer N + 1 (the outer index where blocks nest), what precedes
+    the blocks layer 0 and what follows them L + 1 (:func:`precedes_blocks`). ``where``
+    names the tower in the ``ValueError`` for no blocks or two sequences of them."""
     names = [name for name, _ in tower.named_parameters()]
     matches = [BLOCK_INDEX.search(name) for name in names]
     sequences = sorted({name[:match.end(1)] for name, match in zip(names, matches) if match})
@@ -193,15 +144,9 @@ def transformer_layers(tower: nn.Module, where: str) -> tuple[dict[str, int], in
 
 def precedes_blocks(tower: nn.Module, name: str, sequence: str) -> bool:
     """Whether the parameter ``name`` (outside the blocks) comes before the block
-    ``sequence`` (``model.blocks``) of ``tower``.
-
-    At the deepest module holding both, the child that holds the parameter is
-    compared with the one that leads to the blocks in registration order (timm's
-    ``patch_embed`` before ``blocks``, ``norm`` after). A parameter that module
-    holds itself, which ``named_parameters`` lists before every child's, is an
-    embedding before the blocks by its name (``cls_token``, ``pos_embed``,
-    ``class_embedding``) and a projection after them otherwise (open_clip's ``proj``).
-    """
+    ``sequence`` (``model.blocks``) of ``tower``: by registration order at the deepest
+    module holding both; one that module holds itself by its name (:func:`is_embedding`:
+    before; else a projection after, like open_clip's ``proj``)."""
     path, towards = name.split("."), sequence.split(".")
     depth = 0
     while depth < min(len(path) - 1, len(towards)) and path[depth] == towards[depth]:
@@ -230,23 +175,10 @@ def group_name(prefix: str, base_name: str, layer: tuple[str, int] | None,
 
 def parameter_groups(module: nn.Module, lr: float, weight_decay: float,
                      options: ParameterGroupOptions, base_name: str = "base") -> list[dict]:
-    """Split a module's parameters into optimizer groups (the module docstring has the rules).
-
-    Args:
-        module: the model (or the objective).
-        lr, weight_decay: the base values.
-        options: ``paramwise``, ``no_decay`` and ``layer_decay``.
-        base_name: the name of the group of parameters no paramwise prefix matches.
-
-    Returns:
-        Optimizer parameter groups in the order their first parameters come, each with
-        a ``name`` (:func:`group_name`), ``params``, ``lr`` and ``weight_decay``; the
-        parameters that are frozen now (``requires_grad`` false) are in none.
-
-    Raises:
-        ValueError: a paramwise prefix or layer-decay tower names no module; a tower
-            without one sequence of transformer blocks.
-    """
+    """A module's trainable parameters as optimizer groups (``name``, ``params``, ``lr``,
+    ``weight_decay``) in the order of their first parameters: one group per combination
+    of factors, named by :func:`group_name` (``base_name`` where no paramwise prefix
+    matches). ``ValueError`` for a prefix or tower that names no module."""
     paramwise = options.paramwise or {}
     towers = options.layer_decay.modules if options.layer_decay else []
     known = module_names(module)
@@ -286,11 +218,8 @@ def parameter_groups(module: nn.Module, lr: float, weight_decay: float,
 
 
 def build_optimizer(cfg: dict, model: nn.Module, objective: nn.Module) -> torch.optim.Optimizer:
-    """The configured optimizer over the model's and the objective's parameters.
-
-    The objective's parameters (InfoNCE's temperature) form their own groups
-    (``objective``, ``objective/no_decay``) at the base rate.
-    """
+    """The configured optimizer over the model's and the objective's parameters; the
+    objective's (InfoNCE's temperature) form their own groups at the base rate."""
     cfg = dict(cfg)
     options = ParameterGroupOptions.from_dict(
         {key: cfg.pop(key) for key in ParameterGroupOptions.keys() if key in cfg}, "optimizer")

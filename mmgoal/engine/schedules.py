@@ -1,10 +1,5 @@
-"""Learning-rate schedules: a factor of the base rate for every optimisation step.
-
-Each schedule is a ``SCHEDULES`` entry, configured like every other component
-(``schedule: {type: cosine, warmup_steps: 100}``); the trainer adds
-``total_steps`` and ``steps_per_epoch``. Every schedule starts with an optional
-linear warm-up from 0; a schedule of your own subclasses :class:`LRSchedule`
-and implements ``decay``::
+"""Learning-rate schedules: a factor of the base rate for every optimisation step
+(``schedule:``, docs/configs.md, "Sections"). A schedule of your own::
 
     @SCHEDULES.register("exponential")
     class ExponentialSchedule(LRSchedule):
@@ -25,15 +20,9 @@ from mmgoal.registry import SCHEDULES
 
 
 class LRSchedule:
-    """A linear warm-up from 0, then ``decay(step)``.
-
-    Args:
-        total_steps: steps of the whole run (set by the trainer).
-        steps_per_epoch: steps of one epoch (set by the trainer).
-        warmup_steps: steps of the linear warm-up from 0.
-        warmup_ratio: instead of ``warmup_steps``, that share of ``total_steps``
-            (X-VLM: 0.1).
-    """
+    """A linear warm-up from 0 over ``warmup_steps`` (or ``warmup_ratio`` of the run;
+    X-VLM: 0.1), then ``decay(step)``; the trainer sets ``total_steps`` and
+    ``steps_per_epoch``."""
 
     def __init__(self, total_steps: int = 1, steps_per_epoch: int = 1, warmup_steps: int = 0,
                  warmup_ratio: float = 0.0) -> None:
@@ -70,11 +59,7 @@ class ConstantSchedule(LRSchedule):
 
 
 class AnnealingSchedule(LRSchedule):
-    """From the base rate down to ``min_ratio`` of it at the last step, along ``curve``.
-
-    Args:
-        min_ratio: final factor.
-    """
+    """From the base rate down to ``min_ratio`` of it at the last step, along ``curve``."""
 
     def __init__(self, min_ratio: float = 0.0, **common) -> None:
         super().__init__(**common)
@@ -106,12 +91,7 @@ class LinearSchedule(AnnealingSchedule):
 
 @SCHEDULES.register("step")
 class StepSchedule(LRSchedule):
-    """The rate times ``gamma`` after each milestone epoch (VSE++, SCAN).
-
-    Args:
-        milestones: epochs after which the rate is multiplied by ``gamma``.
-        gamma: decay factor.
-    """
+    """The rate times ``gamma`` after each of the ``milestones`` epochs (VSE++, SCAN)."""
 
     def __init__(self, milestones: Sequence[int] = (), gamma: float = 0.1, **common) -> None:
         super().__init__(**common)

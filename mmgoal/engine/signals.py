@@ -1,18 +1,9 @@
-"""Stopping a run cleanly: SIGINT/SIGTERM during training, and data workers that must end.
+"""Stopping a run cleanly: SIGINT/SIGTERM during training (docs/distributed.md,
+"Interruption and bad steps"), and data workers that must end.
 
-SIGINT/SIGTERM on any rank stop every rank after the same step, with a checkpoint
-(the trainer asks :attr:`StopSignals.received` once a step, in one agreement of
-all ranks); a second SIGINT stops at once. In one process, a signal that comes
-while the trainer waits for data (a reader may be stuck) stops it there:
-:class:`StopWhileWaitingForData` leaves the wait, and the trainer checkpoints the
-steps done; one that comes during a validation ends it at its next batch
-(:meth:`StopSignals.validation`), and the trainer checkpoints the state before it, which
-``--resume`` validates again. Several ranks finish a validation, a collective, before
-they stop.
-
-Data workers ignore SIGINT/SIGTERM (the main process stops cleanly) and end when
-the main process sets their :class:`WorkerRelease`: one stuck in a read would sit
-out the loader's shutdown, which it cannot notice, and keep the process from exiting.
+Data workers ignore SIGINT/SIGTERM and end when the main process sets their
+:class:`WorkerRelease`: one stuck in a read would not notice the loader's shutdown and
+would keep the process from exiting.
 """
 
 from __future__ import annotations
@@ -33,12 +24,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class WorkerRelease:
-    """A flag in shared memory that ends the data workers when set (:func:`start_data_worker`).
-
-    Not a ``multiprocessing.Event``: its ``set`` waits for every process blocked in
-    ``wait`` to acknowledge, and a worker that ended with its epoch never does, so
-    ``set`` would block for ever. Workers poll this flag instead.
-    """
+    """A flag in shared memory that ends the data workers when set; not a
+    ``multiprocessing.Event``, whose ``set`` would wait for ever on a worker that
+    already ended with its epoch."""
 
     POLL_SECONDS = 0.2
 
@@ -57,7 +45,7 @@ class WorkerRelease:
 
 def start_data_worker(release: WorkerRelease, worker_id: int) -> None:
     """A DataLoader ``worker_init_fn``: the worker leaves SIGINT/SIGTERM to the main process
-    and ends when ``release`` is set (see the module docstring)."""
+    and ends when ``release`` is set."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_when_set, args=(release,), daemon=True).start()
@@ -70,24 +58,14 @@ def _exit_when_set(release: WorkerRelease) -> None:
 
 
 class StopWhileWaitingForData(BaseException):
-    """A stop signal that came while the only process waited for its next batch.
-
-    A BaseException, like KeyboardInterrupt: the data pipeline, which skips any
-    Exception of a sample as a bad sample, must let it through.
-    """
+    """A stop signal that came while the only process waited for its next batch; a
+    BaseException, so the data pipeline's skipping of bad samples lets it through."""
 
 
 class StopSignals:
-    """The stop signals of one training run (see the module docstring).
-
-    Args:
-        alone: the run is one process, so a signal may end a wait for data there and
-            then (several ranks stop after a step they agree on, since the others may
-            be inside a collective).
-
-    Attributes:
-        received: the first stop signal received, or ``None``.
-    """
+    """The stop signals of one training run; ``received``: the first, or ``None``.
+    ``alone`` (one process): a signal may end a wait for data or a validation at once;
+    several ranks stop after a step they agree on (others may be inside a collective)."""
 
     def __init__(self, alone: bool) -> None:
         self.alone = alone
@@ -135,13 +113,8 @@ class StopSignals:
             self._validating = False
 
     def next_batch(self, batches: Iterator[dict]) -> dict | None:
-        """The next batch (None when the data ran out). In one process a stop signal ends
-        the wait, which may never end otherwise (a stuck reader).
-
-        Raises:
-            StopWhileWaitingForData: in one process, a stop signal came before or
-                during the wait.
-        """
+        """The next batch (None when the data ran out); in one process a stop signal that
+        came before or during the wait (a stuck reader) raises StopWhileWaitingForData."""
         if self.alone and self.received is not None:  # it came inside a window's micro-step
             raise StopWhileWaitingForData(signal.Signals(self.received).name)
         self._waiting_for_data = self.alone

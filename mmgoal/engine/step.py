@@ -1,8 +1,5 @@
-"""The training computation of one batch as a module, so any strategy can wrap it.
-
-DeepSpeed (and data-parallel wrappers in general) train one ``nn.Module``; the
-model, the configured objective (InfoNCE's temperature is a parameter) and the
-attention constraints are its children, and its ``forward`` returns the losses.
+"""The training computation of one batch as one ``nn.Module`` (model, objective and
+constraints its children), which DeepSpeed and data-parallel wrappers train.
 """
 
 from __future__ import annotations
@@ -32,28 +29,12 @@ logger = logging.getLogger(__name__)
 class TrainingStep(nn.Module):
     """Model + objective + constraints; ``forward(batch)`` gives the batch's losses.
 
-    With several processes the objective sees the global batch. An objective that works on
-    score tiles (``works_on_tiles``: every registered one) reads the batch's scores as
-    :class:`~mmgoal.scoring.ScoreTiles`, never the whole matrix; under ``local`` scoring
-    (docs/distributed.md, "Local scoring") a rank streams only its images against every
-    text and computes its part of the global loss, the columns' statistics combined over
-    the ranks (O(n) numbers): the objective's memory and work are divided by the number of
-    ranks. An objective that does not work on tiles (a plug-in written against the whole
-    matrix) gets the whole global score matrix on every rank; so does every objective
-    under ``replicated`` scoring (each rank then computes all the tiles).
-
-    Args:
-        model: encodes images and texts and scores them (the model contract).
-        objective: the configured objective.
-        constraints: attention constraints (CCR/CCS), computed on this rank's pairs.
-        gather: with several processes, score the features gathered from every
-            rank (the global batch) instead of this rank's alone.
-        scoring: ``local`` or ``replicated`` (``train.scoring``).
-        grad_cache_chunk: ``train.grad_cache_chunk``: encode a batch this many pairs at a
-            time, caching the features' gradients (:meth:`cache_gradients`, docs/
-            distributed.md "Gradient caching"); ``None``: the whole batch with its graph.
-        tile_rows, tile_cols: ``train.tile_rows``/``tile_cols``, the score tiles' shape
-            (``None``: the scorer's default, :mod:`mmgoal.scoring`).
+    With several processes (``gather``) the objective sees the global batch. An objective
+    that ``works_on_tiles`` reads :class:`~mmgoal.scoring.ScoreTiles`, under ``local``
+    scoring only this rank's rows (docs/distributed.md, "Local scoring"); any other gets
+    the whole global score matrix on every rank. ``scoring``, ``grad_cache_chunk``
+    (docs/distributed.md, "Gradient caching") and ``tile_rows``/``tile_cols`` are
+    ``train``'s keys.
     """
 
     def __init__(self, model: nn.Module, objective: nn.Module,
@@ -76,16 +57,9 @@ class TrainingStep(nn.Module):
 
     def forward(self, batch: dict, objective: nn.Module | None = None,
                 replay: tuple[CachedGradients, int] | None = None) -> dict[str, torch.Tensor]:
-        """Losses of ``batch`` under ``objective`` (default: the configured one).
-
-        ``replay``: ``(cache, k)`` from :meth:`cache_gradients`: encode the batch's chunk
-        ``k`` again, with its graph, and give as ``loss`` the surrogate whose backward
-        puts the cached gradients into the parameters (:meth:`replay_chunk`).
-
-        Returns:
-            The objective's and constraints' outputs plus ``loss``, the sum of
-            every ``*_loss`` entry.
-        """
+        """The objective's and constraints' outputs of ``batch`` under ``objective``
+        (default: the configured one), plus ``loss``, the sum of every ``*_loss``.
+        ``replay`` (``(cache, k)``): only chunk ``k``'s surrogate (:meth:`replay_chunk`)."""
         if replay is not None:
             return {"loss": self.replay_chunk(batch, *replay)}
         return self.losses(batch, *self.encode(batch), objective)
@@ -142,23 +116,11 @@ class TrainingStep(nn.Module):
     def cache_gradients(self, batch: dict, objective: nn.Module | None = None,
                         loss_scale: float = 1.0) -> tuple[dict[str, torch.Tensor],
                                                           CachedGradients]:
-        """The first half of a gradient-cached step (GradCache, Gao et al. 2021).
+        """The first half of a gradient-cached step (GradCache, Gao et al. 2021; steps 1-2
+        of docs/distributed.md, "Gradient caching"): the detached losses and the cache.
 
-        The batch is encoded ``grad_cache_chunk`` pairs at a time without a graph (each
-        chunk's random state recorded, so its replay draws the same dropout); the losses
-        are computed on the whole batch's features (gathered from every rank and scored
-        as :meth:`forward` does), and their gradients with respect to the features, and to
-        the parameters the objective reads directly (a temperature, a fusion head), are
-        kept. The parameters get nothing yet: :meth:`replay_chunk` then encodes each chunk
-        again with its graph and back-propagates its cached gradient, so at most one
-        chunk's activations are alive at a time.
-
-        Args:
-            loss_scale: the fp16 loss scale: the cached gradients are computed of the
-                scaled loss (no underflow in fp16) and kept unscaled, in float32 at least.
-
-        Returns:
-            The losses (detached, as :meth:`forward` returns them) and the cache.
+        The gradients are of the loss times the fp16 ``loss_scale`` (no underflow), kept
+        unscaled in float32 at least; the parameters get nothing yet.
         """
         refuse_batch_norm(self.model)
         count = len(batch["image_groups"])
@@ -186,12 +148,10 @@ class TrainingStep(nn.Module):
         return {key: value.detach() for key, value in outputs.items()}, cache
 
     def replay_chunk(self, batch: dict, cache: CachedGradients, index: int) -> torch.Tensor:
-        """Chunk ``index`` of :meth:`cache_gradients` encoded again with its graph (its
-        random state replayed), as the surrogate ``sum(features * cached gradient)``, whose
-        backward gives the parameters exactly the chunk's part of the step's gradient; the
-        last chunk adds the gradients of the parameters the objective read directly, and
-        leaves the random state where :meth:`cache_gradients` left it (the replays draw
-        nothing new)."""
+        """Chunk ``index`` encoded again, its random state replayed, as the surrogate
+        ``sum(features * cached gradient)`` (step 3 of docs/distributed.md, "Gradient
+        caching"); the last chunk adds the directly read parameters' gradients and
+        restores the random state :meth:`cache_gradients` left."""
         start, stop = cache.chunks[index]
         set_rng_state(cache.rng[index])
         image, text = self.encode(slice_batch(batch, start, stop, len(batch["image_groups"])))
@@ -214,13 +174,10 @@ class CachedGradients:
     """What :meth:`TrainingStep.cache_gradients` keeps for the replays of its chunks.
 
     Attributes:
-        chunks: each chunk's ``(start, stop)`` in the batch.
         rng: the random state before each chunk was encoded; rng_after: after the losses.
-        image_grads, text_grads: the loss's gradient (float32 or float64, unscaled) with respect to
-            each floating tensor of the features (:func:`feature_tensors`), ``None`` where
-            the loss does not read it.
-        direct: the parameters the loss reads other than through the features, with
-            their gradients.
+        image_grads, text_grads: per floating feature tensor (:func:`feature_tensors`),
+            the loss's unscaled gradient, ``None`` where the loss does not read it.
+        direct: the parameters read other than through the features, with gradients.
     """
 
     chunks: list[tuple[int, int]]

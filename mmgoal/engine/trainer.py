@@ -1,27 +1,10 @@
 """The trainer: build everything from a config, train, evaluate, report.
 
-The trainer is the same for one process, ``torchrun`` and ``deepspeed``, on
-CPUs and GPUs: the strategy (``strategy:`` in the config, ``--deepspeed`` on the
-command line; ``torch`` by default: one process, or torch DDP under a launcher)
-owns the device (``train.device``), processes, optimizer, precision
-(``train.precision``) and checkpoint files. A run directory
-(:mod:`mmgoal.runs.run_dir`) holds ``config.yaml`` (resolved), ``metrics.jsonl``
-(one JSON object per logged step and epoch: :mod:`mmgoal.engine.metric_log`),
-``checkpoints/`` (the strategy's resumable checkpoint: model, optimizer, step,
-position in the epoch, every rank's RNG state; and ``best.pt``, the float32
-weights of the best epoch by validation rsum) and ``report.json`` (test metrics
-of the best checkpoint under ``"test"``, the trainable and total parameter counts
-under ``"parameters"``). Rank 0 alone writes them and shows
-progress bars; the loggers of ``loggers:`` (TensorBoard, W&B:
-:mod:`mmgoal.engine.loggers`) get the records of ``metrics.jsonl`` there too.
-
-An optimisation step takes ``train.accumulate_steps`` micro-batches of
-``data.train.batch_size`` on every rank (one window, handed to the strategy's
-``train_step``): the global batch is their product with the number of
-processes, and an epoch is ``train.samples_per_epoch`` (default: the training
-split's size) divided by it. SIGINT/SIGTERM stop the run cleanly, with a
-checkpoint (:mod:`mmgoal.engine.signals`); in one process, one during a validation
-drops it, and ``--resume`` validates again.
+The same for one process, ``torchrun`` and ``deepspeed``, on CPUs and GPUs: the strategy
+owns the device, processes, optimizer, precision and checkpoint files
+(docs/distributed.md). What a run writes: docs/configs.md, "What a run writes"; the
+global batch and the epoch: docs/distributed.md, "Batch, learning rate, epoch"; stopping
+and resuming: docs/distributed.md, "Interruption and bad steps".
 """
 
 from __future__ import annotations
@@ -100,23 +83,12 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Builds model, data, objective and strategy from ``cfg`` and trains them.
+    """Builds model, data, objective and strategy from ``cfg`` and trains them in
+    ``work_dir`` (``resume``: from its latest checkpoint). Each ``_build_*`` step returns
+    what it builds; ``__init__`` alone keeps it.
 
-    Construction reads top to bottom: the config against its schema
-    (:mod:`mmgoal.runs.schema`), the strategy and its device, the checkpoints
-    to start from, then tokenizer, model and objective, data, optimisation, and
-    the restored progress of a resumed run. Each ``_build_*`` step returns what it
-    builds; ``__init__`` alone keeps it.
-
-    A context manager: leaving the ``with`` block closes the strategy (the process
-    group of a multi-process run), after every rank got there. An exception that
-    leaves the block leaves the group as it is: the other ranks may be gone or inside
-    a collective, and the process's exit ends it.
-
-    Args:
-        cfg: a config (``load_run_config``; its defaults are filled in here too).
-        work_dir: the run directory.
-        resume: continue from the latest checkpoint in ``work_dir/checkpoints``.
+    A context manager: a clean exit closes the strategy (the process group); an exception
+    leaves the group as it is, since other ranks may be gone or inside a collective.
     """
 
     def __init__(self, cfg: dict, work_dir: str | Path, resume: bool = False) -> None:
@@ -246,8 +218,8 @@ class Trainer:
         random.seed(seed)
 
     def _build_tokenizer(self, state: dict | None) -> Any:
-        """The tokenizer: a resumed run or a later stage keeps the vocabulary its weights were
-        trained with; a fresh one is fitted on the training captions (the same on every rank)."""
+        """The tokenizer: ``state``'s vocabulary (a resumed run, a later stage), else fitted
+        on the training captions (the same on every rank)."""
         tokenizer = TOKENIZERS.build(self.preprocessing.tokenizer)
         if state is not None:
             tokenizer.load_state_dict(state["tokenizer"])
@@ -396,9 +368,8 @@ class Trainer:
                              f"learning rate, or from best.pt with load_from")
 
     def _load_weights(self, model: torch.nn.Module, state: dict, path: str) -> dict[str, list]:
-        """``load_from``: start ``model`` from another run's model weights (a pretraining
-        checkpoint, VSE++ stage one); heads either side lacks are listed (and returned:
-        :func:`~mmgoal.runs.checkpoint.load_matching_weights`), a different model refused."""
+        """``load_from``: start ``model`` from another run's weights; returns and logs what
+        either side lacks (:func:`~mmgoal.runs.checkpoint.load_matching_weights`)."""
         saved = ((state.get("config") or {}).get("model") or {}).get("type")
         wanted = self.config.model["type"]
         if saved is not None and saved != wanted:
@@ -445,10 +416,9 @@ class Trainer:
     def _loader(self) -> torch.utils.data.DataLoader:
         self.train_set.set_epoch(self.epoch)
         workers = self.config.data.num_workers
-        # A loader draws its workers' base seed when an epoch's iteration starts; from torch's
-        # own random state, that draw would fall between two steps in a run resumed inside
-        # an epoch and nowhere in the uninterrupted run, shifting every later draw (dropout,
-        # CCR's query words, ITM's seeds): it comes from the seed and the epoch instead
+        # The workers' base seed comes from the seed and epoch: drawn from torch's state, a
+        # run resumed inside an epoch would draw it between two steps and shift every later
+        # draw (dropout, CCR's query words, ITM's seeds)
         generator = torch.Generator().manual_seed(
             self.config.train.seed * 1_000_003 + self.epoch * 1_009 + self.strategy.rank)
         return torch.utils.data.DataLoader(
@@ -484,15 +454,8 @@ class Trainer:
                        signal.Signals(self.signals.received).name, which, self.epoch, self.step)
 
     def fit(self) -> dict:
-        """Train for the configured epochs, then evaluate the best checkpoint on the test split.
-
-        The loggers (``loggers:``) are open while it runs and closed however it ends. A
-        resumed run that has trained its ``train.epochs`` already says so, and returns
-        the report it wrote when it finished (no new test records), if it has one.
-
-        Returns:
-            The report (also written to ``report.json``).
-        """
+        """Train the configured epochs, then test the best checkpoint; returns the report
+        (``report.json``). A resumed run already done returns the report it wrote."""
         report_file = self.work_dir / "report.json"
         if self.step and self.epoch >= self.config.train.epochs:
             logger.warning("the run has trained %d epoch(s) and train.epochs is %d: nothing "
@@ -512,11 +475,7 @@ class Trainer:
 
     def _train(self) -> bool:
         """The epochs left, under the stop-signal handlers; False when a signal stopped them.
-
-        Raises:
-            IncompleteSplitError: a validation could not read its split whole; the run's
-                checkpoint is written first, and ``--resume`` validates again.
-        """
+        On ``IncompleteSplitError`` (a validation's split unreadable) it checkpoints first."""
         self._segment_start = time.perf_counter()
         self._release_workers.clear()
         with self.signals.installed():
@@ -562,12 +521,8 @@ class Trainer:
             yield batch
 
     def _train_epoch(self) -> bool:
-        """One epoch (or its rest, after a resume: the steps left, or only its end when a
-        stop came during its validation); False when stopped by a signal.
-
-        Raises:
-            EvaluationStopped: a stop signal ended its validation (in one process).
-        """
+        """One epoch (after a resume, its rest); False when stopped by a signal, and
+        ``EvaluationStopped`` when one ended its validation (in one process)."""
         self.model.train()  # before the hooks, which may put frozen parts in eval mode
         for hook in self.hooks:
             hook.before_epoch(self)
@@ -655,16 +610,10 @@ class Trainer:
 
     def evaluation_model(self, weights: dict[str, torch.Tensor] | None,
                          current: bool = False) -> torch.nn.Module:
-        """On every rank (a collective with several): a float32 model holding rank 0's
-        ``weights`` (full float32 weights: a ``full_state_dict()`` or best.pt's; ``None``
-        on the other ranks), to evaluate across the ranks: the trained model itself where
-        the strategy loads them into it (:meth:`Strategy.evaluation_weights`), else a copy.
-
-        Args:
-            current: ``weights`` are the trained model's own as it is (a
-                ``full_state_dict()``): a plain module then evaluates itself on every
-                rank, and nothing is sent.
-        """
+        """A float32 model holding rank 0's full ``weights`` (``None`` on other ranks) on
+        every rank (a collective): the trained model where the strategy loads them into it
+        (:meth:`Strategy.evaluation_weights`), else a copy. ``current``: the weights are
+        the trained model's own, so a plain module evaluates itself, nothing sent."""
         if current and self.strategy.plain_module:
             return self.model
         weights = self.strategy.broadcast_weights(weights)  # once: rank 0's on every rank
@@ -699,14 +648,11 @@ class Trainer:
             self.strategy.keep_epoch(self.checkpoint_dir, epoch, self.config.train.keep_epochs)
 
     def _validate(self, epoch: int, weights: dict[str, torch.Tensor] | None) -> dict[str, float]:
-        """Every rank evaluates ``weights`` (every rank's ``full_state_dict()``: rank 0's,
-        None elsewhere) on ``data.val``, each its share of the gallery, and rank 0 logs the
-        metrics as ``epoch``'s (-1: before training); every rank returns them (collective).
+        """``weights`` (rank 0's ``full_state_dict()``) on ``data.val``, evaluated by every
+        rank (collective) and logged by rank 0 as ``epoch``'s (-1: before training).
 
-        Raises:
-            EvaluationStopped: in one process, a stop signal came (nothing is logged, and
-                the random state is as it was before: the validation --resume redoes draws
-                what this one drew, such as its DataLoader's worker seed).
+        On ``EvaluationStopped`` the random state is restored, so the validation --resume
+        redoes draws what this one drew (such as its DataLoader's worker seed).
         """
         self.strategy.check_finite(self.checkpoint_dir, self.step, weights)
         before = rng_state()
@@ -743,10 +689,8 @@ class Trainer:
     def evaluate(self, split: str, model: torch.nn.Module | None = None,
                  across_ranks: bool = False, protocols: list[str] | None = None,
                  stop: Callable[[], bool] | None = None) -> dict[str, float]:
-        """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``;
-        ``across_ranks``: a collective, every rank evaluating its share of the gallery;
-        ``protocols``: what it reports (default: ``evaluation.protocols``); ``stop``: ends
-        it early (:func:`~mmgoal.evaluation.gallery.evaluate_retrieval`)."""
+        """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``
+        (arguments as :func:`~mmgoal.evaluation.gallery.evaluate_retrieval`'s)."""
         split_cfg = getattr(self.config.data, split)
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")

@@ -1,16 +1,9 @@
-"""Hugging Face Accelerate: ``accelerate launch -m mmgoal train CONFIG`` (DDP, mixed precision).
+"""Hugging Face Accelerate: ``accelerate launch -m mmgoal train CONFIG`` (DDP with unused
+parameters allowed, mixed precision; FSDP from an accelerate config).
 
-``Accelerator.prepare`` wraps the training module in DistributedDataParallel
-(``find_unused_parameters``, since objectives use different heads in
-different epochs) and the optimizer; gradients are averaged in the backward.
-FSDP and DeepSpeed plugins come from the accelerate config file as usual
-(``accelerate config``); the DeepSpeed path of mmgoal itself is the
-``deepspeed`` strategy.
-
-On CPU, ``accelerate launch --multi_gpu --num_processes N`` starts N processes
-that each build a one-process Accelerator unless ``ACCELERATE_USE_CPU`` is set:
-N independent runs, silently. The strategy sets it before the Accelerator
-exists and checks that the Accelerator sees every process the launcher started.
+On CPU each of N launched processes builds a one-process Accelerator unless
+``ACCELERATE_USE_CPU`` is set (N independent runs, silently): the strategy sets it
+first and checks that the Accelerator sees every process.
 """
 
 from __future__ import annotations
@@ -37,17 +30,9 @@ MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 @STRATEGIES.register("accelerate")
 class AccelerateStrategy(TorchStrategy):
-    """Train through ``accelerate.Accelerator`` (see the module docstring).
-
-    Needs the ``accelerate`` extra: ``pip install 'mmgoal[accelerate]'``.
-
-    Args:
-        device, precision: from ``train.device`` / ``train.precision``; Accelerate
-            places the model itself (``cpu`` sets its ``cpu`` option).
-        mixed_precision: Accelerate's own name (``no``, ``bf16``, ``fp16``); when
-            given it replaces ``train.precision``.
-        timeout_minutes: how long a collective waits for a rank before failing.
-    """
+    """Train through ``accelerate.Accelerator`` (the ``accelerate`` extra), which places
+    the model itself (``device: cpu`` sets its ``cpu`` option). ``mixed_precision``
+    (``no``, ``bf16``, ``fp16``), when given, replaces ``train.precision``."""
 
     def __init__(self, device: str | torch.device = "auto", precision: Precision = "fp32",
                  mixed_precision: Literal["no", "bf16", "fp16"] | None = None,

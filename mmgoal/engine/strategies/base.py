@@ -1,13 +1,8 @@
 """What every strategy does: processes, collective decisions, the training step's frame.
 
-A strategy owns everything that depends on where and how the processes train:
-the device (model, objective and every batch live there), the process group,
-the optimizer and how gradients are reduced, clipped and applied, mixed
-precision, and the checkpoint files. The trainer talks to the strategy only:
-``train_step`` takes a window of micro-batches (one optimisation step, gradient
-accumulation included) and says what happened in a :class:`StepResult`;
-``save``/``load`` write and read checkpoints. So the trainer reads the same for
-one process, ``torchrun``, ``deepspeed`` and ``accelerate``, on CPUs and GPUs.
+A strategy owns the device, the process group, the optimizer and gradient reduction,
+mixed precision and the checkpoint files; the trainer talks to it only
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -49,12 +44,9 @@ class StepResult:
     """What one optimisation step did.
 
     Attributes:
-        applied: the optimizer updated the weights.
-        nonfinite: a micro-batch's loss or the gradient was NaN/inf (or an fp16
-            loss-scale overflow): the step was skipped on every rank.
-        outputs: the objective's scalar outputs (``loss``, each ``*_loss`` term,
-            metrics) averaged over the window's micro-batches, detached, on the device.
-        micro_batches: how many micro-batches the window held.
+        nonfinite: a loss or the gradient was NaN/inf (or an fp16 overflow): the step
+            was skipped on every rank.
+        outputs: the objective's scalar outputs averaged over the window, detached.
     """
 
     applied: bool
@@ -77,18 +69,13 @@ def cpu_float_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class Strategy:
-    """Base class; see the module docstring. Subclasses implement the training calls.
-
-    Args:
-        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (the trainer passes
-            ``train.device``; see :func:`mmgoal.devices.resolve_device`).
-        precision: ``fp32``, ``bf16`` or ``fp16`` (the trainer passes ``train.precision``).
-        timeout_minutes: how long a collective waits for a rank before failing.
+    """Base class; subclasses implement the training calls. ``device``: as
+    ``train.device`` (:func:`~mmgoal.devices.resolve_device`); ``timeout_minutes``: how
+    long a collective waits for a rank.
 
     Attributes:
-        device: where the model, the objective and every batch live.
-        plain_module: the wrapped model holds full float32 weights on every rank,
-            so rank 0 can evaluate it directly (:meth:`evaluation_weights`).
+        plain_module: the wrapped model holds full float32 weights on every rank, so it
+            can evaluate itself (:meth:`evaluation_weights`).
     """
 
     plain_module = True
@@ -140,12 +127,8 @@ class Strategy:
         return box[0]
 
     def broadcast_weights(self, weights: dict[str, Any] | None) -> dict[str, Any]:
-        """Rank 0's state dict on every rank (``None`` elsewhere), tensor by tensor.
-
-        Only the names, shapes and dtypes travel as a pickle; each tensor is one
-        ``broadcast`` on the strategy's device (where NCCL needs it), so a large model is
-        not pickled whole. Values that are not tensors travel in the pickle.
-        """
+        """Rank 0's state dict on every rank (``None`` elsewhere): one ``broadcast`` per
+        tensor on the device, so a large model is never pickled whole."""
         if self.world_size == 1:
             return weights
         spec = [None]
@@ -214,18 +197,9 @@ class Strategy:
         return move_to_device(batch, self.device, non_blocking=self.device.type == "cuda")
 
     def train_step(self, micro_batches: Iterable[dict]) -> StepResult:
-        """One optimisation step over a window of micro-batches (gradient accumulation),
-        under :attr:`objective`.
-
-        Every micro-batch is moved to the device, run forward and backward; all
-        ranks agree after each forward whether its loss is finite, and a window
-        with a non-finite loss (or gradient) is skipped on every rank. Then a
-        :class:`~mmgoal.contract.StepAwareObjective` hears that the step ended.
-
-        Args:
-            micro_batches: the window, ``train.accumulate_steps`` batches (fewer
-                only where the data ran out).
-        """
+        """One optimisation step over a window of ``train.accumulate_steps`` micro-batches
+        (fewer where the data ran out), under :attr:`objective`; a window with a
+        non-finite loss or gradient on any rank is skipped on every rank."""
         objective = self.objective
         window_ok, count, sums = True, 0, {}
         for batch, last in flag_last(micro_batches):
@@ -244,13 +218,9 @@ class Strategy:
 
     def micro_step(self, batch: dict, objective: nn.Module,
                    last: bool) -> tuple[dict[str, torch.Tensor], bool]:
-        """Forward and backward of one micro-batch already on the device.
-
-        ``last``: it ends the window (data parallel reduces the gradients there).
-
-        Returns:
-            (the outputs, whether any rank's loss was non-finite).
-        """
+        """Forward and backward of one micro-batch on the device; ``last`` ends the window
+        (where data parallel reduces). Returns (outputs, whether any rank's loss was
+        non-finite)."""
         raise NotImplementedError
 
     def loss_scale(self) -> float:
@@ -279,21 +249,13 @@ class Strategy:
         raise NotImplementedError
 
     def read_state(self, directory: Path) -> dict:
-        """The trainer's state in the latest checkpoint of ``directory``, nothing restored.
-
-        Raises:
-            FileNotFoundError: there is no complete checkpoint.
-        """
+        """The trainer's state in the latest checkpoint of ``directory``, nothing restored
+        (``FileNotFoundError`` without a complete checkpoint)."""
         raise NotImplementedError
 
     def load(self, directory: Path, state: dict | None = None) -> dict:
-        """Restore the latest checkpoint in ``directory``; return the trainer's state.
-
-        ``state``: what ``read_state`` returned for it already (not read again).
-
-        Raises:
-            FileNotFoundError: there is no complete checkpoint.
-        """
+        """Restore the latest checkpoint in ``directory``; return the trainer's state
+        (``state``: :meth:`read_state`'s, not read again)."""
         raise NotImplementedError
 
     def local_state(self) -> dict[str, torch.Tensor]:
@@ -302,23 +264,16 @@ class Strategy:
                 **{f"objective.{k}": v for k, v in self.module.objective.state_dict().items()}}
 
     def nonfinite_names(self, weights: dict[str, torch.Tensor] | None = None) -> list[str]:
-        """The tensors holding NaN/inf on any rank, in state order (collective).
-
-        Each rank checks its :meth:`local_state`; rank 0 checks ``weights`` instead
-        where given (the ``full_state_dict()`` about to be written).
-        """
+        """The tensors holding NaN/inf on any rank (collective): each rank's
+        :meth:`local_state`, rank 0's ``weights`` instead where given."""
         own = weights if weights is not None and self.is_main else self.local_state()
         return list(dict.fromkeys(name for found in self.gather_objects(nonfinite_tensors(own))
                                   for name in found))
 
     def check_finite(self, directory: Path, step: int,
                      weights: dict[str, torch.Tensor] | None = None) -> None:
-        """Stop every rank before anything holding NaN/inf is evaluated or checkpointed
-        (collective; ``weights``: as :meth:`nonfinite_names`).
-
-        Raises:
-            NonFiniteStateError: on every rank, naming the tensors of every rank.
-        """
+        """Raise ``NonFiniteStateError`` on every rank before anything holding NaN/inf is
+        evaluated or checkpointed (collective; ``weights``: as :meth:`nonfinite_names`)."""
         names = self.nonfinite_names(weights)
         if names:
             raise NonFiniteStateError(names, directory, step, has_checkpoint(directory))
@@ -331,15 +286,9 @@ class Strategy:
 
     def evaluation_weights(self, weights: dict[str, torch.Tensor]
                            ) -> dict[str, torch.Tensor] | None:
-        """Every rank: where to evaluate ``weights`` (full float32 weights: a
-        :meth:`full_state_dict` or best.pt's, the same on every rank).
-
-        Returns:
-            None where the trained model holds full float32 weights on every rank
-            (:attr:`plain_module`): ``weights`` are loaded into it, and each rank
-            evaluates the trained model itself. Otherwise (ZeRO-3 partitions, bf16 or
-            fp16 engine weights) ``weights``, to load into a float32 copy of the model.
-        """
+        """Where every rank evaluates full float32 ``weights``: None when they were loaded
+        into the trained model (:attr:`plain_module`), else ``weights`` for a float32 copy
+        (ZeRO-3 partitions, bf16/fp16 engine weights)."""
         if not self.plain_module:
             return weights
         self.model.load_state_dict(weights)

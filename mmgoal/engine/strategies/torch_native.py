@@ -1,12 +1,6 @@
-"""Plain PyTorch: one process, or data parallel over ``torchrun``'s processes with torch DDP.
-
-``torch`` (aliases ``single`` and ``ddp``) trains on ``train.device`` in
-``train.precision``: one process is world size 1; under a launcher the
-training module is wrapped in ``torch.nn.parallel.DistributedDataParallel``
-(NCCL between GPUs, gloo between CPU processes), whose bucketed all-reduce
-overlaps with the backward pass; micro-batches inside an accumulation window
-run under ``no_sync()``. bf16/fp16 go through ``torch.autocast``; fp16 scales
-the loss with ``torch.amp.GradScaler``, whose state is checkpointed.
+"""Plain PyTorch: one process, or torch DDP over a launcher's processes, ``no_sync()``
+inside accumulation windows, ``torch.autocast`` and fp16's ``GradScaler``
+(docs/distributed.md, the ``torch`` strategy).
 """
 
 from __future__ import annotations
@@ -48,23 +42,15 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
 @STRATEGIES.register("single")
 class TorchStrategy(Strategy):
     """One process or torch DDP; a torch optimizer, accumulation, clipping, autocast.
-
-    ``checkpoints/last.pt`` holds model, objective, optimizer, the fp16 loss
-    scaler and the trainer's state with every rank's RNG.
+    ``checkpoints/last.pt`` holds model, objective, optimizer, the fp16 loss scaler and
+    the trainer's state with every rank's RNG.
 
     Args:
-        device, precision: from ``train.device`` / ``train.precision`` (see
-            :class:`~mmgoal.engine.strategies.base.Strategy`).
-        bucket_mb: size of DDP's gradient buckets (all-reduced as soon as each fills).
-        find_unused_parameters: ``auto`` (the default) wraps with DDP's
-            unused-parameter search for the first step after the trainable set or
-            the objective changes (a ``FreezeSchedule`` epoch, an
-            ``ObjectiveWarmup`` switch) and keeps it only when some trainable
-            parameter got no gradient there (a head the objective does not use);
-            ``true``/``false`` force it (``true`` where use depends on the data).
-        sync_bn: convert BatchNorm to ``SyncBatchNorm`` (statistics over the
-            global batch) when training on several GPUs; ignored on CPUs.
-        timeout_minutes: how long a collective waits for a rank before failing.
+        bucket_mb: DDP's gradient buckets.
+        find_unused_parameters: ``auto`` searches for unused parameters after the
+            trainable set or objective changes, and keeps searching only while some
+            parameter gets no gradient (docs/distributed.md).
+        sync_bn: ``SyncBatchNorm`` on several GPUs; ignored on CPUs.
     """
 
     supports_grad_cache = True
@@ -189,10 +175,8 @@ class TorchStrategy(Strategy):
     def cached_micro_step(self, batch: dict, objective: nn.Module,
                           last: bool) -> tuple[dict[str, torch.Tensor], bool]:
         """A micro-batch under ``train.grad_cache_chunk`` (docs/distributed.md, "Gradient
-        caching"): the losses and their feature gradients first, outside DDP
-        (``TrainingStep.cache_gradients``), then each chunk encoded again through the DDP
-        wrapper and back-propagated; like the micro-batches of a window, every chunk but the
-        window's last runs under ``no_sync``, so the gradients are all-reduced once a step."""
+        caching"): losses and feature gradients outside DDP, then each chunk again through
+        DDP, all but the window's last under ``no_sync`` (one all-reduce a step)."""
         with autocast(self.device, self.precision):
             outputs, cache = self.module.cache_gradients(batch, objective, self.loss_scale())
         nonfinite = self.loss_is_nonfinite(outputs["loss"])
