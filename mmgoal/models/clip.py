@@ -1,26 +1,12 @@
-"""CLIP-family dual encoders: open_clip models and Hugging Face CLIP/SigLIP, with their own
-preprocessing.
+"""CLIP-family dual encoders (Radford et al., ICML 2021; SigLIP, Zhai et al., ICCV 2023):
+open_clip models and Hugging Face CLIP/SigLIP, each used exactly as its library builds it,
+with its library's transforms and tokenizer as its own preprocessing (docs/models.md,
+"CLIP-family models").
 
-CLIP (Radford et al., ICML 2021) and SigLIP (Zhai et al., ICCV 2023) embed images and
-texts in one space; the score of a pair is the cosine of its two embeddings. These
-models are the checkpoints most users fine-tune from, so each is used exactly as its
-library builds it: ``OpenCLIP`` gives open_clip's normalised ``encode_image`` /
-``encode_text``, ``HFCLIP`` transformers' ``get_image_features`` /
-``get_text_features``, and each brings its library's transforms and tokenizer as
-its own preprocessing (:mod:`mmgoal.runs.preprocessing`). Their learnt temperature
-(``logit_scale``) is InfoNCE's (:class:`mmgoal.contract.TemperatureModel`).
-
-The tokenizers are the data pipeline's (``OpenCLIPTokenizer``, ``HFTokenizer`` in
-:mod:`mmgoal.data.tokenizers`). The image transforms stay here, with their model
-family: ``OpenCLIPTransform`` needs the architecture and pretrained-tag lookups that
-build the model (:func:`open_clip_architecture`, :func:`open_clip_tag`), and
-``HFImageProcessor`` is the processor saved in the model's own folder. They are
-registered in ``TRANSFORMS``, so the data pipeline builds them by name without
-importing this module (docs/architecture.md).
-
-Nothing is downloaded: weights, tokenizers and processors come from local files or
-from a cache filled beforehand. open_clip and transformers are imported when a model,
-tokenizer or transform of theirs is built, so ``import mmgoal`` does not load them.
+The image transforms live here, beside the architecture and pretrained-tag lookups they
+need, registered in ``TRANSFORMS`` so the data pipeline builds them by name without
+importing this module (docs/architecture.md). open_clip and transformers are imported
+only when something of theirs is built, so ``import mmgoal`` does not load them.
 """
 
 from __future__ import annotations
@@ -108,13 +94,8 @@ def check_model_kwargs(model_name: str, model_kwargs: dict | None) -> None:
 
 def open_clip_architecture(model_name: str, model_kwargs: dict | None = None) -> dict:
     """open_clip's architecture config of ``model_name`` (``embed_dim``, ``vision_cfg``,
-    ``text_cfg``...) with ``model_kwargs`` on top, as ``open_clip.create_model`` merges
-    them (each key replaced whole).
-
-    Raises:
-        ValueError: open_clip has no architecture of that name, or ``model_kwargs`` sets
-            a key that is not an architecture key (:func:`check_model_kwargs`).
-    """
+    ``text_cfg``...) with ``model_kwargs`` (:func:`check_model_kwargs`) on top, as
+    ``open_clip.create_model`` merges them (each key replaced whole)."""
     import open_clip
 
     check_model_kwargs(model_name, model_kwargs)
@@ -134,12 +115,7 @@ def open_clip_architecture(model_name: str, model_kwargs: dict | None = None) ->
 def open_clip_folder_config(model_name: str) -> dict:
     """The ``open_clip_config.json`` of a ``local-dir:FOLDER`` or ``hf-hub:ORG/NAME`` model
     (``model_cfg``, ``preprocess_cfg``): read from the folder, or fetched from the hub into
-    its cache unless offline (:func:`mmgoal.paths.offline`).
-
-    Raises:
-        FileNotFoundError: no such folder or hub entry (or, offline, not in the cache).
-        ValueError: the file holds no ``model_cfg``.
-    """
+    its cache unless offline."""
     scheme, _, location = model_name.partition(":")
     if scheme == "local-dir":
         path = Path(resolve_path(location)) / OPEN_CLIP_CONFIG
@@ -177,11 +153,8 @@ def open_clip_tag(model_name: str, pretrained: str | None) -> dict:
 
 def cached_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
     """The local file of a pretrained tag, found where open_clip would have downloaded it
-    (the Hugging Face cache, or ``~/.cache/clip`` for a URL): what offline uses.
-
-    Raises:
-        FileNotFoundError: the file is in neither cache, with the command that fetches it.
-    """
+    (the Hugging Face cache, or ``~/.cache/clip`` for a URL): what offline uses. Missing,
+    a ``FileNotFoundError`` gives the command that fetches it."""
     from huggingface_hub import try_to_load_from_cache
 
     if tag_cfg.get("file"):
@@ -211,11 +184,7 @@ def cached_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
 
 def downloaded_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
     """The weights of a pretrained tag, fetched as open_clip fetches them (the Hugging Face
-    hub, its safetensors twin first, or the tag's URL) into the usual caches.
-
-    Raises:
-        FileNotFoundError: the download failed, saying why.
-    """
+    hub, its safetensors twin first, or the tag's URL) into the usual caches."""
     from open_clip.pretrained import download_pretrained
 
     try:
@@ -234,12 +203,7 @@ def downloaded_tag_file(model_name: str, tag: str, tag_cfg: dict) -> str:
 
 def open_clip_weights(model_name: str, pretrained: str) -> str:
     """The weights file ``pretrained`` names: a path (``pkg://`` too), or a pretrained tag's
-    file, fetched from the hub unless offline (then it must be in the cache).
-
-    Raises:
-        FileNotFoundError: neither an existing file nor a tag of the model, or a tag whose
-            file cannot be had.
-    """
+    file, fetched from the hub unless offline (then it must be in the cache)."""
     tag_cfg = open_clip_tag(model_name, pretrained)
     if tag_cfg:
         if offline():
@@ -291,17 +255,10 @@ def check_open_clip_fits(model_name: str, weights: str | None,
 def open_clip_transform(model_name: str, tag: str | None = None,
                         image_size: PositiveInt | None = None, training: bool = False) -> Callable:
     """open_clip's own image preprocessing of a model, as ``create_model_and_transforms``
-    builds it (``open_clip.image_transform_v2``).
-
-    Args:
-        model_name: an open_clip architecture (its image size).
-        tag: a pretrained tag, whose mean/std, interpolation and resize mode it brings
-            (a SigLIP tag: 0.5 statistics, squash); ``None``: open_clip's defaults (the
-            OpenAI statistics, shortest-side resize and centre crop), as for a weights file.
-        image_size: the side the model reads (default: the architecture's).
-        training: open_clip's training transform (random resized crop of 90-100% of the
-            image) instead of the eval one.
-    """
+    builds it (``open_clip.image_transform_v2``): the mean/std, interpolation and resize
+    mode of pretrained ``tag`` (a SigLIP tag: 0.5 statistics, squash), else open_clip's
+    defaults (OpenAI statistics, resize and centre crop); ``training``: its random resized
+    crop of 90-100% of the image."""
     from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 
     size = image_size or open_clip_architecture(model_name)["vision_cfg"]["image_size"]
@@ -335,31 +292,18 @@ class CLIPLogits(DotProductScores):
 
 @MODELS.register()
 class OpenCLIP(CLIPLogits, nn.Module):
-    """An open_clip model (CLIP, OpenCLIP, MobileCLIP, SigLIP...) as a dual encoder.
-
-    Built with ``open_clip.create_model``; its embeddings are exactly open_clip's
-    normalised ``encode_image`` / ``encode_text``. Its own preprocessing: open_clip's
-    train and eval transforms (``OpenCLIPTransform``) and tokenizer
-    (``OpenCLIPTokenizer``), used where ``data`` leaves them null; its
-    ``logit_scale`` is InfoNCE's temperature.
+    """An open_clip model (CLIP, OpenCLIP, MobileCLIP, SigLIP...) as a dual encoder: its
+    embeddings are exactly open_clip's normalised ``encode_image`` / ``encode_text``.
 
     Args:
-        model_name: an open_clip architecture (``ViT-B-32``, ``ViT-B-16``, ``RN50``...:
-            ``open_clip.list_models()``), or a model with its weights in open_clip's
-            folder layout: ``hf-hub:ORG/NAME`` (fetched into the Hugging Face cache
-            unless offline) or ``local-dir:FOLDER`` (``mmgoal export --format
-            open_clip`` writes one).
-        pretrained: a local weights file (open_clip's ``.bin``/``.pt``/``.pth``/
-            ``.safetensors``, or a ``pkg://`` path), a pretrained tag
-            (``open_clip.list_pretrained()``: fetched unless offline, then it must be in
-            the cache), or ``None``: random weights (an ``hf-hub:``/``local-dir:``
-            model brings its own and takes none).
-        model_kwargs: overrides of the architecture, as ``create_model``'s keyword
-            arguments (``embed_dim``, ``vision_cfg``, ``text_cfg``... each replaced whole).
-        grad_checkpointing: recompute the towers' activations in the backward.
-        peft: adapters trained in place of the weights (``{type: lora, r: 8, ...}``:
-            :class:`~mmgoal.models.lora.LoRA`; by default on the attention's queries,
-            keys and values, ``attn.in_proj_weight``); ``None``: every weight trains.
+        model_name: an open_clip architecture (``open_clip.list_models()``), or a model in
+            open_clip's folder layout with its weights: ``hf-hub:ORG/NAME`` or
+            ``local-dir:FOLDER`` (what ``mmgoal export --format open_clip`` writes).
+        pretrained: a local weights file (``pkg://`` too), a pretrained tag
+            (``open_clip.list_pretrained()``, fetched unless offline), or ``None``: random
+            weights (an ``hf-hub:``/``local-dir:`` model brings its own).
+        model_kwargs: architecture keys of ``create_model``, each replaced whole.
+        peft: LoRA adapters trained in place of the weights (docs/models.md, "LoRA").
     """
 
     # model.peft's defaults: torch's MultiheadAttention of open_clip's blocks multiplies
@@ -505,12 +449,8 @@ def hf_model_type(config) -> str:
 
 @TRANSFORMS.register()
 class HFImageProcessor:
-    """A Hugging Face image processor (``AutoImageProcessor``) from a local folder, as a
-    transform: a PIL image -> the ``pixel_values`` the model reads (3, H, W).
-
-    Args:
-        path: folder with ``preprocessor_config.json`` (``pkg://`` too).
-    """
+    """A Hugging Face image processor (``AutoImageProcessor``) of ``path`` as a transform: a
+    PIL image -> the ``pixel_values`` the model reads (3, H, W)."""
 
     def __init__(self, path: str) -> None:
         from transformers import AutoImageProcessor
@@ -533,24 +473,16 @@ def pooled_features(output) -> torch.Tensor:
 
 @MODELS.register()
 class HFCLIP(CLIPLogits, nn.Module):
-    """A transformers ``CLIPModel`` or ``SiglipModel`` as a dual encoder.
-
-    Its embeddings are the normalised ``get_image_features`` / ``get_text_features``.
-    Its own preprocessing, from the same folder: the image processor
-    (``HFImageProcessor``, for training and evaluation) and the tokenizer
-    (``HFTokenizer`` at the model's text length; SigLIP's padded to it);
-    its ``logit_scale`` is InfoNCE's temperature.
+    """A transformers ``CLIPModel`` or ``SiglipModel`` as a dual encoder: its embeddings are
+    the normalised ``get_image_features`` / ``get_text_features``; its preprocessing the
+    folder's image processor and tokenizer (at the model's text length; SigLIP's padded).
 
     Args:
-        path: a local folder with the model's ``config.json``, weights, image processor
-            and tokenizer (``save_pretrained`` of the model and its processor; ``pkg://``
-            too); loaded with ``local_files_only``.
-        config: instead of ``path``, a config of random weights, e.g. ``{model_type: clip,
-            text_config: {...}, vision_config: {...}}`` (no preprocessing of its own).
-        grad_checkpointing: recompute the towers' activations in the backward.
-        peft: adapters trained in place of the weights (``{type: lora, r: 8, ...}``:
-            :class:`~mmgoal.models.lora.LoRA`; by default on the attention's query, key,
-            value and output projections); ``None``: every weight trains.
+        path: a ``save_pretrained`` folder of the model and its processor (``pkg://``
+            too), or a hub name.
+        config: instead, a random model's config, e.g. ``{model_type: clip, text_config:
+            {...}, vision_config: {...}}`` (no preprocessing of its own).
+        peft: LoRA adapters trained in place of the weights (docs/models.md, "LoRA").
     """
 
     # model.peft's defaults: the encoder layers' attention projections, named by their

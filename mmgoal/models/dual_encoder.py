@@ -1,10 +1,6 @@
-"""Dual encoders: VSE++ (Faghri et al., BMVC 2018) and VSE-infinity (Chen et al., CVPR 2021).
-
-An image encoder and a text encoder, each followed by a projection to a shared
-space and L2 normalisation; the score of an (image, text) pair is the dot
-product of their embeddings. VSE++ projects one pooled vector per side;
-VSE-infinity projects every region/grid token and every word, then reduces them
-with a pooler (``GPO``). Both are this one class, configured.
+"""Dual encoders: VSE++ (Faghri et al., BMVC 2018) and VSE-infinity (Chen et al., CVPR 2021),
+one class configured (docs/reference/dual_encoders.md). VSE++ projects one pooled vector
+per side; VSE-infinity projects every token and word, then pools them (``GPO``).
 """
 
 from __future__ import annotations
@@ -64,20 +60,12 @@ class DualEncoder(DotProductScores, nn.Module):
     """Image encoder + text encoder + projections (+ poolers) + L2 norm.
 
     Args:
-        image_encoder: config of an ``ENCODERS`` image encoder; it returns
-            pooled features or tokens (``returns_tokens``).
-        text_encoder: config of an ``ENCODERS`` text encoder.
-        embed_dim: size of the joint space.
-        image_pooler: ``POOLERS`` config reducing image tokens (needed when the
-            image encoder returns tokens, refused otherwise).
-        text_pooler: ``POOLERS`` config reducing word states (``GPO`` in
-            VSE-infinity); without it the text encoder pools itself.
-        image_projection, text_projection: ``linear``, ``mlp`` (VSE-infinity's
-            linear + residual MLP) or ``none``; applied to every token before
-            pooling.
-        grad_checkpointing: recompute the towers' activations in the backward
-            (timm / Hugging Face towers; docs/getting_started.md, "Training on GPUs").
-        tokenizer: passed to the text encoder (vocabulary size, padding id).
+        image_pooler: ``POOLERS`` config reducing image tokens: needed when the image
+            encoder ``returns_tokens``, refused otherwise.
+        text_pooler: ``POOLERS`` config reducing word states (``GPO`` in VSE-infinity);
+            without it the text encoder pools itself.
+        image_projection, text_projection: applied to every token before pooling;
+            ``mlp`` is VSE-infinity's linear + residual MLP.
     """
 
     def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: PositiveInt = 1024,

