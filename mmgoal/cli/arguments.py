@@ -12,6 +12,17 @@ from mmgoal.config import SHIPPED_CONFIGS, find_config
 from mmgoal.files import refuse_link
 from mmgoal.paths import go_offline
 
+# What a tool reports in one line, exiting with status 2, rather than with a traceback: a
+# file that is not there, a value that is wrong, a missing extra or plug-in.
+INPUT_ERRORS = (FileNotFoundError, ValueError, ImportError)
+
+
+def print_error(error: BaseException | str, status: int = 2) -> int:
+    """``error: <what went wrong>`` on stderr, the way every tool ends on a mistake; returns
+    ``status``, the tool's exit status (2: what it was given is wrong; 1: what it did failed)."""
+    print(f"error: {error}", file=sys.stderr)
+    return status
+
 
 def summary(doc: str) -> str:
     """A tool's one-line description: the first paragraph of its module docstring."""
@@ -61,6 +72,13 @@ def config_argument(text: str) -> str:
         else:
             print(message, file=sys.stderr)
     return str(path)
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """``--device``, where a tool encodes and scores (:func:`mmgoal.devices.resolve_device`
+    reads it)."""
+    parser.add_argument("--device", default="auto",
+                        help="auto (the GPU where there is one), cpu, cuda or cuda:N")
 
 
 def add_loading_options(parser: argparse.ArgumentParser, trust_what: str = "the config or "

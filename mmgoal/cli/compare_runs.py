@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from mmgoal.cli.arguments import tool_parser
+from mmgoal.cli.arguments import INPUT_ERRORS, print_error, tool_parser
 from mmgoal.config import load_config
 from mmgoal.files import MAX_ANNOTATION_BYTES, read_text, write_text
 
@@ -147,15 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         groups = [(label, [read_run(run) for run in runs])
                   for label, runs in map(parse_group, args.groups)]
         check_comparable(groups)
-    except (FileNotFoundError, ValueError) as error:  # JSONDecodeError is a ValueError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as error:  # JSONDecodeError is a ValueError
+        return print_error(error)
     try:
         table = compare(groups, args.prefix)
     except KeyError as error:
-        print(f"error: a run's report.json has no test metric {error}; check --prefix",
-              file=sys.stderr)
-        return 2
+        return print_error(f"a run's report.json has no test metric {error}; check --prefix")
     if args.out:
         write_text(args.out, table)
     print(table, end="")

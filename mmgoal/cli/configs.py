@@ -12,11 +12,10 @@ with its ``_base_`` files merged in, so the copy stands alone (docs/configs.md).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import mmgoal
-from mmgoal.cli.arguments import tool_parser
+from mmgoal.cli.arguments import INPUT_ERRORS, print_error, tool_parser
 from mmgoal.config import (
     SHIPPED_CONFIGS,
     config_text,
@@ -90,17 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.copy:
         try:
             out = copy_config(args.copy[0], Path(args.copy[1]), args.force)
-        except (FileNotFoundError, ValueError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+        except INPUT_ERRORS as error:
+            return print_error(error)
         print(f"{out}: configs/{shipped_config_name(args.copy[0])}.yaml with its bases merged; "
               f"train it with: mmgoal train {out}")
         return 0
     found = matching(args.pattern)
     if not found:
-        print(f"error: no shipped config's name matches {args.pattern!r}; `mmgoal configs` "
-              f"lists them all", file=sys.stderr)
-        return 2
+        return print_error(f"no shipped config's name matches {args.pattern!r}; `mmgoal "
+                           f"configs` lists them all")
     width = max(map(len, found)) + 2
     for name, path in found.items():
         print(f"{name:<{width}}{first_comment_line(path)}")

@@ -32,12 +32,15 @@ from typing import TYPE_CHECKING
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
+    INPUT_ERRORS,
     add_data_options,
+    add_device_option,
     add_loading_options,
     apply_loading_options,
     check_out_file,
     config_argument,
     names_shipped_config,
+    print_error,
     tool_parser,
 )
 from mmgoal.extras import pyplot
@@ -144,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "eval_<split>.json, beside its config.yaml; "
                                       "<checkpoint>.<split>.json for a checkpoint file or "
                                       "an export; none for a config alone)")
-    parser.add_argument("--device", default="auto",
-                        help="auto (the GPU where there is one), cpu, cuda or cuda:N")
+    add_device_option(parser)
     add_data_options(parser)
     add_loading_options(parser)
     args = parser.parse_args(argv)
@@ -166,11 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             args.config = config_argument(args.config)
         return evaluate(args)
     except IncompleteSplitError as error:  # a shard failed: no metrics over part of the split
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: custom_imports
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return print_error(error, status=1)
+    except INPUT_ERRORS as error:  # ImportError: custom_imports
+        return print_error(error)
 
 
 EVAL_TIMEOUT_MINUTES = 60.0  # a rank waits this long for the others' shares

@@ -63,9 +63,11 @@ from pathlib import Path
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
+    INPUT_ERRORS,
     add_offline_option,
     apply_loading_options,
     check_out_file,
+    print_error,
     tool_parser,
 )
 from mmgoal.config import first_line
@@ -366,20 +368,17 @@ def main(argv: list[str] | None = None) -> int:
             files = [args.out.name]
             print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "
                   f"from {summary['source']}{merged_note(summary)}")
-    except (FileNotFoundError, ValueError, ImportError) as error:  # ImportError: a plug-in
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as error:  # ImportError: a plug-in
+        return print_error(error)
     except (CheckpointWriteError, OSError) as error:  # a full disk: --out is untouched
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return print_error(error, status=1)
     if args.push_to_hub is None:
         return 0
     message = args.commit_message or f"Upload mmgoal export, {args.format} format"
     try:
         url = push_to_hub(args.out, files, args.push_to_hub, args.private, message)
     except Exception as error:  # huggingface_hub's HTTP errors, the network's, a bad token
-        print(f"error: {push_failure(error, args.out, args.push_to_hub)}", file=sys.stderr)
-        return 1
+        return print_error(push_failure(error, args.out, args.push_to_hub), status=1)
     print(f"pushed {', '.join(files)} to {args.push_to_hub}: {url}")
     return 0
 

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mmgoal import strict_json
-from mmgoal.cli.arguments import tool_parser
+from mmgoal.cli.arguments import INPUT_ERRORS, print_error, tool_parser
 from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.data.remote import expand_shards, iter_samples
 from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES, TarDamageError
@@ -175,9 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json is not None and not args.json.parent.is_dir():
             raise ValueError(f"--json {args.json}: the folder {args.json.parent} does not "
                              f"exist")
-    except (FileNotFoundError, ValueError) as error:  # braceexpand: ValueError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as error:  # braceexpand: ValueError
+        return print_error(error)
     report = inspect(urls, args.caption_key, progress=not args.no_progress,
                      max_sample_bytes=args.max_sample_bytes)
     print(format_report(report, args.max_problems))
@@ -185,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             write_text(args.json, strict_json.dumps(report, indent=2))
         except OSError as error:
-            print(f"error: cannot write --json {args.json} ({error.strerror})", file=sys.stderr)
-            return 2
+            return print_error(f"cannot write --json {args.json} ({error.strerror})")
     return 1 if report["problems"] else 0
 
 

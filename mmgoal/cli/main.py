@@ -25,7 +25,7 @@ import re
 import sys
 
 import mmgoal
-from mmgoal.cli.arguments import summary
+from mmgoal.cli.arguments import print_error, summary
 
 # command -> its module of mmgoal.cli, in the order --help lists them
 COMMANDS = {
@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         close = difflib.get_close_matches(command, list(COMMANDS), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        print(f"error: mmgoal has no command {command!r}{hint}; mmgoal --help lists them",
-              file=sys.stderr)
-        return 2
+        return print_error(f"mmgoal has no command {command!r}{hint}; mmgoal --help lists them")
     tool = importlib.import_module(f"mmgoal.cli.{COMMANDS[command]}")
     # argparse names a program after sys.argv[0]: usage lines then read `mmgoal train ...`
     sys.argv[0] = f"mmgoal {command}"

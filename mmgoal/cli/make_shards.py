@@ -30,7 +30,7 @@ import sys
 import typing
 from pathlib import Path
 
-from mmgoal.cli.arguments import tool_parser
+from mmgoal.cli.arguments import INPUT_ERRORS, print_error, tool_parser
 from mmgoal.data.conversion import convert, format_summary
 from mmgoal.registry import SHARD_SOURCES, import_custom_modules
 
@@ -99,10 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = convert(source, args.out, shard_size=args.shard_size, workers=args.workers,
                           resume=args.resume, progress=not args.no_progress,
                           options={"source": args.source, **options})
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError,
-            ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except (*INPUT_ERRORS, FileExistsError, KeyError, TypeError) as error:
+        return print_error(error)
     print(format_summary(summary))
     print(f"shards and summary.json in {args.out}")
     return 0

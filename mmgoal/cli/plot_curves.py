@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from mmgoal.cli.arguments import tool_parser
+from mmgoal.cli.arguments import INPUT_ERRORS, print_error, tool_parser
 from mmgoal.extras import pyplot
 from mmgoal.files import MAX_ANNOTATION_BYTES, read_text, save_figure
 
@@ -86,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {args.out} is a folder; give a file name such as "
                              f"{args.out / 'curves.png'}")
         plot_curves(args.runs, labels, args.out)
-    except (ImportError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as error:
+        return print_error(error)
     print(f"curves of {len(args.runs)} run(s) written to {args.out}")
     return 0
 

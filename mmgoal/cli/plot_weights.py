@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmgoal.cli.arguments import config_argument, tool_parser
+from mmgoal.cli.arguments import INPUT_ERRORS, config_argument, print_error, tool_parser
 from mmgoal.config import load_config, parse_value
 from mmgoal.extras import pyplot, require_extra
 from mmgoal.files import save_figure
@@ -138,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.config:
             args.config = config_argument(args.config)
         weights = configured_weights(args.config, args.cfg_options, args.set)
-    except (ImportError, ValueError, KeyError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except (*INPUT_ERRORS, KeyError) as error:
+        return print_error(error)
     draw(weights, Path(args.out))
     print(f"wrote {args.out}")
     return 0

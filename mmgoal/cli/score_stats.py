@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmgoal.cli.arguments import (
+    INPUT_ERRORS,
     add_data_options,
     add_loading_options,
     apply_loading_options,
     config_argument,
     names_shipped_config,
     positive_int,
+    print_error,
     tool_parser,
 )
 
@@ -94,9 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             s = score_stats(Path(config_argument(run) if names_shipped_config(run) else run),
                             args.split, args.pairs, args.trust_custom_imports, args.shards,
                             args.trust_data_paths, args.batch_size)
-        except (FileNotFoundError, ValueError, KeyError, ImportError) as error:
-            print(f"error: {run}: {error}", file=sys.stderr)
-            return 2
+        except (*INPUT_ERRORS, KeyError) as error:
+            return print_error(f"{run}: {error}")
         where = "as loaded" if s["epoch"] is None else f"epoch {s['epoch']}"
         print(f"{run} ({where}, {s['pairs']} pairs): positive median "
               f"{s['positive_median']:.2f}, hardest negative median {s['negative_median']:.2f} "

@@ -38,9 +38,11 @@ from pathlib import Path
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
+    INPUT_ERRORS,
     add_offline_option,
     apply_loading_options,
     config_argument,
+    print_error,
     tool_parser,
 )
 from mmgoal.config import config_changes, describe_changes, parse_value
@@ -230,9 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         check_data_paths(load_run_config(args.config, args.cfg_options))
         check_settings(args.config, args.cfg_options, args.triplet, args.pair, points)
         check_load_from(args.config, args.cfg_options, args.seeds)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as error:
+        return print_error(error)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # SIGINT and SIGTERM between runs stop the sweep (inside a run, the trainer's own
@@ -275,8 +276,7 @@ def sweep(args: argparse.Namespace, points: list[dict], out: Path,
         try:
             report = run_one(args.config, overrides, seed, work_dir)
         except ValueError as error:  # a bad grid key, reported once
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+            return print_error(error)
         runs.append({"triplet": triplet, "pair": pair, "point": slug(point),
                      "hyperparameters": point, "seed": seed,
                      # null in report.json where no epoch validated

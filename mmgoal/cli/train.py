@@ -21,9 +21,11 @@ from pathlib import Path
 import yaml
 
 from mmgoal.cli.arguments import (
+    INPUT_ERRORS,
     add_offline_option,
     apply_loading_options,
     config_argument,
+    print_error,
     tool_parser,
 )
 from mmgoal.config import load_config
@@ -119,9 +121,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = with_overrides(cfg, args.cfg_options, beside=Path(args.config).parent,
                              trust_custom_imports=args.trust_custom_imports
                              or not args.print_config, source=f"config {args.config}")
-    except (FileNotFoundError, ValueError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as error:
+        return print_error(error)
     if args.print_config:
         print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
@@ -148,9 +149,8 @@ def train(args: argparse.Namespace, cfg: dict, work_dir: Path) -> int:
                 main_rank=launched_rank() == 0))
             trainer = Trainer(cfg, work_dir, resume=start.resume)
         # ImportError: a missing extra; LoggerError: a logger that cannot write where told
-        except (FileNotFoundError, ValueError, ImportError, LoggerError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+        except (*INPUT_ERRORS, LoggerError) as error:
+            return print_error(error)
         if trainer.is_main:
             start.record(trainer.epoch, trainer.step)
         with trainer:  # closes the strategy (the process group) when the run ends
@@ -158,9 +158,9 @@ def train(args: argparse.Namespace, cfg: dict, work_dir: Path) -> int:
                 report = trainer.fit()
             except IncompleteSplitError as error:  # every rank read the split, every one failed
                 if trainer.is_main:
-                    print(f"error: {last_line(error)}\nThe run stopped with its checkpoint; "
-                          f"once the split reads whole, --resume --work-dir {work_dir} "
-                          f"evaluates again and goes on.", file=sys.stderr)
+                    print_error(f"{last_line(error)}\nThe run stopped with its checkpoint; once "
+                                f"the split reads whole, --resume --work-dir {work_dir} "
+                                f"evaluates again and goes on.")
                 return 1
             except (FloatingPointError, UnreadableShardsError, LoggerError,
                     CheckpointWriteError) as error:
@@ -168,7 +168,7 @@ def train(args: argparse.Namespace, cfg: dict, work_dir: Path) -> int:
                 # rank's own; a logger (W&B without a login) stops rank 0, before training; a
                 # checkpoint that cannot be written (a full disk) leaves the previous one
                 if trainer.is_main or isinstance(error, UnreadableShardsError):
-                    print(f"error: {last_line(error)}", file=sys.stderr)
+                    print_error(last_line(error))
                 return 1
     if not trainer.is_main:
         return 130 if report.get("interrupted") else 0

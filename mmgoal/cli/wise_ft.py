@@ -21,9 +21,12 @@ from pathlib import Path
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
+    INPUT_ERRORS,
     add_data_options,
+    add_device_option,
     add_loading_options,
     apply_loading_options,
+    print_error,
     tool_parser,
 )
 from mmgoal.files import save_figure, write_text
@@ -84,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zeroshot-split", default="test")
     parser.add_argument("--out", type=Path,
                         help="folder for wise_ft.json, .md, .png (default: RUN/wise_ft)")
-    parser.add_argument("--device", default="auto",
-                        help="auto (the GPU where there is one), cpu, cuda or cuda:N")
+    add_device_option(parser)
     add_data_options(parser)
     add_loading_options(parser)
     args = parser.parse_args(argv)
@@ -97,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_loading_options(args)
     try:
         return run(args)
-    except (FileNotFoundError, ValueError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as error:
+        return print_error(error)
 
 
 def run(args) -> int:
