@@ -17,10 +17,12 @@ import sys
 from pathlib import Path
 
 from mmgoal.cli.arguments import (
+    INPUT_ERRORS,
     add_data_options,
     add_loading_options,
     apply_loading_options,
     config_argument,
+    print_error,
     tool_parser,
 )
 from mmgoal.extras import pyplot
@@ -105,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         caption = sample["captions"][args.caption]
         position = word_position(caption, args.word)
         boxes, weights = word_attention(model, tokenizer, sample, transform, caption, position)
-    except (ImportError, FileNotFoundError, ValueError, KeyError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except (*INPUT_ERRORS, KeyError) as error:
+        return print_error(error)
     image = sample["image"]
     width, height = image.size
     fig, ax = plt.subplots(figsize=(5, 5.6))

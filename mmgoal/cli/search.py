@@ -30,9 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmgoal.cli.arguments import (
+    INPUT_ERRORS,
+    add_device_option,
     add_loading_options,
     apply_loading_options,
     positive_int,
+    print_error,
     tool_parser,
 )
 from mmgoal.data.remote import expand_shards
@@ -304,8 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="re-rank the top K of every query by ITM (cross encoders; 0 = "
                              "off; default: evaluation.rerank_k of the model's config)")
     parser.add_argument("--out", help="PNG of the hits (needs the plot extra)")
-    parser.add_argument("--device", default="auto",
-                        help="auto (the GPU where there is one), cpu, cuda or cuda:N")
+    add_device_option(parser)
     parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="images or captions encoded at a time")
     add_loading_options(parser)
@@ -313,9 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_loading_options(args)
     try:
         return search(args)
-    except (ImportError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as error:
+        return print_error(error)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from mmgoal.config import (
     ConfigSection,
@@ -55,8 +55,8 @@ from mmgoal.registry import (
 
 logger = logging.getLogger(__name__)
 
-LR_SCALINGS = ("none", "linear", "sqrt")
-SCORINGS = ("local", "replicated")  # train.scoring: how several ranks score a global batch
+LRScaling = Literal["none", "linear", "sqrt"]
+Scoring = Literal["local", "replicated"]  # train.scoring: how several ranks score a batch
 # what a test gallery reports (mmgoal/evaluation/protocols.py, docs/reference/retrieval.md)
 PROTOCOLS = ("coco", "eccv", "cxc", "pm")
 
@@ -132,7 +132,7 @@ class TrainConfig(ConfigSection):
     gather_features: bool = True
     # local: each rank scores its rows (docs/distributed.md, "Local scoring"); replicated:
     # every rank the whole global matrix
-    scoring: str = "local"
+    scoring: Scoring = "local"
     # encode a batch this many pairs at a time, caching the features' gradients
     # (docs/distributed.md, "Gradient caching"); null: the whole batch with its graph
     grad_cache_chunk: int | None = None
@@ -141,7 +141,7 @@ class TrainConfig(ConfigSection):
     # 32 x 32 pairs for cross attention)
     tile_rows: int | None = None
     tile_cols: int | None = None
-    scale_lr: str = "none"
+    scale_lr: LRScaling = "none"
     reference_batch: int | None = None
     # where and how (docs/getting_started.md, "Training on GPUs")
     device: str = "auto"
@@ -150,14 +150,6 @@ class TrainConfig(ConfigSection):
     cudnn_benchmark: bool = True
     sync_bn: bool = False
     compile: bool = False
-
-    def __post_init__(self) -> None:
-        if self.scoring not in SCORINGS:
-            raise ValueError(f"train.scoring must be one of {', '.join(SCORINGS)}, got "
-                             f"{self.scoring!r}")
-        if self.scale_lr not in LR_SCALINGS:
-            raise ValueError(f"train.scale_lr must be one of {', '.join(LR_SCALINGS)}, got "
-                             f"{self.scale_lr!r}")
 
 
 @dataclass

@@ -46,7 +46,8 @@ def test_overrides_of_defaulted_keys_and_of_a_components_options():
     ("train.precision=bf61", "train.precision must be fp32, bf16 or fp16, got 'bf61'"),
     ("train.matmul_precision=hihg", "train.matmul_precision must be highest, high or medium, "
                                     "got 'hihg'"),
-    ("train.scale_lr=cubic", "train.scale_lr must be one of none, linear, sqrt"),
+    ("train.scale_lr=cubic", "train.scale_lr must be none, linear or sqrt, got 'cubic'"),
+    ("train.scoring=rows", "train.scoring must be local or replicated, got 'rows'"),
     ("modle.embed_dim=8", "no key 'modle' under the top level. Did you mean 'model'?"),
     ("objective.type=TripletLos", "'TripletLos' is not in the objective registry. Did you mean "
                                   "'TripletLoss'?"),
