@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,25 @@ class TrainingStep(nn.Module):
         outputs["loss"] = sum(v for k, v in outputs.items() if k.endswith("_loss"))
         return outputs
 
+    def part_shape(self, micro_batch: int) -> tuple[int, int]:
+        """How many parts :meth:`parts` makes of a micro-batch of ``micro_batch`` pairs, and
+        the pairs of the largest."""
+        if self.grad_cache_chunk is None:
+            return 1, micro_batch
+        return math.ceil(micro_batch / self.grad_cache_chunk), min(self.grad_cache_chunk,
+                                                                   micro_batch)
+
+    def parts(self, batch: dict, objective: nn.Module | None = None,
+              loss_scale: float = 1.0) -> MicroBatchParts:
+        """How a strategy runs ``batch``: one part, the batch itself, or under
+        ``grad_cache_chunk`` the cached losses and each chunk's replay (the strategies'
+        single forward-backward seam)."""
+        if self.grad_cache_chunk is None:
+            return MicroBatchParts(None, [None])
+        outputs, cache = self.cache_gradients(batch, objective, loss_scale)
+        return MicroBatchParts(outputs, [(cache, index) for index in range(len(cache.chunks))],
+                               cache)
+
     # ------------------------------------------------------------ gradient caching
     def cache_gradients(self, batch: dict, objective: nn.Module | None = None,
                         loss_scale: float = 1.0) -> tuple[dict[str, torch.Tensor],
@@ -167,6 +187,18 @@ class TrainingStep(nn.Module):
         if last:
             set_rng_state(cache.rng_after)
         return surrogate
+
+
+@dataclass
+class MicroBatchParts:
+    """A micro-batch as the strategies run it: each of ``replays`` is one forward through
+    the strategy's wrapper (``replay=`` of :meth:`TrainingStep.forward`) and one backward;
+    ``outputs`` are the losses to log, None until the single part without gradient caching
+    has given them."""
+
+    outputs: dict[str, torch.Tensor] | None
+    replays: list[tuple[CachedGradients, int] | None]
+    cache: CachedGradients | None = None
 
 
 @dataclass

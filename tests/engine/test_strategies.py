@@ -80,7 +80,7 @@ def test_learning_rate_scales_with_the_global_batch(tiny_benchmark, tmp_path, ru
     assert trainer.global_batch == 12
     assert trainer.base_lrs[0] == pytest.approx(3e-3 * factor)
     cfg = tiny_config(out, scale_lr="quadratic")
-    with pytest.raises(ValueError, match="scale_lr must be one of none, linear, sqrt"):
+    with pytest.raises(ValueError, match="scale_lr must be none, linear or sqrt, got .quadratic."):
         Trainer(cfg, tmp_path / "bad")
 
 

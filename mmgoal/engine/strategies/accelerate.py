@@ -88,18 +88,6 @@ class AccelerateStrategy(TorchStrategy):
         scaler = self.accelerator.scaler
         return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
 
-    def micro_step(self, batch: dict, objective: nn.Module,
-                   last: bool) -> tuple[dict[str, torch.Tensor], bool]:
-        if getattr(self.module, "grad_cache_chunk", None) is not None:
-            # TorchStrategy's: the chunks' backward passes through the Accelerator
-            return self.cached_micro_step(batch, objective, last)
-        # Accelerator.prepare put the forward under autocast for bf16/fp16.
-        with self.no_sync(last):
-            outputs = self.wrapped(batch, objective)
-            nonfinite = self.loss_is_nonfinite(outputs["loss"])
-            self.accelerator.backward(outputs["loss"] / self.accumulate_steps)
-        return outputs, nonfinite
-
     def clip_and_check(self) -> bool:
         norm = self.accelerator.clip_grad_norm_(trainable_parameters(self.module),
                                                 self.clip_grad)

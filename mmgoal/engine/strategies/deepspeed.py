@@ -28,7 +28,6 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import os
 import pickle
 import shutil
@@ -298,12 +297,11 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         self.accumulate_steps = accumulate_steps
-        # Under train.grad_cache_chunk each chunk's backward is one of DeepSpeed's
-        # micro-batches (docs/distributed.md, "Gradient caching")
-        chunk = getattr(module, "grad_cache_chunk", None)
-        self.chunks = 1 if chunk is None else math.ceil(micro_batch / chunk)
+        # Each part of a micro-batch (TrainingStep.parts: under train.grad_cache_chunk, each
+        # chunk) is one of DeepSpeed's micro-batches (docs/distributed.md, "Gradient caching")
+        self.chunks, part_size = module.part_shape(micro_batch)
         self.config = merge_deepspeed_config(
-            self.user_config, micro_batch=micro_batch if chunk is None else min(chunk, micro_batch),
+            self.user_config, micro_batch=part_size,
             accumulate_steps=accumulate_steps * self.chunks, world_size=self.world_size,
             clip_grad=clip_grad, zero_stage=self.zero_stage, precision=self.precision)
         self.client_optimizer = (None if "optimizer" in self.config else
@@ -331,46 +329,33 @@ class DeepSpeedStrategy(Strategy):
         if self.dtype != torch.float32:
             batch = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
                      else v for k, v in batch.items()}
-        if getattr(self.module, "grad_cache_chunk", None) is not None:
-            return self.cached_micro_step(batch, objective)
-        outputs = self.engine(batch, objective)
-        nonfinite = self.loss_is_nonfinite(outputs["loss"])
-        if not nonfinite:
-            self.engine.backward(outputs["loss"])
-        elif self.accumulate_steps > 1:
-            # Inside a window DeepSpeed cannot forget what it has accumulated: the
-            # dropped micro-batch contributes a zero gradient, the rest of the window applies.
-            self.engine.backward(self.zero_loss())
-        if not self.engine.is_gradient_accumulation_boundary():
-            self.engine.step()  # DeepSpeed counts micro-batches in step()
-        return outputs, nonfinite
-
-    def cached_micro_step(self, batch: dict, objective: nn.Module
-                          ) -> tuple[dict[str, torch.Tensor], bool]:
-        """A micro-batch under ``train.grad_cache_chunk``: ``TrainingStep.cache_gradients``,
-        then each chunk's replay through the engine as one of DeepSpeed's micro-batches
-        (its ``gradient_accumulation_steps`` are ``train.accumulate_steps`` times the chunks
-        of a batch): ``engine.backward`` of the surrogate, divided by the accumulation
-        steps alone (``scale_wrt_gas=False``), then ``engine.step()``, which applies the
-        update at the window's last chunk only. A batch with fewer chunks (a short last
-        batch) backs a zero loss in the missing ones, so DeepSpeed's count holds."""
-        outputs, cache = self.module.cache_gradients(batch, objective, self.loss_scale())
-        if self.zero_stage == 3 and cache.direct:
+        parts = self.module.parts(batch, objective, self.loss_scale())
+        if self.zero_stage == 3 and parts.cache is not None and parts.cache.direct:
             raise ValueError(
                 f"train.grad_cache_chunk under DeepSpeed ZeRO-3: the objective reads "
                 f"parameters other than through the features "
-                f"({', '.join(self.parameter_names(p for p, _ in cache.direct))}), whose "
-                f"cached gradients ZeRO-3's partitioned parameters cannot take; use ZeRO "
-                f"stage 0-2 or the torch strategy (docs/distributed.md, 'Gradient caching')")
-        nonfinite = self.loss_is_nonfinite(outputs["loss"])
-        if nonfinite and self.accumulate_steps == 1:
-            return outputs, nonfinite  # the step is skipped before DeepSpeed counted anything
+                f"({', '.join(self.parameter_names(p for p, _ in parts.cache.direct))}), "
+                f"whose cached gradients ZeRO-3's partitioned parameters cannot take; use "
+                f"ZeRO stage 0-2 or the torch strategy (docs/distributed.md, 'Gradient "
+                f"caching')")
+        outputs = parts.outputs
+        nonfinite = outputs is not None and self.loss_is_nonfinite(outputs["loss"])
+        # Each part is one of DeepSpeed's micro-batches (gradient_accumulation_steps are
+        # train.accumulate_steps times the chunks of a batch): the loss divided by the
+        # accumulation steps alone, then engine.step(), which applies the update at the
+        # window's last part only. Where a part is missing (a short last batch) or dropped
+        # (a non-finite loss inside a window) a zero loss keeps DeepSpeed's count.
         for index in range(self.chunks):
-            if index < len(cache.chunks) and not nonfinite:
-                surrogate = self.engine(batch, objective, replay=(cache, index))["loss"]
-            else:  # a zero gradient keeps DeepSpeed's count of micro-batches
-                surrogate = self.zero_loss()
-            self.engine.backward(surrogate / self.accumulate_steps, scale_wrt_gas=False)
+            loss = None
+            if index < len(parts.replays) and not nonfinite:
+                result = self.engine(batch, objective, replay=parts.replays[index])
+                if outputs is None:  # the one part without gradient caching
+                    outputs, nonfinite = result, self.loss_is_nonfinite(result["loss"])
+                loss = None if nonfinite else result["loss"]
+            if nonfinite and self.accumulate_steps == 1:
+                break  # the step is skipped before DeepSpeed counted anything
+            loss = self.zero_loss() if loss is None else loss
+            self.engine.backward(loss / self.accumulate_steps, scale_wrt_gas=False)
             if not self.engine.is_gradient_accumulation_boundary():
                 self.engine.step()
         return outputs, nonfinite

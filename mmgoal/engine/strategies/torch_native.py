@@ -161,31 +161,22 @@ class TorchStrategy(Strategy):
 
     def micro_step(self, batch: dict, objective: nn.Module,
                    last: bool) -> tuple[dict[str, torch.Tensor], bool]:
-        if getattr(self.module, "grad_cache_chunk", None) is not None:
-            return self.cached_micro_step(batch, objective, last)
-        with self.no_sync(last):
-            with autocast(self.device, self.precision):
-                outputs = self.wrapped(batch, objective)
-            nonfinite = self.loss_is_nonfinite(outputs["loss"])
-            # Every rank runs the backward, also of a non-finite loss, so DDP's reduction
-            # completes; the window is then skipped and its gradients dropped.
-            self.backward(outputs["loss"] / self.accumulate_steps)
-        return outputs, nonfinite
-
-    def cached_micro_step(self, batch: dict, objective: nn.Module,
-                          last: bool) -> tuple[dict[str, torch.Tensor], bool]:
-        """A micro-batch under ``train.grad_cache_chunk`` (docs/distributed.md, "Gradient
-        caching"): losses and feature gradients outside DDP, then each chunk again through
-        DDP, all but the window's last under ``no_sync`` (one all-reduce a step)."""
+        """Each part of the micro-batch (:meth:`TrainingStep.parts`: the batch, or the
+        gradient cache's chunks, computed outside DDP) through the wrapper, all but the
+        window's last under ``no_sync`` (one all-reduce a step)."""
         with autocast(self.device, self.precision):
-            outputs, cache = self.module.cache_gradients(batch, objective, self.loss_scale())
-        nonfinite = self.loss_is_nonfinite(outputs["loss"])
-        for index, last_chunk in flag_last(range(len(cache.chunks))):
-            with self.no_sync(last and last_chunk):
+            parts = self.module.parts(batch, objective, self.loss_scale())
+        outputs = parts.outputs
+        nonfinite = outputs is not None and self.loss_is_nonfinite(outputs["loss"])
+        for replay, last_part in flag_last(parts.replays):
+            with self.no_sync(last and last_part):
                 with autocast(self.device, self.precision):
-                    surrogate = self.wrapped(batch, objective, replay=(cache, index))["loss"]
-                # every rank runs every backward, also of a non-finite loss (as micro_step)
-                self.backward(surrogate / self.accumulate_steps)
+                    loss = self.wrapped(batch, objective, replay=replay)
+                if outputs is None:
+                    outputs, nonfinite = loss, self.loss_is_nonfinite(loss["loss"])
+                # Every rank runs every backward, also of a non-finite loss, so DDP's
+                # reduction completes; the window is then skipped and its gradients dropped.
+                self.backward(loss["loss"] / self.accumulate_steps)
         return outputs, nonfinite
 
     def backward(self, loss: torch.Tensor) -> None:
