@@ -50,8 +50,6 @@ from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
 if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
     import torch
 
-    from mmgoal.structures import Member
-
 
 def plot_curve(report, path: Path, title: str) -> None:
     """The attention precision-recall curve over the T_att sweep (needs the plot extra)."""
@@ -72,29 +70,6 @@ def plot_curve(report, path: Path, title: str) -> None:
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)
-
-
-def attention_report(args, cfg: dict, evaluator: Member, split_cfg: dict):
-    from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
-    from mmgoal.data.pipeline import EvalReader
-    from mmgoal.evaluation.attention import evaluate_attention
-    from mmgoal.evaluation.gallery import encode_gallery
-
-    gallery = encode_gallery(evaluator.model, EvalReader.of_split(split_cfg, cfg["data"]),
-                             evaluator.transform, evaluator.tokenizer, with_annotations=True)
-    source = None
-    if args.entities:
-        texts_of: dict = {}
-        for caption, image in zip(gallery.captions, gallery.text_to_image.tolist()):
-            texts_of.setdefault(gallery.image_ids[image], []).append(caption)
-
-        def source(image_id):
-            record = read_image_entities(args.entities, image_id)
-            return [] if record is None else entities_for_captions(record, texts_of[image_id])
-    first, last, step = args.t_att
-    thresholds = [round(first + k * step, 6) for k in range(int(round((last - first) / step)) + 1)]
-    return evaluate_attention(evaluator.model, gallery, evaluator.tokenizer, thresholds,
-                              t_iou=args.t_iou, entity_source=source)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.config is not None:
             args.config = config_argument(args.config)
-        return evaluate(args)
+        return run(args)
     except IncompleteSplitError as error:  # a shard failed: no metrics over part of the split
         return print_error(error, status=1)
     except INPUT_ERRORS as error:  # ImportError: custom_imports
@@ -193,7 +168,7 @@ def check_out(out: Path) -> None:
     check_out_file(out, is_evaluation, "an earlier evaluation's JSON", "test.json")
 
 
-def evaluate(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Evaluate as ``args`` say; under a launcher (``torchrun ... -m mmgoal eval``) every
     rank takes its share of the gallery and rank 0 alone prints and writes."""
     import torch.distributed as dist
@@ -215,11 +190,12 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
+    from mmgoal.data.classification import read_classification_set
     from mmgoal.data.pipeline import EvalReader
     from mmgoal.distributed import world_info
-    from mmgoal.evaluation.gallery import evaluate_retrieval
+    from mmgoal.evaluation.request import AttentionRequest, EvaluationRequest, evaluate
     from mmgoal.evaluation.retrieval import metrics_table
-    from mmgoal.evaluation.zeroshot import evaluate_zeroshot, format_zeroshot
+    from mmgoal.evaluation.zeroshot import format_zeroshot
     from mmgoal.runs.loading import load_for_evaluation, load_zero_shot
 
     main_rank = world_info()[0] == 0
@@ -237,82 +213,86 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     members = [first] + [load_for_evaluation(path, device=device, trust_custom_imports=trust)
                          for path in args.ensemble]
     cfg = first.config
-    zeroshot = {}
-    if args.zeroshot:
-        from mmgoal.data.classification import read_classification_set
-
-        cset = read_classification_set(args.zeroshot, args.zeroshot_split)
-        if main_rank:  # a small set: one process classifies it
-            zeroshot = evaluate_zeroshot(first, cset, cfg["data"]["eval_batch_size"])
-            say(format_zeroshot(zeroshot))
-    split_cfg = (None if args.no_retrieval
-                 else first.split(args.split, args.shards, args.trust_data_paths))
+    request = EvaluationRequest(
+        zeroshot=(read_classification_set(args.zeroshot, args.zeroshot_split)
+                  if args.zeroshot else None),
+        zeroshot_batch_size=cfg["data"]["eval_batch_size"], across_ranks=True)
+    if not args.no_retrieval:
+        split_cfg = first.split(args.split, args.shards, args.trust_data_paths)
+        scoring = dict(cfg["evaluation"])
+        if args.rerank_k is not None:
+            scoring["rerank_k"] = args.rerank_k
+        if args.protocols is not None:
+            scoring["protocols"] = list(args.protocols)
+        if args.pm_dir is not None:
+            scoring["pm_dir"] = args.pm_dir
+        request.split = EvalReader.of_split(split_cfg, cfg["data"])
+        request.folds = args.folds or split_cfg["folds"]
+        request.scoring = ScoringConfig.of(scoring)  # checked before the gallery's minutes
+        request.rankings = bool(args.rankings)
+        if args.attention:
+            start, stop, step = args.t_att
+            request.attention = AttentionRequest(
+                [round(start + k * step, 6) for k in range(int(round((stop - start) / step)) + 1)],
+                args.t_iou, args.entities)
+    evaluation = evaluate(members, request)
+    metrics = evaluation.metrics
+    if args.zeroshot and main_rank:  # rank 0 classified the set
+        say(format_zeroshot(metrics))
     # where the default outputs go: a run directory's own folder, else beside the file
     what = "zeroshot" if args.no_retrieval else args.split
     beside = (Path(args.checkpoint) / f"eval_{what}" if args.checkpoint is not None
               and Path(args.checkpoint, "checkpoints").is_dir() else None)
     # a run directory's checkpoint file; zero-shot: the config
-    args.checkpoint = str(first.checkpoint or args.config)
-    beside = str(beside or f"{args.checkpoint}.{what}")
-    if split_cfg is None:  # zero-shot classification alone
-        return write_result(args, first, {"split": None, "zeroshot": args.zeroshot,
-                                          "metrics": zeroshot}, beside, main_rank)
-    folds = args.folds or split_cfg["folds"]
-    scoring = dict(cfg["evaluation"])
-    if args.rerank_k is not None:
-        scoring["rerank_k"] = args.rerank_k
-    if args.protocols is not None:
-        scoring["protocols"] = list(args.protocols)
-    if args.pm_dir is not None:
-        scoring["pm_dir"] = args.pm_dir
-    scoring = ScoringConfig.of(scoring)  # checked before the gallery's minutes
-    rankings = {} if args.rankings else None
-    metrics = evaluate_retrieval(members, EvalReader.of_split(split_cfg, cfg["data"]),
-                                 folds=folds, scoring=scoring, across_ranks=True,
-                                 rankings=rankings)
-    name = args.checkpoint + "".join(f" + {p}" for p in args.ensemble)
+    checkpoint = str(first.checkpoint or args.config)
+    beside = str(beside or f"{checkpoint}.{what}")
+    if request.split is None:  # zero-shot classification alone
+        return write_result({"split": None, "zeroshot": args.zeroshot, "metrics": metrics},
+                            args.out, beside, first.checkpoint is not None, main_rank)
+    folds = request.folds
+    name = checkpoint + "".join(f" + {p}" for p in args.ensemble)
     say(f"{args.split} ({folds} fold{'s' if folds > 1 else ''}), {name}:")
     say(metrics_table(metrics))
     if "itc_rsum" in metrics:
-        say(f"  (ITM re-ranking of the top {scoring['rerank_k']}; ITC alone: R@1 "
+        say(f"  (ITM re-ranking of the top {request.scoring.rerank_k}; ITC alone: R@1 "
             f"{metrics['itc_i2t_r1']:.2f} / {metrics['itc_t2i_r1']:.2f}, "
             f"rsum {metrics['itc_rsum']:.2f})")
-    result = {"split": args.split, "folds": folds, "checkpoint": str(args.checkpoint),
-              "ensemble": list(args.ensemble), "protocols": scoring.protocols,
-              "metrics": {**metrics, **zeroshot}}
+    result = {"split": args.split, "folds": folds, "checkpoint": checkpoint,
+              "ensemble": list(args.ensemble), "protocols": request.scoring.protocols,
+              "metrics": metrics}
     if args.zeroshot:
         result["zeroshot"] = args.zeroshot
+    rankings = evaluation.rankings
     if rankings is not None and main_rank:
         write_text(args.rankings, strict_json.dumps(rankings))
         say(f"rankings of {len(rankings['i2t'])} images and {len(rankings['t2i'])} captions "
             f"written to {args.rankings}")
-    if args.attention and main_rank:  # one process: the metrics need no gallery scoring
-        report = attention_report(args, cfg, first, split_cfg)
+    report = evaluation.attention
+    if report is not None:  # rank 0's
         best = report.best
         say(f"attention ({report.phrases} phrases, T_IoU {args.t_iou}): best F1 "
             f"{best['f1']:.4f} at T_att {best['t_att']:g} (precision {best['precision']:.4f},"
             f" recall {best['recall']:.4f})")
         curve = Path(args.curve or f"{beside}.attention.png")
         try:
-            plot_curve(report, curve,
-                       f"attention PR, {Path(args.checkpoint).parent.parent.name}")
+            plot_curve(report, curve, f"attention PR, {Path(checkpoint).parent.parent.name}")
             say(f"PR curve written to {curve}")
         except ImportError as error:  # the metrics need no matplotlib: report and go on
             say(f"no PR curve: {error}", file=sys.stderr)
         result["attention"] = report.as_dict()
-    return write_result(args, first, result, beside, main_rank)
+    return write_result(result, args.out, beside, first.checkpoint is not None, main_rank)
 
 
-def write_result(args: argparse.Namespace, first, result: dict, beside: str,
+def write_result(result: dict, out: str | None, beside: str, from_checkpoint: bool,
                  main_rank: bool) -> int:
-    """Rank 0 writes ``result`` to ``--out`` or beside the checkpoint (nothing beside a
-    config alone)."""
-    if (first.checkpoint is None and not args.out) or not main_rank:
+    """Rank 0 writes ``result`` to ``out`` or beside the checkpoint (nothing beside a
+    config alone: not ``from_checkpoint``)."""
+    if (not from_checkpoint and not out) or not main_rank:
         return 0
-    out = Path(args.out or f"{beside}.json")
-    check_out(out)
-    write_text(out, strict_json.dumps(result, indent=2))
-    print(f"metrics written to {out}")
+    path = Path(out or f"{beside}.json")
+    check_out(path)
+    write_text(path, strict_json.dumps(result, indent=2))
+    print(f"metrics written to {path}")
     return 0
 
 

@@ -106,33 +106,29 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     from mmgoal.data.classification import read_classification_set
     from mmgoal.data.pipeline import EvalReader
-    from mmgoal.evaluation.gallery import evaluate_retrieval
+    from mmgoal.evaluation.request import EvaluationRequest, evaluate
     from mmgoal.evaluation.wise_ft import WiseFT
-    from mmgoal.evaluation.zeroshot import evaluate_zeroshot
     from mmgoal.runs.loading import load_for_evaluation
     from mmgoal.runs.schema import ScoringConfig
 
     loaded = load_for_evaluation(args.source, device=args.device,
                                  trust_custom_imports=args.trust_custom_imports)
     cfg = loaded.config
-    cset = read_classification_set(args.zeroshot, args.zeroshot_split) if args.zeroshot else None
-    split_cfg = (None if args.no_retrieval
-                 else loaded.split(args.split, args.shards, args.trust_data_paths))
+    request = EvaluationRequest(
+        zeroshot=(read_classification_set(args.zeroshot, args.zeroshot_split)
+                  if args.zeroshot else None),
+        zeroshot_batch_size=cfg["data"]["eval_batch_size"], progress=False)
+    if not args.no_retrieval:
+        split_cfg = loaded.split(args.split, args.shards, args.trust_data_paths)
+        request.split = EvalReader.of_split(split_cfg, cfg["data"])
+        request.folds = split_cfg["folds"]
+        request.scoring = ScoringConfig.of({**cfg["evaluation"], "protocols": ["coco"]})
     mix = WiseFT(loaded)  # refuses a run without a pretrained start
     out = args.out or (Path(args.source) / "wise_ft" if Path(args.source).is_dir()
                        else Path(f"{loaded.checkpoint}.wise_ft"))
     rows = []
     for alpha in sorted(set(args.alphas)):
-        member = mix.at(alpha)
-        row = {"alpha": alpha}
-        if split_cfg is not None:
-            row.update(evaluate_retrieval(
-                [member], EvalReader.of_split(split_cfg, cfg["data"]), folds=split_cfg["folds"],
-                scoring=ScoringConfig.of({**cfg["evaluation"], "protocols": ["coco"]}),
-                progress=False))
-        if cset is not None:
-            row.update(evaluate_zeroshot(member, cset, cfg["data"]["eval_batch_size"],
-                                         progress=False))
+        row = {"alpha": alpha, **evaluate(mix.at(alpha), request).metrics}
         rows.append(row)
         print(f"alpha {alpha:g}: " + ", ".join(f"{title} {row[key]:.2f}"
                                                for key, title in COLUMNS if key in row),
@@ -141,7 +137,7 @@ def run(args) -> int:
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "wise_ft.json", strict_json.dumps({"source": str(loaded.checkpoint),
-                                                        "split": None if split_cfg is None
+                                                        "split": None if request.split is None
                                                         else args.split,
                                                         "zeroshot": args.zeroshot, "rows": rows},
                                                        indent=2))

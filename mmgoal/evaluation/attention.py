@@ -13,8 +13,10 @@ from torchvision.ops import box_iou
 from tqdm import tqdm
 
 from mmgoal.contract import CrossAttentionModel, require
-from mmgoal.evaluation.gallery import Gallery
-from mmgoal.structures import index_features
+from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
+from mmgoal.data.pipeline import EvalReader
+from mmgoal.evaluation.gallery import Gallery, encode_gallery
+from mmgoal.structures import Member, index_features
 
 T_ATT_SWEEP = tuple(round(0.01 * k, 2) for k in range(11))
 T_IOU = 0.4
@@ -161,3 +163,22 @@ def evaluate_attention(model: torch.nn.Module, gallery: Gallery, tokenizer,
             for positions, phrase_boxes in phrases:
                 scorer.add_phrase(weights[row, positions, :len(boxes)], boxes, phrase_boxes)
     return scorer.report()
+
+
+def attention_on_split(member: Member, reader: EvalReader, thresholds: Sequence[float],
+                       t_iou: float = T_IOU, entities: str | None = None) -> AttentionReport:
+    """Attention P/R/F1 of ``member`` on the split ``reader`` reads: its entity boxes the
+    shards' or, with ``entities``, a Flickr30K Entities folder's joined by image id."""
+    gallery = encode_gallery(member.model, reader, member.transform, member.tokenizer,
+                             with_annotations=True)
+    source = None
+    if entities:
+        texts_of: dict = {}
+        for caption, image in zip(gallery.captions, gallery.text_to_image.tolist()):
+            texts_of.setdefault(gallery.image_ids[image], []).append(caption)
+
+        def source(image_id):
+            record = read_image_entities(entities, image_id)
+            return [] if record is None else entities_for_captions(record, texts_of[image_id])
+    return evaluate_attention(member.model, gallery, member.tokenizer, thresholds,
+                              t_iou=t_iou, entity_source=source)

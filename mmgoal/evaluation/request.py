@@ -1,0 +1,105 @@
+"""One evaluation as a library call: what ``mmgoal eval`` and ``mmgoal wise-ft`` measure
+(retrieval on a split, zero-shot classification, attention P/R/F1), asked for by an
+:class:`EvaluationRequest` and answered by :func:`evaluate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mmgoal.contract import CrossAttentionModel, require
+from mmgoal.data.classification import ClassificationSet
+from mmgoal.data.pipeline import EvalReader
+from mmgoal.distributed import world_info
+from mmgoal.evaluation.attention import T_IOU, AttentionReport, attention_on_split
+from mmgoal.evaluation.gallery import evaluate_retrieval
+from mmgoal.evaluation.zeroshot import evaluate_zeroshot
+from mmgoal.runs.schema import ScoringConfig
+from mmgoal.structures import Member
+
+
+@dataclass
+class AttentionRequest:
+    """The attention metrics of the first member on the retrieval split.
+
+    Attributes:
+        thresholds: the ``T_att`` sweep.
+        t_iou: the IoU of a relevant region.
+        entities: a Flickr30K Entities folder joined to the shards by image id (``None``:
+            the shards' own entity boxes).
+    """
+
+    thresholds: Sequence[float]
+    t_iou: float = T_IOU
+    entities: str | None = None
+
+
+@dataclass
+class EvaluationRequest:
+    """What to evaluate.
+
+    Attributes:
+        split: the retrieval split's reader (``None``: no retrieval).
+        folds: the image folds the retrieval metrics are averaged over.
+        scoring: how the gallery is scored (re-ranking, blocks, protocols).
+        rankings: also return every COCO test query's top items by COCO id.
+        zeroshot: a zero-shot classification set the first member classifies.
+        zeroshot_batch_size: its images per batch.
+        attention: the attention metrics of the first member on ``split``.
+        across_ranks: a collective: every rank encodes and scores its share of the gallery;
+            the zero-shot set and the attention metrics are rank 0's alone.
+        progress: progress bars.
+    """
+
+    split: EvalReader | None = None
+    folds: int = 1
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    rankings: bool = False
+    zeroshot: ClassificationSet | None = None
+    zeroshot_batch_size: int = 256
+    attention: AttentionRequest | None = None
+    across_ranks: bool = False
+    progress: bool = True
+
+
+@dataclass
+class Evaluation:
+    """What :func:`evaluate` measured.
+
+    Attributes:
+        metrics: the retrieval metrics (``skipped`` among them), then the ``zeroshot_*``.
+        rankings: as :func:`~mmgoal.evaluation.protocols.protocol_rankings` fills them
+            (``request.rankings``).
+        attention: the attention sweep (``request.attention``; rank 0's).
+    """
+
+    metrics: dict[str, float]
+    rankings: dict | None = None
+    attention: AttentionReport | None = None
+
+
+def evaluate(members: Member | Sequence[Member], request: EvaluationRequest) -> Evaluation:
+    """Evaluate a model with its transform and tokenizer (``members``: several, an ensemble
+    whose score matrices are averaged for retrieval) as ``request`` asks."""
+    members = [members] if isinstance(members, Member) else list(members)
+    first = members[0]
+    if request.attention is not None:  # refused before the gallery's minutes, not after
+        require(first.model, CrossAttentionModel, "the attention metrics")
+    main_rank = not request.across_ranks or world_info()[0] == 0
+    zeroshot = {}
+    if request.zeroshot is not None and main_rank:  # a small set: one process classifies it
+        zeroshot = evaluate_zeroshot(first, request.zeroshot, request.zeroshot_batch_size,
+                                     request.progress)
+    if request.split is None:
+        return Evaluation(zeroshot)
+    rankings = {} if request.rankings else None
+    metrics = evaluate_retrieval(members, request.split, folds=request.folds,
+                                 progress=request.progress, scoring=request.scoring,
+                                 across_ranks=request.across_ranks, rankings=rankings)
+    attention = None
+    if request.attention is not None and main_rank:  # needs no gallery scoring: one process
+        options = request.attention
+        attention = attention_on_split(first, request.split, options.thresholds,
+                                       options.t_iou, options.entities)
+    return Evaluation({**metrics, **zeroshot}, rankings, attention)
