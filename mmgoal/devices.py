@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -156,3 +157,34 @@ def configure_cuda(device: torch.device, matmul_precision: MatmulPrecision,
     torch.backends.cudnn.allow_tf32 = matmul_precision != "highest"
     # Training batches have one image size, so the fastest convolution found once stays so.
     torch.backends.cudnn.benchmark = cudnn_benchmark
+
+
+_workspace: dict[str, torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def reuse_buffers():
+    """Within the block, scoring without autograd reuses its large work arrays
+    (:func:`work_buffer`) from one call to the next instead of allocating (and
+    page-faulting) them every block; they are freed on exit. Evaluation scores a gallery
+    inside it."""
+    global _workspace
+    previous, _workspace = _workspace, {}
+    try:
+        yield
+    finally:
+        _workspace = previous
+
+
+def work_buffer(name: str, shape: tuple[int, ...], like: torch.Tensor,
+                enabled: bool) -> torch.Tensor | None:
+    """A work array of ``shape`` from the workspace, or ``None`` (allocate) outside one or
+    where not ``enabled`` (autograd keeps its tensors for the backward pass)."""
+    if _workspace is None or not enabled:
+        return None
+    numel = math.prod(shape)
+    buffer = _workspace.get(name)
+    if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype \
+            or buffer.device != like.device:
+        buffer = _workspace[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel].view(shape)

@@ -24,12 +24,17 @@ from tqdm import tqdm
 from mmgoal.config import MatmulPrecision, check_value
 from mmgoal.contract import MatchingModel, require
 from mmgoal.data.pipeline import EvalReader, SkipCounter, iter_eval_batches
-from mmgoal.devices import cache_share_mb, free_memory_mb, module_device, move_to_device
+from mmgoal.devices import (
+    cache_share_mb,
+    free_memory_mb,
+    module_device,
+    move_to_device,
+    reuse_buffers,
+)
 from mmgoal.distributed import gather_rows, gather_uneven, rank_share, world_info
 from mmgoal.evaluation.protocols import protocol_metrics, protocol_rankings
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
-from mmgoal.models.layers.cross_attention import reuse_buffers
 from mmgoal.runs.schema import ScoringConfig
 from mmgoal.structures import (
     ImageFeatures,

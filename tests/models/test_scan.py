@@ -204,7 +204,7 @@ def test_evaluation_path_equals_the_autograd_path(direction, pooling, lambda_sof
 
 
 def test_reused_buffers_give_the_same_scores_across_block_shapes():
-    from mmgoal.models.layers.cross_attention import reuse_buffers
+    from mmgoal.devices import reuse_buffers
 
     generator = torch.Generator().manual_seed(5)
     regions, region_mask = random_items(6, 7, 16, generator)

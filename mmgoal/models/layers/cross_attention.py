@@ -9,14 +9,14 @@ product of all queries with all keys.
 
 from __future__ import annotations
 
-import math
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from mmgoal.config import check_value
+from mmgoal.devices import work_buffer
 from mmgoal.structures import Attention
 
 Direction = Literal["t2i", "i2t"]  # words attend to regions, or regions to words
@@ -37,36 +37,6 @@ def clipped_l2_scores(raw: torch.Tensor, query_mask: torch.Tensor, query_dim: in
     scores = F.leaky_relu(raw, 0.1) * query_mask
     # norm() has a zero gradient at zero (a padded key), where sqrt(sum of squares) has NaN.
     return scores / (scores.norm(dim=query_dim, keepdim=True) + EPS)
-
-
-_workspace: dict[str, torch.Tensor] | None = None
-
-
-@contextmanager
-def reuse_buffers():
-    """Within the block, scoring without autograd reuses its large work arrays from one
-    call to the next instead of allocating (and page-faulting) them every block; they
-    are freed on exit. ``score_gallery`` scores a gallery inside it."""
-    global _workspace
-    previous, _workspace = _workspace, {}
-    try:
-        yield
-    finally:
-        _workspace = previous
-
-
-def _buffer(name: str, shape: tuple[int, ...], like: torch.Tensor,
-            enabled: bool) -> torch.Tensor | None:
-    """A work array of ``shape`` from the workspace, or ``None`` (allocate) outside one or
-    where not ``enabled`` (autograd keeps its tensors for the backward pass)."""
-    if _workspace is None or not enabled:
-        return None
-    numel = math.prod(shape)
-    buffer = _workspace.get(name)
-    if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype \
-            or buffer.device != like.device:
-        buffer = _workspace[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
-    return buffer[:numel].view(shape)
 
 
 def _pool(relevance: torch.Tensor, query_mask: torch.Tensor, pooling: Pooling,
@@ -94,7 +64,7 @@ def _attend_all_pairs(queries: torch.Tensor, query_mask: torch.Tensor, keys: tor
     shape = (n_k, k_len, n_q, q_len)
     in_place = not (torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad))
     raw = torch.mm(keys.reshape(n_k * k_len, dim), queries.reshape(n_q * q_len, dim).T,
-                   out=_buffer("raw", (n_k * k_len, n_q * q_len), keys, in_place)).view(shape)
+                   out=work_buffer("raw", (n_k * k_len, n_q * q_len), keys, in_place)).view(shape)
     gram = keys @ keys.transpose(1, 2)  # (Nk, K, K)
     query_norm = queries.norm(dim=-1)[None]
     all_queries, all_keys = bool(query_mask.all()), bool(key_mask.all())
@@ -113,7 +83,7 @@ def _attend_all_pairs(queries: torch.Tensor, query_mask: torch.Tensor, keys: tor
                 .view(n_k, k_len, n_q, q_len) * attention).sum(1)
         relevance = dot / (query_norm * quad.clamp(min=EPS**2).sqrt()).clamp(min=EPS)
         return _pool(relevance, query_mask, pooling, lambda_lse)
-    buffer = _buffer("attention", shape, raw, in_place)
+    buffer = work_buffer("attention", shape, raw, in_place)
     attention = F.leaky_relu(raw, 0.1) if buffer is None else \
         torch.ops.aten.leaky_relu.out(raw, 0.1, out=buffer)
     if not all_queries:
@@ -129,7 +99,7 @@ def _attend_all_pairs(queries: torch.Tensor, query_mask: torch.Tensor, keys: tor
         attention.sub_(attention.amax(1, keepdim=True))
     attention.exp_()
     quad = torch.bmm(gram, attention.view(n_k, k_len, n_q * q_len),
-                     out=_buffer("quad", (n_k, k_len, n_q * q_len), raw, in_place)).view(shape)
+                     out=work_buffer("quad", (n_k, k_len, n_q * q_len), raw, in_place)).view(shape)
     quad = quad.mul_(attention).sum(1)
     dot = raw.mul_(attention).sum(1)
     relevance = dot.div_((query_norm * quad.clamp_(min=EPS**2).sqrt_()).clamp_(min=EPS))
