@@ -45,7 +45,7 @@ from mmgoal.cli.arguments import (
 )
 from mmgoal.extras import pyplot
 from mmgoal.files import read_text, save_figure, write_text
-from mmgoal.runs.schema import PROTOCOLS, ScoringConfig
+from mmgoal.runs.schema import PROTOCOLS
 
 if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
     import torch
@@ -191,9 +191,8 @@ def run(args: argparse.Namespace) -> int:
 
 def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     from mmgoal.data.classification import read_classification_set
-    from mmgoal.data.pipeline import EvalReader
     from mmgoal.distributed import world_info
-    from mmgoal.evaluation.request import AttentionRequest, EvaluationRequest, evaluate
+    from mmgoal.evaluation.request import AttentionRequest, evaluate, request_for
     from mmgoal.evaluation.retrieval import metrics_table
     from mmgoal.evaluation.zeroshot import format_zeroshot
     from mmgoal.runs.loading import load_for_evaluation, load_zero_shot
@@ -212,29 +211,18 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     # every ensemble member is built from the config saved inside its checkpoint
     members = [first] + [load_for_evaluation(path, device=device, trust_custom_imports=trust)
                          for path in args.ensemble]
-    cfg = first.config
-    request = EvaluationRequest(
-        zeroshot=(read_classification_set(args.zeroshot, args.zeroshot_split)
-                  if args.zeroshot else None),
-        zeroshot_batch_size=cfg["data"]["eval_batch_size"], across_ranks=True)
-    if not args.no_retrieval:
-        split_cfg = first.split(args.split, args.shards, args.trust_data_paths)
-        scoring = dict(cfg["evaluation"])
-        if args.rerank_k is not None:
-            scoring["rerank_k"] = args.rerank_k
-        if args.protocols is not None:
-            scoring["protocols"] = list(args.protocols)
-        if args.pm_dir is not None:
-            scoring["pm_dir"] = args.pm_dir
-        request.split = EvalReader.of_split(split_cfg, cfg["data"])
-        request.folds = args.folds or split_cfg["folds"]
-        request.scoring = ScoringConfig.of(scoring)  # checked before the gallery's minutes
-        request.rankings = bool(args.rankings)
-        if args.attention:
-            start, stop, step = args.t_att
-            request.attention = AttentionRequest(
-                [round(start + k * step, 6) for k in range(int(round((stop - start) / step)) + 1)],
-                args.t_iou, args.entities)
+    scoring = {key: value for key, value in (("rerank_k", args.rerank_k),
+                                             ("protocols", args.protocols),
+                                             ("pm_dir", args.pm_dir)) if value is not None}
+    request = request_for(
+        first, None if args.no_retrieval else args.split, args.shards, args.trust_data_paths,
+        read_classification_set(args.zeroshot, args.zeroshot_split) if args.zeroshot else None,
+        scoring, args.folds, rankings=bool(args.rankings), across_ranks=True)
+    if request.split is not None and args.attention:
+        start, stop, step = args.t_att
+        request.attention = AttentionRequest(
+            [round(start + k * step, 6) for k in range(int(round((stop - start) / step)) + 1)],
+            args.t_iou, args.entities)
     evaluation = evaluate(members, request)
     metrics = evaluation.metrics
     if args.zeroshot and main_rank:  # rank 0 classified the set

@@ -105,24 +105,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     from mmgoal.data.classification import read_classification_set
-    from mmgoal.data.pipeline import EvalReader
-    from mmgoal.evaluation.request import EvaluationRequest, evaluate
+    from mmgoal.evaluation.request import evaluate, request_for
     from mmgoal.evaluation.wise_ft import WiseFT
     from mmgoal.runs.loading import load_for_evaluation
-    from mmgoal.runs.schema import ScoringConfig
 
     loaded = load_for_evaluation(args.source, device=args.device,
                                  trust_custom_imports=args.trust_custom_imports)
-    cfg = loaded.config
-    request = EvaluationRequest(
-        zeroshot=(read_classification_set(args.zeroshot, args.zeroshot_split)
-                  if args.zeroshot else None),
-        zeroshot_batch_size=cfg["data"]["eval_batch_size"], progress=False)
-    if not args.no_retrieval:
-        split_cfg = loaded.split(args.split, args.shards, args.trust_data_paths)
-        request.split = EvalReader.of_split(split_cfg, cfg["data"])
-        request.folds = split_cfg["folds"]
-        request.scoring = ScoringConfig.of({**cfg["evaluation"], "protocols": ["coco"]})
+    request = request_for(
+        loaded, None if args.no_retrieval else args.split, args.shards, args.trust_data_paths,
+        read_classification_set(args.zeroshot, args.zeroshot_split) if args.zeroshot else None,
+        {"protocols": ["coco"]}, progress=False)
     mix = WiseFT(loaded)  # refuses a run without a pretrained start
     out = args.out or (Path(args.source) / "wise_ft" if Path(args.source).is_dir()
                        else Path(f"{loaded.checkpoint}.wise_ft"))

@@ -15,6 +15,7 @@ from mmgoal.distributed import world_info
 from mmgoal.evaluation.attention import T_IOU, AttentionReport, attention_on_split
 from mmgoal.evaluation.gallery import evaluate_retrieval
 from mmgoal.evaluation.zeroshot import evaluate_zeroshot
+from mmgoal.runs.loading import LoadedModel
 from mmgoal.runs.schema import ScoringConfig
 from mmgoal.structures import Member
 
@@ -61,6 +62,26 @@ class EvaluationRequest:
     attention: AttentionRequest | None = None
     across_ranks: bool = False
     progress: bool = True
+
+
+def request_for(loaded: LoadedModel, split: str | None, shards: str | list[str] | None = None,
+                trust_data_paths: bool = False, zeroshot: ClassificationSet | None = None,
+                scoring: dict | None = None, folds: int | None = None,
+                **options) -> EvaluationRequest:
+    """The request of a loaded run: its ``data.<split>`` (``shards`` in place of the
+    config's; ``None``: no retrieval) scored by its ``evaluation`` section updated with
+    ``scoring``, in ``folds`` (default: the split's), and the ``zeroshot`` set at the
+    config's evaluation batch size; ``options``: the rest of :class:`EvaluationRequest`."""
+    data = loaded.config["data"]
+    request = EvaluationRequest(zeroshot=zeroshot, zeroshot_batch_size=data["eval_batch_size"],
+                                **options)
+    if split is not None:
+        split_cfg = loaded.split(split, shards, trust_data_paths)
+        request.split = EvalReader.of_split(split_cfg, data)
+        request.folds = folds or split_cfg["folds"]
+        # checked before the gallery's minutes
+        request.scoring = ScoringConfig.of({**loaded.config["evaluation"], **(scoring or {})})
+    return request
 
 
 @dataclass
