@@ -445,6 +445,13 @@ def check_minimum(where: str, value: Any, minimum: float) -> None:
         raise ValueError(f"{where} must be at least {minimum}, got {value!r}")
 
 
+def is_choice(hint: Any) -> bool:
+    """Whether ``hint`` is a choice: a ``Literal``, or one or null (``Literal[...] | None``)."""
+    members = [_unannotated(member) for member in _union_members(hint)]
+    return any(typing.get_origin(m) is typing.Literal for m in members) and all(
+        typing.get_origin(m) is typing.Literal or m is type(None) for m in members)
+
+
 def _union_members(hint: Any) -> tuple:
     """The members of a union hint (``int | None``: ``int``, ``None``); another hint alone."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import importlib
 import inspect
 import logging
@@ -21,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from mmgoal.config import check_value, close_match_hints
+from mmgoal.config import check_value, close_match_hints, is_choice
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class Registry:
                 )
             self._entries[key] = obj
             self._origins[key] = registering
-            return obj
+            return _checking_choices(obj) if isinstance(obj, type) else obj
 
         return decorator
 
@@ -203,11 +204,39 @@ class Registry:
 
 
 def _initialisers(target: Callable[..., Any]) -> list[Callable[..., Any]]:
-    """A function itself; a class's own ``__init__`` and those up its MRO (not object's)."""
+    """A function itself; a class's own ``__init__`` and those up its MRO (not object's),
+    unwrapped (:func:`_checking_choices`)."""
     if not isinstance(target, type):
         return [target]
-    return [cls.__dict__["__init__"] for cls in target.__mro__
+    return [inspect.unwrap(cls.__dict__["__init__"]) for cls in target.__mro__
             if cls is not object and "__init__" in cls.__dict__]
+
+
+def _checking_choices(cls: type) -> type:
+    """``cls`` with its own ``__init__`` refusing a value outside a ``Literal`` parameter's
+    choices, however it is built (the registry checks a config's values before building;
+    this is the same check for code that constructs the class itself)."""
+    init = cls.__dict__.get("__init__")
+    if not inspect.isfunction(init) or hasattr(init, "__wrapped__"):
+        return cls  # none of its own, a built-in type's, or already wrapped
+    signature = inspect.signature(init)
+    choices: dict[str, Any] | None = None  # resolved at the first construction
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        nonlocal choices
+        if choices is None:
+            choices = {name: hint for name, hint in _parameter_hints(init).items()
+                       if is_choice(hint) and name in signature.parameters}
+        if choices:
+            given = signature.bind_partial(self, *args, **kwargs).arguments
+            for name, hint in choices.items():
+                if name in given:
+                    check_value(name, given[name], hint)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
 
 
 def check_arguments(target: Callable[..., Any], arguments: Mapping[str, Any],

@@ -79,3 +79,18 @@ def test_a_choice_passed_from_python_is_checked_where_it_is_used():
     with pytest.raises(ValueError, match=r"^task must be shape or colour, got 'color' \(did you "
                                          r"mean colour\?\)$"):
         write_synthetic_classification("unused", task="color")
+
+
+def test_a_registered_class_built_in_python_refuses_a_value_outside_its_choices():
+    from mmgoal.engine.strategies.torch_native import TorchStrategy
+    from mmgoal.objectives.triplet import TripletLoss
+
+    with pytest.raises(ValueError, match=r"^reduction must be sum or mean, got 'avg'$"):
+        TripletLoss(margin=0.2, reduction="avg")
+    with pytest.raises(ValueError, match=r"^precision must be fp32, bf16 or fp16, got 'fp8'$"):
+        TorchStrategy(device="cpu", precision="fp8")
+    assert TripletLoss(0.2, True, "mean").reduction == "mean"  # positional, within
+    # the registry's check of a config still names the section
+    with pytest.raises(ConfigError,
+                       match=r"^objective 'TripletLoss': reduction must be sum or mean"):
+        OBJECTIVES.build({"type": "TripletLoss", "reduction": "avg"})
