@@ -32,6 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from ranks import joined, run_ranks  # bench/ranks.py
 
 WORLD = 2
@@ -80,19 +81,27 @@ def previous_gather_features(features):
     return type(features)(**values)
 
 
-class CountingBytes:
-    """Adds up the bytes each rank sends in the collectives while installed, as a ring
-    algorithm sends them (NCCL's and gloo's large-message algorithms): an all-gather of
-    ``n`` bytes per rank sends ``(W - 1) n``, a reduce-scatter of an ``N``-byte input
-    ``(W - 1) / W N``, an all-reduce of ``N`` bytes ``2 (W - 1) / W N``."""
+class CountingBytes(TorchDispatchMode):
+    """Adds up the bytes each rank sends in the collectives while installed (the
+    ``dist`` calls of the previous gather, torch's functional collectives of mmgoal's),
+    as a ring algorithm sends them (NCCL's and gloo's large-message algorithms): an
+    all-gather of ``n`` bytes per rank sends ``(W - 1) n``, a reduce-scatter of an
+    ``N``-byte input ``(W - 1) / W N``, an all-reduce of ``N`` bytes ``2 (W - 1) / W N``."""
 
-    NAMES = ("all_gather", "all_gather_single", "all_reduce", "reduce_scatter_single")
-    SENT = {"all_gather": WORLD - 1, "all_gather_single": WORLD - 1,
-            "reduce_scatter_single": (WORLD - 1) / WORLD, "all_reduce": 2 * (WORLD - 1) / WORLD}
+    NAMES = ("all_gather", "all_reduce")
+    SENT = {"all_gather": WORLD - 1, "all_gather_into_tensor": WORLD - 1,
+            "reduce_scatter_tensor": (WORLD - 1) / WORLD, "all_reduce": 2 * (WORLD - 1) / WORLD}
 
     def __init__(self):
+        super().__init__()
         self.bytes = 0.0
         self.originals = {name: getattr(dist, name) for name in self.NAMES}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.removesuffix(".default")
+        if func.namespace == "_c10d_functional" and name in self.SENT:
+            self.bytes += self.SENT[name] * args[0].numel() * args[0].element_size()
+        return func(*args, **(kwargs or {}))
 
     def _wrap(self, name):
         original = self.originals[name]
@@ -106,11 +115,12 @@ class CountingBytes:
     def __enter__(self):
         for name in self.NAMES:
             setattr(dist, name, self._wrap(name))
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc):
         for name, original in self.originals.items():
             setattr(dist, name, original)
+        return super().__exit__(*exc)
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -119,10 +129,10 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     with joined(rank, port, WORLD, args.backend):
-        from mmgoal.distributed import gather_features
+        from mmgoal.distributed import gather
         from mmgoal.structures import ImageFeatures, TextFeatures
 
-        gathers = {"previous": previous_gather_features, "mmgoal": gather_features}
+        gathers = {"previous": previous_gather_features, "mmgoal": gather}
         torch.manual_seed(rank)
         words = args.words + 3 * rank
         regions = torch.randn(args.per_rank, args.regions, args.dim, device=device,

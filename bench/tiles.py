@@ -130,9 +130,9 @@ def anchor_step(name: str, images, texts, world: int = 1):
     def step():
         mine, theirs = images, texts
         if world > 1:  # every rank scores the gathered global batch, as a loop would
-            from mmgoal.distributed import gather_with_grad
+            from mmgoal.distributed import gather
 
-            mine, theirs = gather_with_grad(images), gather_with_grad(texts)
+            mine, theirs = gather(images), gather(texts)
         s = mine @ theirs.T
         if name == "TripletLoss(all)":
             p = torch.eye(len(s), dtype=torch.bool)
@@ -160,7 +160,7 @@ def ours_step(name: str, images, texts, world: int = 1):
     """mmgoal's forward and backward on the score tiles (a rank's share, on ranks)."""
     import torch
 
-    from mmgoal.distributed import gather_with_grad, global_losses
+    from mmgoal.distributed import gather, global_losses
     from mmgoal.registry import OBJECTIVES as REGISTRY
     from mmgoal.scoring import DotScorer, ScoreTiles
     from mmgoal.structures import ObjectiveInputs
@@ -170,7 +170,7 @@ def ours_step(name: str, images, texts, world: int = 1):
     def step():
         own, all_images, all_texts = None, images, texts
         if world > 1:
-            all_images, all_texts = gather_with_grad(images), gather_with_grad(texts)
+            all_images, all_texts = gather(images), gather(texts)
             own = slice(_rank() * len(images), (_rank() + 1) * len(images))
         n = len(all_images)
         tiles = ScoreTiles(DotScorer(all_images, all_texts), n, n, torch.arange(n), rows=own,

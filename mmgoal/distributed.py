@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as functional_collectives
 
 
 def world_info() -> tuple[int, int]:
@@ -75,108 +76,153 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _all_gather_single(out: torch.Tensor, local: torch.Tensor) -> None:
-    # one tensor in, one out: torch 2.14's name, else torch 2.6's
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local)
+def all_objects(value: Any) -> list[Any]:
+    """Every rank's picklable ``value``, in rank order, on every rank (one collective)."""
+    world = world_info()[1]
+    if world == 1:
+        return [value]
+    values: list[Any] = [None] * world
+    dist.all_gather_object(values, value)
+    return values
 
 
-def _reduce_scatter_single(mine: torch.Tensor, grad: torch.Tensor) -> None:
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(mine, grad)
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels as in a collective: bool as uint8 (gloo
+    cannot send bool)."""
+    return torch.uint8 if dtype == torch.bool else dtype
 
 
-class _AllGather(torch.autograd.Function):
-    """all_gather whose backward is a reduce-scatter: each rank receives the sum over ranks
-    of the gradient of its own slice, and moves half the bytes of an all-reduce of the
-    whole gradient (``torch.distributed.nn``'s rule, without its deprecated list API)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor) -> torch.Tensor:
-        world = world_info()[1]
-        out = local.new_empty((world * local.shape[0], *local.shape[1:]))
-        _all_gather_single(out, local.contiguous())
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        world = world_info()[1]
-        mine = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        _reduce_scatter_single(mine, grad.contiguous())
-        return mine
+def _tensor_fields(value: Any) -> dict[str, torch.Tensor | None]:
+    if value is None:
+        return {}
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value}
+    if not dataclasses.is_dataclass(value):
+        raise TypeError(f"cannot gather {type(value).__name__}; give a tensor or a dataclass "
+                        f"of tensors (ImageFeatures, TextFeatures)")
+    return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
 
 
-def _shapes(tensors: Sequence[torch.Tensor]) -> list[list[torch.Size]]:
-    """Every rank's shapes of ``tensors`` (the same number, of the same ranks, on every
-    rank), in one collective: ``shapes[rank][i]``."""
-    sizes = torch.tensor([size for t in tensors for size in t.shape], dtype=torch.long,
-                         device=tensors[0].device)
-    parts = [torch.empty_like(sizes) for _ in range(world_info()[1])]
-    dist.all_gather(parts, sizes)
-    shapes = []
-    for part in parts:
-        values, rank_shapes = part.tolist(), []
-        for t in tensors:
-            rank_shapes.append(torch.Size(values[:t.dim()]))
-            values = values[t.dim():]
-        shapes.append(rank_shapes)
-    return shapes
+def _spec(value: Any) -> tuple | None:
+    """``(type, {field: (shape, dtype name) or None})`` of a tensor or feature dataclass."""
+    if value is None:
+        return None
+    return type(value), {name: None if t is None else (tuple(t.shape), str(t.dtype)[6:])
+                         for name, t in _tensor_fields(value).items()}
 
 
-def _same_shapes(local: torch.Tensor) -> list[torch.Size]:
-    return [rank_shapes[0] for rank_shapes in _shapes([local])]
+def _exchange(local: Any) -> list:
+    """The shape exchange: every rank's :func:`_spec` of ``local`` (``None`` for a rank
+    without one)."""
+    return all_objects(_spec(local))
+
+
+def _assemble(kind: type, fields: dict[str, torch.Tensor | None]) -> Any:
+    """A gathered value of the type the ranks hold: a tensor, or the dataclass of ``fields``."""
+    return fields["tensor"] if issubclass(kind, torch.Tensor) else kind(**fields)
+
+
+def _padded_gather(mine: torch.Tensor | None, shapes: Sequence[tuple | None],
+                   dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The one padded gather: each rank's tensor (``None``: no rows) zero-padded to the
+    widest in every dimension and all-gathered as ``(world * widest[0], *widest[1:])``, in
+    rank order; differentiable (its backward a reduce-scatter: each rank receives the
+    sum over ranks of its slice's gradient, half the bytes of an all-reduce)."""
+    present = [shape for shape in shapes if shape is not None]
+    widest = [max(shape[d] for shape in present) for d in range(len(present[0]))]
+    if mine is None:
+        mine = torch.zeros((0, *widest[1:]), dtype=dtype, device=device)
+    wire = mine.to(wire_dtype(dtype)).contiguous()
+    pad = [size for d in reversed(range(wire.dim())) for size in (0, widest[d] - wire.shape[d])]
+    if any(pad):
+        wire = torch.nn.functional.pad(wire, pad)
+    out = functional_collectives.all_gather_single_autograd(wire, 0, dist.group.WORLD)
+    return functional_collectives.wait_tensor(out).to(dtype), widest
+
+
+def gather(local: Any, uneven: bool = False) -> Any:
+    """A tensor or feature dataclass of every rank, rows concatenated in rank order, on
+    every rank; differentiable (open_clip's ``gather_with_grad``; docs/distributed.md).
+
+    Token fields (``(B, L, ...)``, a ``(B, L)`` bool mask) are zero-padded along ``L`` to
+    the longest rank after one shape exchange; ``uneven``: the ranks' row counts differ
+    too (statistics of varying length). Otherwise every rank's shapes must be the same
+    (:func:`check_equal_shapes` checks it), and a field is one collective.
+    """
+    world = world_info()[1]
+    if world == 1:
+        return local
+    fields = _tensor_fields(local)
+    if uneven or any(t is not None and _token_like(t) for t in fields.values()):
+        specs = _exchange(local)
+        shapes = {name: [spec[1][name][0] for spec in specs]
+                  for name, t in fields.items() if t is not None}
+    else:
+        shapes = {name: [tuple(t.shape)] * world for name, t in fields.items() if t is not None}
+    out: dict[str, torch.Tensor | None] = {}
+    for name, mine in fields.items():
+        if mine is None:
+            out[name] = None
+            continue
+        stacked, widest = _padded_gather(mine, shapes[name], mine.dtype, mine.device)
+        parts = stacked.unflatten(0, (world, widest[0]))
+        rows = [shape[0] for shape in shapes[name]]
+        out[name] = (parts.flatten(0, 1) if len(set(rows)) == 1 else
+                     torch.cat([part[:count] for part, count in zip(parts, rows)]))
+    return _assemble(type(local), out)
+
+
+def _token_like(value: torch.Tensor) -> bool:
+    """Tokens (B, L, ...) or a (B, L) bool mask: padded along L to the longest rank."""
+    return value.dim() >= 3 or (value.dim() == 2 and value.dtype == torch.bool)
+
+
+@torch.no_grad()
+def gather_each(local: Any, device: torch.device | str | None = None) -> list[Any]:
+    """Every rank's ``local`` apart, in rank order, on every rank; no gradient (evaluation's).
+
+    ``local``: a tensor or feature dataclass whose shapes may differ across ranks in
+    every dimension, or ``None`` on a rank with an empty share (``device`` then places
+    its part of the collective: the GPU under NCCL).
+    """
+    world = world_info()[1]
+    if world == 1:
+        return [local]
+    specs, fields = _exchange(local), _tensor_fields(local)
+    kind, known = next(spec for spec in specs if spec is not None)
+    device = _device_of(fields, device)
+    gathered: list[dict] = [{} for _ in range(world)]
+    for name, first in known.items():
+        if first is None:  # alike on every rank: the model has no such field
+            for part in gathered:
+                part[name] = None
+            continue
+        shapes = [None if spec is None else spec[1][name][0] for spec in specs]
+        stacked, widest = _padded_gather(fields.get(name), shapes, getattr(torch, first[1]),
+                                         device)
+        parts = stacked.unflatten(0, (world, widest[0]))
+        for rank, shape in enumerate(shapes):
+            if shape is not None:
+                gathered[rank][name] = parts[rank][tuple(slice(0, size) for size in shape)]
+    return [None if spec is None else _assemble(kind, part)
+            for spec, part in zip(specs, gathered)]
+
+
+def _device_of(fields: dict[str, torch.Tensor | None],
+               device: torch.device | str | None) -> torch.device:
+    present = [t for t in fields.values() if t is not None]
+    return present[0].device if present else torch.device(device or "cpu")
 
 
 def check_equal_shapes(*tensors: torch.Tensor) -> None:
     """Raise a ``RuntimeError`` unless every rank holds ``tensors`` of the same shapes
-    (one small collective), before a gather of different shapes aborts the group."""
+    (one shape exchange), before a gather of different shapes aborts the group."""
     if world_info()[1] == 1:
         return
-    shapes = _shapes(list(tensors))
+    shapes = all_objects([tuple(t.shape) for t in tensors])
     if any(rank_shapes != shapes[0] for rank_shapes in shapes):
         raise RuntimeError(f"every rank must gather tensors of the same shapes, got "
-                           f"{[[tuple(s) for s in rank] for rank in shapes]} (rank by rank); "
-                           f"drop partial batches")
-
-
-def gather_with_grad(local: torch.Tensor, pad_dim: int | None = None,
-                     shapes: Sequence[torch.Size] | None = None) -> torch.Tensor:
-    """(B, ...) per rank -> (world * B, ...) in rank order, differentiable.
-
-    Every rank needs the same number of rows and, without ``pad_dim``, the same shape,
-    unchecked so that a gather is one collective. ``pad_dim`` (token counts) is
-    zero-padded to the largest rank after a shape exchange, unless ``shapes`` (every
-    rank's, from :func:`gather_features`) are given.
-    """
-    rank, world = world_info()
-    if world == 1:
-        return local
-    if pad_dim is not None:
-        shapes = shapes if shapes is not None else _same_shapes(local)
-        width = max(s[pad_dim] for s in shapes)
-        if local.shape[pad_dim] < width:
-            pad = [0, 0] * (local.dim() - pad_dim - 1) + [0, width - local.shape[pad_dim]]
-            local = torch.nn.functional.pad(local, pad)
-        rows = {s[0] for s in shapes}
-        if len(rows) > 1:
-            raise RuntimeError(f"gather_with_grad needs the same number of rows on every "
-                               f"rank, got {[s[0] for s in shapes]}; drop partial batches")
-    if local.dtype == torch.bool:  # gloo cannot gather bool
-        return _AllGather.apply(local.to(torch.uint8)).bool()
-    return _AllGather.apply(local)
-
-
-@torch.no_grad()
-def gather_varying_length(local: torch.Tensor) -> torch.Tensor:
-    """(n_r,) per rank -> (n_0 + n_1 + ...,) in rank order, on every rank; no gradient."""
-    if world_info()[1] == 1:
-        return local
-    lengths = [shape[0] for shape in _same_shapes(local)]
-    if not max(lengths):
-        return local
-    padded = local.new_zeros(max(lengths))
-    padded[:len(local)] = local
-    parts = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(parts, padded)
-    return torch.cat([part[:length] for part, length in zip(parts, lengths)])
+                           f"{shapes} (rank by rank); drop partial batches")
 
 
 def sum_over_ranks(local: torch.Tensor) -> torch.Tensor:
@@ -185,35 +231,6 @@ def sum_over_ranks(local: torch.Tensor) -> torch.Tensor:
     if world_info()[1] > 1:
         dist.all_reduce(total)
     return total
-
-
-def _token_like(value: torch.Tensor) -> bool:
-    """Tokens (B, L, ...) or a (B, L) bool mask: padded along L to the longest rank."""
-    return value.dim() >= 3 or (value.dim() == 2 and value.dtype == torch.bool)
-
-
-def gather_features(features: Any) -> Any:
-    """A tensor or ``ImageFeatures``-like dataclass gathered along the batch; tokens and
-    masks padded along dim 1 to the longest rank (one shape exchange for them all)."""
-    if world_info()[1] == 1:
-        return features
-    if isinstance(features, torch.Tensor):
-        return gather_with_grad(features, pad_dim=1 if features.dim() >= 2 else None)
-    if not dataclasses.is_dataclass(features):
-        raise TypeError(f"cannot gather features of type {type(features).__name__}; give "
-                        f"tensors or a dataclass of tensors (ImageFeatures, TextFeatures)")
-    values = {field.name: getattr(features, field.name) for field in dataclasses.fields(features)}
-    padded = [name for name, value in values.items()
-              if isinstance(value, torch.Tensor) and _token_like(value)]
-    shapes = _shapes([values[name] for name in padded]) if padded else []
-    for name, value in values.items():
-        if name in padded:
-            index = padded.index(name)
-            values[name] = gather_with_grad(value, pad_dim=1,
-                                            shapes=[rank[index] for rank in shapes])
-        elif isinstance(value, torch.Tensor):
-            values[name] = gather_with_grad(value)
-    return type(features)(**values)
 
 
 def id_hashes(image_ids: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -226,7 +243,7 @@ def id_hashes(image_ids: Sequence, device: torch.device | str = "cpu") -> torch.
 def gather_groups(image_ids: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:
     """(world * B,) group numbers of the global batch on ``device`` (NCCL gathers on the
     GPU): positives are equal image ids."""
-    return gather_with_grad(id_hashes(image_ids, device))
+    return gather(id_hashes(image_ids, device))
 
 
 def rank_share(count: int, rank: int, world: int, unit: int = 1) -> tuple[int, int]:
@@ -238,87 +255,20 @@ def rank_share(count: int, rank: int, world: int, unit: int = 1) -> tuple[int, i
             min((rank + 1) * units // world * unit, count))
 
 
-def _field_specs(local: Any) -> tuple[list, dict[str, torch.Tensor | None]]:
-    """Every rank's ``(type, {field: (shape, dtype name) or None})`` (``None`` for a rank
-    without ``local``), exchanged in one collective (none in one process), and this rank's
-    tensor fields."""
-    fields = _tensor_fields(local)
-    spec = None if local is None else (type(local), {
-        name: None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        for name, t in fields.items()})
-    world = world_info()[1]
-    if world == 1:
-        return [spec], fields
-    specs: list = [None] * world
-    dist.all_gather_object(specs, spec)
-    return specs, fields
-
-
-def _assemble(kind: type, fields: dict[str, torch.Tensor | None]) -> Any:
-    """A gathered value of the type the ranks hold: a tensor, or the dataclass of ``fields``."""
-    return fields["tensor"] if kind is torch.Tensor or issubclass(kind, torch.Tensor) \
-        else kind(**fields)
-
-
-def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor of ``dtype`` travels as in a collective: bool as uint8 (gloo
-    cannot send bool)."""
-    return torch.uint8 if dtype == torch.bool else dtype
-
-
-@torch.no_grad()
-def gather_uneven(local: Any, device: torch.device | str | None = None) -> list[Any]:
-    """Every rank's ``local`` on every rank, in rank order; no gradient (evaluation's).
-
-    ``local``: a tensor or feature dataclass whose shapes may differ across ranks in
-    every dimension, or ``None`` on a rank with an empty share (``device`` then places
-    its part of the collective: the GPU under NCCL).
-    """
-    world = world_info()[1]
-    if world == 1:
-        return [local]
-    specs, fields = _field_specs(local)
-    kind, known = next(spec for spec in specs if spec is not None)
-    present = [t for t in fields.values() if t is not None]
-    device = present[0].device if present else torch.device(device or "cpu")
-    gathered: list[dict] = [{} for _ in range(world)]
-    for name, first in known.items():
-        if first is None:  # the same on every rank: the model has no such field
-            for part in gathered:
-                part[name] = None
-            continue
-        shapes = [None if spec is None else spec[1][name][0] for spec in specs]
-        widest = [max(s[d] for s in shapes if s is not None) for d in range(len(first[0]))]
-        dtype = getattr(torch, first[1])
-        mine = fields.get(name)
-        if mine is None:
-            mine = torch.zeros((0, *widest[1:]), dtype=dtype, device=device)
-        wire = torch.zeros(widest, dtype=wire_dtype(dtype), device=device)
-        wire[tuple(slice(0, size) for size in mine.shape)] = mine
-        parts = [torch.empty_like(wire) for _ in range(world)]
-        dist.all_gather(parts, wire)
-        for rank, (part, shape) in enumerate(zip(parts, shapes)):
-            if shape is not None:
-                gathered[rank][name] = part[tuple(slice(0, size) for size in shape)].to(dtype)
-    return [None if spec is None else _assemble(kind, part)
-            for spec, part in zip(specs, gathered)]
-
-
 @torch.no_grad()
 def gather_rows(local: Any, wanted: Sequence[tuple[int, int]],
                 device: torch.device | str | None = None) -> Any:
     """The rows ``wanted`` (``(rank, row)`` pairs, in that order) of the ranks' ``local``
-    (as for :func:`gather_uneven`); each rank may want other rows. A collective, no gradient.
+    (as for :func:`gather_each`); each rank may want other rows. A collective, no gradient.
 
     Each rank's value is broadcast once and every rank keeps only its rows, so none
     holds more than those plus one rank's value in flight. Other dimensions are
     zero-padded to the widest among the source ranks (as ``cat_features`` pads tokens).
     """
     rank, world = world_info()
-    specs, fields = _field_specs(local)
+    specs, fields = _exchange(local), _tensor_fields(local)
     kind, known = next(spec for spec in specs if spec is not None)
-    present = [t for t in fields.values() if t is not None]
-    device = present[0].device if present else torch.device(device or "cpu")
+    device = _device_of(fields, device)
     sources = sorted({source for source, _ in wanted})
     positions = {source: [k for k, (s, _) in enumerate(wanted) if s == source]
                  for source in sources}
@@ -348,17 +298,6 @@ def gather_rows(local: Any, wanted: Sequence[tuple[int, int]],
             del part
         out[name] = result
     return _assemble(kind, out)
-
-
-def _tensor_fields(value: Any) -> dict[str, torch.Tensor | None]:
-    if value is None:
-        return {}
-    if isinstance(value, torch.Tensor):
-        return {"tensor": value}
-    if not dataclasses.is_dataclass(value):
-        raise TypeError(f"cannot gather {type(value).__name__}; give a tensor or a dataclass "
-                        f"of tensors (ImageFeatures, TextFeatures)")
-    return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
 
 
 def global_losses(outputs: dict[str, torch.Tensor], world: int, parts_are_means: bool = False,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmgoal.distributed import gather_varying_length, sum_over_ranks, world_info
+from mmgoal.distributed import gather, sum_over_ranks, world_info
 from mmgoal.structures import ImageFeatures, TextFeatures, index_features
 
 # A dot product's tile: 1 M scores, 4 MiB in float32, stays in a CPU's cache with what a
@@ -663,7 +663,7 @@ class ScoreTiles:
     # ------------------------------------------------------------------ across ranks
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """(k,) values of this rank -> those of every rank, in rank order (no gradient)."""
-        return gather_varying_length(values) if self.sharded else values
+        return gather(values, uneven=True) if self.sharded else values
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         """A value of this rank summed over the ranks (no gradient)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mmgoal.distributed import (
-    gather_features,
+    gather,
     gather_groups,
     global_losses,
     rng_state,
@@ -77,8 +77,8 @@ class TrainingStep(nn.Module):
         rank, world = world_info()
         gathered = self.gather and world > 1
         if gathered:
-            all_images = gather_features(image_features)
-            all_texts = gather_features(text_features)
+            all_images = gather(image_features)
+            all_texts = gather(text_features)
             groups = gather_groups(batch["image_ids"], device=groups.device)
             features.update(image_features=all_images, text_features=all_texts)
         if getattr(objective, "works_on_tiles", False):

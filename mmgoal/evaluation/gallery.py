@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from mmgoal.config import MatmulPrecision, check_value
@@ -31,7 +30,7 @@ from mmgoal.devices import (
     move_to_device,
     reuse_buffers,
 )
-from mmgoal.distributed import gather_rows, gather_uneven, rank_share, world_info
+from mmgoal.distributed import all_objects, gather_each, gather_rows, rank_share, world_info
 from mmgoal.evaluation.protocols import protocol_metrics, protocol_rankings
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.evaluation.retrieval import retrieval_metrics
@@ -160,8 +159,7 @@ def encode_gallery(model: torch.nn.Module, reader: EvalReader | str | Sequence[s
     images = cat_features(encoded) if encoded else None
     encoded.clear()  # the batches' copies: the concatenation holds them now
     if world > 1:  # every rank's batches, in the order of the one-process stream; the
-        shares: list = [None] * world  # features stay where they are until rows are chosen
-        dist.all_gather_object(shares, (mine, counter.total))
+        shares = all_objects((mine, counter.total))  # features stay until rows are chosen
         skipped = sum(total for _, total in shares)
         ordered = sorted((item for source, share in enumerate(shares)
                           for item in _with_offsets(share[0], source)),
@@ -226,7 +224,7 @@ def _encode_captions(model: torch.nn.Module, tokenizer: Callable, captions: list
     mine = cat_features(texts) if texts else None
     if world == 1:
         return mine
-    return cat_features([part for part in gather_uneven(mine, device) if part is not None])
+    return cat_features([part for part in gather_each(mine, device) if part is not None])
 
 
 def _add_samples(gallery: Gallery, batch: dict, known: dict, text_to_image: list[int]
@@ -310,7 +308,7 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
                                  rank, world, image_rows, stop)
     finally:
         torch.set_float32_matmul_precision(previous)
-    return sims if world == 1 else torch.cat(gather_uneven(sims))
+    return sims if world == 1 else torch.cat(gather_each(sims))
 
 
 def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeatures,

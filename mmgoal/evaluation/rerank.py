@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from mmgoal.distributed import gather_uneven, rank_share, world_info
+from mmgoal.distributed import gather_each, rank_share, world_info
 from mmgoal.structures import ImageFeatures, TextFeatures, index_features, slice_features
 
 
@@ -78,4 +78,4 @@ def _shared_itm_scores(model: torch.nn.Module, images: ImageFeatures, texts: Tex
     start, end = rank_share(len(rows), rank, world, batch_size)  # the batches of one process
     mine = itm_scores(model, images, texts, rows[start:end], cols[start:end], batch_size,
                       progress, desc)
-    return torch.cat(gather_uneven(mine))
+    return torch.cat(gather_each(mine))

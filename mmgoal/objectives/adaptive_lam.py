@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmgoal.distributed import gather_varying_length
+from mmgoal.distributed import gather
 
 
 def step_midpoint(positive_scores: torch.Tensor, negative_scores: torch.Tensor) -> float:
@@ -77,8 +77,8 @@ class AdaptiveLam(nn.Module):
         # returns here alike.
         if not applied or not positives:
             return
-        positives = gather_varying_length(torch.cat(positives))
-        negatives = gather_varying_length(torch.cat(negatives))
+        positives = gather(torch.cat(positives), uneven=True)
+        negatives = gather(torch.cat(negatives), uneven=True)
         if not len(positives) or not len(negatives):
             return
         target = step_midpoint(positives, negatives)

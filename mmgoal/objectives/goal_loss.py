@@ -17,7 +17,7 @@ from torch import nn
 from mmgoal.config import check_value
 from mmgoal.distributed import (
     check_equal_shapes,
-    gather_with_grad,
+    gather,
     global_losses,
     id_hashes,
     world_info,
@@ -215,7 +215,7 @@ class GoalLoss(nn.Module):
                 raise ValueError("GoalLoss(gather=True) gathers the embeddings of every rank "
                                  "and scores them; with scores= given there is nothing it can "
                                  "gather: pass the embeddings, or gather them yourself "
-                                 "(mmgoal.distributed.gather_with_grad) and build "
+                                 "(mmgoal.distributed.gather) and build "
                                  "GoalLoss(gather=False)")
             _check_scores(scores, self.check_values)
         else:
@@ -238,9 +238,9 @@ class GoalLoss(nn.Module):
             own = None
             if sharded:
                 check_equal_shapes(image_embeds, text_embeds)
-                image_embeds, text_embeds = (gather_with_grad(image_embeds),
-                                             gather_with_grad(text_embeds))
-                ids = None if ids is None else gather_with_grad(ids)
+                image_embeds, text_embeds = (gather(image_embeds),
+                                             gather(text_embeds))
+                ids = None if ids is None else gather(ids)
                 own = slice(rank * n_pairs, (rank + 1) * n_pairs)
             count = len(image_embeds)
             groups = ids if ids is not None else torch.arange(count, device=device)

@@ -7,12 +7,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks  # tests/ranks.py
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from mmgoal.distributed import (
+    all_objects,
     check_equal_shapes,
-    gather_features,
+    gather,
+    gather_each,
     gather_groups,
     gather_rows,
-    gather_with_grad,
 )
 from mmgoal.objectives.mining import positives_from_groups
 from mmgoal.registry import OBJECTIVES
@@ -41,8 +44,8 @@ def make_problem(name):
 
 def step(image_encoder, text_encoder, objective, images, texts, ids):
     """One SGD step; the loss sees the features of every rank."""
-    img = gather_features(F.normalize(image_encoder(images), dim=-1))
-    txt = gather_features(F.normalize(text_encoder(texts), dim=-1))
+    img = gather(F.normalize(image_encoder(images), dim=-1))
+    txt = gather(F.normalize(text_encoder(texts), dim=-1))
     outputs = objective(ObjectiveInputs(img @ txt.T, positives_from_groups(gather_groups(ids))))
     sum(v for k, v in outputs.items() if k.endswith("_loss")).backward()
     params = [*image_encoder.parameters(), *text_encoder.parameters(), *objective.parameters()]
@@ -64,7 +67,7 @@ def lam_trajectories(slices):
     for _ in range(3):
         images = F.normalize(torch.randn(BATCH, DIM, dtype=torch.float64), dim=-1)
         texts = F.normalize(torch.randn(BATCH, DIM, dtype=torch.float64), dim=-1)
-        gathered = [gather_features(torch.cat([part[s] for s in slices]))
+        gathered = [gather(torch.cat([part[s] for s in slices]))
                     for part in (images, texts)]
         groups = gather_groups([i for s in slices for i in IDS[s]])
         objectives["gathered"](ObjectiveInputs(gathered[0] @ gathered[1].T,
@@ -89,12 +92,13 @@ def on_rank(rank, world):
     width = 3 + 2 * rank
     tokens = torch.full((2, width, 4), float(rank + 1), requires_grad=True)
     mask = torch.ones(2, width, dtype=torch.bool)
-    gathered = gather_features(TextFeatures(tokens[:, 0], tokens=tokens, mask=mask))
+    gathered = gather(TextFeatures(tokens[:, 0], tokens=tokens, mask=mask))
     (gathered.tokens * torch.arange(4.0)[:, None, None]).sum().backward()
     results["tokens"] = [gathered.tokens.detach(), gathered.mask, tokens.grad]
     results["lam"] = lam_trajectories([local])
     results["rows"] = rows_of_other_ranks(rank)
     results["collectives"] = collectives_of_a_gather(rank)
+    results["uneven"] = uneven_parts(rank)
     # shapes that differ across ranks: a message, not an aborted process group
     try:
         check_equal_shapes(torch.zeros(3 + rank, 4), torch.zeros(2, 4))
@@ -121,35 +125,54 @@ def rows_of_other_ranks(rank):
     return wanted, [got.embedding, got.tokens, got.mask]  # tensors: what ranks.py sends
 
 
+class Collectives(TorchDispatchMode):
+    """Records torch's functional collectives by name (the gathers and their backward)
+    and the object exchanges (``dist.all_gather_object``) made inside it."""
+
+    def __enter__(self):
+        self.calls, self.original = [], dist.all_gather_object
+
+        def exchange(*args, **kwargs):
+            self.calls.append("shape exchange")
+            return self.original(*args, **kwargs)
+        dist.all_gather_object = exchange
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        dist.all_gather_object = self.original
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func.__name__ != "wait_tensor.default":
+            self.calls.append(func.__name__.removesuffix(".default"))
+        return func(*args, **(kwargs or {}))
+
+
 def collectives_of_a_gather(rank):
-    """The collectives that gathering features with tokens costs, by name: one shape
-    exchange for the padded fields, one gather of each field; and the bytes the backward
-    of a (4, 8) gather sends into its collective (a reduce-scatter of the global gradient,
-    not an all-reduce)."""
-    calls = []
-    originals = {name: getattr(dist, name) for name in
-                 ("all_gather", "all_gather_single", "all_reduce", "reduce_scatter_single")}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            calls.append(name)
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in originals:
-        setattr(dist, name, counting(name))
-    try:
+    """The collectives that gathering features with tokens costs: one shape exchange for
+    them all, one gather of each field; the backward of a (4, 8) gather is a
+    reduce-scatter of the global gradient (not an all-reduce)."""
+    with Collectives() as forward:
         features = TextFeatures(torch.randn(2, 4), tokens=torch.randn(2, 3 + rank, 4),
                                 mask=torch.ones(2, 3 + rank, dtype=torch.bool))
-        gather_features(features)
-        forward = list(calls)
-        calls.clear()
+        gather(features)
+    with Collectives() as backward:
         local = torch.randn(4, 8, requires_grad=True)
-        gather_with_grad(local).sum().backward()
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-    return {"forward": forward, "gather_and_backward": calls}
+        gather(local).sum().backward()
+    return {"forward": [call for call in forward.calls if call != "_wrap_tensor_autograd"],
+            "gather_and_backward": [call for call in backward.calls
+                                    if call != "_wrap_tensor_autograd"]}
+
+
+def uneven_parts(rank):
+    """Rows of different counts (1-D statistics, with gradient) and a rank without a
+    value (an empty evaluation share)."""
+    values = torch.arange(3.0 + rank, requires_grad=True)
+    joined = gather(values * (rank + 1), uneven=True)
+    (joined * torch.arange(len(joined))).sum().backward()
+    each = gather_each(None if rank == 0 else rank_features(rank))
+    return {"joined": joined.detach(), "grad": values.grad, "each": each[1].tokens,
+            "none": each[0] is None, "objects": all_objects({"rank": rank})}
 
 
 @pytest.mark.multiprocess
@@ -182,13 +205,20 @@ def test_two_process_gathered_update_matches_one_process(tmp_path):
     # global batch, and over the ranks' own batches as the micro-batches of one step
     single = lam_trajectories([slice(0, BATCH // 2), slice(BATCH // 2, BATCH)])
     assert single["gathered"] != single["alone"]  # hardest negatives of 12 vs of 6
-    for result in ranks:
+    for rank, result in enumerate(ranks):
         assert result["lam"] == single
         # no shape exchange for the pooled embedding, one for the tokens and the mask
         assert result["collectives"] == {
-            "forward": ["all_gather", "all_gather_single", "all_gather_single",
-                        "all_gather_single"],
-            "gather_and_backward": ["all_gather_single", "reduce_scatter_single"]}
+            "forward": ["shape exchange"] + ["all_gather_into_tensor"] * 3,
+            "gather_and_backward": ["all_gather_into_tensor", "reduce_scatter_tensor"]}
+        uneven = result["uneven"]
+        # rank 0's 3 values then rank 1's 4 doubled; each rank's gradient is the sum over
+        # the ranks' losses of its values' weights (positions), times its factor
+        assert uneven["joined"].tolist() == [0, 1, 2, 0, 2, 4, 6]
+        assert uneven["grad"].tolist() == ([0.0, 2.0, 4.0] if rank == 0 else
+                                           [12.0, 16.0, 20.0, 24.0])
+        assert uneven["none"] and torch.equal(uneven["each"], rank_features(1).tokens)
+        assert uneven["objects"] == [{"rank": 0}, {"rank": 1}]
         assert result["unequal"] == (
             "every rank must gather tensors of the same shapes, got [[(3, 4), (2, 4)], "
             "[(4, 4), (2, 4)]] (rank by rank); drop partial batches")
@@ -196,7 +226,7 @@ def test_two_process_gathered_update_matches_one_process(tmp_path):
 
 def test_gather_is_the_identity_in_one_process():
     x = torch.randn(3, 2, requires_grad=True)
-    assert gather_with_grad(x) is x and gather_features(x) is x
+    assert gather(x) is x and gather(x, uneven=True) is x and gather_each(x) == [x]
     # gather_rows picks a process's own rows, repeats and order kept
     features = rank_features(0)
     picked = gather_rows(features, [(0, 2), (0, 0), (0, 2)])

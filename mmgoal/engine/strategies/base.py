@@ -21,7 +21,13 @@ from torch import nn
 from mmgoal.config import Precision
 from mmgoal.contract import StepAwareObjective
 from mmgoal.devices import check_precision, move_to_device, resolve_device
-from mmgoal.distributed import init_process_group, set_rng_state, wire_dtype, world_info
+from mmgoal.distributed import (
+    all_objects,
+    init_process_group,
+    set_rng_state,
+    wire_dtype,
+    world_info,
+)
 from mmgoal.runs.checkpoint import NonFiniteStateError, nonfinite_tensors
 from mmgoal.runs.run_dir import has_checkpoint
 
@@ -148,14 +154,6 @@ class Strategy:
             received[name] = tensor.to(dtype)
         return received
 
-    def gather_objects(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order, on every rank."""
-        if self.world_size == 1:
-            return [value]
-        values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, value)
-        return values
-
     # -------------------------------------------------------------- training
     def setup(self, module: nn.Module, optimizer_cfg: dict, micro_batch: int,
               accumulate_steps: int, clip_grad: float | None) -> None:
@@ -267,7 +265,7 @@ class Strategy:
         """The tensors holding NaN/inf on any rank (collective): each rank's
         :meth:`local_state`, rank 0's ``weights`` instead where given."""
         own = weights if weights is not None and self.is_main else self.local_state()
-        return list(dict.fromkeys(name for found in self.gather_objects(nonfinite_tensors(own))
+        return list(dict.fromkeys(name for found in all_objects(nonfinite_tensors(own))
                                   for name in found))
 
     def check_finite(self, directory: Path, step: int,

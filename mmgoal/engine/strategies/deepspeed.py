@@ -44,7 +44,7 @@ from torch import nn
 
 from mmgoal.config import Precision
 from mmgoal.devices import precision_dtype
-from mmgoal.distributed import launched_world_size, process_group_backend, rng_state
+from mmgoal.distributed import all_objects, launched_world_size, process_group_backend, rng_state
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import Strategy, cpu_float_state, prune_except
 from mmgoal.extras import require_extra
@@ -431,7 +431,7 @@ class DeepSpeedStrategy(Strategy):
             tag += "-again"
         weights = self.full_state_dict()
         self.check_finite(directory, state["step"], weights)
-        rngs = self.gather_objects(rng_state())
+        rngs = all_objects(rng_state())
         self.engine.save_checkpoint(str(root), tag=tag, client_state=UNIVERSAL_INFO,
                                     save_latest=False)
         if self.is_main:

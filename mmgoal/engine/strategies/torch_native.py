@@ -17,7 +17,7 @@ from torch import nn
 
 from mmgoal.config import Precision
 from mmgoal.devices import autocast
-from mmgoal.distributed import rng_state
+from mmgoal.distributed import all_objects, rng_state
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import Strategy, flag_last
 from mmgoal.registry import STRATEGIES
@@ -205,7 +205,7 @@ class TorchStrategy(Strategy):
     # ------------------------------------------------------------ checkpoints
     def save(self, directory: Path, state: dict) -> None:
         self.check_finite(directory, state["step"])
-        rngs = self.gather_objects(rng_state())
+        rngs = all_objects(rng_state())
         if self.is_main:
             save_checkpoint({**state, "rng": rngs, "model": self.module.model.state_dict(),
                              "objective": self.module.objective.state_dict(),
