@@ -32,8 +32,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 from ranks import joined, run_ranks  # bench/ranks.py
+from torch.utils._python_dispatch import TorchDispatchMode
 
 WORLD = 2
 IMPLEMENTATIONS = ("previous", "mmgoal")

@@ -18,7 +18,7 @@ from mmgoal.config import check_value
 from mmgoal.contract import MatchingModel, require
 from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.devices import module_device, move_to_device
-from mmgoal.evaluation.gallery import score_gallery
+from mmgoal.evaluation.gallery import encode_image_batches, score_gallery
 from mmgoal.evaluation.rerank import itm_rerank
 from mmgoal.runs.loading import LoadedModel, build_from_config, load_for_evaluation
 from mmgoal.runs.schema import ScoringConfig
@@ -58,18 +58,16 @@ class Retriever:
         """Every feature the model computes for ``images`` (tokens too, for cross attention):
         PIL images or file paths; one image alone is a batch of one."""
         images = as_images(images)
-        parts = []
-        for start in range(0, len(images), self.batch_size):
-            pixels = torch.stack([self.transform(rgb_image(image))
-                                  for image in images[start:start + self.batch_size]])
-            try:
-                features = self.model.encode_image(move_to_device({"images": pixels},
-                                                                  self.device))
-            except KeyError as error:
-                raise ValueError(f"{type(self.model).__name__} does not encode images here: it "
-                                 f"reads {error} (precomputed features) from its shards") from None
-            parts.append(detach_features(features))
-        return cat_features(parts)
+        batches = ({"images": torch.stack([self.transform(rgb_image(image))
+                                           for image in images[start:start + self.batch_size]])}
+                   for start in range(0, len(images), self.batch_size))
+        try:
+            return cat_features([detach_features(features) for _, features in
+                                 encode_image_batches(self.model, batches, "encode images",
+                                                      progress=False)])
+        except KeyError as error:
+            raise ValueError(f"{type(self.model).__name__} does not encode images here: it "
+                             f"reads {error} (precomputed features) from its shards") from None
 
     @torch.no_grad()
     def text_features(self, texts: Sequence[str]) -> TextFeatures:

@@ -7,10 +7,10 @@ classification is testable offline.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from PIL import Image
@@ -118,35 +118,62 @@ def _decoded(data: bytes | Path, where: str) -> Image.Image:
         raise ValueError(f"{where}: {error.strerror or error}") from error
 
 
+class LabelledImages:
+    """The images of a set with their labels, as :class:`~mmgoal.data.pipeline.EvalBatches`
+    reads a source: items in order, each decoded to ``(image, label)`` (the image
+    transformed, when a ``transform`` is given), batches ``{"images", "labels"}``."""
+
+    def __init__(self, cset: ClassificationSet, transform: Callable | None = None,
+                 max_sample_bytes: int = MAX_SAMPLE_BYTES) -> None:
+        self.cset, self.transform, self.max_sample_bytes = cset, transform, max_sample_bytes
+
+    def items(self, counter: SkipCounter) -> Iterator:
+        """``(path, label)`` of an image folder, or the raw samples of its shards (a shard
+        not read whole raises :class:`~mmgoal.data.pipeline.IncompleteSplitError`)."""
+        if self.cset.files is not None:
+            return iter(self.cset.files)
+        from mmgoal.data.pipeline import whole_split
+        from mmgoal.data.remote import iter_samples
+
+        return iter_samples(self.cset.shards, whole_split(counter),
+                            max_sample_bytes=self.max_sample_bytes)
+
+    def decode(self, item: tuple[Path, int] | dict) -> tuple[Any, int]:
+        """``(image, label)``; a ValueError names the image and why it cannot be used."""
+        if isinstance(item, tuple):
+            image, label = _decoded(item[0], str(item[0])), item[1]
+        else:
+            where = f"sample {item.get('__key__', '?')!r} of {item.get('__url__', '?')}"
+            member = next((e for e in IMAGE_EXTENSIONS if e in item), None)
+            if member is None or "cls" not in item:
+                raise ValueError(f"{where} has no image member or no cls member")
+            try:
+                label = int(item["cls"].decode().strip())
+            except (ValueError, UnicodeDecodeError) as error:
+                raise ValueError(f"{where}: its cls member is not a number ({error})") from None
+            n_classes = len(self.cset.classnames)
+            if not 0 <= label < n_classes:
+                raise ValueError(f"{where}: label {label} outside the {n_classes} classes")
+            image = _decoded(item[member], where)
+        return (image if self.transform is None else self.transform(image)), label
+
+    def collate(self, decoded: list[tuple[Any, int]]) -> dict:
+        import torch
+
+        return {"images": torch.stack([image for image, _ in decoded]) if decoded else None,
+                "labels": torch.tensor([label for _, label in decoded], dtype=torch.long)}
+
+
 def iter_labelled_images(cset: ClassificationSet, skipped: SkipCounter,
                          max_sample_bytes: int = MAX_SAMPLE_BYTES
                          ) -> Iterator[tuple[Image.Image, int]]:
     """``(RGB image, label)`` of every image of the set, in order; an image that cannot be
-    read, or a label outside the classes, is counted by ``skipped`` and left out; a shard
-    not read whole raises :class:`~mmgoal.data.pipeline.IncompleteSplitError`."""
-    n_classes = len(cset.classnames)
-    if cset.files is not None:
-        for path, label in cset.files:
-            try:
-                yield _decoded(path, str(path)), label
-            except ValueError as error:
-                skipped(error)
-        return
-    from mmgoal.data.pipeline import whole_split
-    from mmgoal.data.remote import iter_samples
-
-    for sample in iter_samples(cset.shards, whole_split(skipped),
-                               max_sample_bytes=max_sample_bytes):
-        where = f"sample {sample.get('__key__', '?')!r} of {sample.get('__url__', '?')}"
+    read, or a label outside the classes, is counted by ``skipped`` and left out."""
+    source = LabelledImages(cset, max_sample_bytes=max_sample_bytes)
+    for item in source.items(skipped):
         try:
-            member = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
-            if member is None or "cls" not in sample:
-                raise ValueError(f"{where} has no image member or no cls member")
-            label = int(sample["cls"].decode().strip())
-            if not 0 <= label < n_classes:
-                raise ValueError(f"{where}: label {label} outside the {n_classes} classes")
-            yield _decoded(sample[member], where), label
-        except (ValueError, UnicodeDecodeError) as error:
+            yield source.decode(item)
+        except ValueError as error:
             skipped(error)
 
 

@@ -655,22 +655,43 @@ class EvalReader:
                    data["num_workers"], data["max_sample_bytes"])
 
 
-class EvalBatches(torch.utils.data.IterableDataset):
-    """Evaluation batches in shard order, decoded by a share of the readers of the stream.
+class CaptionedShards:
+    """The samples of an evaluation split (what :class:`EvalBatches` decodes): each image
+    with its captions, ids and annotations, transformed; batches as :func:`eval_collate`."""
 
-    Batch ``b`` holds samples ``b * batch_size`` to ``(b + 1) * batch_size - 1`` of the
+    def __init__(self, reader: EvalReader, transform: Callable | None) -> None:
+        self.urls = expand_shards(reader.shards)
+        self.reader, self.transform = reader, transform
+
+    def items(self, counter: SkipCounter) -> Iterator[dict]:
+        return iter_samples(self.urls, whole_split(counter),
+                            max_sample_bytes=self.reader.max_sample_bytes)
+
+    def decode(self, sample: dict) -> dict:
+        return transform_image(decode_sample(sample, caption_key=self.reader.caption_key),
+                               self.transform)
+
+    def collate(self, samples: list[dict]) -> dict:
+        return eval_collate(samples)
+
+
+class EvalBatches(torch.utils.data.IterableDataset):
+    """Batches of a source read in order (:class:`CaptionedShards`, zero-shot's labelled
+    images: ``items(counter)`` raw, ``decode(item)``, ``collate(decoded)``), decoded by a
+    share of the readers of the stream.
+
+    Batch ``b`` holds items ``b * batch_size`` to ``(b + 1) * batch_size - 1`` of the
     stream, counted before decoding; ``part=(index, count)`` decodes only the ``b`` with
     ``b % count == index``, and DataLoader worker ``w`` of ``W`` share ``index * W + w`` of
-    ``count * W``. Every reader reads all the bytes, so a DataLoader, taking each worker's
-    next item in turn, yields shard order; a batch whose samples all failed is yielded
-    empty to keep the turns. Each batch carries ``skipped``; a shard not read to its end
-    raises :class:`IncompleteSplitError` (:func:`whole_split`).
+    ``count * W``. Every reader reads all the items, so a DataLoader, taking each worker's
+    next batch in turn, yields the source's order; a batch whose items all failed is
+    yielded empty to keep the turns. Each batch carries ``skipped``, ``number`` and
+    ``size``; a shard not read to its end raises :class:`IncompleteSplitError`.
     """
 
-    def __init__(self, reader: EvalReader, transform: Callable, part: tuple[int, int] = (0, 1),
+    def __init__(self, source: Any, batch_size: int, part: tuple[int, int] = (0, 1),
                  counter: SkipCounter | None = None) -> None:
-        self.urls = expand_shards(reader.shards)
-        self.reader, self.transform, self.part = reader, transform, part
+        self.source, self.batch_size, self.part = source, batch_size, part
         self.counter = counter  # in the process that iterates (a worker has its own copy)
 
     def __iter__(self) -> Iterator[dict]:
@@ -680,21 +701,18 @@ class EvalBatches(torch.utils.data.IterableDataset):
         mine, every = index * workers + worker, count * workers
         counter = self.counter if self.counter is not None else SkipCounter()
         counter.take()
-        samples = iter_samples(self.urls, whole_split(counter),
-                               max_sample_bytes=self.reader.max_sample_bytes)
-        for number, raw in enumerate(_chunks(samples, self.reader.batch_size)):
+        for number, raw in enumerate(_chunks(self.source.items(counter), self.batch_size)):
             if number % every != mine:
                 counter.take()  # tar-level skips surfaced here are another reader's
                 continue
             decoded = []
-            for sample in raw:
+            for item in raw:
                 try:
-                    decoded.append(transform_image(
-                        decode_sample(sample, caption_key=self.reader.caption_key),
-                        self.transform))
+                    decoded.append(self.source.decode(item))
                 except Exception as error:  # a bad sample: logged, counted, skipped
                     counter(error)
-            yield {**eval_collate(decoded), "skipped": counter.take(), "number": number}
+            yield {**self.source.collate(decoded), "skipped": counter.take(),
+                   "number": number, "size": len(decoded)}
 
 
 def decoded_samples(shards: str | Sequence[str], counter: SkipCounter) -> Iterator[dict]:
@@ -730,8 +748,8 @@ def iter_eval_batches(reader: EvalReader | str | Sequence[str], transform: Calla
 
     ``num_workers`` > 0 decodes in DataLoader workers while the caller encodes, giving the
     same batches in the same order (``pin_memory`` for ``non_blocking`` copies).
-    ``part=(rank, world)`` yields a rank's share (:class:`EvalBatches`); ``numbered`` yields
-    ``(number, batch)``, its place in the one-process stream. ``counter`` counts unreadable
+    ``part=(rank, world)`` yields a rank's share (:class:`EvalBatches`); ``numbered`` keeps
+    each batch's ``number``, its place in the one-process stream. ``counter`` counts unreadable
     samples; a shard that failed or is damaged raises :class:`IncompleteSplitError`.
 
     Yields:
@@ -740,17 +758,26 @@ def iter_eval_batches(reader: EvalReader | str | Sequence[str], transform: Calla
         where the shards have them.
     """
     reader = EvalReader.of(reader)
+    return iter_batches(CaptionedShards(reader, transform), reader.batch_size,
+                        reader.num_workers, counter, part, pin_memory, numbered)
+
+
+def iter_batches(source: Any, batch_size: int, num_workers: int = 0,
+                 counter: SkipCounter | None = None, part: tuple[int, int] = (0, 1),
+                 pin_memory: bool = False, numbered: bool = False) -> Iterator:
+    """The non-empty batches of ``source`` (as :class:`EvalBatches` reads it) in order,
+    decoded in ``num_workers`` DataLoader processes (0: here); arguments as
+    :func:`iter_eval_batches`'s. Evaluation's one batch reader."""
     counter = counter if counter is not None else SkipCounter()
-    workers = reader.num_workers
-    dataset = EvalBatches(reader, transform, part, counter if workers == 0 else None)
-    batches = dataset if workers == 0 else torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=workers, pin_memory=pin_memory)
+    dataset = EvalBatches(source, batch_size, part, counter if num_workers == 0 else None)
+    batches = dataset if num_workers == 0 else torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
     for batch in batches:
-        skipped, number = batch.pop("skipped"), batch.pop("number")
-        if workers:
+        skipped, number, size = batch.pop("skipped"), batch.pop("number"), batch.pop("size")
+        if num_workers:
             counter.add(skipped, "in a DataLoader worker")
-        if batch["image_ids"]:
-            yield (number, batch) if numbered else batch
+        if size:
+            yield {**batch, "number": number} if numbered else batch
 
 
 def read_captions(shards: str | list[str], caption_key: str | None = None) -> list[str]:

@@ -49,9 +49,9 @@ from mmgoal.engine.signals import (
 )
 from mmgoal.engine.step import TrainingStep
 from mmgoal.engine.strategies.base import Strategy
-from mmgoal.evaluation.gallery import EvaluationStopped, evaluate_retrieval
+from mmgoal.evaluation.gallery import EvaluationStopped
+from mmgoal.evaluation.request import EvaluationRequest, evaluate
 from mmgoal.evaluation.retrieval import format_metrics
-from mmgoal.evaluation.zeroshot import evaluate_zeroshot
 from mmgoal.files import read_text, write_text
 from mmgoal.models.efficiency import compile_model
 from mmgoal.registry import (
@@ -661,8 +661,7 @@ class Trainer:
                 # the extended COCO protocols are the test split's (5K test), not validation's
                 model = self.evaluation_model(weights, current=True)
                 metrics = self.evaluate("val", model, across_ranks=True, protocols=["coco"],
-                                        stop=stop)
-                metrics.update(self._zeroshot(model))
+                                        stop=stop, zeroshot=True)
         except EvaluationStopped:
             set_rng_state(before)
             raise
@@ -672,35 +671,28 @@ class Trainer:
                         format_metrics(metrics))
         return metrics
 
-    def _zeroshot(self, model: torch.nn.Module) -> dict[str, float]:
-        """Rank 0 classifies ``evaluation.zeroshot``'s set (when the config names one) and
-        every rank gets the metrics (collective)."""
-        where = self.config.evaluation.zeroshot
-        if not where:
-            return {}
-        metrics = None
-        if self.is_main:
-            cset = read_classification_set(where["root"], where["split"])
-            metrics = evaluate_zeroshot(Member(model, self.eval_transform, self.tokenizer),
-                                        cset, self.config.data.eval_batch_size,
-                                        progress=self.config.train.progress)
-        return self.strategy.broadcast(metrics)
-
     def evaluate(self, split: str, model: torch.nn.Module | None = None,
                  across_ranks: bool = False, protocols: list[str] | None = None,
-                 stop: Callable[[], bool] | None = None) -> dict[str, float]:
-        """Retrieval metrics of ``model`` (default: the trained one) on ``val`` or ``test``
-        (arguments as :func:`~mmgoal.evaluation.gallery.evaluate_retrieval`'s)."""
+                 stop: Callable[[], bool] | None = None, zeroshot: bool = False
+                 ) -> dict[str, float]:
+        """The metrics of ``model`` (default: the trained one) on ``val`` or ``test``, and
+        with ``zeroshot`` on ``evaluation.zeroshot``'s set (rank 0 classifies it), by
+        :func:`~mmgoal.evaluation.request.evaluate` (the others as its request's)."""
         split_cfg = getattr(self.config.data, split)
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
-        reader = EvalReader.of_split(split_cfg.to_dict(), self.config.data.to_dict())
-        return evaluate_retrieval(
-            model if model is not None else self.model, reader, self.eval_transform,
-            self.tokenizer, folds=split_cfg.folds,
-            progress=self.config.train.progress and self.is_main,
-            scoring=self.config.evaluation, across_ranks=across_ranks, protocols=protocols,
+        data, where = self.config.data, self.config.evaluation.zeroshot
+        request = EvaluationRequest(
+            EvalReader.of_split(split_cfg.to_dict(), data.to_dict()), split_cfg.folds,
+            self.config.evaluation, protocols=protocols,
+            zeroshot=(read_classification_set(where["root"], where["split"])
+                      if zeroshot and where and self.is_main else None),
+            zeroshot_batch_size=data.eval_batch_size, zeroshot_workers=data.num_workers,
+            across_ranks=across_ranks, progress=self.config.train.progress and self.is_main,
             stop=stop)
+        member = Member(model if model is not None else self.model, self.eval_transform,
+                        self.tokenizer)
+        return evaluate(member, request).metrics
 
     def _final_report(self, seconds: float) -> dict:
         report: dict[str, Any] = {"epochs": self.epoch, "steps": self.step,

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +82,22 @@ def in_eval_mode(encode: Callable) -> Callable:
     return wrapper
 
 
+def encode_image_batches(model: torch.nn.Module, batches: Iterable[dict], desc: str,
+                         progress: bool = True, stop: Callable[[], bool] | None = None
+                         ) -> Iterator[tuple[dict, ImageFeatures]]:
+    """``(batch, its image features)`` of each batch, encoded on the model's device:
+    evaluation's one image encoder (the gallery's, zero-shot's, the API's), with a
+    progress bar and ``stop`` polled before each batch."""
+    device = module_device(model)
+    pinned = device.type == "cuda"  # the readers pin their batches for it
+    for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False):
+        _stop_if_asked(stop)
+        # the tensors only: walking the captions and entities costs more than the copy
+        on_device = {key: value.to(device, non_blocking=pinned)
+                     for key, value in batch.items() if isinstance(value, torch.Tensor)}
+        yield batch, model.encode_image(on_device)
+
+
 @dataclass
 class Gallery:
     """The encoded gallery of a split, in shard order, each image id once.
@@ -139,21 +155,17 @@ def encode_gallery(model: torch.nn.Module, reader: EvalReader | str | Sequence[s
     encoder = getattr(model, "image_encoder", None)
     boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
     keep = with_annotations or keep_tokens
-    pinned = device.type == "cuda"
     mine: list[dict] = []  # this rank's batches: their place, samples and region boxes
     encoded: list[ImageFeatures] = []
     # closed however the loop ends: its DataLoader workers end then, not when collected
     with contextlib.closing(iter_eval_batches(reader, transform, counter, part=(rank, world),
-                                              pin_memory=pinned, numbered=True)) as batches:
-        for number, batch in tqdm(batches, desc="encode images", unit="batch",
-                                  disable=not progress, leave=False):
-            _stop_if_asked(stop)
-            # the tensors only: walking the captions and entities costs more than the copy
-            on_device = {key: value.to(device, non_blocking=pinned)
-                         for key, value in batch.items() if isinstance(value, torch.Tensor)}
-            encoded.append(_keep_tokens(model, model.encode_image(on_device), keep))
+                                              pin_memory=device.type == "cuda",
+                                              numbered=True)) as batches:
+        for batch, features in encode_image_batches(model, batches, "encode images",
+                                                    progress, stop):
+            encoded.append(_keep_tokens(model, features, keep))
             boxes = [] if boxes_of is None else [b.float() for b in boxes_of(batch)]  # CPU's
-            mine.append({"number": number, "image_ids": batch["image_ids"],
+            mine.append({"number": batch["number"], "image_ids": batch["image_ids"],
                          "captions": batch["captions"], "caption_ids": batch["caption_ids"],
                          "entities": batch["entities"], "boxes": boxes})
     images = cat_features(encoded) if encoded else None

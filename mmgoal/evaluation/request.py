@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.classification import ClassificationSet
 from mmgoal.data.pipeline import EvalReader
-from mmgoal.distributed import world_info
+from mmgoal.distributed import all_objects, world_info
 from mmgoal.evaluation.attention import T_IOU, AttentionReport, attention_on_split
 from mmgoal.evaluation.gallery import evaluate_retrieval
 from mmgoal.evaluation.zeroshot import evaluate_zeroshot
@@ -45,23 +45,30 @@ class EvaluationRequest:
         folds: the image folds the retrieval metrics are averaged over.
         scoring: how the gallery is scored (re-ranking, blocks, protocols).
         rankings: also return every COCO test query's top items by COCO id.
+        protocols: in place of ``scoring.protocols`` (validation's: ``["coco"]``).
         zeroshot: a zero-shot classification set the first member classifies.
-        zeroshot_batch_size: its images per batch.
+        zeroshot_batch_size, zeroshot_workers: its images per batch, and the DataLoader
+            processes that decode them.
         attention: the attention metrics of the first member on ``split``.
-        across_ranks: a collective: every rank encodes and scores its share of the gallery;
-            the zero-shot set and the attention metrics are rank 0's alone.
+        across_ranks: a collective: every rank encodes and scores its share of the gallery
+            and gets every metric; the zero-shot set and the attention metrics are rank 0's.
         progress: progress bars.
+        stop: polled while the gallery is encoded and scored: ``True`` drops the evaluation
+            (:class:`~mmgoal.evaluation.gallery.EvaluationStopped`).
     """
 
     split: EvalReader | None = None
     folds: int = 1
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    protocols: Sequence[str] | None = None
     rankings: bool = False
     zeroshot: ClassificationSet | None = None
     zeroshot_batch_size: int = 256
+    zeroshot_workers: int = 0
     attention: AttentionRequest | None = None
     across_ranks: bool = False
     progress: bool = True
+    stop: Callable[[], bool] | None = None
 
 
 def request_for(loaded: LoadedModel, split: str | None, shards: str | list[str] | None = None,
@@ -74,7 +81,7 @@ def request_for(loaded: LoadedModel, split: str | None, shards: str | list[str] 
     config's evaluation batch size; ``options``: the rest of :class:`EvaluationRequest`."""
     data = loaded.config["data"]
     request = EvaluationRequest(zeroshot=zeroshot, zeroshot_batch_size=data["eval_batch_size"],
-                                **options)
+                                zeroshot_workers=data["num_workers"], **options)
     if split is not None:
         split_cfg = loaded.split(split, shards, trust_data_paths)
         request.split = EvalReader.of_split(split_cfg, data)
@@ -108,19 +115,22 @@ def evaluate(members: Member | Sequence[Member], request: EvaluationRequest) -> 
     if request.attention is not None:  # refused before the gallery's minutes, not after
         require(first.model, CrossAttentionModel, "the attention metrics")
     main_rank = not request.across_ranks or world_info()[0] == 0
-    zeroshot = {}
-    if request.zeroshot is not None and main_rank:  # a small set: one process classifies it
-        zeroshot = evaluate_zeroshot(first, request.zeroshot, request.zeroshot_batch_size,
-                                     request.progress)
-    if request.split is None:
-        return Evaluation(zeroshot)
-    rankings = {} if request.rankings else None
-    metrics = evaluate_retrieval(members, request.split, folds=request.folds,
-                                 progress=request.progress, scoring=request.scoring,
-                                 across_ranks=request.across_ranks, rankings=rankings)
-    attention = None
-    if request.attention is not None and main_rank:  # needs no gallery scoring: one process
+    metrics, rankings, attention = {}, {} if request.rankings else None, None
+    if request.split is not None:
+        metrics = evaluate_retrieval(members, request.split, folds=request.folds,
+                                     progress=request.progress, scoring=request.scoring,
+                                     across_ranks=request.across_ranks,
+                                     protocols=request.protocols, rankings=rankings,
+                                     stop=request.stop)
+    if request.attention is not None and request.split is not None and main_rank:
+        # needs no gallery scoring: one process
         options = request.attention
         attention = attention_on_split(first, request.split, options.thresholds,
                                        options.t_iou, options.entities)
+    zeroshot = {}
+    if request.zeroshot is not None and main_rank:  # a small set: one process classifies it
+        zeroshot = evaluate_zeroshot(first, request.zeroshot, request.zeroshot_batch_size,
+                                     request.progress, request.zeroshot_workers)
+    if request.across_ranks:  # every rank gets rank 0's
+        zeroshot = all_objects(zeroshot)[0]
     return Evaluation({**metrics, **zeroshot}, rankings, attention)

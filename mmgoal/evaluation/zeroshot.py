@@ -4,16 +4,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from mmgoal.data.classification import ClassificationSet, iter_labelled_images
-from mmgoal.data.pipeline import SkipCounter
+from mmgoal.data.classification import ClassificationSet, LabelledImages
+from mmgoal.data.pipeline import SkipCounter, iter_batches
 from mmgoal.devices import module_device, move_to_device
-from mmgoal.evaluation.gallery import in_eval_mode
+from mmgoal.evaluation.gallery import encode_image_batches, in_eval_mode
 from mmgoal.structures import Member
 
 logger = logging.getLogger(__name__)
@@ -63,44 +63,36 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, n_classes
 @torch.no_grad()
 def zero_shot_logits(model: torch.nn.Module, transform, tokenizer, cset: ClassificationSet,
                      batch_size: int = 256, progress: bool = True,
-                     skipped: SkipCounter | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     skipped: SkipCounter | None = None, num_workers: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits (N, C), labels (N,))`` of every readable image of ``cset``: the cosine of
-    its embedding with each class's (:func:`class_embeddings`)."""
+    its embedding with each class's (:func:`class_embeddings`); images decoded in
+    ``num_workers`` DataLoader processes, as the gallery's."""
     check_dual_encoder(model)
     classes = class_embeddings(model, tokenizer, cset.classnames, cset.templates)
-    device = module_device(model)
     skipped = skipped if skipped is not None else SkipCounter()
-    logits, labels, images, batch_labels = [], [], [], []
-
-    def flush() -> None:
-        batch = {"images": torch.stack([transform(image) for image in images]).to(device)}
-        embedding = F.normalize(model.encode_image(batch).embedding.float(), dim=-1)
-        logits.append(embedding @ classes.T)
-        labels.extend(batch_labels)
-        images.clear()
-        batch_labels.clear()
-
-    for image, label in tqdm(iter_labelled_images(cset, skipped), desc="zero-shot images",
-                             unit="image", disable=not progress, leave=False):
-        images.append(image)
-        batch_labels.append(label)
-        if len(images) == batch_size:
-            flush()
-    if images:
-        flush()
+    batches = iter_batches(LabelledImages(cset, transform), batch_size, num_workers, skipped,
+                           pin_memory=module_device(model).type == "cuda")
+    logits, labels = [], []
+    with contextlib.closing(batches):
+        for batch, features in encode_image_batches(model, batches, "zero-shot images",
+                                                    progress):
+            embedding = F.normalize(features.embedding.float(), dim=-1)
+            logits.append((embedding @ classes.T).cpu())
+            labels.append(batch["labels"])
     if not logits:
         raise ValueError(f"no readable image in the classification set {cset.root} "
                          f"({skipped.summary()})")
-    return torch.cat(logits).cpu(), torch.tensor(labels, device="cpu")
+    return torch.cat(logits), torch.cat(labels)
 
 
 def evaluate_zeroshot(member: Member, cset: ClassificationSet, batch_size: int = 256,
-                      progress: bool = True) -> dict[str, float]:
+                      progress: bool = True, num_workers: int = 0) -> dict[str, float]:
     """Zero-shot classification metrics of ``member`` (a model with its eval transform and
     tokenizer) on ``cset``, keys ``zeroshot_*``, with the images read and skipped."""
     skipped = SkipCounter()
     logits, labels = zero_shot_logits(member.model, member.transform, member.tokenizer, cset,
-                                      batch_size, progress, skipped)
+                                      batch_size, progress, skipped, num_workers)
     if skipped.total:
         logger.warning("zero-shot classification: %s", skipped.summary())
     return {**classification_metrics(logits, labels, len(cset.classnames)),

@@ -397,11 +397,15 @@ def test_ddp_accumulates_without_sync_and_rewraps_when_the_objective_changes(set
 
 def test_deepspeed_ranks_evaluate_the_gathered_weights_before_training(setup, tmp_path):
     """``train.eval_before_training`` under ZeRO-2 (both ranks evaluate their shares of the
-    gallery) logs what one process gives for the same initial weights, once; the
-    ``no_decay`` groups train there too."""
+    gallery, rank 0 the zero-shot set) logs what one process gives for the same initial
+    weights, once; the ``no_decay`` groups train there too."""
+    from mmgoal.data.classification import write_synthetic_classification
+
     _, data, _ = setup
+    write_synthetic_classification(tmp_path / "shapes", count=24, image_size=32)
     top = {"train": {"epochs": 1, "log_every": 5, "progress": False,
                      "eval_before_training": True},
+           "evaluation": {"zeroshot": {"root": str(tmp_path / "shapes")}},
            "optimizer": {"lr": 3e-3, "no_decay": ["bias", "norm", "vector"]}}
     ok(launch("deepspeed", write_config(tmp_path / "ranks.yaml", data, PER_RANK, **top),
               tmp_path / "zero2", "--deepspeed"))
@@ -413,6 +417,7 @@ def test_deepspeed_ranks_evaluate_the_gathered_weights_before_training(setup, tm
                            (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
                           for run in ("zero2", "one"))
     assert records[0] == one and one["epoch"] == -1 and one["type"] == "val"
+    assert one["zeroshot_images"] == 24 and "zeroshot_top1" in one
     assert [r["epoch"] for r in records if r["type"] == "val"] == [-1, 0]
 
 

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks  # tests/ranks.py
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmgoal.distributed import (

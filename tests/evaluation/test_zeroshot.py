@@ -11,6 +11,7 @@ from script_modules import load_tool
 
 import mmgoal
 from mmgoal.data.classification import read_classification_set, write_synthetic_classification
+from mmgoal.data.pipeline import IncompleteSplitError
 from mmgoal.evaluation.zeroshot import classification_metrics, evaluate_zeroshot
 
 open_clip = pytest.importorskip("open_clip")
@@ -100,6 +101,14 @@ def test_an_image_folder_gives_the_webdataset_sets_metrics_and_skips_a_bad_image
     os.mkfifo(bad.with_name("fifo.png"))  # never opened: it would wait for a writer for ever
     c = evaluate_zeroshot(loaded, read_classification_set(tmp_path / "folder"), progress=False)
     assert c["zeroshot_images"] == 39 and c["zeroshot_skipped"] == 2
+    # decoded in 2 DataLoader workers, as the gallery's images: the same numbers and skips
+    d = evaluate_zeroshot(loaded, read_classification_set(tmp_path / "folder"), batch_size=6,
+                          progress=False, num_workers=2)
+    assert d == pytest.approx(c, abs=1e-9)
+    with open(wds_set.shards[0], "r+b") as shard:  # a shard cut short: the set is not whole
+        shard.truncate(os.path.getsize(wds_set.shards[0]) // 2)
+    with pytest.raises(IncompleteSplitError):
+        evaluate_zeroshot(loaded, wds_set, batch_size=7, progress=False, num_workers=2)
 
 
 def test_bad_classification_sets_say_what_to_fix(tmp_path):
