@@ -29,7 +29,7 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.config import load_config
-from mmgoal.runs.schema import with_overrides
+from mmgoal.runs.schema import RunConfig, with_overrides
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,18 +118,19 @@ def run(args: argparse.Namespace) -> int:
                 args.deepspeed = config_argument(args.deepspeed)
             cfg = with_deepspeed(cfg, args.deepspeed)
         # printing a config (maybe one you received) imports nothing it names, unless asked
-        cfg = with_overrides(cfg, args.cfg_options, beside=Path(args.config).parent,
-                             trust_custom_imports=args.trust_custom_imports
-                             or not args.print_config, source=f"config {args.config}")
+        config = with_overrides(cfg, args.cfg_options, beside=Path(args.config).parent,
+                                trust_custom_imports=args.trust_custom_imports
+                                or not args.print_config, source=f"config {args.config}",
+                                typed=True)
     except INPUT_ERRORS as error:
         return print_error(error)
     if args.print_config:
-        print(yaml.safe_dump(cfg, sort_keys=False), end="")
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    return train(args, cfg, Path(args.work_dir or Path("work_dirs") / Path(args.config).stem))
+    return train(args, config, Path(args.work_dir or Path("work_dirs") / Path(args.config).stem))
 
 
-def train(args: argparse.Namespace, cfg: dict, work_dir: Path) -> int:
+def train(args: argparse.Namespace, config: RunConfig, work_dir: Path) -> int:
     """Start or resume the run in ``work_dir`` (:func:`~mmgoal.runs.start.started_run`) and
     train it to the end."""
     from mmgoal.data.pipeline import IncompleteSplitError, UnreadableShardsError
@@ -145,9 +146,9 @@ def train(args: argparse.Namespace, cfg: dict, work_dir: Path) -> int:
         try:
             # rank 0 holds the folder's lock for the whole run, and alone decides on it
             start = held.enter_context(started_run(
-                work_dir, cfg, args.resume, args.auto_resume, args.overwrite, wait,
+                work_dir, config.to_dict(), args.resume, args.auto_resume, args.overwrite, wait,
                 main_rank=launched_rank() == 0))
-            trainer = Trainer(cfg, work_dir, resume=start.resume)
+            trainer = Trainer(config, work_dir, resume=start.resume)
         # ImportError: a missing extra; LoggerError: a logger that cannot write where told
         except (*INPUT_ERRORS, LoggerError) as error:
             return print_error(error)

@@ -91,8 +91,10 @@ class Trainer:
     leaves the group as it is, since other ranks may be gone or inside a collective.
     """
 
-    def __init__(self, cfg: dict, work_dir: str | Path, resume: bool = False) -> None:
-        self.config = RunConfig.from_dict(cfg, "")  # checked, every default written out
+    def __init__(self, cfg: RunConfig | dict, work_dir: str | Path, resume: bool = False
+                 ) -> None:
+        # checked, every default written out (the CLI's is already: not parsed again)
+        self.config = cfg if isinstance(cfg, RunConfig) else RunConfig.from_dict(cfg, "")
         self.work_dir = Path(work_dir)
         self.checkpoint_dir = self.work_dir / CHECKPOINTS
         import_custom_modules(self.config.custom_imports)

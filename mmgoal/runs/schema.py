@@ -336,7 +336,8 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
                    beside: str | os.PathLike | None = None,
                    schema: type[ConfigSection] = RunConfig, *,
                    trust_custom_imports: bool = False, source: str = "the config",
-                   checked: type[ConfigSection] | None = None) -> dict:
+                   checked: type[ConfigSection] | None = None,
+                   typed: bool = False) -> dict | ConfigSection:
     """``cfg`` resolved, with ``--cfg-options`` applied to any key the schema knows, and the
     component sections of ``checked`` (default: ``schema``'s) checked against their
     registries: a model to use (``checked=ModelConfig``) imports no optimizer, strategy or
@@ -346,8 +347,10 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
     from ``beside``, its folder), so overrides may name their components' options. Without,
     none is: a received config could run code through them (docs/received_files.md); a
     warning names them, and a component only they register is an error saying how to allow.
+    ``typed``: the ``schema`` object itself (what the trainer takes), not its dict.
     """
-    cfg = resolve_config(cfg, schema)
+    config = schema.from_dict(cfg, "")
+    cfg = config.to_dict()
     not_imported: list[str] = []
     if trust_custom_imports:
         import_custom_modules(cfg["custom_imports"], beside=beside)
@@ -358,7 +361,8 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
     for override in overrides:
         apply_override(cfg, override, known_keys)
     if overrides:  # what they set is checked as the file's keys were
-        cfg = resolve_config(cfg, schema)
+        config = schema.from_dict(cfg, "")
+        cfg = config.to_dict()
     try:
         check_components(cfg, not_imported, (checked or schema).components())
     except ConfigError as error:
@@ -370,7 +374,7 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
                           f"options of the old one: to switch a component, replace its whole "
                           f"section, e.g. --cfg-options '{section}={{type: NAME, option: "
                           f"value}}'") from None
-    return cfg
+    return config if typed else cfg
 
 
 def warn_not_imported(modules: list[str], source: str) -> None:
