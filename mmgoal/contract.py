@@ -8,6 +8,7 @@ your own; its preprocessing: :mod:`mmgoal.runs.preprocessing`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -21,8 +22,8 @@ class RetrievalModel(Protocol):
 
     ``encode_image`` / ``encode_text`` take a collated batch (``images`` or ``regions``;
     ``input_ids`` and ``attention_mask``); ``similarity`` gives ``(n_img, n_txt)``, higher
-    is more similar. A class attribute ``similarity_uses_tokens = True`` makes the
-    evaluation gallery keep the token features.
+    is more similar. The optional class attributes a model may declare are read by the
+    functions below this module's protocols, with their defaults.
     """
 
     def encode_image(self, batch: dict) -> ImageFeatures: ...
@@ -91,6 +92,54 @@ class StepAwareObjective(Protocol):
     (``applied`` False for a skipped step); it may be collective."""
 
     def finish_step(self, applied: bool) -> None: ...
+
+
+# ---------------------------------------------------------------- declared attributes
+# What a model, an image encoder, an objective or a constraint may declare by a class
+# attribute (or a method), each read only here, with the default of one that does not.
+
+def similarity_uses_tokens(model: object) -> bool:
+    """The model scores pairs from their tokens (SCAN's cross attention): the gallery keeps
+    every region and word, and zero-shot classification is refused. Default False."""
+    return bool(getattr(model, "similarity_uses_tokens", False))
+
+
+def dot_product_scores(model: object) -> bool:
+    """A pair's score is the dot product of its embeddings
+    (:class:`~mmgoal.scoring.DotProductScores`), so score tiles are matrix products.
+    Default False: tiles call the model's ``similarity``."""
+    return bool(getattr(model, "dot_product_scores", False))
+
+
+def pair_similarity(model: object) -> Callable[[ImageFeatures, TextFeatures], torch.Tensor] | None:
+    """``(k,)`` scores of the pairs ``(image k, text k)`` without their matrix, where the
+    model has such a method (SCAN's); ``None``: the diagonal of ``similarity``."""
+    return getattr(model, "pair_similarity", None)
+
+
+def region_boxes(model: object) -> Callable[[dict], list[torch.Tensor]] | None:
+    """Where the model's image regions are, per image of a batch (the region encoders'
+    ``image_encoder.region_boxes``, xyxy fractions), for the attention metrics and
+    plots; ``None`` when its image encoder cannot say."""
+    return getattr(getattr(model, "image_encoder", None), "region_boxes", None)
+
+
+def returns_tokens(encoder: object) -> bool:
+    """An image encoder returns ``(tokens, lengths)`` rather than ``(B, D)`` pooled
+    features (regions, a timm grid). Default False."""
+    return bool(getattr(encoder, "returns_tokens", False))
+
+
+def works_on_tiles(objective: object) -> bool:
+    """The objective reads :class:`~mmgoal.scoring.ScoreTiles` (every registered one);
+    default False: it is given the batch's whole score matrix."""
+    return bool(getattr(objective, "works_on_tiles", False))
+
+
+def averages_pairs(constraint: object) -> bool:
+    """The constraint's losses are means over its pairs (``reduction: mean``), so the
+    ranks' parts are averaged, not summed. Default: sums."""
+    return getattr(constraint, "reduction", "sum") == "mean"
 
 
 CAPABILITIES: tuple[type, ...] = (CrossAttentionModel, MatchingModel, MaskedLanguageModel,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mmgoal.contract import dot_product_scores, pair_similarity
 from mmgoal.distributed import gather, sum_over_ranks, world_info
 from mmgoal.structures import ImageFeatures, TextFeatures, index_features
 
@@ -144,9 +145,9 @@ class ModelScorer(Scorer):
 
     def pairs(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         images, texts = index_features(self.images, rows), index_features(self.texts, cols)
-        pair_similarity = getattr(self.model, "pair_similarity", None)
-        if pair_similarity is not None:
-            return pair_similarity(images, texts)
+        own = pair_similarity(self.model)
+        if own is not None:
+            return own(images, texts)
         chunk = TOKEN_TILE_ROWS
         parts = [torch.diagonal(self.model.similarity(
             _rows_of(images, slice(start, start + chunk)),
@@ -187,7 +188,7 @@ class DotProductScores:
 def scorer_for(model: Any, images: ImageFeatures, texts: TextFeatures) -> Scorer:
     """A dot product of the embeddings where ``model.dot_product_scores``, else the model's
     own ``similarity`` on tiles."""
-    if getattr(model, "dot_product_scores", False):
+    if dot_product_scores(model):
         return DotScorer(*(features if isinstance(features, torch.Tensor) else features.embedding
                            for features in (images, texts)))
     return ModelScorer(model, images, texts)

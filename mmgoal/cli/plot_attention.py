@@ -56,12 +56,13 @@ def word_attention(model, tokenizer, sample: dict, transform, caption: str, posi
     """(region boxes as xyxy fractions (R, 4), attention weights (R,)) of one word."""
     import torch
 
-    from mmgoal.contract import CrossAttentionModel, require
+    from mmgoal.contract import CrossAttentionModel, region_boxes, require
     from mmgoal.data.pipeline import collate_visual, transform_image
 
     batch = collate_visual([transform_image(sample, transform)])
     require(model, CrossAttentionModel, "mmgoal plot-attention")
-    if not hasattr(model.image_encoder, "region_boxes"):
+    boxes_of = region_boxes(model)
+    if boxes_of is None:
         raise ValueError(f"{type(model.image_encoder).__name__} cannot say where its regions "
                          f"are (no region_boxes): there is no region attention to draw")
     tokens = tokenizer.word_token_spans(caption)[position]
@@ -70,7 +71,7 @@ def word_attention(model, tokenizer, sample: dict, transform, caption: str, posi
     with torch.no_grad():
         attention = model.attention(model.encode_image(batch),
                                     model.encode_text(tokenizer([caption])), direction="t2i")
-        boxes = model.image_encoder.region_boxes(batch)[0]
+        boxes = boxes_of(batch)[0]
     weights = attention.weights[0, tokens, :len(boxes)].mean(0)  # a word of several tokens
     return boxes, weights
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mmgoal.contract import averages_pairs, works_on_tiles
 from mmgoal.distributed import (
     gather,
     gather_groups,
@@ -81,7 +82,7 @@ class TrainingStep(nn.Module):
             all_texts = gather(text_features)
             groups = gather_groups(batch["image_ids"], device=groups.device)
             features.update(image_features=all_images, text_features=all_texts)
-        if getattr(objective, "works_on_tiles", False):
+        if works_on_tiles(objective):
             sharded = gathered and self.scoring == "local"
             own = slice(rank * len(batch["image_groups"]),
                         (rank + 1) * len(batch["image_groups"])) if sharded else None
@@ -107,8 +108,8 @@ class TrainingStep(nn.Module):
             for constraint in self.constraints:
                 parts = constraint(attention)  # of this rank's pairs: made the global batch's
                 if self.gather and world > 1:
-                    means = getattr(constraint, "reduction", "sum") == "mean"
-                    parts = global_losses(parts, world, parts_are_means=means, statistics=True)
+                    parts = global_losses(parts, world, parts_are_means=averages_pairs(constraint),
+                                          statistics=True)
                 outputs.update(parts)
         outputs["loss"] = sum(v for k, v in outputs.items() if k.endswith("_loss"))
         return outputs

@@ -202,7 +202,7 @@ class Trainer:
         anything is built."""
         train = self.config.train
         kind = STRATEGIES.get(self.config.strategy["type"])
-        if train.keep_epochs and not getattr(kind, "supports_epoch_checkpoints", False):
+        if train.keep_epochs and not kind.supports_epoch_checkpoints:
             raise ValueError(f"train.keep_epochs: {train.keep_epochs} keeps epoch checkpoints "
                              f"of the torch and accelerate strategies (copies of last.pt); "
                              f"{kind.__name__} keeps its newest checkpoint only: remove "

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from mmgoal.config import MatmulPrecision, check_value
-from mmgoal.contract import MatchingModel, require
+from mmgoal.contract import MatchingModel, region_boxes, require, similarity_uses_tokens
 from mmgoal.data.pipeline import EvalReader, SkipCounter, iter_eval_batches
 from mmgoal.devices import (
     cache_share_mb,
@@ -126,7 +126,7 @@ class Gallery:
 
 def _keep_tokens(model: torch.nn.Module, features, keep: bool):
     """Tokens are stored only where the score, re-ranking or the attention metrics need them."""
-    if getattr(model, "similarity_uses_tokens", False) or keep:
+    if similarity_uses_tokens(model) or keep:
         return detach_features(features)
     return type(features)(features.embedding.detach().float())
 
@@ -152,8 +152,7 @@ def encode_gallery(model: torch.nn.Module, reader: EvalReader | str | Sequence[s
     device = module_device(model)
     rank, world = world_info() if across_ranks else (0, 1)
     counter = SkipCounter()
-    encoder = getattr(model, "image_encoder", None)
-    boxes_of = getattr(encoder, "region_boxes", None) if with_annotations else None
+    boxes_of = region_boxes(model) if with_annotations else None
     keep = with_annotations or keep_tokens
     mine: list[dict] = []  # this rank's batches: their place, samples and region boxes
     encoded: list[ImageFeatures] = []
@@ -366,7 +365,7 @@ def gallery_similarity(members: Sequence[Member], reader: EvalReader | str | Seq
         # across ranks, a cross-attention gallery stays spread over them unless the
         # re-ranking needs every image's tokens on every rank
         spread = (across_ranks and scoring.rerank_k <= 0
-                  and getattr(member.model, "similarity_uses_tokens", False))
+                  and similarity_uses_tokens(member.model))
         gallery = encode_gallery(member.model, reader, member.transform, member.tokenizer,
                                  progress, keep_tokens=scoring.rerank_k > 0,
                                  across_ranks=across_ranks,

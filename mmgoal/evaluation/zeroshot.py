@@ -10,6 +10,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from mmgoal.contract import similarity_uses_tokens
 from mmgoal.data.classification import ClassificationSet, LabelledImages
 from mmgoal.data.pipeline import SkipCounter, iter_batches
 from mmgoal.devices import module_device, move_to_device
@@ -24,7 +25,7 @@ PREFIX = "zeroshot_"
 def check_dual_encoder(model: torch.nn.Module) -> None:
     """Zero-shot classification compares pooled embeddings: refuse a model whose score
     reads its tokens (SCAN's cross attention), with what to use instead."""
-    if getattr(model, "similarity_uses_tokens", False):
+    if similarity_uses_tokens(model):
         raise ValueError(f"zero-shot classification needs a dual encoder (its image and text "
                          f"embeddings compared by a dot product); {type(model).__name__} "
                          f"scores pairs by cross attention")

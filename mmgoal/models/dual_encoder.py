@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.config import PositiveInt, check_value
+from mmgoal.contract import returns_tokens
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
@@ -75,7 +76,7 @@ class DualEncoder(DotProductScores, nn.Module):
         super().__init__()
         self.image_encoder = ENCODERS.build(image_encoder)
         self.text_encoder = ENCODERS.build(text_encoder, tokenizer=tokenizer)
-        image_tokens = getattr(self.image_encoder, "returns_tokens", False)
+        image_tokens = returns_tokens(self.image_encoder)
         if image_tokens and image_pooler is None:
             raise ValueError(f"{image_encoder['type']} returns tokens: set model.image_pooler, "
                              f"e.g. {{type: GPO}} or {{type: MeanPool}}")

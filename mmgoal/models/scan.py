@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgoal.config import PositiveInt
+from mmgoal.contract import returns_tokens
 from mmgoal.models.dual_encoder import DualEncoder, Projection, build_projection
 from mmgoal.models.efficiency import enable_grad_checkpointing
 from mmgoal.models.layers.cross_attention import (
@@ -68,7 +69,7 @@ class SCAN(nn.Module):
                  grad_checkpointing: bool = False, tokenizer=None) -> None:
         super().__init__()
         self.image_encoder = ENCODERS.build(image_encoder)
-        if not getattr(self.image_encoder, "returns_tokens", False):
+        if not returns_tokens(self.image_encoder):
             raise ValueError(f"SCAN needs image regions: {image_encoder['type']} returns one "
                              f"vector per image; use PrecomputedRegionEncoder, RoIRegionEncoder "
                              f"or TimmImageEncoder with output: grid")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmgoal.contract import MatchingModel, StepAwareObjective, require
+from mmgoal.contract import MatchingModel, StepAwareObjective, require, works_on_tiles
 from mmgoal.distributed import world_info
 from mmgoal.objectives.mining import score_tiles
 from mmgoal.registry import OBJECTIVES
@@ -131,7 +131,7 @@ class ObjectiveSum(nn.Module):
     @property
     def works_on_tiles(self) -> bool:
         """A sum works on score tiles (local scoring) when every term does."""
-        return all(getattr(term, "works_on_tiles", False) for term in self.terms)
+        return all(map(works_on_tiles, self.terms))
 
     def forward(self, inputs: ObjectiveInputs) -> dict[str, torch.Tensor]:
         outputs: dict[str, torch.Tensor] = {}
