@@ -549,6 +549,16 @@ class ConfigSection:
                     found[f"{path}.{f.name}" if path else f.name] = f.metadata["registry"]
         return found
 
+    def __getitem__(self, key: str) -> Any:
+        """``section[key]`` as a resolved dict reads it, so a reader of config data takes
+        the typed section as it is (mmengine's Config reads both ways too)."""
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self.keys() else default
+
     def to_dict(self) -> dict[str, Any]:
         """The section as plain config data, defaults included."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

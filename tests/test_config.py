@@ -203,3 +203,19 @@ def test_an_anchor_holding_its_own_alias_is_a_sentence(tmp_path):
     write(tmp_path / "list.yaml", "a: &l [1, *l]\n")
     with pytest.raises(ValueError, match="line 1 holds an alias of itself"):
         load_config(tmp_path / "list.yaml")
+
+
+def test_a_typed_section_reads_as_its_resolved_dict():
+    from pathlib import Path
+
+    from mmgoal.runs.schema import RunConfig, load_run_config
+
+    cfg = load_run_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+    typed = RunConfig.from_dict(cfg, "")
+    for section in ("data", "train", "evaluation"):
+        for key, value in cfg[section].items():
+            got = typed[section][key]
+            assert (got.to_dict() if hasattr(got, "to_dict") else got) == value
+    assert typed["data"].get("no_such_key", "default") == "default"
+    with pytest.raises(KeyError, match="no_such_key"):
+        typed["data"]["no_such_key"]

@@ -650,7 +650,8 @@ class EvalReader:
     def of_split(cls, split: Mapping[str, Any], data: Mapping[str, Any]) -> EvalReader:
         """The reader of a config's split: ``split`` its ``data.<split>`` section (its
         ``shards``, ``caption_key``), ``data`` the ``data`` section (a run's or a model's:
-        ``eval_batch_size``, ``num_workers``, ``max_sample_bytes``)."""
+        ``eval_batch_size``, ``num_workers``, ``max_sample_bytes``); resolved dicts or the
+        typed sections, read alike."""
         return cls(split["shards"], data["eval_batch_size"], split.get("caption_key"),
                    data["num_workers"], data["max_sample_bytes"])
 

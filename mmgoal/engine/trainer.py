@@ -114,7 +114,7 @@ class Trainer:
 
         self._seed(rank=0)  # the same initial weights on every rank
         # the config's tokenizer and transforms, else the model's own
-        self.preprocessing = resolve_preprocessing(self.config.to_dict())
+        self.preprocessing = resolve_preprocessing(self.config)
         self.tokenizer = self._build_tokenizer(resumed or start_from)
         model, objective, constraints = self._build_model_and_objective()
         # what trains (a LoRA model's adapters: model.peft), counted before a strategy shards it
@@ -685,7 +685,7 @@ class Trainer:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
         data, where = self.config.data, self.config.evaluation.zeroshot
         request = EvaluationRequest(
-            EvalReader.of_split(split_cfg.to_dict(), data.to_dict()), split_cfg.folds,
+            EvalReader.of_split(split_cfg, data), split_cfg.folds,
             self.config.evaluation, protocols=protocols,
             zeroshot=(read_classification_set(where["root"], where["split"])
                       if zeroshot and where and self.is_main else None),

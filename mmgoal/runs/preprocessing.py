@@ -11,10 +11,15 @@ later (another model) carries no stale transforms (docs/models.md, "CLIP-family 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from mmgoal.data.transforms import default_transforms
 from mmgoal.registry import MODELS
 from mmgoal.structures import Preprocessing
+
+if TYPE_CHECKING:
+    from mmgoal.runs.schema import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +30,9 @@ def model_preprocessing(model_cfg: dict, image_size: int | None) -> Preprocessin
     return Preprocessing() if own is None else own(model_cfg, image_size)
 
 
-def resolve_preprocessing(cfg: dict) -> Preprocessing:
-    """The preprocessing of a resolved run or model config, every field set (see the module
-    docstring)."""
+def resolve_preprocessing(cfg: Mapping[str, Any] | RunConfig) -> Preprocessing:
+    """The preprocessing of a resolved run or model config (its dict, or the typed
+    ``RunConfig``), every field set (see the module docstring)."""
     data, model_cfg = cfg["data"], cfg["model"]
     own = model_preprocessing(model_cfg, data.get("image_size"))
     default = default_transforms(data.get("image_size"))
