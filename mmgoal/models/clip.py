@@ -11,10 +11,11 @@ only when something of theirs is built, so ``import mmgoal`` does not load them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,25 @@ logger = logging.getLogger(__name__)
 class _RandomInitFilter(logging.Filter):
     """Drops open_clip's "No pretrained weights loaded ... initialized randomly" (a root
     logger warning): a model built without ``pretrained`` is initialised randomly on
-    purpose, or takes a checkpoint's weights right after (mmgoal eval, export)."""
+    purpose, or takes a checkpoint's weights right after (mmgoal eval, export), and the
+    shape check's skeleton loads none by design."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("No pretrained weights loaded for model")
+
+
+@contextlib.contextmanager
+def _no_random_init_warning(quiet: bool = True) -> Iterator[None]:
+    """open_clip's "initialized randomly" warning dropped while ``quiet``."""
+    if not quiet:
+        yield
+        return
+    drop = _RandomInitFilter()
+    logging.getLogger().addFilter(drop)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeFilter(drop)
 
 # open_clip's default weights file of a Hugging Face hub entry, and its safetensors twin
 # (open_clip.pretrained.download_pretrained_from_hf looks for the twin first)
@@ -239,7 +255,7 @@ def check_open_clip_fits(model_name: str, weights: str | None,
     if shapes is None:
         return
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_random_init_warning():
             skeleton = open_clip.create_model(source, load_weights=False, device="meta",
                                               pretrained_text=False, weights_only=True,
                                               **(model_kwargs or {}))
@@ -332,25 +348,20 @@ class OpenCLIP(CLIPLogits, nn.Module):
         check_open_clip_fits(model_name, weights, model_kwargs)
         # no pretrained weights is a config's choice (or a checkpoint's weights come next):
         # open_clip's "initialized randomly" warning would say otherwise
-        quiet = _RandomInitFilter() if weights is None else None
         try:
-            if quiet is not None:
-                logging.getLogger().addFilter(quiet)
-            # weights_only by name: only architecture keys come from the config
-            # on the default device: the meta device, where a received config is first
-            # checked (mmgoal/runs/loading.py), allocates nothing
-            self.model = open_clip.create_model(open_clip_source(model_name), pretrained=weights,
-                                                weights_only=True,
-                                                device=torch.get_default_device(),
-                                                **(model_kwargs or {}))
+            with _no_random_init_warning(weights is None):
+                # weights_only by name: only architecture keys come from the config
+                # on the default device: the meta device, where a received config is first
+                # checked (mmgoal/runs/loading.py), allocates nothing
+                self.model = open_clip.create_model(open_clip_source(model_name),
+                                                    pretrained=weights, weights_only=True,
+                                                    device=torch.get_default_device(),
+                                                    **(model_kwargs or {}))
         except (TypeError, KeyError) as error:  # architecture keys of another model family
             raise ValueError(f"OpenCLIP {model_name} cannot be built with model_kwargs "
                              f"{sorted(model_kwargs or {})} ({type(error).__name__}: {error}); "
                              f"they may belong to another architecture: give the "
                              f"{model_name} keys, or remove model_kwargs") from error
-        finally:
-            if quiet is not None:
-                logging.getLogger().removeFilter(quiet)
         self.model_name = model_name
         self.architecture = architecture  # the model_cfg it was built with, model_kwargs in
         self.tag = pretrained if tag_cfg else None  # whose preprocessing the model reads
