@@ -86,6 +86,16 @@ class LogitBiasModel(RetrievalModel, Protocol):
 
 
 @runtime_checkable
+class TowerLockingModel(RetrievalModel, Protocol):
+    """Freezing a tower but its last ``unlocked`` layer groups, as open_clip's
+    ``lock_image_tower``/``lock_text_tower`` (``train.lock_image``, ``train.lock_text``)."""
+
+    def lock_image_tower(self, unlocked: int = 0) -> None: ...
+
+    def lock_text_tower(self, unlocked: int = 0) -> None: ...
+
+
+@runtime_checkable
 class StepAwareObjective(Protocol):
     """An objective whose state follows the optimisation steps (``lam: auto``): the strategy
     calls ``finish_step(applied)`` on every rank after every step's micro-batches
@@ -143,7 +153,8 @@ def averages_pairs(constraint: object) -> bool:
 
 
 CAPABILITIES: tuple[type, ...] = (CrossAttentionModel, MatchingModel, MaskedLanguageModel,
-                                  BoxPredictingModel, TemperatureModel, LogitBiasModel)
+                                  BoxPredictingModel, TemperatureModel, LogitBiasModel,
+                                  TowerLockingModel)
 
 
 def require(model: object, protocol: type, needed_by: str) -> None:

@@ -143,10 +143,10 @@ def test_every_registered_name_has_an_example_that_builds(registry_name):
 
 
 # What each built-in model offers beyond the required contract.
-CAPABILITIES_OF = {"DualEncoder": set(), "SCAN": {"CrossAttentionModel"},
+CAPABILITIES_OF = {"DualEncoder": {"TowerLockingModel"}, "SCAN": {"CrossAttentionModel"},
                    "XVLM": {"MatchingModel", "MaskedLanguageModel", "BoxPredictingModel"},
-                   "OpenCLIP": {"TemperatureModel", "LogitBiasModel"},
-                   "HFCLIP": {"TemperatureModel", "LogitBiasModel"}}
+                   "OpenCLIP": {"TemperatureModel", "LogitBiasModel", "TowerLockingModel"},
+                   "HFCLIP": {"TemperatureModel", "LogitBiasModel", "TowerLockingModel"}}
 
 
 @pytest.mark.parametrize("name", registry.MODELS.names())
@@ -167,7 +167,8 @@ def test_every_model_follows_the_model_contract(name):
         if not isinstance(model, protocol):
             continue
         for method in ("encode_image", "encode_text", "similarity", "attention", "match_logits",
-                       "mlm_logits", "predict_boxes", "temperature", "logit_bias"):
+                       "mlm_logits", "predict_boxes", "temperature", "logit_bias",
+                       "lock_image_tower", "lock_text_tower"):
             if method not in vars(protocol):
                 continue
             wanted = [p for p in inspect.signature(getattr(protocol, method)).parameters

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from mmgoal.config import SHIPPED_CONFIGS, find_config
@@ -134,3 +136,96 @@ def check_out_file(out: Path, is_earlier: Callable[[Path], bool], earlier: str,
     if out.exists() and not is_earlier(out):
         raise ValueError(f"--out {out} exists and is not {earlier} (a run's own checkpoint or "
                          f"another file), so it is not overwritten; give a new file name")
+
+
+# ------------------------------------------------------------ open_clip_train's flags
+@dataclass(frozen=True)
+class Shortcut:
+    """A flag that sets one config key, as the ``--cfg-options KEY=VALUE`` it stands for.
+
+    Attributes:
+        key: the dotted key; a mapping model type -> key where it depends on the model.
+        kind: the value's type (``None``: a switch that sets ``true``).
+        aliases: other spellings of a value (open_clip's precision names) -> the key's.
+    """
+
+    flag: str
+    key: str | dict[str, str]
+    kind: type | None
+    help: str
+    metavar: str | None = None
+    aliases: tuple[tuple[str, str], ...] = ()
+
+
+MODEL_NAME_KEYS = {"OpenCLIP": "model.model_name", "HFCLIP": "model.path"}
+TRAIN_SHORTCUTS = (
+    Shortcut("--train-data", "data.train.shards", str, "training shards: a folder, a glob, "
+             "a brace pattern or a list file", "SHARDS"),
+    Shortcut("--val-data", "data.val.shards", str, "validation shards", "SHARDS"),
+    Shortcut("--test-data", "data.test.shards", str, "test shards", "SHARDS"),
+    Shortcut("--batch-size", "data.train.batch_size", int, "pairs per batch and process", "N"),
+    Shortcut("--lr", "optimizer.lr", float, "learning rate", "LR"),
+    Shortcut("--wd", "optimizer.weight_decay", float, "weight decay", "WD"),
+    Shortcut("--warmup", "schedule.warmup_steps", int, "warm-up steps", "STEPS"),
+    Shortcut("--epochs", "train.epochs", int, "epochs", "N"),
+    Shortcut("--model", MODEL_NAME_KEYS, str, "an open_clip architecture or hub name "
+             "(OpenCLIP), a Hugging Face model (HFCLIP)", "NAME"),
+    Shortcut("--pretrained", "model.pretrained", str, "open_clip's pretrained tag or a "
+             "weights file (OpenCLIP)", "TAG"),
+    Shortcut("--precision", "train.precision", str, "fp32, bf16 or fp16 autocast; open_clip's "
+             "amp and amp_bf16 too", "P",
+             (("amp", "fp16"), ("amp_bf16", "bf16"), ("amp_bfloat16", "bf16"))),
+    Shortcut("--workers", "data.num_workers", int, "DataLoader processes", "N"),
+    Shortcut("--seed", "train.seed", int, "random seed", "N"),
+    Shortcut("--lock-image", "train.lock_image", None, "freeze the image tower"),
+    Shortcut("--lock-image-unlocked-groups", "train.lock_image_unlocked_groups", int,
+             "with --lock-image: leave its last N layer groups trainable", "N"),
+    Shortcut("--lock-text", "train.lock_text", None, "freeze the text tower"),
+    Shortcut("--lock-text-unlocked-layers", "train.lock_text_unlocked_layers", int,
+             "with --lock-text: leave its last N layers trainable", "N"),
+)
+EVAL_SHORTCUTS = (
+    Shortcut("--batch-size", "data.eval_batch_size", int, "images or captions encoded at a "
+             "time", "N"),
+    Shortcut("--workers", "data.num_workers", int, "DataLoader processes", "N"),
+)
+
+
+def add_shortcuts(parser: argparse.ArgumentParser, shortcuts: tuple[Shortcut, ...]) -> None:
+    """The shortcut flags, in a group of ``--help`` that names the key each sets."""
+    group = parser.add_argument_group(
+        "open_clip_train flags", "shortcuts for config keys, applied before --cfg-options and "
+        "recorded in the run's config like them")
+    for shortcut in shortcuts:
+        key = (" or ".join(f"{k} ({t})" for t, k in shortcut.key.items())
+               if isinstance(shortcut.key, dict) else shortcut.key)
+        options = ({"action": "store_true"} if shortcut.kind is None else
+                   {"type": shortcut.kind, "metavar": shortcut.metavar})
+        group.add_argument(shortcut.flag, dest=_dest(shortcut), default=None,
+                           help=f"{shortcut.help}; sets {key}", **options)
+
+
+def _dest(shortcut: Shortcut) -> str:
+    return "shortcut_" + shortcut.flag.lstrip("-").replace("-", "_")
+
+
+def shortcut_overrides(args: argparse.Namespace, shortcuts: tuple[Shortcut, ...],
+                       cfg: dict) -> list[str]:
+    """The ``KEY=VALUE`` overrides of the shortcut flags given (values JSON-quoted, which
+    YAML reads back as given: a brace pattern stays a string)."""
+    overrides = []
+    for shortcut in shortcuts:
+        value = getattr(args, _dest(shortcut), None)
+        if value is None or value is False:
+            continue
+        key = shortcut.key
+        if isinstance(key, dict):
+            kind = (cfg.get("model") or {}).get("type")
+            if kind not in key:
+                raise ValueError(f"{shortcut.flag} names the model of an "
+                                 f"{' or '.join(key)} config; this config's model is {kind}: "
+                                 f"set its keys with --cfg-options model.KEY=VALUE")
+            key = key[kind]
+        value = dict(shortcut.aliases).get(value, value)
+        overrides.append(f"{key}={json.dumps(value)}")
+    return overrides

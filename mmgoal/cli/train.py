@@ -2,7 +2,9 @@
 
     mmgoal train configs/quickstart.yaml
     mmgoal train configs/quickstart.yaml --cfg-options train.epochs=2 optimizer.lr=1e-3
+    mmgoal train quickstart --train-data data/synthetic --lr 1e-3 --epochs 2
     mmgoal train configs/quickstart.yaml --work-dir work_dirs/run1 --resume
+    mmgoal train --resume work_dirs/run1                  # the run's own config.yaml
     mmgoal train configs/quickstart.yaml --print-config   # every key, defaults included
     torchrun --nproc_per_node 2 -m mmgoal train configs/quickstart.yaml
     deepspeed --num_gpus 2 --module mmgoal train configs/quickstart.yaml --deepspeed [ds.json]
@@ -22,19 +24,25 @@ import yaml
 
 from mmgoal.cli.arguments import (
     INPUT_ERRORS,
+    TRAIN_SHORTCUTS,
     add_offline_option,
+    add_shortcuts,
     apply_loading_options,
     config_argument,
     print_error,
+    shortcut_overrides,
     tool_parser,
 )
 from mmgoal.config import load_config
+from mmgoal.runs.run_dir import CONFIG_FILE
 from mmgoal.runs.schema import RunConfig, with_overrides
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = tool_parser(__doc__)
-    parser.add_argument("config", help="YAML config")
+    parser.add_argument("config", nargs="?",
+                        help="YAML config (a shipped config's name too); with --resume RUN, "
+                             "default: RUN/config.yaml")
     parser.add_argument("--cfg-options", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override config keys, e.g. train.epochs=2 data.train.batch_size=64")
     parser.add_argument("--work-dir", help="run directory (default: work_dirs/<config name>)")
@@ -44,11 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "unless --trust-custom-imports (training always imports them)")
     parser.add_argument("--trust-custom-imports", action="store_true",
                         help="with --print-config: import the config's custom_imports")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in <work-dir>/checkpoints; "
-                             "the config may differ from the run's own config.yaml only in "
-                             "what may change on resume (epochs, logging, evaluation, batch "
-                             "split), recorded in config_changes.jsonl")
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
+                        help="continue from the latest checkpoint of a run folder: RUN (its "
+                             "config.yaml unless a config is given), or 'latest' / no value: "
+                             "<work-dir>'s; the config may differ from the run's own "
+                             "config.yaml only in what may change on resume (epochs, logging, "
+                             "evaluation, batch split), recorded in config_changes.jsonl")
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in a --work-dir that holds a run, deleting its "
                              "checkpoints, config, metrics and report")
@@ -66,7 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # The deepspeed launcher passes --local_rank=N; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     add_offline_option(parser)
-    return parser.parse_args(argv)
+    add_shortcuts(parser, TRAIN_SHORTCUTS)
+    args = parser.parse_args(argv)
+    if args.resume not in (None, "latest"):  # a run folder: its config and its place
+        if args.work_dir and Path(args.work_dir) != Path(args.resume):
+            parser.error(f"--resume {args.resume} resumes that run folder; --work-dir "
+                         f"{args.work_dir} names another: give one of them")
+        args.work_dir = args.resume
+        args.config = args.config or str(Path(args.resume) / CONFIG_FILE)
+    if args.config is None:
+        parser.error("the config is required (or --resume RUN, which reads RUN/config.yaml)")
+    return args
 
 
 def with_deepspeed(cfg: dict, deepspeed: bool | str) -> dict:
@@ -118,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
                 args.deepspeed = config_argument(args.deepspeed)
             cfg = with_deepspeed(cfg, args.deepspeed)
         # printing a config (maybe one you received) imports nothing it names, unless asked
-        config = with_overrides(cfg, args.cfg_options, beside=Path(args.config).parent,
+        overrides = [*shortcut_overrides(args, TRAIN_SHORTCUTS, cfg), *args.cfg_options]
+        config = with_overrides(cfg, overrides, beside=Path(args.config).parent,
                                 trust_custom_imports=args.trust_custom_imports
                                 or not args.print_config, source=f"config {args.config}",
                                 typed=True)
@@ -146,7 +166,8 @@ def train(args: argparse.Namespace, config: RunConfig, work_dir: Path) -> int:
         try:
             # rank 0 holds the folder's lock for the whole run, and alone decides on it
             start = held.enter_context(started_run(
-                work_dir, config.to_dict(), args.resume, args.auto_resume, args.overwrite, wait,
+                work_dir, config.to_dict(), bool(args.resume), args.auto_resume, args.overwrite,
+                wait,
                 main_rank=launched_rank() == 0))
             trainer = Trainer(config, work_dir, resume=start.resume)
         # ImportError: a missing extra; LoggerError: a logger that cannot write where told
@@ -160,7 +181,7 @@ def train(args: argparse.Namespace, config: RunConfig, work_dir: Path) -> int:
             except IncompleteSplitError as error:  # every rank read the split, every one failed
                 if trainer.is_main:
                     print_error(f"{last_line(error)}\nThe run stopped with its checkpoint; once "
-                                f"the split reads whole, --resume --work-dir {work_dir} "
+                                f"the split reads whole, --resume {work_dir} "
                                 f"evaluates again and goes on.")
                 return 1
             except (FloatingPointError, UnreadableShardsError, LoggerError,
@@ -175,7 +196,7 @@ def train(args: argparse.Namespace, config: RunConfig, work_dir: Path) -> int:
         return 130 if report.get("interrupted") else 0
     if report.get("interrupted"):
         print(f"interrupted at epoch {report['epoch']}, step {report['step']}; resume with "
-              f"--resume --work-dir {work_dir}")
+              f"--resume {work_dir}")
         return 130
     if "test" in report:
         print(f"test metrics of the best epoch ({report['best']['epoch']}), "

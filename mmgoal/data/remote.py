@@ -123,6 +123,33 @@ def brace_expanded(shards: str | Sequence[str]) -> Iterator[tuple[str, str]]:
             yield str(pattern), name
 
 
+def split_folder(shards: Any, split: str) -> Any:
+    """``shards`` as a split reads them: a local folder stands for its ``<split>-*.tar``
+    where it has some (a folder of every split, as make-synthetic and make-shards write),
+    else for all its ``*.tar``; anything else is returned as it is."""
+    if not isinstance(shards, str) or is_remote(shards) or not Path(shards).is_dir():
+        return shards
+    folder = shards.rstrip("/") or "/"
+    own = f"{folder}/{split}-*.tar"
+    return own if glob.glob(own) else f"{folder}/*.tar"
+
+
+def _found_beside(path: str) -> str:
+    """What the folder of a missing shard holds, for the error: its ``.tar`` files, or
+    that it is missing or empty."""
+    folder = Path(path).parent
+    if not folder.is_dir():
+        return f"{folder} does not exist: generate the data first, e.g. mmgoal " \
+               f"make-synthetic --out {folder}"
+    tars = sorted(p.name for p in folder.glob("*.tar"))
+    if not tars:
+        return f"{folder} holds no .tar file: generate the data first, e.g. mmgoal " \
+               f"make-synthetic --out {folder}"
+    shown = ", ".join(tars[:4]) + (f", ... ({len(tars)} in all)" if len(tars) > 4 else "")
+    return (f"{folder} holds {shown}: name the folder ({folder}) or a glob "
+            f"({folder}/*.tar) to read the shards that are there")
+
+
 def expand_shards(shards: str | Sequence[str]) -> list[str]:
     """Shard paths and URLs from brace patterns (``a-{000..009}.tar``), globs or lists.
 
@@ -140,15 +167,16 @@ def expand_shards(shards: str | Sequence[str]) -> list[str]:
         elif any(c in expanded for c in "*?["):
             matches = sorted(glob.glob(expanded))
             if not matches:
-                raise FileNotFoundError(f"shard pattern {expanded!r} matches no file")
+                raise FileNotFoundError(f"shard pattern {expanded!r} matches no file; "
+                                        f"{_found_beside(expanded)}")
             # a file that a glob matched is a file, whatever its name: one named
             # 'pipe:...' or 'http:...' must not become a command or a request
             paths.extend(f"./{m}" if is_remote(m) else m for m in matches)
+        elif Path(expanded).is_dir():  # a folder named where a split is not known
+            paths.extend(expand_shards(f"{expanded.rstrip('/')}/*.tar"))
         elif not Path(expanded).is_file():
-            raise FileNotFoundError(
-                f"shard {expanded!r} does not exist (from {pattern!r}); generate the "
-                f"data first, e.g. mmgoal make-synthetic --out data/synthetic"
-            )
+            raise FileNotFoundError(f"shard {expanded!r} does not exist (from {pattern!r}); "
+                                    f"{_found_beside(expanded)}")
         else:
             paths.append(expanded)
     if not paths:

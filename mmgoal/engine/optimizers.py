@@ -117,8 +117,10 @@ def parameter_counts(*modules: nn.Module) -> dict[str, int]:
     """``{"trainable": N, "total": M}``: the parameters of ``modules`` (a shared one once)
     that are trainable now (what :func:`build_optimizer` gives the optimizer), and all."""
     params = {id(p): p for module in modules for p in module.parameters()}.values()
-    return {"trainable": sum(p.numel() for p in params if p.requires_grad),
-            "total": sum(p.numel() for p in params)}
+    # ZeRO-3 leaves a partitioned parameter empty and keeps its size as ds_numel
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in params]
+    return {"trainable": sum(size for size, trainable in sizes if trainable),
+            "total": sum(size for size, _ in sizes)}
 
 
 def transformer_layers(tower: nn.Module, where: str) -> tuple[dict[str, int], int]:

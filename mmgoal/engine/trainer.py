@@ -26,7 +26,7 @@ from tqdm import tqdm
 import mmgoal
 from mmgoal import strict_json
 from mmgoal.config import config_text
-from mmgoal.contract import CrossAttentionModel, require
+from mmgoal.contract import CrossAttentionModel, TowerLockingModel, require
 from mmgoal.data.classification import read_classification_set
 from mmgoal.data.pipeline import (
     EvalReader,
@@ -117,8 +117,12 @@ class Trainer:
         self.preprocessing = resolve_preprocessing(self.config)
         self.tokenizer = self._build_tokenizer(resumed or start_from)
         model, objective, constraints = self._build_model_and_objective()
-        # what trains (a LoRA model's adapters: model.peft), counted before a strategy shards it
-        self.parameter_counts = parameter_counts(model, objective, *constraints)
+        self._lock_towers(model)
+        # what trains (a LoRA model's adapters: model.peft), counted before a strategy shards
+        # it and again as each epoch's hooks (FreezeSchedule) leave it
+        self._counted = (model, objective, *constraints)
+        self.parameter_counts = parameter_counts(*self._counted)
+        self._said_counts: dict[str, int] | None = None
         # load_from: what the checkpoint and the model did not share (None without it)
         self.handoff = (self._load_weights(model, start_from, self.config.load_from)
                         if start_from is not None else None)
@@ -231,6 +235,32 @@ class Trainer:
                                                        source.get("caption_key")))
         return tokenizer
 
+    def _lock_towers(self, model: torch.nn.Module) -> None:
+        """``train.lock_image`` / ``train.lock_text``: the tower frozen but its last layer
+        groups, for the whole run (before LoRA-free parameters are counted)."""
+        train = self.config.train
+        for side, locked, unlocked, what in (
+                ("image", train.lock_image, train.lock_image_unlocked_groups, "groups"),
+                ("text", train.lock_text, train.lock_text_unlocked_layers, "layers")):
+            if not locked:
+                if unlocked:
+                    raise ValueError(f"train.lock_{side}_unlocked_{what}: {unlocked} leaves "
+                                     f"part of a locked tower trainable; set train.lock_{side}"
+                                     f" (--lock-{side}) too, or remove it")
+                continue
+            require(model, TowerLockingModel, f"train.lock_{side}")
+            getattr(model, f"lock_{side}_tower")(unlocked)
+
+    def _say_trainable(self) -> None:
+        """Log the trainable parameters when they change (the first epoch, a FreezeSchedule
+        phase): what the optimizer updates now."""
+        self.parameter_counts = counts = parameter_counts(*self._counted)
+        if counts != self._said_counts:
+            self._said_counts = counts
+            logger.info("epoch %d: trainable parameters: %d of %d (%.2f%%)", self.epoch,
+                        counts["trainable"], counts["total"],
+                        100 * counts["trainable"] / max(counts["total"], 1))
+
     def _build_model_and_objective(self) -> tuple[torch.nn.Module, torch.nn.Module,
                                                   list[torch.nn.Module]]:
         """The model, the objective, and the attention constraints (CCR/CCS) that add their
@@ -293,9 +323,6 @@ class Trainer:
                     "%d steps per epoch (%d samples); base lr %s", self.strategy.describe(),
                     self.global_batch, self.train_set.batch_size, self.strategy.world_size,
                     self.accumulate_steps, self.steps_per_epoch, self.samples_per_epoch, lr)
-        counts = self.parameter_counts
-        logger.info("trainable parameters: %d of %d (%.2f%%)", counts["trainable"],
-                    counts["total"], 100 * counts["trainable"] / max(counts["total"], 1))
 
     @property
     def optimizer(self):
@@ -528,6 +555,7 @@ class Trainer:
         self.model.train()  # before the hooks, which may put frozen parts in eval mode
         for hook in self.hooks:
             hook.before_epoch(self)
+        self._say_trainable()
         if not self.epoch_steps_done and not self._train_steps():
             return False
         self._end_of_epoch()

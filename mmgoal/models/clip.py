@@ -27,6 +27,7 @@ from torch import nn
 from mmgoal.config import PositiveInt, close_match_hints, first_line
 from mmgoal.files import read_text
 from mmgoal.models.efficiency import enable_grad_checkpointing
+from mmgoal.models.locking import hf_tower_groups, lock_groups
 from mmgoal.models.lora import LoRATargets, PeftSection
 from mmgoal.models.pretrained import check_weights_fit, load_hf_model, weights_file_shapes
 from mmgoal.paths import (
@@ -434,6 +435,14 @@ class OpenCLIP(CLIPLogits, nn.Module):
         return Preprocessing(train_transforms=[{**transform, "training": True}],
                              eval_transforms=[transform], tokenizer=tokenizer)
 
+    def lock_image_tower(self, unlocked: int = 0) -> None:
+        """open_clip's own ``lock_image_tower(unlocked_groups)``."""
+        self.model.lock_image_tower(unlocked_groups=unlocked)
+
+    def lock_text_tower(self, unlocked: int = 0) -> None:
+        """open_clip's own ``lock_text_tower(unlocked_layers)``."""
+        self.model.lock_text_tower(unlocked_layers=unlocked)
+
     def encode_image(self, batch: dict) -> ImageFeatures:
         """``batch["images"]`` (B, 3, H, W) -> (B, embed_dim) unit vectors."""
         return ImageFeatures(self.model.encode_image(batch["images"], normalize=True))
@@ -580,6 +589,16 @@ class HFCLIP(CLIPLogits, nn.Module):
             tokenizer={"type": "HFTokenizer", "path": cfg["path"],
                        "max_length": config.text_config.max_position_embeddings,
                        "padding": HF_TEXT_PADDING[model_type]})
+
+    def lock_image_tower(self, unlocked: int = 0) -> None:
+        lock_groups(hf_tower_groups(self.model.vision_model,
+                                    getattr(self.model, "visual_projection", None)),
+                    unlocked, "HFCLIP's image tower")
+
+    def lock_text_tower(self, unlocked: int = 0) -> None:
+        lock_groups(hf_tower_groups(self.model.text_model,
+                                    getattr(self.model, "text_projection", None)),
+                    unlocked, "HFCLIP's text tower")
 
     def encode_image(self, batch: dict) -> ImageFeatures:
         """``batch["images"]`` (B, 3, H, W) -> (B, projection_dim) unit vectors."""

@@ -14,6 +14,7 @@ from torch import nn
 from mmgoal.config import PositiveInt, check_value
 from mmgoal.contract import returns_tokens
 from mmgoal.models.efficiency import enable_grad_checkpointing
+from mmgoal.models.locking import lock_groups
 from mmgoal.models.pretrained import tower_weights
 from mmgoal.registry import ENCODERS, MODELS, POOLERS
 from mmgoal.scoring import DotProductScores
@@ -97,6 +98,15 @@ class DualEncoder(DotProductScores, nn.Module):
     def pretrained_weights(cls, cfg: dict) -> str | None:
         """The towers' weights files and hub names (zero-shot evaluation asks)."""
         return tower_weights(cfg.get("image_encoder"), cfg.get("text_encoder"))
+
+    def lock_image_tower(self, unlocked: int = 0) -> None:
+        """Two groups: the encoder, then its pooler and projection."""
+        lock_groups([[self.image_encoder], [self.image_pooler, self.image_proj]], unlocked,
+                    "DualEncoder's image tower")
+
+    def lock_text_tower(self, unlocked: int = 0) -> None:
+        lock_groups([[self.text_encoder], [self.text_pooler, self.text_proj]], unlocked,
+                    "DualEncoder's text tower")
 
     @classmethod
     def preprocessing(cls, cfg: dict, image_size: int | None) -> Preprocessing:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from mmgoal.config import (
     ConfigSection,
@@ -27,7 +27,7 @@ from mmgoal.config import (
     override_key,
 )
 from mmgoal.data.coco import check_caption_ids
-from mmgoal.data.remote import expand_shards
+from mmgoal.data.remote import expand_shards, split_folder
 from mmgoal.data.tars import MAX_SAMPLE_BYTES
 from mmgoal.registry import (
     ADAPTERS,
@@ -114,9 +114,16 @@ class TrainConfig(ConfigSection):
         "epochs": 0, "clip_grad": 0, "log_every": 1, "eval_every": 0,
         "checkpoint_every_steps": 0, "keep_epochs": 0, "max_nonfinite_steps": 1,
         "samples_per_epoch": 1, "accumulate_steps": 1, "reference_batch": 1,
-        "grad_cache_chunk": 1, "tile_rows": 1, "tile_cols": 1}
+        "grad_cache_chunk": 1, "tile_rows": 1, "tile_cols": 1,
+        "lock_image_unlocked_groups": 0, "lock_text_unlocked_layers": 0}
     epochs: int = 10
     seed: int = 0
+    # freeze a tower for the whole run but its last N layer groups (open_clip_train's
+    # --lock-image, --lock-text; docs/models.md, "Training schedules")
+    lock_image: bool = False
+    lock_image_unlocked_groups: int = 0
+    lock_text: bool = False
+    lock_text_unlocked_layers: int = 0
     clip_grad: float = 2.0
     log_every: int = 10
     eval_every: int = 1
@@ -181,6 +188,20 @@ class DataConfig(ConfigSection):
     eval_batch_size: int = 256
     # a sample whose tar members hold more is skipped unread (mmgoal/data/tars.py)
     max_sample_bytes: int = MAX_SAMPLE_BYTES
+
+    def __post_init__(self) -> None:
+        # a folder names its split's shards (split_folder): written out as the glob
+        def in_folder(source: Any) -> Any:
+            return ({**source, "shards": split_folder(source["shards"], "train")}
+                    if isinstance(source, dict) and "shards" in source else source)
+
+        if isinstance(self.train, dict):
+            sources = self.train.get("sources")
+            self.train = (in_folder(self.train) if not isinstance(sources, list) else
+                          {**self.train, "sources": [in_folder(s) for s in sources]})
+        for name in ("val", "test"):
+            if getattr(self, name) is not None:
+                getattr(self, name).shards = split_folder(getattr(self, name).shards, name)
 
     def training_sources(self) -> list[dict]:
         """The shard sections of the training split: itself, or a mixture's sources."""

@@ -60,7 +60,7 @@ def test_a_lora_run_reports_what_trains_and_resumes_its_adapters_exactly(tiny_be
     assert json.loads((tmp_path / "straight" / "report.json").read_text())["parameters"] == \
         report["parameters"]
     # said as the run starts
-    assert f"trainable parameters: {TRAINABLE} of {total} (0.06%)" in caplog.messages
+    assert f"epoch 0: trainable parameters: {TRAINABLE} of {total} (0.06%)" in caplog.messages
     assert "model.peft of OpenCLIP ViT-B-32: LoRA r 4, alpha 8 on 0 layer(s) and 2 weight(s) " \
            f"(attn.in_proj_weight); trained: the adapters and logit_scale, {TRAINABLE} " \
            "parameters" in caplog.messages

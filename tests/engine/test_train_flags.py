@@ -1,0 +1,112 @@
+"""open_clip_train's flags on mmgoal train: each sets its config key, --help names it;
+towers locked as open_clip locks them; the trainable count at each phase."""
+
+import logging
+
+import pytest
+from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
+
+from mmgoal.cli.arguments import TRAIN_SHORTCUTS, shortcut_overrides
+from mmgoal.cli.train import parse_args
+from mmgoal.engine.trainer import Trainer
+from mmgoal.registry import MODELS
+from mmgoal.runs.schema import with_overrides
+
+FLAGS = ["--train-data", "data/{000..003}.tar", "--val-data", "val/", "--test-data", "t.tar",
+         "--batch-size", "64", "--lr", "5e-4", "--wd", "0.1", "--warmup", "100",
+         "--epochs", "3", "--model", "ViT-B-16", "--pretrained", "openai",
+         "--precision", "amp_bf16", "--workers", "4", "--seed", "7", "--lock-image",
+         "--lock-image-unlocked-groups", "2", "--lock-text", "--lock-text-unlocked-layers", "1"]
+SET = {"data.train.shards": "data/{000..003}.tar", "data.val.shards": "val/",
+       "data.test.shards": "t.tar", "data.train.batch_size": 64, "optimizer.lr": 5e-4,
+       "optimizer.weight_decay": 0.1, "schedule.warmup_steps": 100, "train.epochs": 3,
+       "model.model_name": "ViT-B-16", "model.pretrained": "openai",
+       "train.precision": "bf16", "data.num_workers": 4, "train.seed": 7,
+       "train.lock_image": True, "train.lock_image_unlocked_groups": 2,
+       "train.lock_text": True, "train.lock_text_unlocked_layers": 1}
+
+
+def value(cfg, key):
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+def test_each_flag_sets_its_key_and_help_names_it(capsys):
+    cfg = {"model": {"type": "OpenCLIP", "model_name": "ViT-B-32"},
+           "objective": {"type": "InfoNCELoss"}, "optimizer": {"type": "AdamW", "lr": 1e-3},
+           "schedule": {"type": "cosine", "warmup_steps": 10},
+           "data": {"train": {"type": "ShardDataset", "shards": "x.tar"},
+                    "val": {"shards": "v.tar"}, "test": {"shards": "t.tar"}}}
+    args = parse_args(["c.yaml", *FLAGS, "--cfg-options", "train.seed=8"])
+    overrides = shortcut_overrides(args, TRAIN_SHORTCUTS, cfg)
+    assert len(overrides) == len(SET)
+    resolved = with_overrides(cfg, [*overrides, *args.cfg_options])
+    assert {key: value(resolved, key) for key in SET} == {**SET, "train.seed": 8}
+    # --model follows the model's type; another family is told what to do
+    hf = {**cfg, "model": {"type": "HFCLIP", "path": "a"}}
+    assert "model.path=\"ViT-B-16\"" in shortcut_overrides(args, TRAIN_SHORTCUTS, hf)
+    with pytest.raises(ValueError, match="this config's model is DualEncoder: set its keys"):
+        shortcut_overrides(args, TRAIN_SHORTCUTS, {"model": {"type": "DualEncoder"}})
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for shortcut in TRAIN_SHORTCUTS:
+        keys = shortcut.key.values() if isinstance(shortcut.key, dict) else [shortcut.key]
+        assert shortcut.flag in shown and all(f"{key}" in shown for key in keys)
+
+
+def test_resume_a_run_folder_reads_its_config(tmp_path, capsys):
+    args = parse_args(["--resume", str(tmp_path)])
+    assert (args.config, args.work_dir) == (str(tmp_path / "config.yaml"), str(tmp_path))
+    assert parse_args(["c.yaml", "--resume"]).resume == "latest"
+    with pytest.raises(SystemExit):
+        parse_args(["--epochs", "2"])
+    assert "the config is required" in capsys.readouterr().err
+
+
+def numel(*modules):
+    return sum(p.numel() for module in modules for p in module.parameters())
+
+
+def counts_said(caplog):
+    return [(int(m.split()[1].rstrip(":")), int(m.split()[4])) for m in caplog.messages
+            if "trainable parameters" in m]
+
+
+def test_trainable_count_follows_locks_and_freeze_phases(tiny_benchmark, tmp_path, caplog):
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=2, lock_text=True)
+    cfg["hooks"] = [{"type": "FreezeSchedule", "frozen": ["image_encoder.model"],
+                     "unfreeze": {1: ["image_encoder.model"]}}]
+    cfg["data"].pop("test")
+    with caplog.at_level(logging.INFO, logger="mmgoal.engine.trainer"):
+        trainer = Trainer(cfg, tmp_path / "run")
+        model = trainer.model
+        total = numel(model)
+        text = numel(model.text_encoder, model.text_proj)
+        trainer.fit()
+    # epoch 0: the text tower locked, the backbone frozen by the schedule; epoch 1: thawed
+    assert counts_said(caplog) == [(0, total - text - numel(model.image_encoder.model)),
+                                   (1, total - text)]
+    assert trainer.parameter_counts == {"trainable": total - text, "total": total}
+
+
+def test_locks_keep_the_last_groups_as_open_clip_does():
+    hf = MODELS.build({"type": "HFCLIP", "config": {
+        "model_type": "clip",
+        "vision_config": {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 3,
+                          "num_attention_heads": 2, "image_size": 32, "patch_size": 16},
+        "text_config": {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
+                        "num_attention_heads": 2, "max_position_embeddings": 16},
+        "projection_dim": 8}})
+    hf.lock_image_tower(2)  # trainable: the last layer with the final norm, the projection
+    trainable = {name.split(".")[2] if name.startswith("model.vision_model") else name
+                 for name, p in hf.named_parameters() if p.requires_grad
+                 and ("vision" in name or "visual" in name)}
+    assert trainable == {"encoder", "post_layernorm", "model.visual_projection.weight"}
+    assert [n for n, p in hf.named_parameters()
+            if p.requires_grad and "vision_model.encoder" in n][0].startswith(
+        "model.vision_model.encoder.layers.2.")
+    with pytest.raises(ValueError, match="HFCLIP's text tower has 4 layer groups; 4 unlocked"):
+        hf.lock_text_tower(4)
