@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mmgoal.cli.main import COMMANDS
 from mmgoal.config import SHIPPED_CONFIGS, find_config
@@ -298,3 +299,31 @@ def test_the_lookup_error_in_plugins_md_is_the_real_one():
         OBJECTIVES.get("TripletLos")
     real = f"{type(raised.value).__module__}.{type(raised.value).__name__}: {raised.value}"
     assert shown == real, "docs/plugins.md 'Where the lookups fail' shows another message"
+
+
+def flag_table() -> list[tuple[str, str]]:
+    """``(mmgoal command, what it sets)`` of getting_started.md's open_clip_train table."""
+    text = (ROOT / "docs" / "getting_started.md").read_text()
+    section = text.split("### open_clip_train flag -> mmgoal", 1)[1].split("\n#", 1)[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| `")]
+    return [(row[1].strip("`"), row[2]) for row in rows]
+
+
+def test_every_open_clip_train_flag_row_sets_its_key(tmp_path, monkeypatch, capsys):
+    from mmgoal.cli.train import main
+
+    rows = flag_table()
+    assert len(rows) >= 15
+    monkeypatch.chdir(tmp_path)  # a folder of make-synthetic's shard names
+    (tmp_path / "data" / "synthetic").mkdir(parents=True)
+    for split in ("train", "val", "test"):
+        (tmp_path / "data" / "synthetic" / f"{split}-000000.tar").touch()
+    for command, sets in rows:
+        assert main(shlex.split(command)[2:] + ["--print-config"]) == 0, command
+        printed = yaml.safe_load(capsys.readouterr().out)
+        for key, value in (pair.split("=", 1) for pair in re.findall(r"`([\w.]+=[^`]+)`", sets)):
+            got = printed
+            for part in key.split("."):
+                got = got[part]
+            assert got == yaml.safe_load(value), (command, key)
