@@ -483,6 +483,26 @@ def _check_within(where: str, value: Any, hint: Any) -> None:
 
 
 @dataclasses.dataclass
+class ConfigProblems(ValueError):
+    """Several problems of one config, each said on a line of its own: a config's problems
+    are reported together, not one per run."""
+
+    def __init__(self, problems: list[Exception]) -> None:
+        self.problems = problems
+        super().__init__(f"the config has {len(problems)} problems:\n"
+                         + "\n".join(f"- {problem}" for problem in problems))
+
+
+def raise_problems(problems: list[Exception]) -> None:
+    """Raise nothing, the one problem as it is, or several as :class:`ConfigProblems`."""
+    flat = [inner for problem in problems for inner in
+            (problem.problems if isinstance(problem, ConfigProblems) else [problem])]
+    if len(flat) == 1:
+        raise flat[0]
+    if flat:
+        raise ConfigProblems(flat)
+
+
 class ConfigSection:
     """A config section's schema: subclasses are dataclasses whose fields are its keys. A
     field typed ``ConfigSection`` (or ``X | None``) is a nested section; other fields are
@@ -499,26 +519,34 @@ class ConfigSection:
             raise ValueError(f"'{where or 'the config'}' must be a mapping, got {given!r}")
         given = dict(given or {})
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        problems: list[Exception] = []  # every one said, not the first alone
         unknown = set(given) - set(fields)
         if unknown:
-            raise unknown_key_error(where or "the top level", unknown, fields)
+            problems.append(unknown_key_error(where or "the top level", unknown, fields))
         prefix = f"{where}." if where else ""
         hints = typing.get_type_hints(cls, include_extras=True)  # PositiveInt keeps its bound
         values = {}
         for name, value in given.items():
-            section = _section_type(hints[name])
-            if section is not None and value is not None:
-                value = section.from_dict(value, prefix + name)
-            else:
-                check_value(prefix + name, value, hints[name])
-                if name in cls.MINIMUM:
-                    check_minimum(prefix + name, value, cls.MINIMUM[name])
-            values[name] = value
-        missing = sorted(name for name, f in fields.items() if name not in values
+            if name in unknown:
+                continue
+            try:
+                section = _section_type(hints[name])
+                if section is not None and value is not None:
+                    value = section.from_dict(value, prefix + name)
+                else:
+                    check_value(prefix + name, value, hints[name])
+                    if name in cls.MINIMUM:
+                        check_minimum(prefix + name, value, cls.MINIMUM[name])
+                values[name] = value
+            except ValueError as error:
+                problems.append(error)
+        missing = sorted(name for name, f in fields.items() if name not in given
                          and f.default is dataclasses.MISSING
                          and f.default_factory is dataclasses.MISSING)
         if missing:
-            raise ValueError(f"the config has no {', '.join(prefix + m for m in missing)}")
+            problems.append(ValueError(f"the config has no "
+                                       f"{', '.join(prefix + m for m in missing)}"))
+        raise_problems(problems)
         return cls(**values)
 
     @classmethod

@@ -219,3 +219,24 @@ def test_a_typed_section_reads_as_its_resolved_dict():
     assert typed["data"].get("no_such_key", "default") == "default"
     with pytest.raises(KeyError, match="no_such_key"):
         typed["data"]["no_such_key"]
+
+
+def test_a_configs_problems_are_said_together(tmp_path):
+    from pathlib import Path
+
+    from mmgoal.config import ConfigProblems
+    from mmgoal.runs.schema import check_data_paths, load_run_config
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    with pytest.raises(ConfigProblems) as error:
+        load_run_config(root / "quickstart.yaml", [
+            "train.epochz=2", "train.epochs=-1", "train.precision=fp8", "data.num_workers=x"])
+    lines = str(error.value).splitlines()
+    assert lines[0] == "the config has 4 problems:" and len(lines) == 5
+    assert "train.epochz" in lines[1] and "did you mean 'epochs'" in lines[1].lower()
+    assert [any(key in line for line in lines[2:]) for key in
+            ("train.epochs", "train.precision", "data.num_workers")] == [True] * 3
+    cfg = {"data": {"train": {"shards": str(tmp_path / "a" / "train-*.tar")},
+                    "val": {"shards": str(tmp_path / "v.tar")}}}
+    with pytest.raises(ConfigProblems, match=r"(?s)2 problems.*data\.train: .*data\.val: "):
+        check_data_paths(cfg)

@@ -25,6 +25,7 @@ from mmgoal.config import (
     component,
     load_config,
     override_key,
+    raise_problems,
 )
 from mmgoal.data.coco import check_caption_ids
 from mmgoal.data.remote import expand_shards, split_folder
@@ -279,11 +280,17 @@ def training_sources(train_cfg: dict) -> list[dict]:
 
 
 def check_data_paths(cfg: dict) -> None:
-    """Fail early, with the command to run, when a split's shards are missing."""
+    """Fail early, with what the folders hold, when splits' shards are missing (every
+    split's said at once)."""
+    problems: list[Exception] = []
     for split in ("train", "val", "test"):
         section = cfg.get("data", {}).get(split)
         for source in training_sources(section) if section else []:
-            expand_shards(source["shards"])
+            try:
+                expand_shards(source["shards"])
+            except (FileNotFoundError, ValueError) as error:
+                problems.append(type(error)(f"data.{split}: {error}"))
+    raise_problems(problems)
 
 
 def check_test_shards(cfg: dict) -> None:
@@ -379,11 +386,19 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
         not_imported = list(cfg["custom_imports"])
         warn_not_imported(not_imported, source)
     overrides = list(overrides)
+    problems: list[Exception] = []  # the overrides' and the sections': said together
     for override in overrides:
-        apply_override(cfg, override, known_keys)
+        try:
+            apply_override(cfg, override, known_keys)
+        except ValueError as error:
+            problems.append(error)
     if overrides:  # what they set is checked as the file's keys were
-        config = schema.from_dict(cfg, "")
-        cfg = config.to_dict()
+        try:
+            config = schema.from_dict(cfg, "")
+            cfg = config.to_dict()
+        except ValueError as error:
+            problems.append(error)
+    raise_problems(problems)
     try:
         check_components(cfg, not_imported, (checked or schema).components())
     except ConfigError as error:
@@ -426,19 +441,28 @@ def check_components(cfg: dict, not_imported: Iterable[str] = (),
 
 
 def _check_components(cfg: dict, sections: dict[str, Registry]) -> None:
+    problems: list[Exception] = []
     for dotted, registry in sections.items():
-        section = cfg
-        for key in dotted.split("."):
-            section = section.get(key) if isinstance(section, dict) else None
-        items = section if isinstance(section, list) else [section]
-        for index, item in enumerate(items):
-            if isinstance(item, dict):
-                builder = registry.builder_keys
-                builder_keys = builder.keys() if builder else ()
-                if builder:
-                    builder.from_dict({k: v for k, v in item.items() if k in builder_keys},
-                                      dotted)
-                item = {k: v for k, v in item.items() if k not in builder_keys}
-                where = f"{dotted}.{index}" if isinstance(section, list) else dotted
-                registry.check(item, where, provided=registry.parameters(item["type"])[0]
-                               if "type" in item and item["type"] in registry else ())
+        try:
+            _check_section(cfg, dotted, registry)
+        except ValueError as error:
+            problems.append(error)
+    raise_problems(problems)
+
+
+def _check_section(cfg: dict, dotted: str, registry: Registry) -> None:
+    section = cfg
+    for key in dotted.split("."):
+        section = section.get(key) if isinstance(section, dict) else None
+    items = section if isinstance(section, list) else [section]
+    for index, item in enumerate(items):
+        if isinstance(item, dict):
+            builder = registry.builder_keys
+            builder_keys = builder.keys() if builder else ()
+            if builder:
+                builder.from_dict({k: v for k, v in item.items() if k in builder_keys},
+                                  dotted)
+            item = {k: v for k, v in item.items() if k not in builder_keys}
+            where = f"{dotted}.{index}" if isinstance(section, list) else dotted
+            registry.check(item, where, provided=registry.parameters(item["type"])[0]
+                           if "type" in item and item["type"] in registry else ())
