@@ -25,10 +25,14 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
@@ -119,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-retrieval", action="store_true",
                         help="only the zero-shot classification, no retrieval split")
     parser.add_argument("--out", help="JSON file for the metrics (default: a run directory's "
-                                      "eval_<split>.json, beside its config.yaml; "
-                                      "<checkpoint>.<split>.json for a checkpoint file or "
-                                      "an export; none for a config alone)")
+                                      "eval_<what>.json, beside its config.yaml; "
+                                      "<checkpoint>.<what>.json for a checkpoint file or "
+                                      "an export; none for a config alone); <what> is the "
+                                      "split for the run's own split, else it names the "
+                                      "--shards and the --zeroshot set (result_name)")
     add_device_option(parser)
     add_data_options(parser)
     add_loading_options(parser)
@@ -218,6 +224,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
         first, None if args.no_retrieval else args.split, args.shards, args.trust_data_paths,
         read_classification_set(args.zeroshot, args.zeroshot_split) if args.zeroshot else None,
         scoring, args.folds, rankings=bool(args.rankings), across_ranks=True)
+    what = result_name(args, first.config["data"].get(args.split))  # before the minutes
     if request.split is not None and args.attention:
         start, stop, step = args.t_att
         request.attention = AttentionRequest(
@@ -228,14 +235,15 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
     if args.zeroshot and main_rank:  # rank 0 classified the set
         say(format_zeroshot(metrics))
     # where the default outputs go: a run directory's own folder, else beside the file
-    what = "zeroshot" if args.no_retrieval else args.split
     beside = (Path(args.checkpoint) / f"eval_{what}" if args.checkpoint is not None
               and Path(args.checkpoint, "checkpoints").is_dir() else None)
     # a run directory's checkpoint file; zero-shot: the config
     checkpoint = str(first.checkpoint or args.config)
     beside = str(beside or f"{checkpoint}.{what}")
+    zeroshot = zeroshot_set(args.zeroshot, args.zeroshot_split) if args.zeroshot else None
     if request.split is None:  # zero-shot classification alone
-        return write_result({"split": None, "zeroshot": args.zeroshot, "metrics": metrics},
+        return write_result({"split": zeroshot["split"], "checkpoint": checkpoint,
+                             "zeroshot": zeroshot, "metrics": metrics},
                             args.out, beside, first.checkpoint is not None, main_rank)
     folds = request.folds
     name = checkpoint + "".join(f" + {p}" for p in args.ensemble)
@@ -245,11 +253,11 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
         say(f"  (ITM re-ranking of the top {request.scoring.rerank_k}; ITC alone: R@1 "
             f"{metrics['itc_i2t_r1']:.2f} / {metrics['itc_t2i_r1']:.2f}, "
             f"rsum {metrics['itc_rsum']:.2f})")
-    result = {"split": args.split, "folds": folds, "checkpoint": checkpoint,
-              "ensemble": list(args.ensemble), "protocols": request.scoring.protocols,
-              "metrics": metrics}
-    if args.zeroshot:
-        result["zeroshot"] = args.zeroshot
+    result = {"split": args.split, "shards": request.split.shards, "folds": folds,
+              "checkpoint": checkpoint, "ensemble": list(args.ensemble),
+              "protocols": request.scoring.protocols, "metrics": metrics}
+    if zeroshot is not None:
+        result["zeroshot"] = zeroshot
     rankings = evaluation.rankings
     if rankings is not None and main_rank:
         write_text(args.rankings, strict_json.dumps(rankings))
@@ -269,6 +277,65 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
             say(f"no PR curve: {error}", file=sys.stderr)
         result["attention"] = report.as_dict()
     return write_result(result, args.out, beside, first.checkpoint is not None, main_rank)
+
+
+def zeroshot_set(root: str, split: str) -> dict:
+    """What a result records of the classification set: its ``root`` and the split read
+    (None for an image folder without split folders, which is read whole)."""
+    return {"root": root, "split": split if Path(root, split).is_dir() else None}
+
+
+def data_label(place: str, identity: object) -> str:
+    """``<place>-<8 hex digits>``: a file-name part for evaluated data, ``place`` for people
+    and the hash of ``identity`` telling apart two sets in one place."""
+    digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:8]
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", place).strip("-.")[:40] or "data"
+    return f"{readable}-{digest}"
+
+
+def shards_label(shards: list[str]) -> str:
+    """:func:`data_label` of shards: their folder's name and their names' common start
+    (``coco_test`` for ``data/coco/test-{000000..000004}.tar``), hashed with their file
+    names and sizes (:func:`~mmgoal.data.pipeline.shard_listing`, what report.json
+    records of a test set), so the same files read from anywhere get the same name."""
+    from mmgoal.data.pipeline import shard_listing
+    from mmgoal.data.remote import expand_shards
+
+    listing = shard_listing(shards)
+    folder = os.path.basename(os.path.dirname(expand_shards(shards)[0]))
+    stems = [name.split(".")[0] for name, _ in listing]  # test-000000.tar: test-000000
+    stem = re.sub(r"[-_0-9]+$", "", os.path.commonprefix(stems))
+    return data_label("_".join(part for part in (folder, stem) if part), listing)
+
+
+def is_own_split(shards: list[str], section: Mapping[str, Any] | None) -> bool:
+    """Whether ``shards`` are the files (names and sizes) of the config's ``section``
+    (``data.<split>``; None where it has none): its shards read from elsewhere."""
+    from mmgoal.data.pipeline import shard_listing
+
+    if section is None:
+        return False
+    try:  # names and sizes only: no pipe: command runs, no URL is fetched
+        return shard_listing(shards) == shard_listing(section["shards"])
+    except (OSError, ValueError):  # the run's data is gone or moved: another set
+        return False
+
+
+def result_name(args: argparse.Namespace, section: Mapping[str, Any] | None) -> str:
+    """What an evaluation's default file is named after (``eval_<name>.json``): the split
+    (``test``) where the run's own split is evaluated (its config's shards, or ``--shards``
+    naming the same files), else the split and :func:`shards_label`; then, with
+    ``--zeroshot``, ``zeroshot_`` and the set's :func:`data_label`. The results of
+    different data never share a name, so none overwrites another."""
+    parts = []
+    if not args.no_retrieval:
+        parts.append(args.split if args.shards is None or is_own_split(args.shards, section)
+                     else f"{args.split}_{shards_label(args.shards)}")
+    if args.zeroshot:
+        root = Path(args.zeroshot).resolve()
+        parts.append("zeroshot_" + data_label(f"{root.name}_{args.zeroshot_split}",
+                                              [str(root), args.zeroshot_split]))
+    return "_".join(parts)
 
 
 def write_result(result: dict, out: str | None, beside: str, from_checkpoint: bool,

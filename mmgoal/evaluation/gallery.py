@@ -83,19 +83,23 @@ def in_eval_mode(encode: Callable) -> Callable:
 
 
 def encode_image_batches(model: torch.nn.Module, batches: Iterable[dict], desc: str,
-                         progress: bool = True, stop: Callable[[], bool] | None = None
-                         ) -> Iterator[tuple[dict, ImageFeatures]]:
+                         progress: bool = True, stop: Callable[[], bool] | None = None,
+                         total: int | None = None) -> Iterator[tuple[dict, ImageFeatures]]:
     """``(batch, its image features)`` of each batch, encoded on the model's device:
     evaluation's one image encoder (the gallery's, zero-shot's, the API's), with a
-    progress bar and ``stop`` polled before each batch."""
+    progress bar of the images encoded (of ``total`` where the caller knows it: shards
+    do not say how many samples they hold unread) and ``stop`` polled before each batch."""
     device = module_device(model)
     pinned = device.type == "cuda"  # the readers pin their batches for it
-    for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False):
-        _stop_if_asked(stop)
-        # the tensors only: walking the captions and entities costs more than the copy
-        on_device = {key: value.to(device, non_blocking=pinned)
-                     for key, value in batch.items() if isinstance(value, torch.Tensor)}
-        yield batch, model.encode_image(on_device)
+    with tqdm(total=total, desc=desc, unit="image", disable=not progress, leave=False) as bar:
+        for batch in batches:
+            _stop_if_asked(stop)
+            # the tensors only: walking the captions and entities costs more than the copy
+            on_device = {key: value.to(device, non_blocking=pinned)
+                         for key, value in batch.items() if isinstance(value, torch.Tensor)}
+            features = model.encode_image(on_device)
+            bar.update(len(features.embedding))
+            yield batch, features
 
 
 @dataclass
@@ -227,11 +231,14 @@ def _encode_captions(model: torch.nn.Module, tokenizer: Callable, captions: list
     batches (those one process forms) and every rank gets them all, in order."""
     share = captions[slice(*rank_share(len(captions), rank, world, batch_size))]
     texts = []
-    for start in tqdm(range(0, len(share), batch_size), desc="encode texts",
-                      unit="batch", disable=not progress, leave=False):
-        _stop_if_asked(stop)
-        tokens = move_to_device(tokenizer(share[start:start + batch_size]), device)
-        texts.append(_keep_tokens(model, model.encode_text(tokens), keep))
+    with tqdm(total=len(share), desc="encode texts", unit="caption", disable=not progress,
+              leave=False) as bar:
+        for start in range(0, len(share), batch_size):
+            _stop_if_asked(stop)
+            chunk = share[start:start + batch_size]
+            tokens = move_to_device(tokenizer(chunk), device)
+            texts.append(_keep_tokens(model, model.encode_text(tokens), keep))
+            bar.update(len(chunk))
     mine = cat_features(texts) if texts else None
     if world == 1:
         return mine

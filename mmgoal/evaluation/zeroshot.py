@@ -9,6 +9,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from mmgoal.contract import similarity_uses_tokens
 from mmgoal.data.classification import ClassificationSet, LabelledImages
@@ -33,11 +34,13 @@ def check_dual_encoder(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def class_embeddings(model: torch.nn.Module, tokenizer, classnames: list[str],
-                     templates: list[str]) -> torch.Tensor:
-    """(n_classes, D): each class's prompts embedded, normalised, averaged, normalised."""
+                     templates: list[str], progress: bool = True) -> torch.Tensor:
+    """(n_classes, D): each class's prompts embedded, normalised, averaged, normalised (a
+    progress bar of the classes with ``progress``: ImageNet's are 1,000 x 80 prompts)."""
     device = module_device(model)
     rows = []
-    for name in classnames:
+    for name in tqdm(classnames, desc="zero-shot classes", unit="class", disable=not progress,
+                     leave=False):
         prompts = [template.replace("{c}", name) for template in templates]
         embedding = model.encode_text(move_to_device(tokenizer(prompts), device)).embedding
         rows.append(F.normalize(F.normalize(embedding.float(), dim=-1).mean(0), dim=0))
@@ -70,14 +73,16 @@ def zero_shot_logits(model: torch.nn.Module, transform, tokenizer, cset: Classif
     its embedding with each class's (:func:`class_embeddings`); images decoded in
     ``num_workers`` DataLoader processes, as the gallery's."""
     check_dual_encoder(model)
-    classes = class_embeddings(model, tokenizer, cset.classnames, cset.templates)
+    classes = class_embeddings(model, tokenizer, cset.classnames, cset.templates, progress)
     skipped = skipped if skipped is not None else SkipCounter()
     batches = iter_batches(LabelledImages(cset, transform), batch_size, num_workers, skipped,
                            pin_memory=module_device(model).type == "cuda")
     logits, labels = [], []
     with contextlib.closing(batches):
-        for batch, features in encode_image_batches(model, batches, "zero-shot images",
-                                                    progress):
+        # an image folder's images are listed; shards' are not counted unread
+        for batch, features in encode_image_batches(
+                model, batches, "zero-shot images", progress,
+                total=len(cset.files) if cset.files is not None else None):
             embedding = F.normalize(features.embedding.float(), dim=-1)
             logits.append((embedding @ classes.T).cpu())
             labels.append(batch["labels"])

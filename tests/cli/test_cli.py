@@ -413,6 +413,43 @@ def test_evaluate_never_writes_its_json_over_a_runs_files(tiny_quickstart_run, t
     assert json.loads(out.read_text())["metrics"] == first["metrics"]
 
 
+
+def test_eval_results_are_named_by_the_data_evaluated(tiny_quickstart_run, tmp_path, capsys):
+    from mmgoal.data.classification import write_synthetic_classification
+
+    source, data = tiny_quickstart_run
+    run = shutil.copytree(source, tmp_path / "run")
+    evaluate = load_tool("eval")
+    assert evaluate.main([str(run), "--device", "cpu"]) == 0
+    own = (run / "eval_test.json").read_bytes()
+    assert json.loads(own)["shards"] == f"{data}/test-{{000000..000001}}.tar"
+    # other shards: a file of their own, the run's test result kept
+    val = str(data / "val-000000.tar")
+    assert evaluate.main([str(run), "--device", "cpu", "--shards", val]) == 0
+    assert (run / "eval_test.json").read_bytes() == own
+    other = [p.name for p in run.glob("eval_test_*.json")]
+    assert len(other) == 1 and re.fullmatch(rf"eval_test_{data.name}_val-[0-9a-f]{{8}}\.json",
+                                            other[0]), other
+    assert json.loads((run / other[0]).read_text())["shards"] == [val]
+    assert f"metrics written to {run / other[0]}" in capsys.readouterr().out
+    # the run's own test shards, named one by one: its own result again
+    (run / "eval_test.json").unlink()
+    assert evaluate.main([str(run), "--device", "cpu", "--shards",
+                          *(str(data / f"test-00000{i}.tar") for i in (0, 1))]) == 0
+    assert json.loads((run / "eval_test.json").read_text())["metrics"] == \
+        json.loads(own)["metrics"]
+    # zero-shot alone records the classification set's root and split
+    write_synthetic_classification(tmp_path / "shapes", count=12, image_size=32)
+    assert evaluate.main([str(run), "--device", "cpu", "--zeroshot", str(tmp_path / "shapes"),
+                          "--no-retrieval"]) == 0
+    [zeroshot] = run.glob("eval_zeroshot_*.json")
+    assert re.fullmatch(r"eval_zeroshot_shapes_test-[0-9a-f]{8}\.json", zeroshot.name)
+    result = json.loads(zeroshot.read_text())
+    assert result["split"] == "test" and result["metrics"]["zeroshot_images"] == 12
+    assert result["zeroshot"] == {"root": str(tmp_path / "shapes"), "split": "test"}
+    assert sorted(p.name for p in run.glob("eval_*.json")) == sorted(
+        ["eval_test.json", other[0], zeroshot.name])
+
 def test_a_full_disk_stops_training_with_a_sentence(tiny_config_file, tmp_path, capsys,
                                                     monkeypatch):
     import errno

@@ -198,3 +198,27 @@ def test_a_repeated_image_is_evaluated_once_with_the_captions_of_its_copies(tmp_
     five = evaluate_retrieval(model, EvalReader(shards, batch_size=4), to_tensor,
                               colour_tokenizer, folds=5, progress=False)
     assert five["rsum"] == 600 and five["skipped"] == 0
+
+
+def test_the_progress_bars_count_images_and_captions(tmp_path, monkeypatch):
+    """The captions' bar has their number for total; the images' counts images (shards do
+    not say how many they hold unread), never batches."""
+    from tqdm import tqdm
+
+    import mmgoal.evaluation.gallery as gallery_module
+
+    bars = []
+
+    class RecordedBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(gallery_module, "tqdm", RecordedBar)
+    with ShardWriter(tmp_path, "test", max_count=4) as writer:
+        for index in range(7):
+            writer.write(colour_sample(index))
+    encode_gallery(ColourModel(), EvalReader(str(tmp_path / "test-*.tar"), batch_size=3),
+                   to_tensor, colour_tokenizer, progress=True)
+    assert [(bar.desc, bar.unit, bar.total, bar.n) for bar in bars] == [
+        ("encode images", "image", None, 7), ("encode texts", "caption", 14, 14)]

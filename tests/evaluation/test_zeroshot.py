@@ -158,3 +158,34 @@ def test_every_validation_logs_the_zero_shot_accuracy_beside_rsum(tiny_benchmark
     with pytest.raises(ValueError, match=r"evaluation.zeroshot must be \{root: DIR"):
         tiny_run(out, OPEN_CLIP, {"tokenizer": None}, tmp_path / "bad",
                  evaluation={"zeroshot": {"folder": "x"}})
+
+
+def test_an_image_folders_progress_bar_has_its_images_for_total(tmp_path, monkeypatch):
+    """An image folder lists its images: their number is the bar's total (shards' is not
+    known unread: a count of images)."""
+    from tqdm import tqdm
+
+    import mmgoal.evaluation.gallery as gallery_module
+    from mmgoal.evaluation.zeroshot import zero_shot_logits
+    from mmgoal.structures import ImageFeatures, TextFeatures
+
+    bars = []
+
+    class RecordedBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    class MeanColour(torch.nn.Module):
+        def encode_image(self, batch):
+            return ImageFeatures(batch["images"].mean((2, 3)))
+
+        def encode_text(self, tokens):
+            return TextFeatures(torch.ones(len(tokens["prompts"]), 3))
+
+    monkeypatch.setattr(gallery_module, "tqdm", RecordedBar)
+    folder = write_synthetic_classification(tmp_path / "shapes", count=18, image_size=16,
+                                            layout="folder")
+    zero_shot_logits(MeanColour(), lambda image: torch.zeros(3, 2, 2),
+                     lambda prompts: {"prompts": prompts}, folder, batch_size=4)
+    assert [(bar.unit, bar.total, bar.n) for bar in bars] == [("image", 18, 18)]
