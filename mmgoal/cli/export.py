@@ -1,4 +1,5 @@
-"""Export a run's weights: one plain file, or the folder open_clip or transformers loads.
+"""Export a run's weights: one plain file, the folder open_clip or transformers loads, or a
+LoRA run's adapters as peft's adapter folder.
 
 One file that a single process loads (``.pt`` or ``.safetensors``), or the folder
 layout of open_clip or Hugging Face transformers, for the code and hubs that load those:
@@ -10,10 +11,12 @@ layout of open_clip or Hugging Face transformers, for the code and hubs that loa
     mmgoal export work_dirs/clip --format open_clip --out clip_goal/
     mmgoal export work_dirs/hfclip --format hf --out hfclip_goal/
     mmgoal export work_dirs/clip --format open_clip --out clip_goal/ --push-to-hub you/clip-goal
+    mmgoal export work_dirs/clip_lora --format peft --out clip_lora_adapters/
 
 and from Python ``mmgoal.load("run1.safetensors")``; ``open_clip.create_model_and_transforms(
-"local-dir:clip_goal")``; ``transformers.AutoModel.from_pretrained("hfclip_goal")``
-(docs/models.md, "Take a fine-tuned model elsewhere").
+"local-dir:clip_goal")``; ``transformers.AutoModel.from_pretrained("hfclip_goal")``;
+``peft.PeftModel.from_pretrained(base_model, "clip_lora_adapters")`` (docs/models.md, "Take a
+fine-tuned model elsewhere").
 
 Whatever strategy wrote the run (one process, ``torchrun``, DeepSpeed ZeRO 0-3,
 bf16), the file holds the float32 model weights, the tokenizer and the config:
@@ -24,10 +27,14 @@ the config, tokenizer, source and format version (``mmgoal-safetensors/1``) as
 JSON in the file's metadata.
 
 A LoRA run (``model.peft``, docs/models.md "LoRA") is exported merged, in every
-format: each adapter's update is folded into the weight it adapts, the model is built
-from the run's config for that (``--trust-custom-imports`` imports its
+format but ``peft``: each adapter's update is folded into the weight it adapts, the model
+is built from the run's config for that (``--trust-custom-imports`` imports its
 ``custom_imports``), and the export's config has ``model.peft: null``, so it loads as
-the plain model and embeds as the adapted one did.
+the plain model and embeds as the adapted one did. ``--format peft`` writes the adapters
+alone, as peft's ``save_pretrained`` does (``adapter_config.json``,
+``adapter_model.safetensors``), for ``peft.PeftModel.from_pretrained`` on the base model
+(the open_clip or transformers model the run started from) or a LoRA run's
+``model.peft.pretrained``; what the run trained beside them (``logit_scale``) is not in it.
 
 ``--out`` is a new file or an earlier export: a run's own checkpoints (best.pt,
 last.pt) and other files are never overwritten, nothing is written through a symbolic
@@ -38,11 +45,12 @@ refused.
 ``open_clip_config.json`` (the run's ``model_cfg``, ``model_kwargs`` included, and its
 ``preprocess_cfg``) and ``open_clip_model.safetensors``, as open_clip's
 ``push_to_hf_hub`` lays them out. ``--format hf`` (``HFCLIP`` runs) writes a
-``save_pretrained`` folder with the run's image processor and tokenizer. ``--out`` is
-then a new or empty folder, or an earlier export of that format, which mmgoal knows by the
-``.mmgoal-export.json`` it wrote there (its format and files): a file of the folder that the
-earlier export did not write is never replaced, and a folder without it is refused. A model
-family with no outside format (VSE, SCAN, X-VLM) is an error that names the formats it has.
+``save_pretrained`` folder with the run's image processor and tokenizer. ``--out`` of a
+folder format (these and ``peft``) is a new or empty folder, or an earlier export of that
+format, which mmgoal knows by the ``.mmgoal-export.json`` it wrote there (its format and
+files): a file of the folder that the earlier export did not write is never replaced, and a
+folder without it is refused. A model family with no outside format (VSE, SCAN, X-VLM) is
+an error that names the formats it has.
 
 ``--push-to-hub NAMESPACE/NAME`` then uploads what the export wrote (the file, or the
 folder's files) to that Hugging Face hub model repository in a commit, at its root,
@@ -59,7 +67,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
@@ -73,6 +84,14 @@ from mmgoal.cli.arguments import (
 from mmgoal.config import first_line
 from mmgoal.files import LinkedPathError, staged_folder, write_text
 from mmgoal.runs.run_dir import EXPORT_FOLDERS, EXPORT_MANIFEST, weights_file
+
+if TYPE_CHECKING:  # torch: imported past --help
+    from mmgoal.runs.loading import LoadedModel
+
+# A LoRA run's adapters alone, as peft's save_pretrained writes them (any family with
+# model.peft); the other folder formats are a family's whole model (EXPORT_FOLDERS)
+PEFT_FORMAT = "peft"
+FOLDER_FORMATS = (*EXPORT_FOLDERS, PEFT_FORMAT)
 
 
 def is_export(out: Path) -> bool:
@@ -100,7 +119,7 @@ def export(source: Path, out: Path, which: str = "best_or_latest",
         FileNotFoundError: no checkpoint at ``source``.
         ValueError: a bad ``out`` (:func:`check_out`), or weights holding NaN/inf.
     """
-    from mmgoal.models.lora import has_adapters, merge_adapters
+    from mmgoal.models.lora import AdapterCount, has_adapters, merge_adapters
     from mmgoal.runs.checkpoint import (
         check_finite_weights,
         load_checkpoint,
@@ -114,7 +133,7 @@ def export(source: Path, out: Path, which: str = "best_or_latest",
     path = weights_file(source, which)
     state = load_checkpoint(path)
     check_finite_weights(state["model"], f"checkpoint {path}")
-    weights, config, merged = state["model"], state["config"], 0
+    weights, config, merged = state["model"], state["config"], AdapterCount()
     builds = has_adapters(config) or wise_ft is not None  # the model is built (its weights)
     if not builds and (config or {}).get("custom_imports") and not trust_custom_imports:
         warn_not_imported(list(config["custom_imports"]), str(path))  # as eval says it
@@ -180,7 +199,7 @@ def earlier_export(out: Path) -> dict | None:
                                         MAX_LIST_BYTES))
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") not in EXPORT_FOLDERS or \
+    if not isinstance(manifest, dict) or manifest.get("format") not in FOLDER_FORMATS or \
             not isinstance(manifest.get("files"), list):
         return None
     return manifest
@@ -188,21 +207,62 @@ def earlier_export(out: Path) -> dict | None:
 
 def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_latest",
                   trust_custom_imports: bool = False, wise_ft: float | None = None) -> dict:
-    """Write the model of ``source`` in ``fmt``'s folder layout (the family's ``export_to``);
-    with ``wise_ft``, its weights mixed with the pretrained start at that alpha.
+    """Write the model of ``source`` in ``fmt``'s folder layout (the family's ``export_to``),
+    or its LoRA adapters as peft's folder (``fmt`` ``peft``); with ``wise_ft``, its weights
+    mixed with the pretrained start at that alpha.
 
     Raises:
         FileNotFoundError: no checkpoint at ``source``.
-        ValueError: a bad ``out``, or a model family without that format.
+        ValueError: a bad ``out``, a model family without that format, or ``peft`` of a run
+            without adapters or with ``wise_ft``.
     """
-    from mmgoal.models.lora import has_adapters, merge_adapters
     from mmgoal.runs.checkpoint import CheckpointWriteError
     from mmgoal.runs.loading import load_for_evaluation
 
     ours = check_out_folder(out, fmt)
+    if fmt == PEFT_FORMAT and wise_ft is not None:
+        raise ValueError("--wise-ft mixes the whole weights, and --format peft writes adapters "
+                         "alone, which cannot hold the mix: export it with --format mmgoal, or "
+                         "the family's open_clip or hf")
     path = weights_file(source, which)
     loaded = load_for_evaluation(path, device="cpu", trust_custom_imports=trust_custom_imports)
-    merged = merge_adapters(loaded.model) if has_adapters(loaded.config) else 0
+    summary, write = (peft_writer(loaded, path) if fmt == PEFT_FORMAT else
+                      model_writer(loaded, fmt, wise_ft))
+    # the family's writer (a library's save_pretrained among them) writes into a new folder;
+    # its files then move into --out, never through a link there nor over a file mmgoal did
+    # not write
+    try:
+        with staged_folder(out) as staging:
+            written = write(staging)
+            foreign = sorted(name for name in written if name not in ours and
+                             os.path.lexists(out / name))
+            if foreign:
+                raise ValueError(f"--out {out} holds {', '.join(foreign)}, which the earlier "
+                                 f"export did not write and this one would replace; nothing "
+                                 f"was written: move them away, or give a new folder")
+            manifest = {"format": fmt, "files": written, "source": str(path)}
+            if fmt == PEFT_FORMAT:  # what to load the adapters onto, as the run built it
+                manifest["base_model"] = {key: value for key, value in
+                                          loaded.config["model"].items() if key != "peft"}
+            write_text(staging / EXPORT_MANIFEST, strict_json.dumps(manifest, indent=2))
+    except (ValueError, LinkedPathError):
+        raise
+    except Exception as error:  # a full disk: the library's own error (SafetensorError...)
+        reason = getattr(error, "strerror", None) or first_line(error)
+        kept = "the earlier export there is intact" if ours else "nothing was written there"
+        raise CheckpointWriteError(f"could not write the {fmt} export into {out} ({reason}); "
+                                   f"{kept}: an export is written beside it and moved in only "
+                                   f"once complete. Free space (or fix the folder), then "
+                                   f"{AGAIN}") from error
+    return {"source": str(path), "files": written, **summary}
+
+
+def model_writer(loaded: LoadedModel, fmt: str, wise_ft: float | None) -> tuple[dict, Callable]:
+    """What :func:`export_folder` says of a whole-model format (``merged``: the adapters
+    folded into the weights) and the writer of ``loaded`` into a folder."""
+    from mmgoal.models.lora import AdapterCount, has_adapters, merge_adapters
+
+    merged = merge_adapters(loaded.model) if has_adapters(loaded.config) else AdapterCount()
     formats = getattr(type(loaded.model), "EXPORT_FORMATS", ())
     if fmt not in formats:
         others = ", ".join(["mmgoal", *formats])
@@ -213,36 +273,41 @@ def export_folder(source: Path, out: Path, fmt: str, which: str = "best_or_lates
         from mmgoal.evaluation.wise_ft import WiseFT
 
         loaded.model.load_state_dict(WiseFT(loaded).weights(wise_ft))
-    # the family's writer (a library's save_pretrained among them) writes into a new folder;
-    # its files then move into --out, never through a link there nor over a file mmgoal did
-    # not write
-    try:
-        with staged_folder(out) as staging:
-            written = loaded.model.export_to(fmt, staging, loaded.tokenizer, loaded.transform)
-            foreign = sorted(name for name in written if name not in ours and
-                             os.path.lexists(out / name))
-            if foreign:
-                raise ValueError(f"--out {out} holds {', '.join(foreign)}, which the earlier "
-                                 f"export did not write and this one would replace; nothing "
-                                 f"was written: move them away, or give a new folder")
-            write_text(staging / EXPORT_MANIFEST, strict_json.dumps(
-                {"format": fmt, "files": written, "source": str(path)}, indent=2))
-    except (ValueError, LinkedPathError):
-        raise
-    except Exception as error:  # a full disk: the library's own error (SafetensorError...)
-        reason = getattr(error, "strerror", None) or first_line(error)
-        kept = "the earlier export there is intact" if ours else "nothing was written there"
-        raise CheckpointWriteError(f"could not write the {fmt} export into {out} ({reason}); "
-                                   f"{kept}: an export is written beside it and moved in only "
-                                   f"once complete. Free space (or fix the folder), then "
-                                   f"{AGAIN}") from error
-    return {"source": str(path), "files": written, "merged": merged}
+    return {"merged": merged}, partial(loaded.model.export_to, fmt, tokenizer=loaded.tokenizer,
+                                       transform=loaded.transform)
 
 
-def merged_note(summary: dict) -> str:
-    """`` (LoRA adapters of 8 layers merged)`` where the export merged some, else ``""``."""
+def peft_writer(loaded: LoadedModel, path: Path) -> tuple[dict, Callable]:
+    """What :func:`export_folder` says of ``--format peft`` (``adapters``: how many; ``left
+    out``: what the run trained beside them) and the writer of the adapters of ``loaded``
+    (the model of the checkpoint ``path``) into a folder."""
+    from mmgoal.models.lora import adapted_model, adapter_count, has_adapters, save_adapters
+    from mmgoal.runs.loading import pretrained_weights
+
+    if not has_adapters(loaded.config):
+        raise ValueError(f"--format peft writes a LoRA run's adapters, and {path} holds a "
+                         f"model without (its config has no model.peft): export the whole "
+                         f"model with --format mmgoal, or the family's open_clip or hf")
+    library_model = adapted_model(loaded.model)
+    left_out = [name for name, value in library_model.named_parameters()
+                if value.requires_grad and ".lora_" not in name]
+    return ({"adapters": adapter_count(library_model), "left_out": left_out},
+            partial(save_adapters, library_model, base_model=pretrained_weights(loaded.config)))
+
+
+def adapters_note(summary: dict) -> str:
+    """What the export did with LoRA adapters: `` (LoRA adapters on 0 layer(s) and 8
+    weight(s) merged)`` (counted as the run's log counts them), where to load a peft
+    folder's; ``""`` for a model without adapters."""
+    adapters = summary.get("adapters")
+    if adapters:
+        names = summary["left_out"]
+        left_out = (f"; {', '.join(names)}, trained beside them, {'are' if names[1:] else 'is'} "
+                    f"not in it (peft's folder holds adapters alone)" if names else "")
+        return (f" (LoRA adapters on {adapters}, for peft.PeftModel.from_pretrained on the "
+                f"base model{left_out})")
     merged = summary["merged"]
-    return f" (LoRA adapters of {merged} layer{'s' * (merged != 1)} merged)" if merged else ""
+    return f" (LoRA adapters on {merged} merged)" if merged else ""
 
 
 def check_hub_repository(repo_id: str) -> None:
@@ -312,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", type=Path, help="run directory or checkpoint file")
     parser.add_argument("--out", type=Path, required=True,
                         help="file to write (new, or an earlier export); a folder for "
-                             "--format open_clip and hf")
+                             "--format open_clip, hf and peft")
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--best", dest="which", action="store_const", const="best",
                         default="best_or_latest",
@@ -321,15 +386,16 @@ def main(argv: list[str] | None = None) -> int:
                              "checkpoint, as mmgoal eval picks")
     chosen.add_argument("--latest", dest="which", action="store_const", const="latest",
                         help="the latest checkpoint (last.pt, or DeepSpeed's newest tag)")
-    parser.add_argument("--format", default="mmgoal", choices=["mmgoal", *EXPORT_FOLDERS],
+    parser.add_argument("--format", default="mmgoal", choices=["mmgoal", *FOLDER_FORMATS],
                         help="mmgoal's own file (default), open_clip's folder (OpenCLIP "
-                             "runs) or a Hugging Face save_pretrained folder (HFCLIP runs)")
+                             "runs), a Hugging Face save_pretrained folder (HFCLIP runs), or "
+                             "a LoRA run's adapters as peft's save_pretrained folder")
     parser.add_argument("--wise-ft", type=float, metavar="ALPHA",
                         help="WiSE-FT: export (1 - ALPHA) x the pretrained weights the run "
                              "started from + ALPHA x its fine-tuned ones (0 <= ALPHA <= 1; "
                              "docs/models.md, 'Fine-tune without forgetting')")
     parser.add_argument("--trust-custom-imports", action="store_true",
-                        help="with --format open_clip/hf, a LoRA run (model.peft) or "
+                        help="with --format open_clip/hf/peft, a LoRA run (model.peft) or "
                              "--wise-ft: import the custom_imports the run's config names (the "
                              "model is built)")
     parser.add_argument("--push-to-hub", metavar="REPO_ID",
@@ -361,13 +427,13 @@ def main(argv: list[str] | None = None) -> int:
                                     args.trust_custom_imports, args.wise_ft)
             files = summary["files"]
             print(f"{args.out}: {', '.join(files)} ({args.format}) from {summary['source']}"
-                  f"{merged_note(summary)}")
+                  f"{adapters_note(summary)}")
         else:
             summary = export(args.source, args.out, args.which, args.trust_custom_imports,
                              args.wise_ft)
             files = [args.out.name]
             print(f"{args.out}: {summary['parameters']} values in {summary['tensors']} tensors "
-                  f"from {summary['source']}{merged_note(summary)}")
+                  f"from {summary['source']}{adapters_note(summary)}")
     except INPUT_ERRORS as error:  # ImportError: a plug-in
         return print_error(error)
     except (CheckpointWriteError, OSError) as error:  # a full disk: --out is untouched

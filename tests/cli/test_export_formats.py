@@ -209,7 +209,8 @@ def test_a_lora_run_is_exported_merged_and_every_format_embeds_as_the_adapted_mo
     export = load_tool("export")
     for name in ("run.safetensors", "run.pt"):
         assert export.main([str(run), "--best", "--out", str(tmp_path / name)]) == 0
-        assert capsys.readouterr().out.endswith("(LoRA adapters of 2 layers merged)\n")
+        assert capsys.readouterr().out.endswith(
+            "(LoRA adapters on 0 layer(s) and 2 weight(s) merged)\n")
         state = load_checkpoint(tmp_path / name)
         # the plain model's tensors, the update folded into the weights it adapted
         assert state["config"]["model"]["peft"] is None
@@ -219,7 +220,7 @@ def test_a_lora_run_is_exported_merged_and_every_format_embeds_as_the_adapted_mo
         assert_embeds_as(mmgoal.load(tmp_path / name, device="cpu"), images, *expected)
     folder = tmp_path / "clip_lora"
     assert export.main([str(run), "--best", "--format", "open_clip", "--out", str(folder)]) == 0
-    assert "(LoRA adapters of 2 layers merged)" in capsys.readouterr().out
+    assert "(LoRA adapters on 0 layer(s) and 2 weight(s) merged)" in capsys.readouterr().out
     theirs, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{folder}")
     tokenize = open_clip.get_tokenizer(f"local-dir:{folder}")
     theirs.eval()

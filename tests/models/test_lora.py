@@ -8,7 +8,7 @@ import torch
 from clip_runs import MODEL_KWARGS
 
 from mmgoal.engine.optimizers import build_optimizer, parameter_counts
-from mmgoal.models.lora import merge_adapters
+from mmgoal.models.lora import AdapterCount, merge_adapters
 from mmgoal.registry import MODELS, OBJECTIVES, ConfigError
 from mmgoal.runs.schema import load_model_config
 from mmgoal.structures import ObjectiveInputs
@@ -70,7 +70,8 @@ def test_lora_starts_from_the_model_trains_its_adapters_alone_and_merges_back():
         adapters | {"model.logit_scale"}
     adapted = embed(model.eval(), batch)
     assert not torch.allclose(adapted, embed(plain, batch), atol=1e-3)
-    assert merge_adapters(model.model) == 2
+    # the two towers' in_proj_weight, counted as the run's log counts them
+    assert merge_adapters(model.model) == AdapterCount(layers=0, weights=2)
     assert model.state_dict().keys() == plain.state_dict().keys()
     torch.testing.assert_close(embed(model, batch), adapted, atol=1e-5, rtol=0)
     plain.load_state_dict(model.state_dict())
@@ -152,6 +153,6 @@ def test_hf_lora_adapts_the_encoder_attention_and_keeps_the_scale_and_bias_train
             if p.requires_grad and ".lora_" not in name}
     assert kept == {"model.logit_scale", *(["model.logit_bias"] if model_type == "siglip"
                                            else [])}
-    assert merge_adapters(model.model) == 8
+    assert merge_adapters(model.model) == AdapterCount(layers=8, weights=0)
     assert model.state_dict().keys() == plain.state_dict().keys()
     assert not hasattr(model.model, "peft_config")  # save_pretrained writes the plain model
