@@ -280,8 +280,8 @@ def sweep(args: argparse.Namespace, points: list[dict], out: Path,
         runs.append({"triplet": triplet, "pair": pair, "point": slug(point),
                      "hyperparameters": point, "seed": seed,
                      # null in report.json where no epoch validated
-                     "val_rsum": report["best"]["rsum"] if report["best"]["rsum"] is not None
-                     else -math.inf, "test": report["test"],
+                     "val_rsum": -math.inf if report["best"].get("rsum") is None
+                     else report["best"]["rsum"], "test": report["test"],
                      "train_seconds": report["train_seconds"], "dir": str(work_dir)})
         write_text(out / "runs.json", strict_json.dumps(runs, indent=2))
         print(f"[{index}/{len(settings)}] {triplet}x{pair} {slug(point)} seed {seed}: "

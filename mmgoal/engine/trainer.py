@@ -162,7 +162,11 @@ class Trainer:
         # the epoch's steps are done, its end (validation ... checkpoint) is not: --resume
         # goes on to that end without reading the epoch's data again
         self.epoch_steps_done = False
-        self.best = {"rsum": -math.inf, "epoch": -1}
+        # best_metric's best value, the epoch (and step) of its validation; the validations
+        # since (early stopping)
+        self.best = {self.config.train.best_metric: -math.inf, "epoch": -1}
+        self.validations_since_best = 0
+        self.stopped_early = False
         self.skipped_samples = 0
         self._samples_since_log = 0  # samples (all ranks) since the last logged step
         self.source_counts: dict[str, int] = {}  # samples per source of a mixture, this rank
@@ -354,6 +358,8 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "epoch_steps_done": self.epoch_steps_done,
             "best": dict(self.best),
+            "validations_since_best": self.validations_since_best,
+            "stopped_early": self.stopped_early,
             "skipped_samples": self.skipped_samples,
             "global_batch": self.global_batch,
             "train_seconds": self.train_seconds,
@@ -380,6 +386,13 @@ class Trainer:
         # older checkpoints lack it: they were never written between an epoch's steps and end
         self.epoch_steps_done = state.get("epoch_steps_done", False)
         self.best = dict(state["best"])
+        if self.config.train.best_metric not in self.best:
+            chosen = next(key for key in self.best if key not in ("epoch", "step"))
+            raise ValueError(f"--resume: the run chose best.pt by {chosen}; train.best_metric "
+                             f"{self.config.train.best_metric} would compare other numbers "
+                             f"with it: keep the run's best_metric")
+        self.validations_since_best = state.get("validations_since_best", 0)
+        self.stopped_early = state.get("stopped_early", False)
         self.skipped_samples = state["skipped_samples"]
         self.seconds_before = state.get("train_seconds", 0.0)
         if self.is_main:
@@ -486,7 +499,7 @@ class Trainer:
         """Train the configured epochs, then test the best checkpoint; returns the report
         (``report.json``). A resumed run already done returns the report it wrote."""
         report_file = self.work_dir / "report.json"
-        if self.step and self.epoch >= self.config.train.epochs:
+        if self.step and (self.epoch >= self.config.train.epochs or self.stopped_early):
             logger.warning("the run has trained %d epoch(s) and train.epochs is %d: nothing "
                            "is left to train (train on with --cfg-options train.epochs=N, N > "
                            "%d)%s", self.epoch, self.config.train.epochs, self.epoch,
@@ -514,7 +527,7 @@ class Trainer:
                 if self.config.train.eval_before_training and self.epoch == self.step == 0:
                     self._validate(-1, self.strategy.full_state_dict())  # collective
                 first_step = self.step
-                while self.epoch < self.config.train.epochs:
+                while self.epoch < self.config.train.epochs and not self.stopped_early:
                     try:
                         finished = self._train_epoch()
                     except StopWhileWaitingForData as stop:
@@ -628,6 +641,11 @@ class Trainer:
             every = cfg.checkpoint_every_steps
             if every and self.step % every == 0:
                 self.save()
+            if (cfg.eval_every_steps and self.config.data.val and not self.epoch_steps_done
+                    and self.step % cfg.eval_every_steps == 0):  # the epoch's end validates
+                self._validate_and_keep()
+                if self.stopped_early:
+                    break
             # One agreement per step: a signal on any rank stops every rank after this step.
             if self.strategy.agree(self.signals.received is not None)[0]:
                 bar.close()
@@ -661,13 +679,9 @@ class Trainer:
         metrics: dict[str, float] = {}
         every = self.config.train.eval_every
         last_epoch = epoch + 1 == self.config.train.epochs
-        if self.config.data.val and every and ((epoch + 1) % every == 0 or last_epoch):
-            # One gather (collective) serves the evaluation copy and best.pt.
-            weights = self.strategy.full_state_dict()
-            metrics = self._validate(epoch, weights)
-            if metrics["rsum"] > self.best["rsum"]:
-                self.best = {"rsum": metrics["rsum"], "epoch": epoch}
-                self._write_weights(BEST, weights, epoch=epoch, metrics=metrics)
+        if (self.config.data.val and every and ((epoch + 1) % every == 0 or last_epoch)
+                and not self.stopped_early):  # stopped by a validation with no step since
+            metrics = self._validate_and_keep()
         for hook in self.hooks:  # still in the epoch; what they change is checkpointed below
             hook.after_epoch(self, metrics)
         self.epoch += 1
@@ -676,6 +690,31 @@ class Trainer:
         self.save()
         if self.config.train.keep_epochs:
             self.strategy.keep_epoch(self.checkpoint_dir, epoch, self.config.train.keep_epochs)
+
+    def _validate_and_keep(self) -> dict[str, float]:
+        """Validate the model as it is (collective), keep it as best.pt where it gains
+        ``train.best_metric``, and stop the run early after ``early_stopping_patience``
+        validations without a gain."""
+        train = self.config.train
+        weights = self.strategy.full_state_dict()  # one gather: the evaluation copy, best.pt
+        metrics = self._validate(self.epoch, weights)
+        if train.best_metric not in metrics:
+            raise ValueError(f"train.best_metric {train.best_metric} is not a validation "
+                             f"metric; they are {', '.join(sorted(metrics))}")
+        if metrics[train.best_metric] > self.best[train.best_metric]:
+            self.best = {train.best_metric: metrics[train.best_metric], "epoch": self.epoch,
+                         **({"step": self.step} if train.eval_every_steps else {})}
+            self.validations_since_best = 0
+            self._write_weights(BEST, weights, epoch=self.epoch, metrics=metrics)
+        else:
+            self.validations_since_best += 1
+        patience = train.early_stopping_patience
+        if patience and self.validations_since_best >= patience and not self.stopped_early:
+            self.stopped_early = True
+            logger.info("early stopping at epoch %d, step %d: %d validations without a gain "
+                        "of %s (best %.4g, epoch %d)", self.epoch, self.step, patience,
+                        train.best_metric, self.best[train.best_metric], self.best["epoch"])
+        return metrics
 
     def _validate(self, epoch: int, weights: dict[str, torch.Tensor] | None) -> dict[str, float]:
         """``weights`` (rank 0's ``full_state_dict()``) on ``data.val``, evaluated by every

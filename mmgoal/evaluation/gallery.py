@@ -69,16 +69,18 @@ def _stop_if_asked(stop: Callable[[], bool] | None) -> None:
 
 
 def in_eval_mode(encode: Callable) -> Callable:
-    """``encode(model, ...)`` with ``model`` in eval mode; the model gets its own mode back
-    however it ends (a stop, an error), so a stopped validation leaves training as it was."""
+    """``encode(model, ...)`` with ``model`` in eval mode; every module gets its own mode
+    back however it ends (a stop, an error), so a validation leaves training as it was
+    (frozen batch norms of a FreezeSchedule stay in eval mode)."""
     @functools.wraps(encode)
     def wrapper(model: torch.nn.Module, *args, **kwargs):
-        was_training = model.training
+        modes = [(module, module.training) for module in model.modules()]
         model.eval()
         try:
             return encode(model, *args, **kwargs)
         finally:
-            model.train(was_training)
+            for module, training in modes:
+                module.training = training
     return wrapper
 
 

@@ -116,7 +116,8 @@ class TrainConfig(ConfigSection):
         "checkpoint_every_steps": 0, "keep_epochs": 0, "max_nonfinite_steps": 1,
         "samples_per_epoch": 1, "accumulate_steps": 1, "reference_batch": 1,
         "grad_cache_chunk": 1, "tile_rows": 1, "tile_cols": 1,
-        "lock_image_unlocked_groups": 0, "lock_text_unlocked_layers": 0}
+        "lock_image_unlocked_groups": 0, "lock_text_unlocked_layers": 0,
+        "eval_every_steps": 0, "early_stopping_patience": 0}
     epochs: int = 10
     seed: int = 0
     # freeze a tower for the whole run but its last N layer groups (open_clip_train's
@@ -128,6 +129,12 @@ class TrainConfig(ConfigSection):
     clip_grad: float = 2.0
     log_every: int = 10
     eval_every: int = 1
+    # also validate every N steps (0: at epoch ends only), as Hugging Face's eval_steps
+    eval_every_steps: int = 0
+    # the validation metric best.pt maximises (rsum, zeroshot_top1, i2t_r1...)
+    best_metric: str = "rsum"
+    # stop after this many validations without a gain of best_metric (0: never)
+    early_stopping_patience: int = 0
     eval_before_training: bool = False
     checkpoint_every_steps: int = 0
     # the resumable checkpoints of the last N epochs' ends kept as checkpoints/epoch_<E>.pt

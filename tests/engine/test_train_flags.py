@@ -110,3 +110,48 @@ def test_locks_keep_the_last_groups_as_open_clip_does():
         "model.vision_model.encoder.layers.2.")
     with pytest.raises(ValueError, match="HFCLIP's text tower has 4 layer groups; 4 unlocked"):
         hf.lock_text_tower(4)
+
+
+def test_validation_every_n_steps_keeps_the_best_and_stops_early(tiny_benchmark, tmp_path):
+    """Hugging Face Trainer's habits: eval_steps, metric_for_best_model, early stopping."""
+    import json
+
+    from mmgoal.runs.checkpoint import load_checkpoint
+
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=3, eval_every_steps=2, best_metric="i2t_r1",
+                      early_stopping_patience=2)
+    cfg["optimizer"]["lr"] = 0.0  # nothing learns: no validation gains on the first
+    cfg["data"].pop("test")
+    report = Trainer(cfg, tmp_path / "run").fit()
+    records = [json.loads(line) for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in records if r["type"] == "val"]
+    # 6 steps an epoch: validations at steps 2, 4, then early stopping (2 without a gain)
+    assert [(r["epoch"], r["step"]) for r in vals] == [(0, 2), (0, 4), (0, 6)]
+    assert report["best"] == {"i2t_r1": vals[0]["i2t_r1"], "epoch": 0, "step": 2}
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert state["stopped_early"] and state["validations_since_best"] == 2
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")["metrics"][
+        "i2t_r1"] == vals[0]["i2t_r1"]
+    # a resumed run that stopped early is done
+    again = Trainer(cfg, tmp_path / "run", resume=True)
+    assert again.fit()["best"] == report["best"] and again.step == 6
+    cfg.update(train={**cfg["train"], "best_metric": "rsun", "early_stopping_patience": 0})
+    with pytest.raises(ValueError, match="train.best_metric rsun is not a validation metric; "
+                                         "they are .*rsum"):
+        Trainer(cfg, tmp_path / "other").fit()
+
+
+def test_a_validation_gives_every_module_its_own_mode_back():
+    """A validation between steps leaves a FreezeSchedule's frozen norms in eval mode."""
+    from torch import nn
+
+    from mmgoal.evaluation.gallery import in_eval_mode
+
+    model = nn.Sequential(nn.BatchNorm1d(2), nn.Linear(2, 2))
+    model.train()
+    model[0].eval()
+    seen = in_eval_mode(lambda m: [module.training for module in m.modules()])(model)
+    assert seen == [False, False, False]
+    assert [module.training for module in model.modules()] == [True, False, True]
