@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "mmgoal"
 
 CORE = {"config", "registry", "paths", "sequences", "extras", "devices", "distributed",
-        "strict_json"}
+        "strict_json", "console"}
 # layer -> the layers its modules may import (besides their own); files.py, the bottom, every
 # layer but the package's __init__ may import (below)
 MAY_IMPORT = {

@@ -23,10 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import INPUT_ERRORS, print_error, tool_parser
+from mmgoal.console import progress_bar
 from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.data.remote import expand_shards, iter_samples
 from mmgoal.data.tars import IMAGE_EXTENSIONS, MAX_SAMPLE_BYTES, TarDamageError
@@ -95,7 +95,7 @@ def inspect(urls: list[str], caption_key: str | None = None, progress: bool = Tr
              "keys": Counter()}
     shards = []
     first_shard: dict[str, str] = {}  # image id -> the shard it first appeared in
-    for url in tqdm(urls, unit="shard", disable=not progress):
+    for url in progress_bar(urls, unit="shard", show=progress):
         read: list[str] = []  # what the reader met: oversized samples, damage
         problems: list[str] = []
         ids: Counter = Counter()

@@ -130,15 +130,14 @@ def gallery_files(patterns: list[str]) -> tuple[list[str], list[str]]:
 
 def encoded_index(retriever: Retriever, items: list, kind: str) -> Index:
     """``retriever.index(items, kind)``, a batch at a time under a progress bar."""
-    from tqdm import tqdm
-
     from mmgoal.api import Index
+    from mmgoal.console import progress_bar
     from mmgoal.structures import cat_features
 
     size = retriever.batch_size
     parts = [retriever.index(items[start:start + size], kind).features
-             for start in tqdm(range(0, len(items), size), desc=f"encode {kind}", unit="batch",
-                               leave=False)]
+             for start in progress_bar(range(0, len(items), size), desc=f"encode {kind}",
+                                       unit="batch", leave=False)]
     return Index(kind, cat_features(parts))
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from PIL import Image
-from tqdm import tqdm
 
 from mmgoal import strict_json
+from mmgoal.console import progress_bar
 from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.data.shards import ShardWriter
 from mmgoal.data.tars import IMAGE_EXTENSIONS
@@ -244,7 +244,7 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
     if done:
         logger.info("resuming: %d of %d shards already written", len(done), len(tasks))
     results = list(done.values())
-    bar = tqdm(total=len(tasks), initial=len(done), unit="shard", disable=not progress,
+    bar = progress_bar(total=len(tasks), initial=len(done), unit="shard", show=progress,
                desc=f"{type(source).__name__} -> {out_dir}", dynamic_ncols=True)
     for stats in _run(todo, workers):
         results.append(stats)

@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from mmgoal import strict_json
+from mmgoal.console import progress_bar
 from mmgoal.files import write_text
 
 SHAPES = ("circle", "square", "triangle", "diamond", "cross", "star")
@@ -347,7 +348,6 @@ def write_benchmark(out_dir: str | Path, counts: dict[str, int] | None = None, s
                     flickr_entities: bool = False, progress: bool = True) -> dict:
     """Write the train/val/test shards of the benchmark (and optionally the Entities layout);
     return the summary written to ``out_dir/meta.json``: per split, its shards and counts."""
-    from tqdm import tqdm
 
     from mmgoal.data.shards import ShardWriter
 
@@ -360,8 +360,8 @@ def write_benchmark(out_dir: str | Path, counts: dict[str, int] | None = None, s
     for split, count in counts.items():
         scenes_for_entities = []
         with ShardWriter(out_dir, split, max_count=shard_size) as writer:
-            for scene in tqdm(iter_scenes(split, count, seed, image_size), total=count,
-                              desc=f"synthetic {split}", disable=not progress, leave=False):
+            for scene in progress_bar(iter_scenes(split, count, seed, image_size), total=count,
+                              desc=f"synthetic {split}", show=progress, leave=False):
                 writer.write(scene_sample(scene, split))
                 if flickr_entities:
                     scenes_for_entities.append(scene)

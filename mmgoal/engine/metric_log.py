@@ -71,6 +71,13 @@ class MetricLog:
         for sink in self.loggers:
             sink.log(record)
 
+    def note(self, text: str) -> None:
+        """A block of text in ``train.log`` alone (the final test table, which the command
+        prints on the console itself)."""
+        if self._text is not None:
+            self._text.handle(logging.LogRecord("mmgoal", logging.INFO, __file__, 0, text,
+                                                None, None))
+
     def close(self) -> None:
         """Close every logger, also after an error: one that fails to close is reported and
         the others still close, so the error that ended the run is the one raised."""

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 import mmgoal
 from mmgoal import strict_json
 from mmgoal.config import config_text
+from mmgoal.console import bars_drawn, progress_bar
 from mmgoal.contract import CrossAttentionModel, TowerLockingModel, require
 from mmgoal.data.classification import read_classification_set
 from mmgoal.data.pipeline import (
@@ -51,7 +51,7 @@ from mmgoal.engine.step import TrainingStep
 from mmgoal.engine.strategies.base import Strategy
 from mmgoal.evaluation.gallery import EvaluationStopped
 from mmgoal.evaluation.request import EvaluationRequest, evaluate
-from mmgoal.evaluation.retrieval import format_metrics
+from mmgoal.evaluation.retrieval import format_metrics, metrics_table
 from mmgoal.files import read_text, write_text
 from mmgoal.models.efficiency import compile_model
 from mmgoal.registry import (
@@ -105,7 +105,7 @@ class Trainer:
         self.strategy = self._build_strategy()
         self.is_main = self.strategy.is_main
         self.log = MetricLog(self.work_dir / "metrics.jsonl", enabled=self.is_main,
-                             loggers=loggers, progress=self.config.train.progress)
+                             loggers=loggers, progress=bars_drawn(self.config.train.progress))
         if self.is_main:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.strategy.read_state(self.checkpoint_dir) if resume else None
@@ -578,9 +578,9 @@ class Trainer:
         """The epoch's steps (those left, after a resume); False when stopped by a signal."""
         cfg = self.config.train
         micro_batches = self.steps_per_epoch * self.accumulate_steps
-        bar = tqdm(total=self.steps_per_epoch, initial=self.step % self.steps_per_epoch,
-                   desc=f"epoch {self.epoch}", unit="step", dynamic_ncols=True,
-                   disable=not (cfg.progress and self.is_main))
+        bar = progress_bar(total=self.steps_per_epoch,
+                           initial=self.step % self.steps_per_epoch, desc=f"epoch {self.epoch}",
+                           unit="step", dynamic_ncols=True, show=cfg.progress and self.is_main)
         batches = iter(self._loader())
         # Resuming inside an epoch: replay the data order, skip the work.
         for _ in range(self.batch_in_epoch):
@@ -781,6 +781,8 @@ class Trainer:
                 report["test"] = test
                 report["test_set"] = shard_listing(self.config.data.test.shards)
                 self.log.write({"type": "test", "step": self.step, **report["test"]})
+                self.log.note(f"test metrics of the best epoch ({self.best['epoch']}), "
+                              f"{seconds:.0f}s of training:\n{metrics_table(test)}")
         if self.is_main:
             write_text(self.work_dir / "report.json", strict_json.dumps(report, indent=2))
         return self.strategy.broadcast(report)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 from torchvision.ops import box_iou
-from tqdm import tqdm
 
+from mmgoal.console import progress_bar
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.flickr_entities import entities_for_captions, read_image_entities
 from mmgoal.data.pipeline import EvalReader
@@ -147,8 +147,8 @@ def evaluate_attention(model: torch.nn.Module, gallery: Gallery, tokenizer,
         gallery.entities = [entity_source(i) for i in gallery.image_ids]
     scorer = AttentionScorer(thresholds, t_iou)
     pairs = matched_pairs_with_phrases(gallery, tokenizer)
-    for start in tqdm(range(0, len(pairs), batch_size), desc="attention", unit="batch",
-                      disable=not progress, leave=False):
+    for start in progress_bar(range(0, len(pairs), batch_size), desc="attention", unit="batch",
+                      show=progress, leave=False):
         chunk = pairs[start:start + batch_size]
         device = gallery.images.embedding.device
         images = torch.tensor([p[0] for p in chunk], device=device)

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
 from mmgoal.config import MatmulPrecision, check_value
+from mmgoal.console import progress_bar
 from mmgoal.contract import MatchingModel, region_boxes, require, similarity_uses_tokens
 from mmgoal.data.pipeline import EvalReader, SkipCounter, iter_eval_batches
 from mmgoal.devices import (
@@ -93,7 +93,7 @@ def encode_image_batches(model: torch.nn.Module, batches: Iterable[dict], desc: 
     do not say how many samples they hold unread) and ``stop`` polled before each batch."""
     device = module_device(model)
     pinned = device.type == "cuda"  # the readers pin their batches for it
-    with tqdm(total=total, desc=desc, unit="image", disable=not progress, leave=False) as bar:
+    with progress_bar(total=total, desc=desc, unit="image", show=progress, leave=False) as bar:
         for batch in batches:
             _stop_if_asked(stop)
             # the tensors only: walking the captions and entities costs more than the copy
@@ -233,7 +233,7 @@ def _encode_captions(model: torch.nn.Module, tokenizer: Callable, captions: list
     batches (those one process forms) and every rank gets them all, in order."""
     share = captions[slice(*rank_share(len(captions), rank, world, batch_size))]
     texts = []
-    with tqdm(total=len(share), desc="encode texts", unit="caption", disable=not progress,
+    with progress_bar(total=len(share), desc="encode texts", unit="caption", show=progress,
               leave=False) as bar:
         for start in range(0, len(share), batch_size):
             _stop_if_asked(stop)
@@ -349,7 +349,7 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
                          block_images, block_budget_mb(device, max_block_mb))
     sims = torch.empty(last - first, n_texts, device=device)
     blocks = math.ceil((last - first) / bi) * math.ceil(n_texts / bt)
-    with tqdm(total=blocks, desc="score gallery", unit="block", disable=not progress,
+    with progress_bar(total=blocks, desc="score gallery", unit="block", show=progress,
               leave=False) as bar:
         for i in range(first, last, bi):
             image_block = slice_features(images, i, min(i + bi, last))

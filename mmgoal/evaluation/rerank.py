@@ -7,8 +7,8 @@ rest, which keep their ITC order; one matrix per direction (``sims_t2i`` of
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
+from mmgoal.console import progress_bar
 from mmgoal.distributed import gather_each, rank_share, world_info
 from mmgoal.structures import ImageFeatures, TextFeatures, index_features, slice_features
 
@@ -19,8 +19,8 @@ def itm_scores(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
                progress: bool = False, desc: str = "ITM") -> torch.Tensor:
     """The "match" logit of the pairs (image_index[p], text_index[p]), in batches."""
     scores = torch.empty(len(image_index), device=images.embedding.device)
-    for start in tqdm(range(0, len(image_index), batch_size), desc=desc, unit="batch",
-                      disable=not progress, leave=False):
+    for start in progress_bar(range(0, len(image_index), batch_size), desc=desc, unit="batch",
+                      show=progress, leave=False):
         end = start + batch_size
         image_part = index_features(images, image_index[start:end])
         # The pairs' captions, their padding cut to the longest of them.

@@ -9,8 +9,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from mmgoal.console import progress_bar
 from mmgoal.contract import similarity_uses_tokens
 from mmgoal.data.classification import ClassificationSet, LabelledImages
 from mmgoal.data.pipeline import SkipCounter, iter_batches
@@ -39,7 +39,7 @@ def class_embeddings(model: torch.nn.Module, tokenizer, classnames: list[str],
     progress bar of the classes with ``progress``: ImageNet's are 1,000 x 80 prompts)."""
     device = module_device(model)
     rows = []
-    for name in tqdm(classnames, desc="zero-shot classes", unit="class", disable=not progress,
+    for name in progress_bar(classnames, desc="zero-shot classes", unit="class", show=progress,
                      leave=False):
         prompts = [template.replace("{c}", name) for template in templates]
         embedding = model.encode_text(move_to_device(tokenizer(prompts), device)).embedding

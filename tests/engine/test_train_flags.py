@@ -155,3 +155,20 @@ def test_a_validation_gives_every_module_its_own_mode_back():
     seen = in_eval_mode(lambda m: [module.training for module in m.modules()])(model)
     assert seen == [False, False, False]
     assert [module.training for module in model.modules()] == [True, False, True]
+
+
+def test_train_log_holds_the_test_table_and_no_bar_is_drawn_off_a_terminal(
+        tiny_quickstart_run):
+    import json
+
+    from mmgoal.console import bars_drawn, progress_bar
+    from mmgoal.evaluation.retrieval import metrics_table
+
+    run, _ = tiny_quickstart_run
+    report = json.loads((run / "report.json").read_text())
+    log = (run / "train.log").read_text()
+    assert f"test metrics of the best epoch ({report['best']['epoch']})" in log
+    assert metrics_table(report["test"]) in log
+    # under pytest stderr is no terminal: no bar, so the run logs its step lines instead
+    assert not bars_drawn(True) and progress_bar(range(2), show=True).disable
+    assert "\r" not in log and "epoch 0 step 2/" in log

@@ -165,15 +165,15 @@ def test_an_image_folders_progress_bar_has_its_images_for_total(tmp_path, monkey
     known unread: a count of images)."""
     from tqdm import tqdm
 
-    import mmgoal.evaluation.gallery as gallery_module
+    import mmgoal.console as console
     from mmgoal.evaluation.zeroshot import zero_shot_logits
     from mmgoal.structures import ImageFeatures, TextFeatures
 
     bars = []
 
     class RecordedBar(tqdm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+        def __init__(self, *args, **kwargs):  # drawn, though no terminal is there
+            super().__init__(*args, **{**kwargs, "disable": False})
             bars.append(self)
 
     class MeanColour(torch.nn.Module):
@@ -183,9 +183,9 @@ def test_an_image_folders_progress_bar_has_its_images_for_total(tmp_path, monkey
         def encode_text(self, tokens):
             return TextFeatures(torch.ones(len(tokens["prompts"]), 3))
 
-    monkeypatch.setattr(gallery_module, "tqdm", RecordedBar)
+    monkeypatch.setattr(console, "tqdm", RecordedBar)
     folder = write_synthetic_classification(tmp_path / "shapes", count=18, image_size=16,
                                             layout="folder")
     zero_shot_logits(MeanColour(), lambda image: torch.zeros(3, 2, 2),
                      lambda prompts: {"prompts": prompts}, folder, batch_size=4)
-    assert [(bar.unit, bar.total, bar.n) for bar in bars] == [("image", 18, 18)]
+    assert [(bar.unit, bar.total, bar.n) for bar in bars] == [("class", 6, 6), ("image", 18, 18)]
