@@ -172,3 +172,17 @@ def test_train_log_holds_the_test_table_and_no_bar_is_drawn_off_a_terminal(
     # under pytest stderr is no terminal: no bar, so the run logs its step lines instead
     assert not bars_drawn(True) and progress_bar(range(2), show=True).disable
     assert "\r" not in log and "epoch 0 step 2/" in log
+
+
+def test_deepspeed_on_a_cpu_says_it_compiles_its_extension_first(tmp_path, monkeypatch,
+                                                                 caplog):
+    from mmgoal.engine.strategies.deepspeed import say_cpu_extension_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert say_cpu_extension_build()
+    assert f"it is kept in {tmp_path}" in caplog.text and "about a minute" in caplog.text
+    built = tmp_path / "py311_cpu" / "deepspeed_shm_comm"
+    built.mkdir(parents=True)
+    (built / "deepspeed_shm_comm.so").touch()
+    assert not say_cpu_extension_build()  # built: nothing to say

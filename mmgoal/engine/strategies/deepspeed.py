@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import glob
 import json
 import logging
 import os
@@ -44,7 +45,13 @@ from torch import nn
 
 from mmgoal.config import Precision
 from mmgoal.devices import precision_dtype
-from mmgoal.distributed import all_objects, launched_world_size, process_group_backend, rng_state
+from mmgoal.distributed import (
+    all_objects,
+    launched_rank,
+    launched_world_size,
+    process_group_backend,
+    rng_state,
+)
 from mmgoal.engine.optimizers import build_optimizer
 from mmgoal.engine.strategies.base import Strategy, cpu_float_state, prune_except
 from mmgoal.extras import require_extra
@@ -234,6 +241,21 @@ def merge_deepspeed_config(user: dict, micro_batch: int, accumulate_steps: int, 
     return cfg
 
 
+
+def say_cpu_extension_build() -> bool:
+    """Say, before it happens, that DeepSpeed on a CPU compiles its shared-memory extension
+    (``deepspeed_shm_comm``) on its first run on a machine, about a minute without a word
+    from it, and where the result is kept; True when it said so (not built yet)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    if glob.glob(os.path.join(root, "**", "deepspeed_shm_comm", "*.so"), recursive=True):
+        return False
+    logger.warning("DeepSpeed compiles its CPU extension (deepspeed_shm_comm) on its first "
+                   "run on this machine: about a minute on 2 cores, once; it is kept in %s "
+                   "(TORCH_EXTENSIONS_DIR sets where; make venv sets it to .venv/)", root)
+    return True
+
 @STRATEGIES.register("deepspeed")
 class DeepSpeedStrategy(Strategy):
     """Train through ``deepspeed.initialize`` (see the module docstring).
@@ -284,6 +306,8 @@ class DeepSpeedStrategy(Strategy):
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        elif launched_rank() == 0:
+            say_cpu_extension_build()
         deepspeed.init_distributed(dist_backend=process_group_backend(self.device),
                                    verbose=False,
                                    timeout=datetime.timedelta(minutes=timeout_minutes))
