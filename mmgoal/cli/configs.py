@@ -12,6 +12,9 @@ with its ``_base_`` files merged in, so the copy stands alone (docs/configs.md).
 
 from __future__ import annotations
 
+import re
+import shutil
+import textwrap
 from pathlib import Path
 
 import mmgoal
@@ -26,14 +29,18 @@ from mmgoal.config import (
 from mmgoal.files import write_text
 
 
-def first_comment_line(path: Path) -> str:
-    """The config's first comment line, its description (``""`` without one)."""
-    for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-        if line.strip():
+def description(path: Path) -> str:
+    """The config's description: the first sentence of its leading comment, whole (up to
+    a blank comment line or an indented command); ``""`` without one."""
+    words = []
+    for line in leading_comments(path):
+        text = line[1:]
+        if not text.strip() or text.startswith("   "):  # a paragraph's end, a command
             break
-    return ""
+        words.append(text.strip())
+    paragraph = " ".join(words)
+    sentence = re.match(r"(.+?[.!?])(\s|$)", paragraph)
+    return sentence.group(1) if sentence else paragraph
 
 
 def leading_comments(path: Path) -> list[str]:
@@ -99,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         return print_error(f"no shipped config's name matches {args.pattern!r}; `mmgoal "
                            f"configs` lists them all")
     width = max(map(len, found)) + 2
-    for name, path in found.items():
-        print(f"{name:<{width}}{first_comment_line(path)}")
+    columns = max(shutil.get_terminal_size((120, 24)).columns, width + 40)
+    for name, path in found.items():  # whole sentences, wrapped under their column
+        print(textwrap.fill(description(path), columns, initial_indent=f"{name:<{width}}",
+                            subsequent_indent=" " * width))
     print(f"\n{len(found)} config(s) in {SHIPPED_CONFIGS}; `mmgoal train NAME` trains one, "
           f"`mmgoal configs --copy NAME FILE` copies one out")
     return 0

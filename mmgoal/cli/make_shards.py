@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import re
 import sys
 import typing
 from pathlib import Path
@@ -36,6 +37,11 @@ from mmgoal.registry import SHARD_SOURCES, import_custom_modules
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = [token for token in argv if token in SHARD_SOURCES.names()]
+    if named and {"-h", "--help"} & set(argv):  # make-shards SOURCE --help: its own options
+        source_parser(named[0]).print_help()
+        raise SystemExit(0)
     parser = tool_parser(__doc__, epilog=source_options_help(),
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="a registered shard source: "
@@ -61,6 +67,54 @@ def source_options_help() -> str:
                    for p in inspect.signature(SHARD_SOURCES.get(source)).parameters]
         lines.append(f"  {source}: {' '.join(options)}")
     return "\n".join(lines)
+
+
+def documented(target: type) -> dict[str, str]:
+    """Each parameter's description from the ``Args:`` block of ``target``'s docstring
+    (``a, b: text`` describes both)."""
+    doc = inspect.getdoc(target) or ""
+    if "Args:" not in doc:
+        return {}
+    found: dict[str, str] = {}
+    names: list[str] = []
+    for line in doc.split("Args:", 1)[1].splitlines():
+        entry = re.match(r"^    ([\w, ]+):\s*(.*)$", line)
+        if entry:
+            names = [name.strip() for name in entry.group(1).split(",")]
+            for name in names:
+                found[name] = entry.group(2)
+        elif line.startswith("        ") and names:  # the entry goes on
+            for name in names:
+                found[name] += " " + line.strip()
+        elif line.strip():
+            break
+    return {name: text.replace("``", "") for name, text in found.items()}
+
+
+def source_parser(source: str) -> argparse.ArgumentParser:
+    """The help of one source (``make-shards SOURCE --help``): its options, what each is
+    for, and its defaults."""
+    target = SHARD_SOURCES.get(source)
+    doc = (inspect.getdoc(target) or "").split("\n\n", 1)[0]
+    parser = argparse.ArgumentParser(
+        prog=f"mmgoal make-shards {source}", description=doc.replace("``", ""),
+        usage=f"mmgoal make-shards {source} --out OUT [--shard-size N] [--workers N] "
+              f"[--resume] [{source} options]",
+        epilog="the common options: mmgoal make-shards --help")
+    group = parser.add_argument_group(f"{source} options")
+    about = documented(target)
+    required = SHARD_SOURCES.required(source)
+    for name, parameter in inspect.signature(target).parameters.items():
+        flag = f"--{name.replace('_', '-')}"
+        text = about.get(name) or (f"the {name} split's file or folder"
+                                   if name in ("train", "val", "test") else "")
+        if name in required:
+            text += " (required)"
+        elif parameter.default not in (None, False, inspect.Parameter.empty):
+            text += f" (default: {parameter.default!r})"
+        group.add_argument(flag, help=text.strip() or None,
+                           **({"action": "store_true"} if parameter.default is False else {}))
+    return parser
 
 
 def source_options(source: str, rest: list[str]) -> dict:

@@ -4,6 +4,7 @@ import io
 import json
 import tarfile
 
+import pytest
 import yaml
 from PIL import Image
 from script_modules import load_tool
@@ -146,3 +147,18 @@ def test_inspect_fails_an_empty_set_and_explains_bad_arguments(tmp_path, capsys)
             ([str(tmp_path / "empty-{000000..000001.tar")], "Unbalanced braces")):
         assert inspect_shards.main([*argv, "--no-progress"]) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_a_sources_help_gives_its_options_descriptions_and_defaults(capsys):
+    from mmgoal.cli import make_shards
+
+    with pytest.raises(SystemExit) as stop:
+        make_shards.main(["csv", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert stop.value.code == 0 and shown.startswith("usage: mmgoal make-shards csv --out OUT")
+    assert "--img-key IMG_KEY open_clip's --csv-img-key" in shown
+    assert "(default: 'filepath')" in shown and "(default: 'title')" in shown
+    assert "--image-root IMAGE_ROOT where relative image paths start" in shown
+    with pytest.raises(SystemExit):
+        make_shards.main(["karpathy", "-h"])
+    assert "--json JSON" in capsys.readouterr().out

@@ -105,14 +105,23 @@ def test_train_prints_a_shipped_config_by_name_from_any_folder(tmp_path):
     assert usage.stdout.startswith("usage: mmgoal train [-h]")
 
 
-def test_configs_lists_by_pattern_with_each_first_comment_line(capsys):
-    assert configs_tool.main(["scan/*_f30k"]) == 0
+def test_configs_lists_by_pattern_each_with_its_first_sentence_whole(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    assert configs_tool.main(["clip/clip_vit_b_16*"]) == 0
     rows = capsys.readouterr().out.split("\n\n")[0].splitlines()
     expected = {name: path for name, path in shipped_configs().items()
-                if name.startswith("scan/") and name.endswith("_f30k")}
-    assert [row.split()[0] for row in rows] == list(expected) and len(expected) >= 3
-    first = expected[rows[0].split()[0]].read_text().splitlines()[0].lstrip("# ")
-    assert rows[0].split(None, 1)[1] == first
+                if name.startswith("clip/clip_vit_b_16")}
+    named = [row.split()[0] for row in rows if not row.startswith(" ")]
+    assert named == list(expected) and len(expected) >= 6
+    # the first sentence, over two comment lines in the file, wrapped to 100 columns
+    second = next(k for k, row in enumerate(rows) if k and not row.startswith(" "))
+    first = " ".join(rows[:second]).split(None, 1)[1]
+    assert " ".join(first.split()) == (
+        "Fine-tune OpenAI's CLIP ViT-B-16 for retrieval on MS-COCO (Karpathy split, 5K test) "
+        "under InfoNCE, the temperature being CLIP's own logit_scale, with open_clip's "
+        "fine-tuning recipe (_base_/schedules/clip_finetune.yaml); zero-shot recalls first "
+        "(epoch -1).")
+    assert max(map(len, rows)) <= 100
     assert configs_tool.main(["nothing-like-this"]) == 2
     assert "no shipped config's name matches 'nothing-like-this'" in capsys.readouterr().err
 
