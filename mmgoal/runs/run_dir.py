@@ -208,6 +208,11 @@ def weights_file(path: str | os.PathLike, which: str = "best_or_latest") -> Path
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    if (path / "adapter_config.json").is_file():  # peft's save_pretrained, or mmgoal's export
+        raise FileNotFoundError(f"{path} is a folder of LoRA adapters (peft's format), not a "
+                                f"model: load them onto their base model with "
+                                f"peft.PeftModel.from_pretrained, or start a run from them "
+                                f"with model.peft.pretrained: {path} (docs/models.md, LoRA)")
     raise FileNotFoundError(f"{path} holds no {'best' if which == 'best' else 'complete'} "
                             f"checkpoint (looked for {' and '.join(map(str, candidates))})")
 

@@ -252,3 +252,13 @@ def test_peft_export_refuses_a_run_without_adapters_and_wise_ft(tiny_quickstart_
     assert "--wise-ft mixes the whole weights, and --format peft writes adapters alone" in \
         capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_an_adapter_folder_given_as_a_model_says_what_it_is(tmp_path):
+    from mmgoal.runs.run_dir import weights_file
+
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"is a folder of LoRA adapters \(peft's "
+                                                r"format\), not a model: .*model\.peft\."
+                                                r"pretrained"):
+        weights_file(tmp_path)
