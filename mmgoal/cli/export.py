@@ -1,65 +1,17 @@
 """Export a run's weights: one plain file, the folder open_clip or transformers loads, or a
 LoRA run's adapters as peft's adapter folder.
 
-One file that a single process loads (``.pt`` or ``.safetensors``), or the folder
-layout of open_clip or Hugging Face transformers, for the code and hubs that load those:
-
     mmgoal export work_dirs/run1 --out run1.pt      # best.pt, else the latest (as mmgoal eval)
-    mmgoal export work_dirs/run1 --latest --out run1_last.pt
-    mmgoal export work_dirs/run1 --out run1.safetensors
-    mmgoal eval run1.pt           # the config travels inside the file
-    mmgoal export work_dirs/clip --format open_clip --out clip_goal/
+    mmgoal export work_dirs/run1 --latest --out run1.safetensors
+    mmgoal export work_dirs/clip --format open_clip --out clip_goal/ [--push-to-hub you/clip-goal]
     mmgoal export work_dirs/hfclip --format hf --out hfclip_goal/
-    mmgoal export work_dirs/clip --format open_clip --out clip_goal/ --push-to-hub you/clip-goal
     mmgoal export work_dirs/clip_lora --format peft --out clip_lora_adapters/
 
-and from Python ``mmgoal.load("run1.safetensors")``; ``open_clip.create_model_and_transforms(
-"local-dir:clip_goal")``; ``transformers.AutoModel.from_pretrained("hfclip_goal")``;
-``peft.PeftModel.from_pretrained(base_model, "clip_lora_adapters")`` (docs/models.md, "Take a
-fine-tuned model elsewhere").
-
-Whatever strategy wrote the run (one process, ``torchrun``, DeepSpeed ZeRO 0-3,
-bf16), the file holds the float32 model weights, the tokenizer and the config:
-``{"model", "tokenizer", "config"}`` in the mmgoal checkpoint format, loadable
-with ``torch.load(..., weights_only=True)``. No optimizer state, no DeepSpeed.
-An ``--out`` ending in ``.safetensors`` writes the weights as safetensors with
-the config, tokenizer, source and format version (``mmgoal-safetensors/1``) as
-JSON in the file's metadata.
-
-A LoRA run (``model.peft``, docs/models.md "LoRA") is exported merged, in every
-format but ``peft``: each adapter's update is folded into the weight it adapts, the model
-is built from the run's config for that (``--trust-custom-imports`` imports its
-``custom_imports``), and the export's config has ``model.peft: null``, so it loads as
-the plain model and embeds as the adapted one did. ``--format peft`` writes the adapters
-alone, as peft's ``save_pretrained`` does (``adapter_config.json``,
-``adapter_model.safetensors``), for ``peft.PeftModel.from_pretrained`` on the base model
-(the open_clip or transformers model the run started from) or a LoRA run's
-``model.peft.pretrained``; what the run trained beside them (``logit_scale``) is not in it.
-
-``--out`` is a new file or an earlier export: a run's own checkpoints (best.pt,
-last.pt) and other files are never overwritten, nothing is written through a symbolic
-link, and weights holding NaN/inf (written by an older mmgoal as its run diverged) are
-refused.
-
-``--format open_clip`` (``OpenCLIP`` runs) writes open_clip's own folder:
-``open_clip_config.json`` (the run's ``model_cfg``, ``model_kwargs`` included, and its
-``preprocess_cfg``) and ``open_clip_model.safetensors``, as open_clip's
-``push_to_hf_hub`` lays them out. ``--format hf`` (``HFCLIP`` runs) writes a
-``save_pretrained`` folder with the run's image processor and tokenizer. ``--out`` of a
-folder format (these and ``peft``) is a new or empty folder, or an earlier export of that
-format, which mmgoal knows by the ``.mmgoal-export.json`` it wrote there (its format and
-files): a file of the folder that the earlier export did not write is never replaced, and a
-folder without it is refused. A model family with no outside format (VSE, SCAN, X-VLM) is
-an error that names the formats it has.
-
-``--push-to-hub NAMESPACE/NAME`` then uploads what the export wrote (the file, or the
-folder's files) to that Hugging Face hub model repository in a commit, at its root,
-through ``huggingface_hub`` (``HfApi.create_repo(exist_ok=True)``, then ``upload_file`` or
-``upload_folder``): the endpoint is ``HF_ENDPOINT``'s, the token ``HF_TOKEN``'s or the one
-``hf auth login`` saved. ``--private`` makes a repository it creates private;
-``--commit-message`` names the commit. With ``HF_HUB_OFFLINE`` set nothing is exported
-(the push could not happen); a push that fails (no token, no write access, the network,
-the hub) leaves the export written and says so.
+The file holds the float32 weights, tokenizer and config whatever strategy wrote the run
+(docs/distributed.md, "Checkpoints, resume, export"); a LoRA run is exported merged in
+every format but ``peft``. The folder formats, what loads them and ``--push-to-hub``:
+docs/models.md, "Take a fine-tuned model elsewhere"; what ``--out`` may be and never
+overwrites: docs/received_files.md.
 """
 
 from __future__ import annotations

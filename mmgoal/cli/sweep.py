@@ -4,23 +4,11 @@
     mmgoal sweep configs/goal/sweep_synthetic.yaml --triplet nca cir --pair con sig_ms \\
         --grid objective.triplet.tau=1,5,10,30 --seeds 3 --out work_dirs/sweep_tau
 
-The config's objective must be a ``GoalObjective``. Each run sets
-``objective.triplet`` and ``objective.pair`` to the combination under test, with
-the grid's ``objective.triplet.<option>`` / ``objective.pair.<option>`` values as
-that weight's options (the config's own weight options are replaced); a grid
-option that a swept weight does not take is an error before anything trains.
-Other grid keys are ordinary overrides. Every run gets its own
-directory ``OUT/<triplet>x<pair>/<grid point>/seed<k>``; a sweep started again
-skips finished runs and resumes an interrupted one from its last checkpoint.
-Writes ``OUT/runs.json`` (every run: setting, seed, validation rsum, test
-metrics) and ``OUT/table.md``: the layout of the GOAL paper's Table 3 (rows
-pair weights, columns triplet weights) with test R@1 mean +- std over seeds
-for both directions; with a grid, each cell shows the grid point with the best
-mean validation rsum, and its hyperparameters.
-
-``{seed}`` in the config's ``load_from`` becomes the run's seed, so each seed can
-fine-tune its own checkpoint (configs/goal/finetune_synthetic.yaml starts from
-each seed's ``con x con`` run of a first sweep).
+Each run (``OUT/<triplet>x<pair>/<grid point>/seed<k>``, resumed or reused when the sweep
+starts again) sets the config's ``GoalObjective`` to the combination, the grid's
+``objective.triplet.<option>`` / ``objective.pair.<option>`` as that weight's options;
+``OUT/runs.json`` holds every run, ``OUT/table.md`` the GOAL paper's Table 3 layout, and
+``{seed}`` in ``load_from`` becomes each run's seed (docs/objectives.md, "Sweeps").
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """A run directory: its files, where its weights are, and its life (start, resume).
 
 A run directory holds ``config.yaml``, ``metrics.jsonl``, ``report.json`` and
-``checkpoints/``: ``best.pt`` (the float32 weights of the best epoch), and the
-strategy's resumable checkpoint, ``last.pt`` (torch) or ``deepspeed/<tag>/``
-(whose ``weights.pt`` is the tag's float32 model) with the pointer
-``deepspeed/latest`` naming the newest complete tag; with ``train.keep_epochs: N``
-(torch, accelerate) also the resumable checkpoints of the last N epochs' ends, ``epoch_<E>.pt``
-(:func:`epoch_checkpoints`). The engine writes them
-(:mod:`mmgoal.engine.strategies`); the tools, the evaluation and the API read
-them back through :func:`weights_file` and :mod:`mmgoal.runs.loading`.
-
-A run directory holds one run, written by one process at a time: a run holds
-:func:`run_lock` on its folder for its whole life (an OS file lock, released
-when the process ends however it ends), and a second process that would write
-the same folder is refused with the holder's PID and host. Starting a new run
-where one already is would overwrite its checkpoints, config and report, so it
-is refused unless the run is resumed or the caller asks for ``overwrite``, which
-deletes exactly what the old run wrote (:func:`run_written_files`: its files, its
-checkpoints and its loggers' files) and nothing else. A resumed run keeps its
-``config.yaml``: the config given for the resume is compared with it, and only keys
-that may change on
-resume (:data:`RESUMABLE`: the length of the run, logging and loggers, evaluation, how
-the global batch is split, the learning rate and clipping after a divergence)
-may differ. Accepted changes are recorded, one JSON
-object per resume, in ``config_changes.jsonl`` and applied again by later resumes.
+``checkpoints/`` (``best.pt``, the strategy's resumable ``last.pt`` or
+``deepspeed/<tag>/``, ``epoch_<E>.pt`` with ``train.keep_epochs``), written by the engine
+and read back through :func:`weights_file` and :mod:`mmgoal.runs.loading`. One process at a
+time writes it (:func:`run_lock`); a new run is refused where one is unless resumed or
+``overwrite`` (which deletes what the old run wrote, :func:`run_written_files`), and a
+resume may change only :data:`RESUMABLE` keys, recorded in ``config_changes.jsonl``
+(docs/configs.md, "What a run writes"; docs/getting_started.md, "The run directory").
 """
 
 from __future__ import annotations

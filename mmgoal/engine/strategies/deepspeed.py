@@ -1,25 +1,11 @@
 """DeepSpeed: ZeRO stages 0-3, bf16/fp16 mixed precision, accumulation, clipping, checkpoints.
 
-The DeepSpeed config is generated from the mmgoal config (micro batch =
-``data.train.batch_size``, ``train.accumulate_steps``, ``train.clip_grad``,
-``zero_stage``, ``precision``) and, when a JSON is given (``--deepspeed
-ds.json`` or ``strategy.config``), merged under it: the JSON's own keys win,
-``"auto"`` takes the mmgoal value, and a batch size that contradicts the mmgoal
-config is an error. A JSON ``optimizer`` / ``scheduler`` replaces mmgoal's.
-
-Checkpoints: ``checkpoints/deepspeed/<tag>/`` holds DeepSpeed's own files (every
-rank's partitions), ``trainer_state.pt`` (epoch, step, data position, every
-rank's RNG) and ``weights.pt``, the consolidated float32 model in the mmgoal
-format (what ``mmgoal export`` and ``mmgoal eval`` read). A run with
-another number of processes or ZeRO stage resumes through DeepSpeed's universal
-checkpoint (converted once, next to the tag), optimizer state included; the
-module's state outside its parameters (buffers, ``lam: auto``), which DeepSpeed's
-universal loader leaves out, comes from the tag's model states file.
-``checkpoints/deepspeed/latest`` names the newest complete tag; it is rewritten
-atomically only after every rank has finished writing, so a run killed while
-saving resumes from the previous checkpoint. Every file is read weights-only
-(:func:`weights_only_loading`), so a pickle planted in a shared run folder runs
-no code on resume.
+The DeepSpeed config is made from the mmgoal config and a JSON given (``--deepspeed
+ds.json``, ``strategy.config``) merged under it (docs/distributed.md, "DeepSpeed config").
+A tag ``checkpoints/deepspeed/<tag>/`` holds DeepSpeed's files, ``trainer_state.pt`` and
+``weights.pt`` (the float32 model mmgoal reads); ``latest`` is rewritten only after every
+rank wrote; another world size or stage resumes through the universal checkpoint, and
+every file is read weights-only (docs/distributed.md, "Checkpoints, resume, export").
 """
 
 from __future__ import annotations
