@@ -40,10 +40,8 @@ from mmgoal.registry import LOGGERS, STRATEGIES
 # configs/quickstart.yaml shrunk to seconds on the tiny benchmark make-synthetic writes below
 TINY = ["model.embed_dim=16", "model.image_encoder.model_kwargs.widths=[8,16]",
         "model.text_encoder.word_dim=8", "model.text_encoder.hidden_size=16",
-        "data.image_size=32", "data.num_workers=0",
-        "data.train.shards=data/synthetic/train-{000000..000001}.tar",
-        "data.train.batch_size=16", "data.test.shards=data/synthetic/test-000000.tar",
-        "train.epochs=1", "train.progress=false", "train.device=cpu"]
+        "data.image_size=32", "data.num_workers=0", "data.train.batch_size=16",
+        "train.epochs=1", "train.progress=false", "train.device=cpu"]  # the shards it finds
 
 # Installed by sitecustomize in every command's interpreter when --clone is given.
 GUARD = '''

@@ -50,3 +50,28 @@ def test_a_missing_shard_says_what_its_folder_holds(small_synthetic):
         "or a glob (data/synthetic/*.tar) to read the shards that are there")
     with pytest.raises(FileNotFoundError, match="data/elsewhere does not exist: generate"):
         expand_shards("data/elsewhere/train-*.tar")
+
+
+@pytest.mark.slow
+def test_make_synthetic_then_train_quickstart_with_no_override(tmp_path):
+    """What a new user types first, on a small benchmark: every shard make-synthetic wrote
+    is found (it once failed on a train-000002.tar the shipped config named)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    mmgoal = [sys.executable, "-m", "mmgoal"]
+    subprocess.run([*mmgoal, "make-synthetic", "--out", "data/synthetic", "--train", "24",
+                    "--val", "4", "--test", "4", "--shard-size", "8", "--image-size", "16"],
+                   cwd=tmp_path, env=env, check=True, capture_output=True)
+    done = subprocess.run([*mmgoal, "train", "quickstart"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = tmp_path / "work_dirs" / "quickstart"
+    report = json.loads((run / "report.json").read_text())
+    assert report["epochs"] == 14 and "rsum" in report["test"]
+    assert "data/synthetic/train-*.tar" in (run / "config.yaml").read_text()
+    assert "(24 samples)" in done.stderr  # the 3 shards' 24 images
+    assert "test metrics of the best epoch" in (run / "train.log").read_text()

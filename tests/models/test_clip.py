@@ -306,3 +306,30 @@ def test_the_hub_configs_train_with_a_folder_of_their_model_type_in_place_of_the
         assert train[0]["logit_scale"] == pytest.approx(math.exp(scale))
         assert train[0]["logit_bias"] == pytest.approx(bias)
         assert hf_model.logit_bias.item() != bias
+
+
+def test_a_run_fine_tuned_from_pretrained_weights_loads_without_a_random_init_warning(
+        tiny_open_clip, tiny_benchmark, tmp_path, caplog):
+    """mmgoal eval / mmgoal.load of a run whose model started from a weights file: its
+    weights are the checkpoint's, and nothing says the model is random."""
+    from mmgoal.engine.trainer import Trainer
+
+    out, _ = tiny_benchmark
+    weights = tmp_path / "pretrained.pt"
+    torch.save(open_clip.create_model(tiny_open_clip).state_dict(), weights)
+    cfg = {"model": {"type": "OpenCLIP", "model_name": tiny_open_clip,
+                     "pretrained": str(weights)},
+           "objective": {"type": "InfoNCELoss"}, "optimizer": {"type": "AdamW", "lr": 1e-3},
+           "data": {"num_workers": 0, "image_size": None,
+                    "train": {"type": "ShardDataset", "batch_size": 8,
+                              "shards": str(out / "train-000000.tar")}},
+           "train": {"epochs": 1, "progress": False}}
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.save_weights("best.pt")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        loaded = mmgoal.load(tmp_path / "run", device="cpu")
+    assert "initialized randomly" not in caplog.text
+    saved = trainer.model.state_dict()
+    assert all(torch.equal(value, saved[name]) for name, value in
+               loaded.model.state_dict().items())
