@@ -191,11 +191,12 @@ EVAL_SHORTCUTS = (
 )
 
 
-def add_shortcuts(parser: argparse.ArgumentParser, shortcuts: tuple[Shortcut, ...]) -> None:
+def add_shortcuts(parser: argparse.ArgumentParser, shortcuts: tuple[Shortcut, ...],
+                  recorded: bool = True) -> None:
     """The shortcut flags, in a group of ``--help`` that names the key each sets."""
     group = parser.add_argument_group(
-        "open_clip_train flags", "shortcuts for config keys, applied before --cfg-options and "
-        "recorded in the run's config like them")
+        "open_clip_train flags", "shortcuts for config keys, applied before --cfg-options"
+        + (" and recorded in the run's config like them" if recorded else ""))
     for shortcut in shortcuts:
         key = (" or ".join(f"{k} ({t})" for t, k in shortcut.key.items())
                if isinstance(shortcut.key, dict) else shortcut.key)

@@ -36,15 +36,18 @@ from typing import TYPE_CHECKING, Any
 
 from mmgoal import strict_json
 from mmgoal.cli.arguments import (
+    EVAL_SHORTCUTS,
     INPUT_ERRORS,
     add_data_options,
     add_device_option,
     add_loading_options,
+    add_shortcuts,
     apply_loading_options,
     check_out_file,
     config_argument,
     names_shipped_config,
     print_error,
+    shortcut_overrides,
     tool_parser,
 )
 from mmgoal.extras import pyplot
@@ -131,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     add_device_option(parser)
     add_data_options(parser)
     add_loading_options(parser)
+    add_shortcuts(parser, EVAL_SHORTCUTS, recorded=False)
     args = parser.parse_args(argv)
+    args.cfg_options = [*shortcut_overrides(args, EVAL_SHORTCUTS, {}), *args.cfg_options]
     from mmgoal.data.pipeline import IncompleteSplitError
 
     apply_loading_options(args)

@@ -186,3 +186,21 @@ def test_deepspeed_on_a_cpu_says_it_compiles_its_extension_first(tmp_path, monke
     built.mkdir(parents=True)
     (built / "deepspeed_shm_comm.so").touch()
     assert not say_cpu_extension_build()  # built: nothing to say
+
+
+def test_eval_takes_the_flags_that_apply_to_it(tiny_quickstart_run, monkeypatch):
+    import mmgoal.cli.evaluate as evaluate
+    import mmgoal.runs.loading as loading
+
+    run, _ = tiny_quickstart_run
+    given = {}
+
+    def load(checkpoint, config, overrides, *args, **kwargs):
+        given["overrides"] = overrides
+        raise FileNotFoundError("stop here")
+
+    monkeypatch.setattr(loading, "load_for_evaluation", load)
+    assert evaluate.main([str(run), "--batch-size", "7", "--workers", "0", "--cfg-options",
+                          "data.eval_batch_size=9"]) == 2
+    assert given["overrides"] == ["data.eval_batch_size=7", "data.num_workers=0",
+                                  "data.eval_batch_size=9"]  # the last one wins
