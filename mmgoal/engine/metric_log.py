@@ -40,12 +40,15 @@ class MetricLog:
     def open(self, config: dict, step: int) -> None:
         """Start the loggers beside ``metrics.jsonl`` with the resolved ``config``, from
         ``step`` (a resumed run's), and ``train.log``."""
-        if self.enabled:
-            self._open_text()
+        self.open_text()
         for sink in self.loggers:
             sink.open(self.path.parent, config, step)
 
-    def _open_text(self) -> None:
+    def open_text(self) -> None:
+        """Start ``train.log`` (once): every mmgoal log line from here on, the run's setup
+        (the model built, the batch, the learning rate) included."""
+        if not self.enabled or self._text is not None:
+            return
         stream = open_unlinked(self.path.parent / TEXT_LOG,
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, "the run's text log")
         self._text = logging.StreamHandler(stream)
@@ -86,6 +89,10 @@ class MetricLog:
                 sink.close()
             except Exception as error:  # a logger's own failure must not hide the run's
                 logger.warning("%s failed to close: %s", type(sink).__name__, error)
+        self.close_text()
+
+    def close_text(self) -> None:
+        """Stop ``train.log`` (a trainer that never trains, when it is collected)."""
         if self._text is not None:
             package = logging.getLogger("mmgoal")
             package.removeHandler(self._text)

@@ -16,6 +16,7 @@ import math
 import random
 import signal
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,8 @@ class Trainer:
                              loggers=loggers, progress=bars_drawn(self.config.train.progress))
         if self.is_main:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.log.open_text()  # the setup's lines too; closed by fit, or when collected
+        weakref.finalize(self, self.log.close_text)
         resumed = self.strategy.read_state(self.checkpoint_dir) if resume else None
         start_from = (load_checkpoint(self.config.load_from)
                       if self.config.load_from and not resume else None)
@@ -499,15 +502,16 @@ class Trainer:
         """Train the configured epochs, then test the best checkpoint; returns the report
         (``report.json``). A resumed run already done returns the report it wrote."""
         report_file = self.work_dir / "report.json"
-        if self.step and (self.epoch >= self.config.train.epochs or self.stopped_early):
-            logger.warning("the run has trained %d epoch(s) and train.epochs is %d: nothing "
-                           "is left to train (train on with --cfg-options train.epochs=N, N > "
-                           "%d)%s", self.epoch, self.config.train.epochs, self.epoch,
-                           "; its report stands" if report_file.is_file() else "")
-            if report_file.is_file():
-                return self.strategy.broadcast(json.loads(read_text(report_file, "run report"))
-                                               if self.is_main else None)
         try:
+            if self.step and (self.epoch >= self.config.train.epochs or self.stopped_early):
+                logger.warning("the run has trained %d epoch(s) and train.epochs is %d: "
+                               "nothing is left to train (train on with --cfg-options "
+                               "train.epochs=N, N > %d)%s", self.epoch,
+                               self.config.train.epochs, self.epoch,
+                               "; its report stands" if report_file.is_file() else "")
+                if report_file.is_file():
+                    return self.strategy.broadcast(json.loads(read_text(
+                        report_file, "run report")) if self.is_main else None)
             self.log.open(self.config.to_dict(), self.step)
             if not self._train():
                 return {"interrupted": True, "epoch": self.epoch, "step": self.step}

@@ -168,6 +168,7 @@ def test_train_log_holds_the_test_table_and_no_bar_is_drawn_off_a_terminal(
     report = json.loads((run / "report.json").read_text())
     log = (run / "train.log").read_text()
     assert f"test metrics of the best epoch ({report['best']['epoch']})" in log
+    assert "global batch 16 = 16 per rank x 1 rank(s)" in log  # the setup's lines too
     assert metrics_table(report["test"]) in log
     # under pytest stderr is no terminal: no bar, so the run logs its step lines instead
     assert not bars_drawn(True) and progress_bar(range(2), show=True).disable
