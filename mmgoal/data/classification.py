@@ -164,18 +164,6 @@ class LabelledImages:
                 "labels": torch.tensor([label for _, label in decoded], dtype=torch.long)}
 
 
-def iter_labelled_images(cset: ClassificationSet, skipped: SkipCounter,
-                         max_sample_bytes: int = MAX_SAMPLE_BYTES
-                         ) -> Iterator[tuple[Image.Image, int]]:
-    """``(RGB image, label)`` of every image of the set, in order; an image that cannot be
-    read, or a label outside the classes, is counted by ``skipped`` and left out."""
-    source = LabelledImages(cset, max_sample_bytes=max_sample_bytes)
-    for item in source.items(skipped):
-        try:
-            yield source.decode(item)
-        except ValueError as error:
-            skipped(error)
-
 
 def write_synthetic_classification(out: str | Path, task: SyntheticTask = "shape",
                                    count: int = 200, seed: int = 0, image_size: int = 64,

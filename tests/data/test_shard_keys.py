@@ -9,11 +9,12 @@ from PIL import Image
 
 from mmgoal.cli.inspect_shards import inspect
 from mmgoal.cli.plot_attention import nth_sample
-from mmgoal.data.classification import ClassificationSet, iter_labelled_images
+from mmgoal.data.classification import ClassificationSet, LabelledImages
 from mmgoal.data.pipeline import (
     ShardDataset,
     SkipCounter,
     decoded_samples,
+    iter_batches,
     iter_eval_batches,
     read_captions,
     shard_keys,
@@ -70,7 +71,8 @@ def test_every_reader_of_shards_sees_the_same_samples(shard, tmp_path):
     # zero-shot classification from shards
     cset = ClassificationSet(tmp_path, classnames=["zero", "one"], templates=["{c}"],
                              shards=[shard])
-    assert [label for _, label in iter_labelled_images(cset, SkipCounter())] == [0, 1, 0]
+    labelled = iter_batches(LabelledImages(cset, build_transforms(None, 8)), batch_size=8)
+    assert [label for batch in labelled for label in batch["labels"].tolist()] == [0, 1, 0]
     # training: one pass holds the three samples
     tokenizer = WordTokenizer(vocab=["caption", "0", "1", "2"])
     data = ShardDataset(shard, batch_size=3, tokenizer=tokenizer,
