@@ -121,9 +121,9 @@ def _decoded(data: bytes | Path, where: str) -> Image.Image:
 class LabelledImages:
     """The images of a set with their labels, as :class:`~mmgoal.data.pipeline.EvalBatches`
     reads a source: items in order, each decoded to ``(image, label)`` (the image
-    transformed, when a ``transform`` is given), batches ``{"images", "labels"}``."""
+    transformed), batches ``{"images", "labels"}``."""
 
-    def __init__(self, cset: ClassificationSet, transform: Callable | None = None,
+    def __init__(self, cset: ClassificationSet, transform: Callable,
                  max_sample_bytes: int = MAX_SAMPLE_BYTES) -> None:
         self.cset, self.transform, self.max_sample_bytes = cset, transform, max_sample_bytes
 
@@ -155,7 +155,7 @@ class LabelledImages:
             if not 0 <= label < n_classes:
                 raise ValueError(f"{where}: label {label} outside the {n_classes} classes")
             image = _decoded(item[member], where)
-        return (image if self.transform is None else self.transform(image)), label
+        return self.transform(image), label
 
     def collate(self, decoded: list[tuple[Any, int]]) -> dict:
         import torch
