@@ -107,7 +107,8 @@ def _spec(value: Any) -> tuple | None:
     """``(type, {field: (shape, dtype name) or None})`` of a tensor or feature dataclass."""
     if value is None:
         return None
-    return type(value), {name: None if t is None else (tuple(t.shape), str(t.dtype)[6:])
+    return type(value), {name: None if t is None else
+                         (tuple(t.shape), str(t.dtype).removeprefix("torch."))
                          for name, t in _tensor_fields(value).items()}
 
 
@@ -164,9 +165,12 @@ def gather(local: Any, uneven: bool = False) -> Any:
         if mine is None:
             out[name] = None
             continue
+        rows = [shape[0] for shape in shapes[name]]
+        if not uneven and len(set(rows)) > 1:  # a rank's own rows would be misplaced
+            raise RuntimeError(f"gather needs the same number of rows on every rank, got "
+                               f"{rows} ({name}); drop partial batches")
         stacked, widest = _padded_gather(mine, shapes[name], mine.dtype, mine.device)
         parts = stacked.unflatten(0, (world, widest[0]))
-        rows = [shape[0] for shape in shapes[name]]
         out[name] = (parts.flatten(0, 1) if len(set(rows)) == 1 else
                      torch.cat([part[:count] for part, count in zip(parts, rows)]))
     return _assemble(type(local), out)

@@ -170,8 +170,13 @@ def uneven_parts(rank):
     joined = gather(values * (rank + 1), uneven=True)
     (joined * torch.arange(len(joined))).sum().backward()
     each = gather_each(None if rank == 0 else rank_features(rank))
+    try:  # tokens of unequal batches: a message, not rows out of place
+        gather(rank_features(rank))
+    except RuntimeError as error:
+        refused = str(error)
     return {"joined": joined.detach(), "grad": values.grad, "each": each[1].tokens,
-            "none": each[0] is None, "objects": all_objects({"rank": rank})}
+            "none": each[0] is None, "objects": all_objects({"rank": rank}),
+            "refused": refused}
 
 
 @pytest.mark.multiprocess
@@ -218,6 +223,8 @@ def test_two_process_gathered_update_matches_one_process(tmp_path):
                                            [12.0, 16.0, 20.0, 24.0])
         assert uneven["none"] and torch.equal(uneven["each"], rank_features(1).tokens)
         assert uneven["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert uneven["refused"] == ("gather needs the same number of rows on every rank, "
+                                     "got [3, 4] (embedding); drop partial batches")
         assert result["unequal"] == (
             "every rank must gather tensors of the same shapes, got [[(3, 4), (2, 4)], "
             "[(4, 4), (2, 4)]] (rank by rank); drop partial batches")
