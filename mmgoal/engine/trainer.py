@@ -30,7 +30,6 @@ from mmgoal.console import bars_drawn, progress_bar
 from mmgoal.contract import CrossAttentionModel, TowerLockingModel, require
 from mmgoal.data.classification import read_classification_set
 from mmgoal.data.pipeline import (
-    EvalReader,
     IncompleteSplitError,
     expand_shards,
     read_captions,
@@ -51,7 +50,7 @@ from mmgoal.engine.signals import (
 from mmgoal.engine.step import TrainingStep
 from mmgoal.engine.strategies.base import Strategy
 from mmgoal.evaluation.gallery import EvaluationStopped
-from mmgoal.evaluation.request import EvaluationRequest, evaluate
+from mmgoal.evaluation.request import config_request, evaluate
 from mmgoal.evaluation.retrieval import format_metrics, metrics_table
 from mmgoal.files import read_text, write_text
 from mmgoal.models.efficiency import compile_model
@@ -754,15 +753,13 @@ class Trainer:
         split_cfg = getattr(self.config.data, split)
         if not split_cfg:
             raise ValueError(f"the config has no 'data.{split}' section to evaluate on")
-        data, where = self.config.data, self.config.evaluation.zeroshot
-        request = EvaluationRequest(
-            EvalReader.of_split(split_cfg, data), split_cfg.folds,
-            self.config.evaluation, protocols=protocols,
+        where = self.config.evaluation.zeroshot
+        request = config_request(
+            self.config.data, split_cfg, self.config.evaluation,
             zeroshot=(read_classification_set(where["root"], where["split"])
                       if zeroshot and where and self.is_main else None),
-            zeroshot_batch_size=data.eval_batch_size, zeroshot_workers=data.num_workers,
-            across_ranks=across_ranks, progress=self.config.train.progress and self.is_main,
-            stop=stop)
+            protocols=protocols, across_ranks=across_ranks,
+            progress=self.config.train.progress and self.is_main, stop=stop)
         member = Member(model if model is not None else self.model, self.eval_transform,
                         self.tokenizer)
         return evaluate(member, request).metrics

@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.classification import ClassificationSet
@@ -77,17 +78,27 @@ def request_for(loaded: LoadedModel, split: str | None, shards: str | list[str] 
                 **options) -> EvaluationRequest:
     """The request of a loaded run: its ``data.<split>`` (``shards`` in place of the
     config's; ``None``: no retrieval) scored by its ``evaluation`` section updated with
-    ``scoring``, in ``folds`` (default: the split's), and the ``zeroshot`` set at the
-    config's evaluation batch size; ``options``: the rest of :class:`EvaluationRequest`."""
-    data = loaded.config["data"]
+    ``scoring``, as :func:`config_request` makes it."""
+    split_cfg = None if split is None else loaded.split(split, shards, trust_data_paths)
+    return config_request(loaded.config["data"], split_cfg,
+                          {**loaded.config["evaluation"], **(scoring or {})}, zeroshot, folds,
+                          **options)
+
+
+def config_request(data: Mapping[str, Any], split: Mapping[str, Any] | None,
+                   evaluation: ScoringConfig | Mapping[str, Any],
+                   zeroshot: ClassificationSet | None = None, folds: int | None = None,
+                   **options) -> EvaluationRequest:
+    """The request a config makes (a run's dicts or the trainer's typed sections): its
+    ``data.<split>`` section ``split`` (``None``: no retrieval) scored as ``evaluation``
+    says, in ``folds`` (default: the split's), and the ``zeroshot`` set at ``data``'s
+    evaluation batch size and workers; ``options``: the rest of :class:`EvaluationRequest`."""
     request = EvaluationRequest(zeroshot=zeroshot, zeroshot_batch_size=data["eval_batch_size"],
                                 zeroshot_workers=data["num_workers"], **options)
     if split is not None:
-        split_cfg = loaded.split(split, shards, trust_data_paths)
-        request.split = EvalReader.of_split(split_cfg, data)
-        request.folds = folds or split_cfg["folds"]
-        # checked before the gallery's minutes
-        request.scoring = ScoringConfig.of({**loaded.config["evaluation"], **(scoring or {})})
+        request.split = EvalReader.of_split(split, data)
+        request.folds = folds or split["folds"]
+        request.scoring = ScoringConfig.of(evaluation)  # checked before the gallery's minutes
     return request
 
 
