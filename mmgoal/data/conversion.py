@@ -245,7 +245,7 @@ def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1
         logger.info("resuming: %d of %d shards already written", len(done), len(tasks))
     results = list(done.values())
     bar = progress_bar(total=len(tasks), initial=len(done), unit="shard", show=progress,
-               desc=f"{type(source).__name__} -> {out_dir}", dynamic_ncols=True)
+                       desc=f"{type(source).__name__} -> {out_dir}", dynamic_ncols=True)
     for stats in _run(todo, workers):
         results.append(stats)
         bar.update(1)

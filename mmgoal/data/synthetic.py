@@ -361,7 +361,7 @@ def write_benchmark(out_dir: str | Path, counts: dict[str, int] | None = None, s
         scenes_for_entities = []
         with ShardWriter(out_dir, split, max_count=shard_size) as writer:
             for scene in progress_bar(iter_scenes(split, count, seed, image_size), total=count,
-                              desc=f"synthetic {split}", show=progress, leave=False):
+                                      desc=f"synthetic {split}", show=progress, leave=False):
                 writer.write(scene_sample(scene, split))
                 if flickr_entities:
                     scenes_for_entities.append(scene)

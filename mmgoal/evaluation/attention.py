@@ -148,7 +148,7 @@ def evaluate_attention(model: torch.nn.Module, gallery: Gallery, tokenizer,
     scorer = AttentionScorer(thresholds, t_iou)
     pairs = matched_pairs_with_phrases(gallery, tokenizer)
     for start in progress_bar(range(0, len(pairs), batch_size), desc="attention", unit="batch",
-                      show=progress, leave=False):
+                              show=progress, leave=False):
         chunk = pairs[start:start + batch_size]
         device = gallery.images.embedding.device
         images = torch.tensor([p[0] for p in chunk], device=device)

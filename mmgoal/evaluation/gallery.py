@@ -234,7 +234,7 @@ def _encode_captions(model: torch.nn.Module, tokenizer: Callable, captions: list
     share = captions[slice(*rank_share(len(captions), rank, world, batch_size))]
     texts = []
     with progress_bar(total=len(share), desc="encode texts", unit="caption", show=progress,
-              leave=False) as bar:
+                      leave=False) as bar:
         for start in range(0, len(share), batch_size):
             _stop_if_asked(stop)
             chunk = share[start:start + batch_size]
@@ -350,7 +350,7 @@ def _score_blocks(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
     sims = torch.empty(last - first, n_texts, device=device)
     blocks = math.ceil((last - first) / bi) * math.ceil(n_texts / bt)
     with progress_bar(total=blocks, desc="score gallery", unit="block", show=progress,
-              leave=False) as bar:
+                      leave=False) as bar:
         for i in range(first, last, bi):
             image_block = slice_features(images, i, min(i + bi, last))
             for t in range(0, n_texts, bt):

@@ -20,7 +20,7 @@ def itm_scores(model: torch.nn.Module, images: ImageFeatures, texts: TextFeature
     """The "match" logit of the pairs (image_index[p], text_index[p]), in batches."""
     scores = torch.empty(len(image_index), device=images.embedding.device)
     for start in progress_bar(range(0, len(image_index), batch_size), desc=desc, unit="batch",
-                      show=progress, leave=False):
+                              show=progress, leave=False):
         end = start + batch_size
         image_part = index_features(images, image_index[start:end])
         # The pairs' captions, their padding cut to the longest of them.

@@ -39,8 +39,8 @@ def class_embeddings(model: torch.nn.Module, tokenizer, classnames: list[str],
     progress bar of the classes with ``progress``: ImageNet's are 1,000 x 80 prompts)."""
     device = module_device(model)
     rows = []
-    for name in progress_bar(classnames, desc="zero-shot classes", unit="class", show=progress,
-                     leave=False):
+    for name in progress_bar(classnames, desc="zero-shot classes", unit="class",
+                             show=progress, leave=False):
         prompts = [template.replace("{c}", name) for template in templates]
         embedding = model.encode_text(move_to_device(tokenizer(prompts), device)).embedding
         rows.append(F.normalize(F.normalize(embedding.float(), dim=-1).mean(0), dim=0))
@@ -84,12 +84,12 @@ def zero_shot_logits(model: torch.nn.Module, transform, tokenizer, cset: Classif
                 model, batches, "zero-shot images", progress,
                 total=len(cset.files) if cset.files is not None else None):
             embedding = F.normalize(features.embedding.float(), dim=-1)
-            logits.append((embedding @ classes.T).cpu())
+            logits.append(embedding @ classes.T)
             labels.append(batch["labels"])
     if not logits:
         raise ValueError(f"no readable image in the classification set {cset.root} "
                          f"({skipped.summary()})")
-    return torch.cat(logits), torch.cat(labels)
+    return torch.cat(logits).cpu(), torch.cat(labels)  # one copy off the device
 
 
 def evaluate_zeroshot(member: Member, cset: ClassificationSet, batch_size: int = 256,
