@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mmgoal.distributed import leave_process_group
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -40,4 +42,4 @@ def joined(rank: int, port: int, world: int, backend: str = "gloo") -> Iterator[
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        leave_process_group()

@@ -256,6 +256,8 @@ def on_rank(rank: int, world: int, name: str, side: str, n: int, out: str, init:
     import torch
     import torch.distributed as dist
 
+    from mmgoal.distributed import leave_process_group
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     images, texts = embeddings(n)
@@ -271,7 +273,7 @@ def on_rank(rank: int, world: int, name: str, side: str, n: int, out: str, init:
         seconds.append(time.process_time() - start)
     with open(f"{out}.{rank}", "w") as file:
         file.write(json.dumps(sorted(seconds)[1]))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def rank_seconds(name: str, side: str, n: int, world: int) -> float:

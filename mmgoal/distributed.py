@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import hashlib
 import math
 import os
@@ -58,6 +59,19 @@ def init_process_group(timeout_minutes: float, device: torch.device) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(process_group_backend(device),
                             timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def leave_process_group(wait: bool = True) -> None:
+    """Leave the process group, if joined (``wait``: after every rank gets here). A
+    garbage collection first: a collective's work object caught in a reference cycle (a
+    ``TorchDispatchMode``'s, say) would outlive its group and abort the interpreter's
+    teardown ("terminate called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    if wait:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def rng_state() -> dict:

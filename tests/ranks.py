@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mmgoal.distributed import leave_process_group
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
@@ -24,7 +26,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, body, args: tuple) -> 
         torch.save(body(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # every rank's result is written
     finally:
-        dist.destroy_process_group()
+        leave_process_group(wait=False)
     # A rank whose result is written leaves at once: DeepSpeed's CPU shared-memory
     # all-reduce (deepspeed_shm_comm) can abort a process in the interpreter's teardown
     # ("terminate called without an active exception"), after its work is done

@@ -182,10 +182,8 @@ def check_out(out: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     """Evaluate as ``args`` say; under a launcher (``torchrun ... -m mmgoal eval``) every
     rank takes its share of the gallery and rank 0 alone prints and writes."""
-    import torch.distributed as dist
-
     from mmgoal.devices import resolve_device
-    from mmgoal.distributed import init_process_group
+    from mmgoal.distributed import init_process_group, leave_process_group
 
     if args.out:
         check_out(Path(args.out))  # before the evaluation's minutes, not after
@@ -196,8 +194,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return evaluate_on(args, device)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group(wait=False)
 
 
 def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:

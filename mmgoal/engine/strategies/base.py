@@ -24,6 +24,7 @@ from mmgoal.devices import check_precision, move_to_device, resolve_device
 from mmgoal.distributed import (
     all_objects,
     init_process_group,
+    leave_process_group,
     set_rng_state,
     wire_dtype,
     world_info,
@@ -303,6 +304,4 @@ class Strategy:
 
     def close(self) -> None:
         """Leave the process group (at the end of a run)."""
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        leave_process_group()
