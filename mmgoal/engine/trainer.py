@@ -50,7 +50,7 @@ from mmgoal.engine.signals import (
 from mmgoal.engine.step import TrainingStep
 from mmgoal.engine.strategies.base import Strategy
 from mmgoal.evaluation.gallery import EvaluationStopped
-from mmgoal.evaluation.request import config_request, evaluate
+from mmgoal.evaluation.request import check_best_metric, config_request, evaluate
 from mmgoal.evaluation.retrieval import format_metrics, metrics_table
 from mmgoal.files import read_text, write_text
 from mmgoal.models.efficiency import compile_model
@@ -95,6 +95,7 @@ class Trainer:
                  ) -> None:
         # checked, every default written out (the CLI's is already: not parsed again)
         self.config = cfg if isinstance(cfg, RunConfig) else RunConfig.from_dict(cfg, "")
+        check_best_metric(self.config.train.best_metric, bool(self.config.evaluation.zeroshot))
         self.work_dir = Path(work_dir)
         self.checkpoint_dir = self.work_dir / CHECKPOINTS
         import_custom_modules(self.config.custom_imports)

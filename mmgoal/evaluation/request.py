@@ -9,13 +9,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmgoal.config import close_match_hints
 from mmgoal.contract import CrossAttentionModel, require
 from mmgoal.data.classification import ClassificationSet
 from mmgoal.data.pipeline import EvalReader
 from mmgoal.distributed import all_objects, world_info
 from mmgoal.evaluation.attention import T_IOU, AttentionReport, attention_on_split
 from mmgoal.evaluation.gallery import evaluate_retrieval
-from mmgoal.evaluation.zeroshot import evaluate_zeroshot
+from mmgoal.evaluation.retrieval import RECALLS
+from mmgoal.evaluation.zeroshot import ACCURACIES, evaluate_zeroshot
 from mmgoal.runs.loading import LoadedModel
 from mmgoal.runs.schema import ScoringConfig
 from mmgoal.structures import Member
@@ -83,6 +85,19 @@ def request_for(loaded: LoadedModel, split: str | None, shards: str | list[str] 
     return config_request(loaded.config["data"], split_cfg,
                           {**loaded.config["evaluation"], **(scoring or {})}, zeroshot, folds,
                           **options)
+
+
+def check_best_metric(name: str, zeroshot: bool) -> None:
+    """Refuse a ``train.best_metric`` that validation does not report, or a rank (lower is
+    better), before the run trains; ``zeroshot``: validation classifies a zero-shot set."""
+    higher = RECALLS + (ACCURACIES if zeroshot else ())
+    if name in higher:
+        return
+    why = ("a rank: lower is better, and best.pt keeps the highest" if name.endswith(
+        ("_medr", "_meanr")) else "not a metric validation reports" + (
+        "; zero-shot accuracies need evaluation.zeroshot" if name in ACCURACIES else ""))
+    raise ValueError(f"train.best_metric {close_match_hints([name], higher)} is {why}; "
+                     f"choose one of {', '.join(higher)}")
 
 
 def config_request(data: Mapping[str, Any], split: Mapping[str, Any] | None,

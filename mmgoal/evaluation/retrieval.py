@@ -8,6 +8,8 @@ import math
 import torch
 
 RECALL_KS = (1, 5, 10)
+# the retrieval metrics where higher is better (the ranks, *_medr and *_meanr, are not)
+RECALLS = (*(f"{d}_r{k}" for d in ("i2t", "t2i") for k in RECALL_KS), "rsum")
 _ROW_BLOCK = 1024
 
 

@@ -21,6 +21,8 @@ from mmgoal.structures import Member
 logger = logging.getLogger(__name__)
 
 PREFIX = "zeroshot_"
+# its accuracies (top-5 with 5 classes or more)
+ACCURACIES = tuple(PREFIX + name for name in ("top1", "top5", "mean_per_class_recall"))
 
 
 def check_dual_encoder(model: torch.nn.Module) -> None:

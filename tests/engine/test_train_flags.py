@@ -2,6 +2,7 @@
 towers locked as open_clip locks them; the trainable count at each phase."""
 
 import logging
+import re
 
 import pytest
 from test_trainer import tiny_config  # same folder: pytest puts it on sys.path
@@ -137,10 +138,27 @@ def test_validation_every_n_steps_keeps_the_best_and_stops_early(tiny_benchmark,
     # a resumed run that stopped early is done
     again = Trainer(cfg, tmp_path / "run", resume=True)
     assert again.fit()["best"] == report["best"] and again.step == 6
+    # refused before anything is built
     cfg.update(train={**cfg["train"], "best_metric": "rsun", "early_stopping_patience": 0})
-    with pytest.raises(ValueError, match="train.best_metric rsun is not a validation metric; "
-                                         "they are .*rsum"):
-        Trainer(cfg, tmp_path / "other").fit()
+    with pytest.raises(ValueError, match="train.best_metric 'rsun' \\(did you mean 'rsum'\\?\\) "
+                                         "is not a metric validation reports; choose one of "
+                                         "i2t_r1, .*t2i_r10, rsum$"):
+        Trainer(cfg, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize(("name", "zeroshot", "why"), [
+    ("t2i_medr", False, "is a rank: lower is better"),
+    ("zeroshot_top1", False, "zero-shot accuracies need evaluation.zeroshot"),
+    ("zeroshot_top_1", True, "did you mean 'zeroshot_top1'"),
+])
+def test_a_best_metric_validation_cannot_maximise_is_refused(name, zeroshot, why):
+    from mmgoal.evaluation.request import check_best_metric
+
+    with pytest.raises(ValueError, match=re.escape(why)):
+        check_best_metric(name, zeroshot)
+    check_best_metric("zeroshot_mean_per_class_recall", zeroshot=True)  # these are fine
+    check_best_metric("i2t_r5", zeroshot=False)
 
 
 def test_a_validation_gives_every_module_its_own_mode_back():
