@@ -165,6 +165,9 @@ class Trainer:
         # the epoch's steps are done, its end (validation ... checkpoint) is not: --resume
         # goes on to that end without reading the epoch's data again
         self.epoch_steps_done = False
+        # a validation every eval_every_steps is under way: a checkpoint written as a signal
+        # or an unreadable split ends it makes --resume validate first
+        self.validation_due = False
         # best_metric's best value, the epoch (and step) of its validation; the validations
         # since (early stopping)
         self.best = {self.config.train.best_metric: -math.inf, "epoch": -1}
@@ -360,6 +363,7 @@ class Trainer:
             "step": self.step,
             "batch_in_epoch": self.batch_in_epoch,
             "epoch_steps_done": self.epoch_steps_done,
+            "validation_due": self.validation_due,
             "best": dict(self.best),
             "validations_since_best": self.validations_since_best,
             "stopped_early": self.stopped_early,
@@ -388,6 +392,7 @@ class Trainer:
         self.batch_in_epoch = state["batch_in_epoch"]
         # older checkpoints lack it: they were never written between an epoch's steps and end
         self.epoch_steps_done = state.get("epoch_steps_done", False)
+        self.validation_due = state.get("validation_due", False)
         self.best = dict(state["best"])
         if self.config.train.best_metric not in self.best:
             chosen = next(key for key in self.best if key not in ("epoch", "step"))
@@ -492,7 +497,8 @@ class Trainer:
         """After a stop signal ended a validation (one process): the checkpoint of the state
         before it (the epoch's steps done, not its end), from which --resume validates again."""
         self.save()
-        which = (f"epoch {self.epoch}'s validation" if self.epoch_steps_done
+        which = (f"step {self.step}'s validation" if self.validation_due else
+                 f"epoch {self.epoch}'s validation" if self.epoch_steps_done
                  else "the validation before training")
         logger.warning("received %s during %s: dropped it and stopped at epoch %d, step %d "
                        "with a checkpoint; --resume validates again and continues",
@@ -590,6 +596,9 @@ class Trainer:
         for _ in range(self.batch_in_epoch):
             if self.signals.next_batch(batches) is None:
                 break
+        if self.validation_due and not self._validate_at_step():  # what a stop dropped
+            bar.close()
+            return True
         nonfinite_run = 0
         tick, self._samples_since_log = time.perf_counter(), 0
         tick_step = self.step
@@ -646,10 +655,9 @@ class Trainer:
             if every and self.step % every == 0:
                 self.save()
             if (cfg.eval_every_steps and self.config.data.val and not self.epoch_steps_done
-                    and self.step % cfg.eval_every_steps == 0):  # the epoch's end validates
-                self._validate_and_keep()
-                if self.stopped_early:
-                    break
+                    and self.step % cfg.eval_every_steps == 0  # the epoch's end validates
+                    and not self._validate_at_step()):
+                break
             # One agreement per step: a signal on any rank stops every rank after this step.
             if self.strategy.agree(self.signals.received is not None)[0]:
                 bar.close()
@@ -694,6 +702,14 @@ class Trainer:
         self.save()
         if self.config.train.keep_epochs:
             self.strategy.keep_epoch(self.checkpoint_dir, epoch, self.config.train.keep_epochs)
+
+    def _validate_at_step(self) -> bool:
+        """A validation of ``train.eval_every_steps`` (and best.pt); False when it stopped
+        the run early."""
+        self.validation_due = True
+        self._validate_and_keep()
+        self.validation_due = False
+        return not self.stopped_early
 
     def _validate_and_keep(self) -> dict[str, float]:
         """Validate the model as it is (collective), keep it as best.pt where it gains

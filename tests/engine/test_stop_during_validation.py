@@ -157,6 +157,28 @@ def test_a_stop_during_the_validation_before_training_resumes_at_step_0(
 
 
 @pytest.mark.slow
+def test_a_stop_during_a_validation_between_steps_resumes_with_it(tiny_benchmark, tmp_path,
+                                                                  reads, caplog):
+    """train.eval_every_steps: the dropped validation is the resumed run's first work."""
+    out, _ = tiny_benchmark
+    gallery_reads, training_epochs = reads
+    cfg = config(out, 1, workers=0, eval_every_steps=2)
+    full_report = Trainer(cfg, tmp_path / "full").fit()
+    assert [(r["epoch"], r["step"]) for r in records(tmp_path / "full", "val")] == [
+        (0, 2), (0, 4), (0, 6)]
+
+    run = tmp_path / "cut"
+    gallery_reads.sigterm_next, training_epochs[:] = True, []
+    with caplog.at_level("WARNING", logger="mmgoal.engine.trainer"):
+        assert Trainer(cfg, run).fit() == {"interrupted": True, "epoch": 0, "step": 2}
+    assert ("received SIGTERM during step 2's validation: dropped it and stopped at epoch 0, "
+            "step 2 with a checkpoint") in caplog.text
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["validation_due"]
+    report = Trainer(cfg, run, resume=True).fit()
+    assert_resumed_as_never_stopped(tmp_path / "full", full_report, run, report)
+
+
+@pytest.mark.slow
 @pytest.mark.usefixtures("stop_hook")
 def test_a_stop_after_an_epochs_last_step_resumes_at_its_end(tiny_benchmark, tmp_path, reads):
     out, _ = tiny_benchmark
