@@ -651,12 +651,13 @@ class Trainer:
                 tick, self._samples_since_log = time.perf_counter(), 0
                 tick_step = self.step
             bar.update(1)
+            self.validation_due = bool(  # the epoch's end validates its last step
+                cfg.eval_every_steps and self.config.data.val and not self.epoch_steps_done
+                and self.step % cfg.eval_every_steps == 0)
             every = cfg.checkpoint_every_steps
             if every and self.step % every == 0:
-                self.save()
-            if (cfg.eval_every_steps and self.config.data.val and not self.epoch_steps_done
-                    and self.step % cfg.eval_every_steps == 0  # the epoch's end validates
-                    and not self._validate_at_step()):
+                self.save()  # a kill during the validation due: --resume does it first
+            if self.validation_due and not self._validate_at_step():
                 break
             # One agreement per step: a signal on any rank stops every rank after this step.
             if self.strategy.agree(self.signals.received is not None)[0]:
@@ -704,9 +705,8 @@ class Trainer:
             self.strategy.keep_epoch(self.checkpoint_dir, epoch, self.config.train.keep_epochs)
 
     def _validate_at_step(self) -> bool:
-        """A validation of ``train.eval_every_steps`` (and best.pt); False when it stopped
-        the run early."""
-        self.validation_due = True
+        """The validation due by ``train.eval_every_steps`` (and best.pt); False when it
+        stopped the run early."""
         self._validate_and_keep()
         self.validation_due = False
         return not self.stopped_early

@@ -178,6 +178,36 @@ def test_a_stop_during_a_validation_between_steps_resumes_with_it(tiny_benchmark
     assert_resumed_as_never_stopped(tmp_path / "full", full_report, run, report)
 
 
+class Killed(BaseException):
+    """A process killed where it is raised (nothing after it runs, no checkpoint)."""
+
+
+@pytest.mark.slow
+def test_a_run_killed_in_a_validation_between_steps_resumes_with_it(tiny_benchmark, tmp_path,
+                                                                    monkeypatch):
+    """train.checkpoint_every_steps writes the checkpoint before the validation it precedes:
+    a SIGKILL inside it resumes with the validation."""
+    out, _ = tiny_benchmark
+    cfg = config(out, 1, workers=0, eval_every_steps=2, checkpoint_every_steps=2)
+    full_report = Trainer(cfg, tmp_path / "full").fit()
+    validate = Trainer._validate_and_keep
+
+    def killed_at_step_4(trainer):
+        if trainer.step == 4:
+            raise Killed
+        return validate(trainer)
+
+    run = tmp_path / "cut"
+    monkeypatch.setattr(Trainer, "_validate_and_keep", killed_at_step_4)
+    with pytest.raises(Killed):
+        Trainer(cfg, run).fit()
+    monkeypatch.setattr(Trainer, "_validate_and_keep", validate)
+    state = load_checkpoint(run / "checkpoints" / "last.pt")
+    assert (state["step"], state["validation_due"]) == (4, True)
+    report = Trainer(cfg, run, resume=True).fit()
+    assert_resumed_as_never_stopped(tmp_path / "full", full_report, run, report)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("stop_hook")
 def test_a_stop_after_an_epochs_last_step_resumes_at_its_end(tiny_benchmark, tmp_path, reads):
