@@ -34,7 +34,7 @@ from mmgoal.cli.arguments import (
     tool_parser,
 )
 from mmgoal.config import load_config
-from mmgoal.runs.run_dir import CONFIG_FILE
+from mmgoal.runs.run_dir import CHECKPOINTS, CONFIG_FILE, LAST, stored_config
 from mmgoal.runs.schema import RunConfig, with_overrides
 
 
@@ -53,11 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trust-custom-imports", action="store_true",
                         help="with --print-config: import the config's custom_imports")
     parser.add_argument("--resume", nargs="?", const="latest", metavar="RUN",
-                        help="continue from the latest checkpoint of a run folder: RUN (its "
-                             "config.yaml unless a config is given), or 'latest' / no value: "
-                             "<work-dir>'s; the config may differ from the run's own "
-                             "config.yaml only in what may change on resume (epochs, logging, "
-                             "evaluation, batch split), recorded in config_changes.jsonl")
+                        help="continue from the latest checkpoint of a run folder: RUN, or "
+                             "'latest' / no value: <work-dir>'s; without a config, the run's "
+                             "own (config.yaml with what earlier resumes changed); a config "
+                             "given may differ from it only in what may change on resume "
+                             "(epochs, logging, evaluation, batch split), recorded in "
+                             "config_changes.jsonl")
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in a --work-dir that holds a run, deleting its "
                              "checkpoints, config, metrics and report")
@@ -77,15 +78,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_offline_option(parser)
     add_shortcuts(parser, TRAIN_SHORTCUTS)
     args = parser.parse_args(argv)
+    args.run_config = None  # a run folder whose config the run goes on with
     if args.resume not in (None, "latest"):  # a run folder: its config and its place
+        args.resume = run_folder(parser, Path(args.resume))
         if args.work_dir and Path(args.work_dir) != Path(args.resume):
             parser.error(f"--resume {args.resume} resumes that run folder; --work-dir "
                          f"{args.work_dir} names another: give one of them")
         args.work_dir = args.resume
-        args.config = args.config or str(Path(args.resume) / CONFIG_FILE)
+    if args.config is None and args.resume is not None and args.work_dir:
+        args.run_config = args.work_dir
+        args.config = str(Path(args.work_dir) / CONFIG_FILE)
     if args.config is None:
         parser.error("the config is required (or --resume RUN, which reads RUN/config.yaml)")
     return args
+
+
+def run_folder(parser: argparse.ArgumentParser, path: Path) -> str:
+    """``--resume``'s run folder; open_clip's habit, the checkpoint file, names its run's."""
+    if path.is_file():
+        if path.name == LAST and path.parent.name == CHECKPOINTS:
+            return str(path.parent.parent)
+        parser.error(f"--resume takes a run folder (the run goes on from its "
+                     f"{CHECKPOINTS}/{LAST}); {path} is a file")
+    return str(path)
 
 
 def with_deepspeed(cfg: dict, deepspeed: bool | str) -> dict:
@@ -130,8 +145,14 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     setup_logging()
     try:
-        args.config = config_argument(args.config)
-        cfg = load_config(args.config)
+        if args.run_config:  # config.yaml with the changes resumes recorded since
+            cfg = stored_config(args.run_config)
+            if cfg is None:
+                raise FileNotFoundError(f"{args.run_config} holds no {CONFIG_FILE}: give the "
+                                        f"run's config")
+        else:
+            args.config = config_argument(args.config)
+            cfg = load_config(args.config)
         if args.deepspeed:  # first: the overrides may set DeepSpeed's own options
             if isinstance(args.deepspeed, str):  # a JSON file, or one shipped with mmgoal
                 args.deepspeed = config_argument(args.deepspeed)

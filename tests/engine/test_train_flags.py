@@ -58,12 +58,37 @@ def test_each_flag_sets_its_key_and_help_names_it(capsys):
 
 
 def test_resume_a_run_folder_reads_its_config(tmp_path, capsys):
+    import yaml
+
+    from mmgoal.cli import train
+    from mmgoal.runs.run_dir import record_changes
+
     args = parse_args(["--resume", str(tmp_path)])
     assert (args.config, args.work_dir) == (str(tmp_path / "config.yaml"), str(tmp_path))
     assert parse_args(["c.yaml", "--resume"]).resume == "latest"
     with pytest.raises(SystemExit):
         parse_args(["--epochs", "2"])
     assert "the config is required" in capsys.readouterr().err
+    # the config the run goes on with: config.yaml and what earlier resumes changed
+    from mmgoal.cli.arguments import config_argument
+    from mmgoal.config import load_config
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(with_overrides(
+        load_config(config_argument("quickstart")), ["train.epochs=1"])))
+    record_changes(tmp_path, {"train.epochs": [1, 6], "optimizer.lr": [0.001, 0.002]}, 2, 9)
+    for argv in (["--resume", str(tmp_path)], ["--work-dir", str(tmp_path), "--resume"],
+                 ["--resume", str(tmp_path / "checkpoints" / "last.pt")]):  # open_clip's habit
+        if "last.pt" in argv[-1]:
+            (tmp_path / "checkpoints").mkdir()
+            (tmp_path / "checkpoints" / "last.pt").touch()
+        assert train.main([*argv, "--print-config"]) == 0
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert (printed["train"]["epochs"], printed["optimizer"]["lr"]) == (6, 0.002), argv
+    (tmp_path / "other.pt").touch()
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", str(tmp_path / "other.pt")])
+    assert "--resume takes a run folder (the run goes on from its checkpoints/last.pt)" in \
+        capsys.readouterr().err
 
 
 def numel(*modules):
