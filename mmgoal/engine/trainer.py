@@ -249,14 +249,10 @@ class Trainer:
         """``train.lock_image`` / ``train.lock_text``: the tower frozen but its last layer
         groups, for the whole run (before LoRA-free parameters are counted)."""
         train = self.config.train
-        for side, locked, unlocked, what in (
-                ("image", train.lock_image, train.lock_image_unlocked_groups, "groups"),
-                ("text", train.lock_text, train.lock_text_unlocked_layers, "layers")):
-            if not locked:
-                if unlocked:
-                    raise ValueError(f"train.lock_{side}_unlocked_{what}: {unlocked} leaves "
-                                     f"part of a locked tower trainable; set train.lock_{side}"
-                                     f" (--lock-{side}) too, or remove it")
+        for side, locked, unlocked in (
+                ("image", train.lock_image, train.lock_image_unlocked_groups),
+                ("text", train.lock_text, train.lock_text_unlocked_layers)):
+            if not locked:  # an unlocked count alone: refused by the config's check
                 continue
             require(model, TowerLockingModel, f"train.lock_{side}")
             getattr(model, f"lock_{side}_tower")(unlocked)

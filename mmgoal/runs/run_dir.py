@@ -59,7 +59,8 @@ EXPORT_FOLDERS = {"open_clip": ("open_clip_config.json", "OpenCLIP"),
 EXPORT_MANIFEST = ".mmgoal-export.json"
 # What a run writes in its folder; the loggers' files are theirs to name (a logger class's
 # written_files, mmgoal/engine/loggers.py), from the run's own config.
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "train.log", "report.json", CHANGES_FILE,
+SETUP_LOG = "train.log"  # opened as the run sets up, before it has a config.yaml
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", SETUP_LOG, "report.json", CHANGES_FILE,
              f"{CHECKPOINTS}/{BEST}", f"{CHECKPOINTS}/{LAST}", f"{CHECKPOINTS}/{DEEPSPEED}")
 DEFAULT_LOGGERS = [{"type": "TensorBoardLogger"}, {"type": "WandbLogger"}]
 # Dotted keys (and every key below them) a resumed run may change.
@@ -343,12 +344,14 @@ def prepare_work_dir(work_dir: str | os.PathLike, resume: bool,
         return []
     written = run_written_files(work_dir)
     found = _relative(work_dir, written)
-    if not found:
+    if found in ([], [SETUP_LOG]):  # a run stopped in its setup: the next appends its log
         return []
     if not overwrite:
+        go_on = ("continue it with --resume, " if has_checkpoint(work_dir / CHECKPOINTS)
+                 else "it has no checkpoint to resume: ")
         raise ValueError(f"--work-dir {work_dir} already holds a run ({', '.join(found)}); "
-                         f"continue it with --resume, start afresh with --overwrite (its "
-                         f"run files are deleted), or choose another --work-dir")
+                         f"{go_on}start afresh with --overwrite (its run files are "
+                         f"deleted), or choose another --work-dir")
     for path in written:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     checkpoints = work_dir / CHECKPOINTS

@@ -166,6 +166,14 @@ class TrainConfig(ConfigSection):
     sync_bn: bool = False
     compile: bool = False
 
+    def __post_init__(self) -> None:
+        for side, what in (("image", "groups"), ("text", "layers")):
+            unlocked = getattr(self, f"lock_{side}_unlocked_{what}")
+            if unlocked and not getattr(self, f"lock_{side}"):
+                raise ValueError(f"train.lock_{side}_unlocked_{what}: {unlocked} leaves part "
+                                 f"of a locked tower trainable; set train.lock_{side} "
+                                 f"(--lock-{side}) too, or remove it")
+
 
 @dataclass
 class SplitConfig(ConfigSection):

@@ -15,6 +15,7 @@ from script_modules import load_tool
 from mmgoal.data.pipeline import EvalReader, iter_eval_batches
 from mmgoal.registry import HOOKS
 from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
+from mmgoal.runs.run_dir import existing_run_files, prepare_work_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,6 +112,15 @@ def test_finetune_reports_config_mistakes(tiny_config_file, tmp_path, capsys):
     assert "--resume: no checkpoint at" in refused("--work-dir", tmp_path / "new", "--resume")
     assert "mmgoal make-synthetic" in refused("--work-dir", tmp_path / "x", "--cfg-options",
                                               "data.train.shards=/nowhere/train-{0..3}.tar")
+    # a mistake found as the run sets up leaves its log, and the corrected run starts there
+    assert "set train.lock_text (--lock-text) too" in refused(
+        "--work-dir", tmp_path / "setup", "--lock-text-unlocked-layers", "1")
+    assert not (tmp_path / "setup").exists()  # the config's own mistake: before the folder
+    assert "layer groups; 99 unlocked" in refused("--work-dir", tmp_path / "setup",
+                                                  "--lock-image", "--lock-image-unlocked-groups",
+                                                  "99")
+    assert existing_run_files(tmp_path / "setup") == ["train.log"]
+    assert prepare_work_dir(tmp_path / "setup", resume=False) == []
     # a folder holding a run is never trained over, and a resume keeps the run's model
     finished = tmp_path / "finished"
     (finished / "checkpoints").mkdir(parents=True)
@@ -277,7 +287,8 @@ def test_a_sweep_cell_refuses_what_train_refuses(tiny_benchmark, tmp_path):
     cell.mkdir()
     (cell / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
     with pytest.raises(ValueError, match=rf"--work-dir {cell} already holds a run "
-                                         rf"\(metrics.jsonl\); continue it with --resume"):
+                                         rf"\(metrics.jsonl\); it has no checkpoint to "
+                                         rf"resume: start afresh with --overwrite"):
         run_one(str(config), [], 0, cell)
     (cell / "metrics.jsonl").unlink()
     (cell / "metrics.jsonl").symlink_to(tmp_path / "yours.txt")
