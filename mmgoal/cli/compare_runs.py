@@ -68,6 +68,14 @@ def read_run(run: Path) -> dict:
             "test_set": test_set, "last": last, "dir": str(run)}
 
 
+def same_test_set(test_set: tuple, other: tuple) -> bool:
+    """Runs' ``("files", shard listing)`` or ``("config", shards)`` name one test set."""
+    from mmgoal.data.remote import same_shards
+
+    return (same_shards(test_set[1], other[1]) if test_set[0] == "files" else
+            test_set == other)
+
+
 def check_comparable(groups: list[tuple[str, list[dict]]]) -> None:
     """Every run was tested on the same test set, and no group has a seed twice.
 
@@ -85,7 +93,8 @@ def check_comparable(groups: list[tuple[str, list[dict]]]) -> None:
     for kind in ("files", "config"):  # like with like: shard files, or config patterns
         known = [r for _, runs in groups for r in runs
                  if r["test_set"] is not None and r["test_set"][0] == kind]
-        other = next((r for r in known if r["test_set"] != known[0]["test_set"]), None)
+        other = next((r for r in known if not same_test_set(r["test_set"], known[0]["test_set"])),
+                     None)
         if other is not None:
             raise ValueError(f"{known[0]['dir']} and {other['dir']} were tested on different "
                              f"test sets ({known[0]['test_set'][1]} vs {other['test_set'][1]});"

@@ -57,6 +57,8 @@ from mmgoal.runs.schema import PROTOCOLS
 if TYPE_CHECKING:  # torch is imported once the arguments are read: --help does without it
     import torch
 
+    from mmgoal.runs.loading import LoadedModel
+
 
 def plot_curve(report, path: Path, title: str) -> None:
     """The attention precision-recall curve over the T_att sweep (needs the plot extra)."""
@@ -226,7 +228,7 @@ def evaluate_on(args: argparse.Namespace, device: torch.device) -> int:
         first, None if args.no_retrieval else args.split, args.shards, args.trust_data_paths,
         read_classification_set(args.zeroshot, args.zeroshot_split) if args.zeroshot else None,
         scoring, args.folds, rankings=bool(args.rankings), across_ranks=True)
-    what = result_name(args, first.config["data"].get(args.split))  # before the minutes
+    what = result_name(args, first)  # before the minutes
     if request.split is not None and args.attention:
         start, stop, step = args.t_att
         request.attention = AttentionRequest(
@@ -298,41 +300,46 @@ def data_label(place: str, identity: object) -> str:
 def shards_label(shards: list[str]) -> str:
     """:func:`data_label` of shards: their folder's name and their names' common start
     (``coco_test`` for ``data/coco/test-{000000..000004}.tar``), hashed with their file
-    names and sizes (:func:`~mmgoal.data.pipeline.shard_listing`, what report.json
+    names, sizes and digests (:func:`~mmgoal.data.remote.shard_listing`, what report.json
     records of a test set), so the same files read from anywhere get the same name."""
-    from mmgoal.data.pipeline import shard_listing
-    from mmgoal.data.remote import expand_shards
+    from mmgoal.data.remote import expand_shards, shard_listing
 
     listing = shard_listing(shards)
     folder = os.path.basename(os.path.dirname(expand_shards(shards)[0]))
-    stems = [name.split(".")[0] for name, _ in listing]  # test-000000.tar: test-000000
+    stems = [name.split(".")[0] for name, *_ in listing]  # test-000000.tar: test-000000
     stem = re.sub(r"[-_0-9]+$", "", os.path.commonprefix(stems))
     return data_label("_".join(part for part in (folder, stem) if part), listing)
 
 
 def is_own_split(shards: list[str], section: Mapping[str, Any] | None) -> bool:
-    """Whether ``shards`` are the files (names and sizes) of the config's ``section``
+    """Whether ``shards`` are the files (names, sizes, digests) of the config's ``section``
     (``data.<split>``; None where it has none): its shards read from elsewhere."""
-    from mmgoal.data.pipeline import shard_listing
+    from mmgoal.data.remote import same_shards, shard_listing
 
     if section is None:
         return False
-    try:  # names and sizes only: no pipe: command runs, no URL is fetched
-        return shard_listing(shards) == shard_listing(section["shards"])
+    try:  # no pipe: command runs, no URL is fetched
+        return same_shards(shard_listing(shards), shard_listing(section["shards"]))
     except (OSError, ValueError):  # the run's data is gone or moved: another set
         return False
 
 
-def result_name(args: argparse.Namespace, section: Mapping[str, Any] | None) -> str:
+def result_name(args: argparse.Namespace, loaded: LoadedModel) -> str:
     """What an evaluation's default file is named after (``eval_<name>.json``): the split
     (``test``) where the run's own split is evaluated (its config's shards, or ``--shards``
-    naming the same files), else the split and :func:`shards_label`; then, with
-    ``--zeroshot``, ``zeroshot_`` and the set's :func:`data_label`. The results of
-    different data never share a name, so none overwrites another."""
+    naming the same files), else the split and :func:`shards_label` (of ``--shards``, or
+    of the shards ``--cfg-options`` set); then, with ``--zeroshot``, ``zeroshot_`` and the
+    set's :func:`data_label`. The results of different data never share a name, so none
+    overwrites another."""
     parts = []
+    section = loaded.config["data"].get(args.split)
+    shards = args.shards
+    if shards is None and section and {"data", f"data.{args.split}",
+                                       f"data.{args.split}.shards"} & set(loaded.given_keys):
+        shards, section = section["shards"], None  # the caller's: another set
     if not args.no_retrieval:
-        parts.append(args.split if args.shards is None or is_own_split(args.shards, section)
-                     else f"{args.split}_{shards_label(args.shards)}")
+        parts.append(args.split if shards is None or is_own_split(shards, section)
+                     else f"{args.split}_{shards_label(shards)}")
     if args.zeroshot:
         root = Path(args.zeroshot).resolve()
         parts.append("zeroshot_" + data_label(f"{root.name}_{args.zeroshot_split}",

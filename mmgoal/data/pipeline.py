@@ -263,16 +263,6 @@ def _same_bytes(a: str, b: str) -> bool:
                 return True
 
 
-def shard_listing(shards: str | Sequence[str]) -> list[list]:
-    """``[[file name, bytes], ...]`` of a split's shards: what a report records of the test
-    set it was measured on, so that runs on other test sets are never compared
-    (mmgoal compare-runs); the names only, so a data set moved elsewhere still matches
-    (a remote shard's size is not asked for: None)."""
-    return [[str(path).rsplit("/", 1)[-1],  # a pipe: command's shard: its last path part
-             None if is_remote(path) else Path(path).stat().st_size]
-            for path in expand_shards(shards)]
-
-
 def entity_boxes(meta: dict) -> list[list[float]]:
     """The distinct boxes of a sample's entities (xyxy pixels), in order of appearance."""
     boxes: list[list[float]] = []

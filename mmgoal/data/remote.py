@@ -10,6 +10,7 @@ img2dataset stats, not the shards. docs/data.md, "Shards on S3, GCS or HTTP".
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
 import json
 import logging
@@ -182,6 +183,37 @@ def expand_shards(shards: str | Sequence[str]) -> list[str]:
     if not paths:
         raise FileNotFoundError(f"no shards given by {shards!r}")
     return paths
+
+
+def shard_listing(shards: str | Sequence[str]) -> list[list]:
+    """``[[file name, bytes, digest], ...]`` of a split's shards: what a report records of
+    the test set it was measured on, so that runs on other test sets are never compared
+    (mmgoal compare-runs) and an evaluation of other data is named apart. File names, not
+    paths: a data set moved elsewhere still matches. The digest tells apart shards of
+    equal names and sizes (tars grow in 10 KiB records); a remote shard's size and digest
+    are not asked for (None)."""
+    return [[str(path).rsplit("/", 1)[-1],  # a pipe: command's shard: its last path part
+             *((None, None) if is_remote(path) else
+               (Path(path).stat().st_size, _ends_digest(path)))]
+            for path in expand_shards(shards)]
+
+
+def _ends_digest(path: str, span: int = 1 << 16) -> str:
+    """A short hash of a file's first and last ``span`` bytes (tar headers and samples at
+    both ends), read without reading the file whole."""
+    with open_regular(path, "shard") as stream:
+        digest = hashlib.blake2b(stream.read(span), digest_size=8)
+        stream.seek(max(stream.seek(0, os.SEEK_END) - span, 0))
+        digest.update(stream.read(span))
+    return digest.hexdigest()
+
+
+def same_shards(listing: Sequence[Sequence], other: Sequence[Sequence]) -> bool:
+    """Whether two listings (:func:`shard_listing`) name the same files: names and sizes alike, and
+    digests where both have one (a report written before listings had them has none)."""
+    return len(listing) == len(other) and all(
+        list(a[:2]) == list(b[:2]) and (len(a) < 3 or len(b) < 3 or a[2] == b[2])
+        for a, b in zip(listing, other))
 
 
 class ShardChangedError(ShardError):

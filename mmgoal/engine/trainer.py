@@ -33,9 +33,9 @@ from mmgoal.data.pipeline import (
     IncompleteSplitError,
     expand_shards,
     read_captions,
-    shard_listing,
     split_overlaps,
 )
+from mmgoal.data.remote import shard_listing
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import configure_cuda, resolve_device
 from mmgoal.distributed import rng_state, set_rng_state

@@ -449,6 +449,21 @@ def test_eval_results_are_named_by_the_data_evaluated(tiny_quickstart_run, tmp_p
                           *(str(data / f"test-00000{i}.tar") for i in (0, 1))]) == 0
     assert json.loads((run / "eval_test.json").read_text())["metrics"] == \
         json.loads(own)["metrics"]
+    own = (run / "eval_test.json").read_bytes()
+    # other files of the same names and sizes (tars grow in 10 KiB records), through
+    # --shards or --cfg-options: named apart
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for i in (0, 1):
+        shard = bytearray((data / f"test-00000{i}.tar").read_bytes())
+        shard[600] ^= 0xFF  # a byte of the first sample's first member
+        (copy / f"test-00000{i}.tar").write_bytes(shard)
+    pattern = str(copy / "test-{000000..000001}.tar")
+    assert evaluate.main([str(run), "--device", "cpu", "--shards", pattern]) == 0
+    assert evaluate.main([str(run), "--device", "cpu", "--cfg-options",
+                          f"data.test.shards={pattern}"]) == 0
+    assert (run / "eval_test.json").read_bytes() == own
+    [copied] = run.glob("eval_test_copy_test-*.json")  # both: the same set
     # zero-shot alone records the classification set's root and split
     write_synthetic_classification(tmp_path / "shapes", count=12, image_size=32)
     assert evaluate.main([str(run), "--device", "cpu", "--zeroshot", str(tmp_path / "shapes"),
@@ -459,7 +474,7 @@ def test_eval_results_are_named_by_the_data_evaluated(tiny_quickstart_run, tmp_p
     assert result["split"] == "test" and result["metrics"]["zeroshot_images"] == 12
     assert result["zeroshot"] == {"root": str(tmp_path / "shapes"), "split": "test"}
     assert sorted(p.name for p in run.glob("eval_*.json")) == sorted(
-        ["eval_test.json", other[0], zeroshot.name])
+        ["eval_test.json", other[0], copied.name, zeroshot.name])
 
 def test_a_full_disk_stops_training_with_a_sentence(tiny_config_file, tmp_path, capsys,
                                                     monkeypatch):
