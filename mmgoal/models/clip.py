@@ -27,7 +27,7 @@ from torch import nn
 from mmgoal.config import PositiveInt, close_match_hints, first_line
 from mmgoal.files import read_text
 from mmgoal.models.efficiency import enable_grad_checkpointing
-from mmgoal.models.locking import hf_tower_groups, lock_groups
+from mmgoal.models.locking import check_unlocked, freezing_only, hf_tower_groups, lock_groups
 from mmgoal.models.lora import LoRATargets, PeftSection
 from mmgoal.models.pretrained import check_weights_fit, load_hf_model, weights_file_shapes
 from mmgoal.paths import (
@@ -436,12 +436,26 @@ class OpenCLIP(CLIPLogits, nn.Module):
                              eval_transforms=[transform], tokenizer=tokenizer)
 
     def lock_image_tower(self, unlocked: int = 0) -> None:
-        """open_clip's own ``lock_image_tower(unlocked_groups)``."""
-        self.model.lock_image_tower(unlocked_groups=unlocked)
+        """open_clip's own ``lock_image_tower(unlocked_groups)``, freezing only."""
+        self._lock("image", self.model.visual, unlocked,
+                   lambda: self.model.lock_image_tower(unlocked_groups=unlocked))
 
     def lock_text_tower(self, unlocked: int = 0) -> None:
-        """open_clip's own ``lock_text_tower(unlocked_layers)``."""
-        self.model.lock_text_tower(unlocked_layers=unlocked)
+        """open_clip's own ``lock_text_tower(unlocked_layers)``, freezing only."""
+        self._lock("text", getattr(self.model, "text", self.model), unlocked,
+                   lambda: self.model.lock_text_tower(unlocked_layers=unlocked))
+
+    def _lock(self, side: str, tower: nn.Module, unlocked: int, lock: Callable[[], None]
+              ) -> None:
+        where = f"OpenCLIP {self.model_name}'s {side} tower"
+        blocks = getattr(getattr(tower, "transformer", None), "resblocks", None)
+        if unlocked and blocks is not None:  # open_clip's groups: stem, blocks, projection
+            check_unlocked(len(blocks) + 2, unlocked, where)
+        try:
+            freezing_only(self, lock)
+        except AssertionError as error:  # open_clip's refusals: a ResNet's partial lock
+            raise ValueError(f"{where}: open_clip says {str(error) or 'no'}; lock it whole "
+                             f"(no unlocked groups)") from error
 
     def encode_image(self, batch: dict) -> ImageFeatures:
         """``batch["images"]`` (B, 3, H, W) -> (B, embed_dim) unit vectors."""

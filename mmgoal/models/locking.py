@@ -4,18 +4,33 @@ grouping: the stem, each block, the last block with the final norm, the projecti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
 STEM = ("embeddings", "pre_layrnorm")
 
 
+def check_unlocked(groups: int, unlocked: int, where: str) -> None:
+    """Refuse ``unlocked`` groups of a tower of ``groups``: all of them lock none."""
+    if unlocked >= groups:
+        raise ValueError(f"{where} has {groups} layer groups; {unlocked} unlocked would "
+                         f"lock none: give fewer, or leave the tower unlocked")
+
+
+def freezing_only(model: nn.Module, lock: Callable[[], None]) -> None:
+    """Run a library's tower ``lock`` so that it only freezes: what was frozen before
+    (LoRA's base weights) stays frozen, though the lock sets its unlocked groups
+    trainable (open_clip's does)."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    lock()
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+
+
 def lock_groups(groups: Sequence[Sequence[nn.Module | None]], unlocked: int, where: str) -> None:
     """Freeze every group of ``groups`` (first to last) but the last ``unlocked``."""
-    if unlocked >= len(groups):
-        raise ValueError(f"{where} has {len(groups)} layer groups; {unlocked} unlocked would "
-                         f"lock none: give fewer, or leave the tower unlocked")
+    check_unlocked(len(groups), unlocked, where)
     for group in groups[:len(groups) - unlocked]:
         for module in group:
             if module is not None:

@@ -156,3 +156,18 @@ def test_hf_lora_adapts_the_encoder_attention_and_keeps_the_scale_and_bias_train
     assert merge_adapters(model.model) == AdapterCount(layers=8, weights=0)
     assert model.state_dict().keys() == plain.state_dict().keys()
     assert not hasattr(model.model, "peft_config")  # save_pretrained writes the plain model
+
+
+def test_a_tower_lock_on_a_lora_model_only_freezes():
+    """open_clip's lock sets its unlocked groups trainable: LoRA's frozen base weights stay
+    frozen, and counts open_clip would take as "all" are refused as HFCLIP's are."""
+    model = MODELS.build(open_clip_section({"type": "lora", "r": 2, "alpha": 4}))
+    before = {name for name, p in model.named_parameters() if p.requires_grad}
+    model.lock_image_tower(2)  # of 3 groups: stem, the one block with ln_post, proj
+    model.lock_text_tower(1)
+    after = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert after < before and all("lora_" in name for name in after - {"model.logit_scale"})
+    assert any("visual" in name for name in after)  # the last block's adapters train on
+    with pytest.raises(ValueError, match="OpenCLIP ViT-B-32's image tower has 3 layer groups; "
+                                         "3 unlocked would lock none"):
+        MODELS.build(open_clip_section()).lock_image_tower(3)
