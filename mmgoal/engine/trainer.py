@@ -592,7 +592,8 @@ class Trainer:
         for _ in range(self.batch_in_epoch):
             if self.signals.next_batch(batches) is None:
                 break
-        if self.validation_due and not self._validate_at_step():  # what a stop dropped
+        if (self.validation_due and self.config.data.val  # what a stop dropped
+                and not self._validate_at_step()):
             bar.close()
             return True
         nonfinite_run = 0
@@ -686,10 +687,12 @@ class Trainer:
         (kept as ``epoch_<epoch>.pt`` too, with ``train.keep_epochs``)."""
         epoch = self.epoch
         metrics: dict[str, float] = {}
-        every = self.config.train.eval_every
+        every, every_steps = self.config.train.eval_every, self.config.train.eval_every_steps
         last_epoch = epoch + 1 == self.config.train.epochs
-        if (self.config.data.val and every and ((epoch + 1) % every == 0 or last_epoch)
-                and not self.stopped_early):  # stopped by a validation with no step since
+        due = ((every and ((epoch + 1) % every == 0 or last_epoch))
+               or (every_steps and self.step % every_steps == 0))  # a step's, left to here
+        if self.config.data.val and due and not self.stopped_early:
+            # (stopped early: by a validation with no step since)
             metrics = self._validate_and_keep()
         for hook in self.hooks:  # still in the epoch; what they change is checkpointed below
             hook.after_epoch(self, metrics)

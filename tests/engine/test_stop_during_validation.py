@@ -4,6 +4,7 @@ without reading the epoch's data and goes on as a run never stopped (issue 39, i
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 
 import pytest
@@ -174,6 +175,10 @@ def test_a_stop_during_a_validation_between_steps_resumes_with_it(tiny_benchmark
     assert ("received SIGTERM during step 2's validation: dropped it and stopped at epoch 0, "
             "step 2 with a checkpoint") in caplog.text
     assert load_checkpoint(run / "checkpoints" / "last.pt")["validation_due"]
+    # resumed without data.val (a key a resume may change): nothing to validate
+    unvalidated = shutil.copytree(run, tmp_path / "unvalidated")
+    Trainer({**cfg, "data": {**cfg["data"], "val": None}}, unvalidated, resume=True).fit()
+    assert records(unvalidated, "val") == [] and len(records(unvalidated, "test")) == 1
     report = Trainer(cfg, run, resume=True).fit()
     assert_resumed_as_never_stopped(tmp_path / "full", full_report, run, report)
 

@@ -186,6 +186,21 @@ def test_a_best_metric_validation_cannot_maximise_is_refused(name, zeroshot, why
     check_best_metric("i2t_r5", zeroshot=False)
 
 
+def test_validation_every_n_steps_does_not_wait_for_the_epoch_schedule(tiny_benchmark,
+                                                                       tmp_path):
+    """A step validation that falls on an epoch's last step is the epoch end's, which
+    validates it though train.eval_every would not."""
+    import json
+
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=2, eval_every=0, eval_every_steps=3)
+    cfg["data"].pop("test")
+    Trainer(cfg, tmp_path / "run").fit()
+    vals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines() if json.loads(line)["type"] == "val"]
+    assert [(r["epoch"], r["step"]) for r in vals] == [(0, 3), (0, 6), (1, 9), (1, 12)]
+
+
 def test_a_validation_gives_every_module_its_own_mode_back():
     """A validation between steps leaves a FreezeSchedule's frozen norms in eval mode."""
     from torch import nn
