@@ -8,7 +8,7 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from mmgoal import strict_json
@@ -102,14 +102,16 @@ class MetricLog:
             self._text.close()
             self._text = None
 
-    def truncate_after(self, step: int) -> None:
-        """Drop the records of steps after ``step``: a run resumed from a checkpoint at
-        ``step`` logs those steps again (a run killed after its last checkpoint)."""
+    def truncate_after(self, step: int, redone: Collection[str] = ()) -> None:
+        """Drop the records of steps after ``step``, and those of the ``redone`` types
+        (``val``, ``test``) at ``step``: a run resumed from a checkpoint at ``step`` logs
+        them again (a run killed after its last checkpoint, or in a validation after it)."""
         if not self.path.is_file():
             return
         text = read_text(self.path, "metrics log", MAX_ANNOTATION_BYTES)
-        kept = [line for line in text.splitlines(keepends=True)
-                if json.loads(line).get("step", 0) <= step]
+        records = [(line, json.loads(line)) for line in text.splitlines(keepends=True)]
+        kept = [line for line, record in records if record.get("step", 0) < step
+                or (record.get("step", 0) == step and record.get("type") not in redone)]
         write_text(self.path, "".join(kept))
 
 

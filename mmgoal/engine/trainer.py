@@ -399,8 +399,10 @@ class Trainer:
         self.stopped_early = state.get("stopped_early", False)
         self.skipped_samples = state["skipped_samples"]
         self.seconds_before = state.get("train_seconds", 0.0)
-        if self.is_main:
-            self.log.truncate_after(self.step)
+        if self.is_main:  # what the resumed run does again: the validation due, the test
+            self.log.truncate_after(self.step, {
+                *(["val"] if self.validation_due or self.epoch_steps_done else []),
+                *(["test"] if not (self.work_dir / "report.json").is_file() else [])})
         logger.info("resumed at epoch %d, step %d", self.epoch, self.step)
 
     def _check_resumed_state(self) -> None:

@@ -188,27 +188,37 @@ class Killed(BaseException):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("where", ["validating", "after_its_record", "after_the_test_record"])
 def test_a_run_killed_in_a_validation_between_steps_resumes_with_it(tiny_benchmark, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, where):
     """train.checkpoint_every_steps writes the checkpoint before the validation it precedes:
-    a SIGKILL inside it resumes with the validation."""
+    a SIGKILL inside it (or in the test) resumes with it, logged once."""
+    from mmgoal.engine.metric_log import MetricLog
+
     out, _ = tiny_benchmark
     cfg = config(out, 1, workers=0, eval_every_steps=2, checkpoint_every_steps=2)
     full_report = Trainer(cfg, tmp_path / "full").fit()
-    validate = Trainer._validate_and_keep
+    name, method = {"validating": (Trainer, "_validate_and_keep"),
+                    "after_its_record": (Trainer, "_validate"),
+                    "after_the_test_record": (MetricLog, "note")}[where]
+    original = getattr(name, method)
 
-    def killed_at_step_4(trainer):
-        if trainer.step == 4:
+    def killed(self, *args, **kwargs):
+        if where == "validating" and self.step == 4:
             raise Killed
-        return validate(trainer)
+        result = original(self, *args, **kwargs)
+        if where == "after_its_record" and self.step == 4 or "test metrics" in str(args):
+            raise Killed
+        return result
 
     run = tmp_path / "cut"
-    monkeypatch.setattr(Trainer, "_validate_and_keep", killed_at_step_4)
+    monkeypatch.setattr(name, method, killed)
     with pytest.raises(Killed):
         Trainer(cfg, run).fit()
-    monkeypatch.setattr(Trainer, "_validate_and_keep", validate)
+    monkeypatch.setattr(name, method, original)
     state = load_checkpoint(run / "checkpoints" / "last.pt")
-    assert (state["step"], state["validation_due"]) == (4, True)
+    assert (state["step"], state["validation_due"]) == ((6, False) if "test" in where else
+                                                        (4, True))
     report = Trainer(cfg, run, resume=True).fit()
     assert_resumed_as_never_stopped(tmp_path / "full", full_report, run, report)
 
