@@ -396,7 +396,9 @@ class Trainer:
                              f"{self.config.train.best_metric} would compare other numbers "
                              f"with it: keep the run's best_metric")
         self.validations_since_best = state.get("validations_since_best", 0)
-        self.stopped_early = state.get("stopped_early", False)
+        patience = self.config.train.early_stopping_patience  # a resume may change it
+        self.stopped_early = state.get("stopped_early", False) and bool(
+            patience and self.validations_since_best >= patience)
         self.skipped_samples = state["skipped_samples"]
         self.seconds_before = state.get("train_seconds", 0.0)
         if self.is_main:  # what the resumed run does again: the validation due, the test
@@ -508,11 +510,16 @@ class Trainer:
         report_file = self.work_dir / "report.json"
         try:
             if self.step and (self.epoch >= self.config.train.epochs or self.stopped_early):
-                logger.warning("the run has trained %d epoch(s) and train.epochs is %d: "
-                               "nothing is left to train (train on with --cfg-options "
-                               "train.epochs=N, N > %d)%s", self.epoch,
-                               self.config.train.epochs, self.epoch,
-                               "; its report stands" if report_file.is_file() else "")
+                patience = self.config.train.early_stopping_patience
+                logger.warning(
+                    "%s: nothing is left to train (train on with --cfg-options %s)%s",
+                    f"the run stopped early at step {self.step}, {patience} validations "
+                    f"without a gain" if self.stopped_early else
+                    f"the run has trained {self.epoch} epoch(s) and train.epochs is "
+                    f"{self.config.train.epochs}",
+                    f"train.early_stopping_patience={patience + 1} or more, or 0" if
+                    self.stopped_early else f"train.epochs=N, N > {self.epoch}",
+                    "; its report stands" if report_file.is_file() else "")
                 if report_file.is_file():
                     return self.strategy.broadcast(json.loads(read_text(
                         report_file, "run report")) if self.is_main else None)

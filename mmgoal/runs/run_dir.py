@@ -66,7 +66,7 @@ DEFAULT_LOGGERS = [{"type": "TensorBoardLogger"}, {"type": "WandbLogger"}]
 # Dotted keys (and every key below them) a resumed run may change.
 RESUMABLE = (
     "train.epochs", "train.log_every", "train.eval_every", "train.eval_before_training",
-    "train.progress",
+    "train.progress", "train.early_stopping_patience",
     "train.checkpoint_every_steps", "train.keep_epochs", "train.max_nonfinite_steps",
     "train.device",
     "train.cudnn_benchmark", "train.accumulate_steps", "train.clip_grad", "optimizer.lr",

@@ -138,7 +138,8 @@ def test_locks_keep_the_last_groups_as_open_clip_does():
         hf.lock_text_tower(4)
 
 
-def test_validation_every_n_steps_keeps_the_best_and_stops_early(tiny_benchmark, tmp_path):
+def test_validation_every_n_steps_keeps_the_best_and_stops_early(tiny_benchmark, tmp_path,
+                                                                 caplog):
     """Hugging Face Trainer's habits: eval_steps, metric_for_best_model, early stopping."""
     import json
 
@@ -160,9 +161,18 @@ def test_validation_every_n_steps_keeps_the_best_and_stops_early(tiny_benchmark,
     assert state["stopped_early"] and state["validations_since_best"] == 2
     assert load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")["metrics"][
         "i2t_r1"] == vals[0]["i2t_r1"]
-    # a resumed run that stopped early is done
+    # a resumed run that stopped early is done, unless it is given more patience
     again = Trainer(cfg, tmp_path / "run", resume=True)
-    assert again.fit()["best"] == report["best"] and again.step == 6
+    with caplog.at_level(logging.WARNING, logger="mmgoal.engine.trainer"):
+        assert again.fit()["best"] == report["best"] and again.step == 6
+    assert ("the run stopped early at step 6, 2 validations without a gain: nothing is left "
+            "to train (train on with --cfg-options train.early_stopping_patience=3 or more, "
+            "or 0); its report stands") in caplog.text
+    cfg["train"]["early_stopping_patience"] = 3
+    assert Trainer(cfg, tmp_path / "run", resume=True).fit()["steps"] == 8
+    vals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines() if json.loads(line)["type"] == "val"]
+    assert [(r["epoch"], r["step"]) for r in vals] == [(0, 2), (0, 4), (0, 6), (1, 8)]
     # refused before anything is built
     cfg.update(train={**cfg["train"], "best_metric": "rsun", "early_stopping_patience": 0})
     with pytest.raises(ValueError, match="train.best_metric 'rsun' \\(did you mean 'rsum'\\?\\) "
