@@ -385,7 +385,12 @@ class Trainer:
                 f"{self.strategy.world_size} rank(s)): set data.train.batch_size or "
                 f"train.accumulate_steps so that the product is {saved_batch}")
         self.epoch, self.step = state["epoch"], state["step"]
-        self.batch_in_epoch = state["batch_in_epoch"]
+        # micro-batches of the checkpoint's split of a step (a resume may change it, not the
+        # global batch): the epoch's steps done, counted in this run's
+        saved_accumulate = state.get("config", {}).get("train", {}).get(
+            "accumulate_steps", self.accumulate_steps)
+        self.batch_in_epoch = (state["batch_in_epoch"] // saved_accumulate
+                               * self.accumulate_steps)
         # older checkpoints lack it: they were never written between an epoch's steps and end
         self.epoch_steps_done = state.get("epoch_steps_done", False)
         self.validation_due = state.get("validation_due", False)

@@ -101,6 +101,21 @@ def strict_json(line: str) -> dict:
     return json.loads(line, parse_constant=reject)
 
 
+def test_a_resume_that_splits_the_batch_otherwise_trains_the_epochs_steps(tiny_benchmark,
+                                                                           tmp_path, stop_hook):
+    """data.train.batch_size and train.accumulate_steps may change on resume (their product
+    may not): the epoch's steps done are counted in the new micro-batches."""
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, accumulate_steps=2)
+    cfg["data"]["train"]["batch_size"] = 8
+    cfg["hooks"].append({"type": "StopAfterSteps", "steps": 3})
+    assert Trainer(cfg, tmp_path / "run").fit()["step"] == 3
+    cfg = tiny_config(out)  # 16 pairs a step in one micro-batch
+    resumed = Trainer(cfg, tmp_path / "run", resume=True)
+    assert (resumed.step, resumed.batch_in_epoch) == (3, 3)
+    assert resumed.fit()["steps"] == 12  # 6 an epoch, as the run started
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop_at", [3, 8])
 def test_interrupted_run_resumes_to_the_same_weights(tiny_benchmark, tmp_path, stop_hook, stop_at):
