@@ -332,8 +332,10 @@ def result_name(args: argparse.Namespace, loaded: LoadedModel) -> str:
     set's :func:`data_label`. The results of different data never share a name, so none
     overwrites another."""
     parts = []
+    from mmgoal.data.remote import split_folder
+
     section = loaded.config["data"].get(args.split)
-    shards = args.shards
+    shards = None if args.shards is None else split_folder(args.shards, args.split)
     if shards is None and section and {"data", f"data.{args.split}",
                                        f"data.{args.split}.shards"} & set(loaded.given_keys):
         shards, section = section["shards"], None  # the caller's: another set

@@ -125,9 +125,11 @@ def brace_expanded(shards: str | Sequence[str]) -> Iterator[tuple[str, str]]:
 
 
 def split_folder(shards: Any, split: str) -> Any:
-    """``shards`` as a split reads them: a local folder stands for its ``<split>-*.tar``
-    where it has some (a folder of every split, as make-synthetic and make-shards write),
-    else for all its ``*.tar``; anything else is returned as it is."""
+    """``shards`` as a split reads them: a local folder (alone or in a list) stands for its
+    ``<split>-*.tar`` where it has some (a folder of every split, as make-synthetic and
+    make-shards write), else for all its ``*.tar``; anything else is returned as it is."""
+    if isinstance(shards, list):
+        return [split_folder(item, split) for item in shards]
     if not isinstance(shards, str) or is_remote(shards) or not Path(shards).is_dir():
         return shards
     folder = shards.rstrip("/") or "/"
@@ -139,6 +141,9 @@ def _found_beside(path: str) -> str:
     """What the folder of a missing shard holds, for the error: its ``.tar`` files, or
     that it is missing or empty."""
     folder = Path(path).parent
+    if not Path(path).suffix:  # a folder's name, most likely
+        return f"{path} does not exist: name a folder of shards or the shards, or " \
+               f"generate the data first, e.g. mmgoal make-synthetic --out {path}"
     if not folder.is_dir():
         return f"{folder} does not exist: generate the data first, e.g. mmgoal " \
                f"make-synthetic --out {folder}"

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from mmgoal.config import config_changes, describe_changes, first_line, override_key
-from mmgoal.data.remote import check_trusted_locations
+from mmgoal.data.remote import check_trusted_locations, split_folder
 from mmgoal.data.transforms import build_transforms
 from mmgoal.devices import module_device, resolve_device
 from mmgoal.registry import MODELS, TOKENIZERS, UnknownNameError
@@ -60,8 +60,9 @@ class LoadedModel(Member):
         of the config's; the config's ``pipe:`` commands and URLs are refused unless the
         caller set them or ``trust_data_paths`` (docs/received_files.md)."""
         section = dict(self.config["data"].get(name) or {})
-        if shards is not None:
-            return {"folds": 1, "caption_key": None, **section, "shards": shards}
+        if shards is not None:  # a folder: its <name>-*.tar
+            return {"folds": 1, "caption_key": None, **section,
+                    "shards": split_folder(shards, name)}
         if not section:
             raise ValueError(f"{self.config_source} has no data.{name} section to evaluate "
                              f"on; give the shards with --shards PATTERN")

@@ -38,6 +38,13 @@ def test_a_folder_names_its_splits_shards(small_synthetic):
     assert [cfg["data"][split]["shards"] for split in ("train", "val", "test")] == [
         f"{folder}/train-*.tar", f"{folder}/val-*.tar", f"{folder}/test-*.tar"]
     assert len(expand_shards(folder)) == 4  # named alone: every shard there
+    # in a list, and as eval's --shards (a loaded model's split)
+    cfg = load_run_config(find_config("quickstart"), [f"data.train.shards=[{folder}]"])
+    assert cfg["data"]["train"]["shards"] == [f"{folder}/train-*.tar"]
+    from mmgoal.runs.loading import LoadedModel
+
+    loaded = LoadedModel(None, None, None, config=cfg, checkpoint=None)
+    assert loaded.split("test", [folder])["shards"] == [f"{folder}/test-*.tar"]
 
 
 def test_a_missing_shard_says_what_its_folder_holds(small_synthetic):
@@ -50,6 +57,9 @@ def test_a_missing_shard_says_what_its_folder_holds(small_synthetic):
         "or a glob (data/synthetic/*.tar) to read the shards that are there")
     with pytest.raises(FileNotFoundError, match="data/elsewhere does not exist: generate"):
         expand_shards("data/elsewhere/train-*.tar")
+    with pytest.raises(FileNotFoundError, match="shard 'data/synthetci' does not exist .*; "
+                                                "data/synthetci does not exist: name a folder"):
+        expand_shards("data/synthetci")  # a folder's name mistyped
 
 
 @pytest.mark.slow
