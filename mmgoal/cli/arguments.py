@@ -159,10 +159,13 @@ class Shortcut:
 
 MODEL_NAME_KEYS = {"OpenCLIP": "model.model_name", "HFCLIP": "model.path"}
 TRAIN_SHORTCUTS = (
-    Shortcut("--train-data", "data.train.shards", str, "training shards: a folder, a glob, "
-             "a brace pattern or a list file", "SHARDS"),
-    Shortcut("--val-data", "data.val.shards", str, "validation shards", "SHARDS"),
-    Shortcut("--test-data", "data.test.shards", str, "test shards", "SHARDS"),
+    Shortcut("--train-data", "data.train.shards", str, "training shards: a folder (its "
+             "train-*.tar), a glob, a brace pattern (train-{000000..000099}.tar), URLs or "
+             "pipe: commands", "SHARDS"),
+    Shortcut("--val-data", "data.val.shards", str, "validation shards (a folder: its "
+             "val-*.tar)", "SHARDS"),
+    Shortcut("--test-data", "data.test.shards", str, "test shards (a folder: its test-*.tar)",
+             "SHARDS"),
     Shortcut("--batch-size", "data.train.batch_size", int, "pairs per batch and process", "N"),
     Shortcut("--lr", "optimizer.lr", float, "learning rate", "LR"),
     Shortcut("--wd", "optimizer.weight_decay", float, "weight decay", "WD"),
