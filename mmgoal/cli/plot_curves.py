@@ -58,7 +58,7 @@ def read_curves(run: Path) -> dict[str, dict[str, list]]:
     return {"train": {key: [r.get(key) for r in train]
                       for key in ("step", "loss", "lr", *losses, *scores)},
             "val": {key: [r.get(key) for r in val]
-                    for key in ("epoch", "rsum", "i2t_r1", "t2i_r1", *zeroshot)}}
+                    for key in ("epoch", "step", "rsum", "i2t_r1", "t2i_r1", *zeroshot)}}
 
 
 @dataclass
@@ -108,12 +108,15 @@ def chosen_panels(runs: list[tuple[str, dict[str, dict[str, list]]]]) -> list[Pa
     always, the zero-shot and GOAL score panels where a run logged their keys."""
     loss = Panel("training loss", "step")
     lr = Panel("learning rate", "step")
-    rsum = Panel("validation rsum", "epoch")
-    recall = Panel("validation R@1", "epoch")
-    zeroshot = Panel("zero-shot top-1 (%)", "epoch")
+    # validations every N steps (several an epoch): drawn by step, else by epoch
+    by = "step" if any(len(set(c["val"]["epoch"])) < len(c["val"]["epoch"])
+                       for _, c in runs) else "epoch"
+    rsum = Panel("validation rsum", by)
+    recall = Panel("validation R@1", by)
+    zeroshot = Panel("zero-shot top-1 (%)", by)
     scores = Panel("GOAL scores: medians and lam", "step")
     for run, (label, curves) in enumerate(runs):
-        train, val = curves["train"], curves["val"]
+        train, val = curves["train"], {**curves["val"], "epoch": curves["val"][by]}
         for style, keys in zip(itertools.cycle(LINE_STYLES), distinct_losses(train)):
             loss.series.append(Series(run, f"{label}: {' = '.join(keys)}", train["step"],
                                       train[keys[0]], style))

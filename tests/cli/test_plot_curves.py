@@ -29,8 +29,8 @@ def test_curves_are_read_per_step_and_epoch_and_drawn_overlaid(tmp_path, capsys)
     curves = plot_curves.read_curves(b)
     assert curves["train"] == {"step": [2, 4, 6], "loss": [4.0, None, 2.0],
                                "lr": [1e-3, 5e-4, 1e-4], "triplet_loss": [4.0, None, 2.0]}
-    assert curves["val"] == {"epoch": [0, 1], "rsum": [200.0, 300.0], "i2t_r1": [10.0, 20.0],
-                             "t2i_r1": [8.0, 18.0]}
+    assert curves["val"] == {"epoch": [0, 1], "step": [4, 6], "rsum": [200.0, 300.0],
+                             "i2t_r1": [10.0, 20.0], "t2i_r1": [8.0, 18.0]}
     out = tmp_path / "curves.png"
     assert plot_curves.main([str(a), str(b), "--out", str(out)]) == 0
     assert "curves of 2 run(s) written" in capsys.readouterr().out
@@ -48,10 +48,17 @@ def test_the_evaluation_before_training_is_the_first_point_at_epoch_minus_one(tm
     metrics = run / "metrics.jsonl"
     metrics.write_text(json.dumps(before) + "\n" + metrics.read_text())
     curves = plot_curves.read_curves(run)
-    assert curves["val"] == {"epoch": [-1, 0, 1], "rsum": [60.0, 100.0, 150.0],
-                             "i2t_r1": [5.0, 10.0, 20.0], "t2i_r1": [4.0, 8.0, 18.0]}
+    assert curves["val"] == {"epoch": [-1, 0, 1], "step": [0, 4, 6],
+                             "rsum": [60.0, 100.0, 150.0], "i2t_r1": [5.0, 10.0, 20.0],
+                             "t2i_r1": [4.0, 8.0, 18.0]}
     assert curves["train"]["step"] == [2, 4, 6]
     assert plot_curves.main([str(run), "--out", str(tmp_path / "curves.png")]) == 0
+    [rsum] = plot_curves.chosen_panels([("run", curves)])[2:3]
+    assert (rsum.x_label, rsum.series[0].x) == ("epoch", [-1, 0, 1])
+    # validations every N steps: several an epoch, drawn by step
+    curves["val"].update(epoch=[-1, 0, 0], step=[0, 2, 4])
+    [rsum] = plot_curves.chosen_panels([("run", curves)])[2:3]
+    assert (rsum.x_label, rsum.series[0].x) == ("step", [0, 2, 4])
 
 
 def write_goal_run(folder: Path) -> Path:
