@@ -40,8 +40,8 @@ ZEROSHOT_KEY = "zeroshot_top1"  # evaluation.zeroshot's (mmgoal/evaluation/zeros
 
 def read_curves(run: Path) -> dict[str, dict[str, list]]:
     """``{"train": {"step": [...], "loss": [...], "lr": [...], "<term>_loss": [...]},
-    "val": {"epoch": [...], "rsum": [...], "i2t_r1": [...], "t2i_r1": [...]}}`` of a run
-    directory (or of a metrics.jsonl file), with ``positive_median``, ``negative_median``
+    "val": {"epoch": [...], "step": [...], "rsum": [...], "i2t_r1": [...], "t2i_r1": [...]}}``
+    of a run directory (or of a metrics.jsonl file), with ``positive_median``, ``negative_median``
     and ``lam`` in "train" and ``zeroshot_top1`` in "val" where a record has them; a key
     missing in a record is None there."""
     path = run / "metrics.jsonl" if run.is_dir() else run
