@@ -60,9 +60,10 @@ def matching(pattern: str | None) -> dict[str, Path]:
     return shipped_configs(pattern if any(c in pattern for c in "*?[") else f"*{pattern}*")
 
 
-def copy_config(name: str, dest: Path, force: bool = False) -> Path:
-    """Write the shipped config ``name`` with its bases merged to ``dest`` (a file, or a
-    folder that gets ``<name's file name>``); the file written.
+def copy_config(name: str, dest: str | Path, force: bool = False) -> Path:
+    """Write the shipped config ``name`` with its bases merged to ``dest`` (a ``.yaml`` or
+    ``.yml`` file, or a folder, made if need be, that gets ``<name's file name>``); the file
+    written.
 
     Raises:
         FileNotFoundError: no shipped config of that name.
@@ -74,7 +75,10 @@ def copy_config(name: str, dest: Path, force: bool = False) -> Path:
         raise FileNotFoundError(f"mmgoal ships no config named {name!r}; `mmgoal configs` "
                                 f"lists them")
     source = shipped[key]
-    out = dest / source.name if dest.is_dir() else dest
+    folder = Path(dest).is_dir() or str(dest).endswith("/") or \
+        Path(dest).suffix not in (".yaml", ".yml")
+    out = Path(dest) / source.name if folder else Path(dest)
+    out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists() and not force:
         raise ValueError(f"{out} exists; give another file name, or --force to overwrite it")
     header = [*leading_comments(source),
@@ -90,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
                                                    "this (or matches it, as a glob)")
     parser.add_argument("--copy", nargs=2, metavar=("NAME", "DEST"),
                         help="write the shipped config NAME, its _base_ files merged in, to "
-                             "the file DEST (or into the folder DEST)")
+                             "the file DEST (.yaml) or into the folder DEST")
     parser.add_argument("--force", action="store_true", help="with --copy: overwrite DEST")
     args = parser.parse_args(argv)
     if args.copy:
         try:
-            out = copy_config(args.copy[0], Path(args.copy[1]), args.force)
+            out = copy_config(args.copy[0], args.copy[1], args.force)
         except INPUT_ERRORS as error:
             return print_error(error)
         print(f"{out}: configs/{shipped_config_name(args.copy[0])}.yaml with its bases merged; "

@@ -137,6 +137,10 @@ def test_a_copied_config_stands_alone_and_is_not_overwritten(tmp_path, capsys):
     assert f"{copy} exists; give another file name, or --force" in capsys.readouterr().err
     assert copy.read_text() == "mine: true\n"
     assert configs_tool.main(["--copy", "scan/scan_ccr_synthetic", str(copy), "--force"]) == 0
+    # a folder not made yet: named with a slash, or without a .yaml name
+    for folder in (f"{tmp_path}/new/", f"{tmp_path}/other"):
+        assert configs_tool.main(["--copy", "scan/scan_ccr_synthetic", folder]) == 0
+        assert Path(folder, "scan_ccr_synthetic.yaml").is_file()
     assert configs_tool.main(["--copy", "scan/nope", str(tmp_path / "x.yaml")]) == 2
 
 
