@@ -99,4 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     tool = importlib.import_module(f"mmgoal.cli.{COMMANDS[command]}")
     # argparse names a program after sys.argv[0]: usage lines then read `mmgoal train ...`
     sys.argv[0] = f"mmgoal {command}"
-    return int(tool.main(rest) or 0)
+    try:
+        return int(tool.main(rest) or 0)
+    except BrokenPipeError:  # `mmgoal configs | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+        return 141  # a shell's status for SIGPIPE
+

@@ -208,3 +208,14 @@ def test_evaluating_a_dual_encoder_loads_no_training_engine(tiny_quickstart_run,
     written = json.loads((run / "eval_test.json").read_text())
     assert written["checkpoint"] == str(run / "checkpoints" / "best.pt")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+
+
+def test_a_listing_cut_short_by_its_reader_ends_quietly():
+    """`mmgoal configs | head -1`: no BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)  # as head does once it has its line: every write meets a closed pipe
+    done = subprocess.run([sys.executable, "-m", "mmgoal", "configs"], stdout=write,
+                          stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          timeout=60)
+    os.close(write)
+    assert (done.returncode, done.stderr) == (141, b"")
