@@ -104,4 +104,3 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `mmgoal configs | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
         return 141  # a shell's status for SIGPIPE
-
