@@ -493,14 +493,15 @@ class ConfigProblems(ValueError):
                          + "\n".join(f"- {problem}" for problem in problems))
 
 
-def raise_problems(problems: list[Exception]) -> None:
-    """Raise nothing, the one problem as it is, or several as :class:`ConfigProblems`."""
+def raise_problems(problems: list[Exception], kind: type[ConfigProblems] = ConfigProblems
+                   ) -> None:
+    """Raise nothing, the one problem as it is, or several as ``kind``."""
     flat = [inner for problem in problems for inner in
             (problem.problems if isinstance(problem, ConfigProblems) else [problem])]
     if len(flat) == 1:
         raise flat[0]
     if flat:
-        raise ConfigProblems(flat)
+        raise kind(flat)
 
 
 class ConfigSection:

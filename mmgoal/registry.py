@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from mmgoal.config import check_value, close_match_hints, is_choice
+from mmgoal.config import ConfigProblems, check_value, close_match_hints, is_choice, raise_problems
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,10 @@ PLUGIN_GROUP = "mmgoal.plugins"
 class ConfigError(ValueError, TypeError):
     """A component config that cannot be built: an unknown or missing key, a bad value. A
     ``ValueError`` (tools report it and exit 2) and, as a call's arguments, a ``TypeError``."""
+
+
+class ConfigErrors(ConfigProblems, ConfigError):
+    """Several problems of one component config, said together (a ``ConfigError`` too)."""
 
 
 class UnknownNameError(ConfigError, KeyError):
@@ -174,20 +178,25 @@ class Registry:
         accepted, takes_any = self.parameters(type_name)
         keys = [k for k in cfg if k != "type"]
         unknown = [] if takes_any else [k for k in keys if k not in accepted]
+        problems: list[Exception] = []  # said together
         if unknown:
             takes = f"it accepts: {', '.join(accepted)}" if accepted else "it takes none"
-            raise ConfigError(f"{prefix}{self.name} {type_name!r} got unknown config key(s) "
-                              f"{close_match_hints(unknown, accepted)}; {takes}")
+            problems.append(ConfigError(f"{prefix}{self.name} {type_name!r} got unknown config "
+                                        f"key(s) {close_match_hints(unknown, accepted)}; "
+                                        f"{takes}"))
         try:
-            check_arguments(target, {key: cfg[key] for key in keys}, where)
+            check_arguments(target, {key: cfg[key] for key in keys if key not in unknown},
+                            where)
         except ValueError as error:
-            raise ConfigError(str(error) if where else
-                              f"{self.name} {type_name!r}: {error}") from None
+            problems += [ConfigError(str(problem) if where else
+                                     f"{self.name} {type_name!r}: {problem}")
+                         for problem in getattr(error, "problems", [error])]
         missing = [] if takes_any else [n for n in self.required(type_name)
                                         if n not in keys and n not in provided]
         if missing:
-            raise ConfigError(f"{prefix}{self.name} {type_name!r} needs config key(s) "
-                              f"{', '.join(missing)}")
+            problems.append(ConfigError(f"{prefix}{self.name} {type_name!r} needs config "
+                                        f"key(s) {', '.join(missing)}"))
+        raise_problems(problems, ConfigErrors)
 
     def build(self, cfg: Mapping[str, Any], **context: Any) -> Any:
         """Build the component described by ``cfg``, checked first (:meth:`check`).
@@ -241,15 +250,20 @@ def _checking_choices(cls: type) -> type:
 
 def check_arguments(target: Callable[..., Any], arguments: Mapping[str, Any],
                     where: str | None = None) -> None:
-    """A ``ValueError`` for the first of ``arguments`` (plain config data) that its keyword
-    parameter's type hint refuses (:func:`mmgoal.config.check_value`: a type, a bound such
-    as :data:`~mmgoal.config.PositiveInt`); ``where`` prefixes the names in messages. What
-    :meth:`Registry.check` does for a component, for code that another library calls with
-    a config's values (a timm model's ``model_kwargs``)."""
+    """A ``ValueError`` for those of ``arguments`` (plain config data) that their keyword
+    parameters' type hints refuse (:func:`mmgoal.config.check_value`: a type, a bound such
+    as :data:`~mmgoal.config.PositiveInt`; several: ``ConfigProblems``); ``where`` prefixes
+    the names in messages. What :meth:`Registry.check` does for a component, for code that
+    another library calls with a config's values (a timm model's ``model_kwargs``)."""
     hints = _parameter_hints(target)
+    problems: list[Exception] = []
     for key, value in arguments.items():
         if key in hints:
-            check_value(f"{where}.{key}" if where else key, value, hints[key])
+            try:
+                check_value(f"{where}.{key}" if where else key, value, hints[key])
+            except ValueError as error:
+                problems.append(error)
+    raise_problems(problems)
 
 
 def _parameter_hints(target: Callable[..., Any]) -> dict[str, Any]:

@@ -236,6 +236,17 @@ def test_a_configs_problems_are_said_together(tmp_path):
     assert "train.epochz" in lines[1] and "did you mean 'epochs'" in lines[1].lower()
     assert [any(key in line for line in lines[2:]) for key in
             ("train.epochs", "train.precision", "data.num_workers")] == [True] * 3
+    # the file's own mistakes, the trainer's sections' and the components', in one go
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"_base_: {root / 'quickstart.yaml'}\nobjective: {{type: TripletLos}}\n"
+                   f"optimizer: {{lr: abc, wieght_decay: 0.1, betas: x}}\ntrain: {{seed: x}}\n")
+    with pytest.raises(ConfigProblems) as error:
+        load_run_config(bad)
+    assert str(error.value).splitlines()[0] == "the config has 5 problems:"
+    for said in ("train.seed must be an integer", "Did you mean 'TripletLoss'?",
+                 "'wieght_decay' (did you mean 'weight_decay'?)",
+                 "optimizer.lr must be a number", "optimizer.betas must be"):
+        assert said in str(error.value)
     cfg = {"data": {"train": {"shards": str(tmp_path / "a" / "train-*.tar")},
                     "val": {"shards": str(tmp_path / "v.tar")}}}
     with pytest.raises(ConfigProblems, match=r"(?s)2 problems.*data\.train: .*data\.val: "):

@@ -10,6 +10,7 @@ its registry (:meth:`~mmgoal.registry.Registry.read_by_builder`). Every key: doc
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Iterable
@@ -392,13 +393,17 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
     warning names them, and a component only they register is an error saying how to allow.
     ``typed``: the ``schema`` object itself (what the trainer takes), not its dict.
     """
-    config = schema.from_dict(cfg, "")
-    cfg = config.to_dict()
+    try:
+        config = schema.from_dict(cfg, "")
+        cfg, parsed = config.to_dict(), True
+    except ValueError:  # said with the rest, once the overrides are applied
+        cfg, parsed = copy.deepcopy(cfg), False
     not_imported: list[str] = []
+    custom_imports = cfg.get("custom_imports") or []
     if trust_custom_imports:
-        import_custom_modules(cfg["custom_imports"], beside=beside)
-    elif cfg["custom_imports"]:
-        not_imported = list(cfg["custom_imports"])
+        import_custom_modules(custom_imports, beside=beside)
+    elif custom_imports:
+        not_imported = list(custom_imports)
         warn_not_imported(not_imported, source)
     overrides = list(overrides)
     problems: list[Exception] = []  # the overrides' and the sections': said together
@@ -407,24 +412,27 @@ def with_overrides(cfg: dict, overrides: Iterable[str] = (),
             apply_override(cfg, override, known_keys)
         except ValueError as error:
             problems.append(error)
-    if overrides:  # what they set is checked as the file's keys were
+    if overrides or not parsed:  # what they set is checked as the file's keys were
         try:
             config = schema.from_dict(cfg, "")
             cfg = config.to_dict()
         except ValueError as error:
             problems.append(error)
-    raise_problems(problems)
-    try:
+    try:  # the components too, before a run is told of any of them
         check_components(cfg, not_imported, (checked or schema).components())
     except ConfigError as error:
         swapped = [k for k in map(override_key, overrides) if k.endswith(".type")]
         if not swapped or isinstance(error, UnknownNameError):
-            raise
-        section = swapped[0].removesuffix(".type")
-        raise ConfigError(f"{error}. {swapped[0]} changed the component's type and kept the "
-                          f"options of the old one: to switch a component, replace its whole "
-                          f"section, e.g. --cfg-options '{section}={{type: NAME, option: "
-                          f"value}}'") from None
+            problems.append(error)
+        else:
+            section = swapped[0].removesuffix(".type")
+            problems.append(ConfigError(
+                f"{error}. {swapped[0]} changed the component's type and kept the options "
+                f"of the old one: to switch a component, replace its whole section, e.g. "
+                f"--cfg-options '{section}={{type: NAME, option: value}}'"))
+    except ValueError as error:  # several sections' problems
+        problems.append(error)
+    raise_problems(problems)
     return config if typed else cfg
 
 
