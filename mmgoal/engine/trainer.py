@@ -401,6 +401,7 @@ class Trainer:
                              f"{self.config.train.best_metric} would compare other numbers "
                              f"with it: keep the run's best_metric")
         self.validations_since_best = state.get("validations_since_best", 0)
+        self._set_aside_a_later_best()
         patience = self.config.train.early_stopping_patience  # a resume may change it
         self.stopped_early = state.get("stopped_early", False) and bool(
             patience and self.validations_since_best >= patience)
@@ -411,6 +412,28 @@ class Trainer:
                 *(["val"] if self.validation_due or self.epoch_steps_done else []),
                 *(["test"] if not (self.work_dir / "report.json").is_file() else [])})
         logger.info("resumed at epoch %d, step %d", self.epoch, self.step)
+
+    def _set_aside_a_later_best(self) -> None:
+        """A best.pt that is not the resumed checkpoint's best (a run continued from an
+        earlier epoch, docs/configs.md) is renamed, and validations from here choose
+        best.pt again: the final test never takes weights of the abandoned progress."""
+        metric, path = self.config.train.best_metric, self.checkpoint_dir / BEST
+        later = None
+        if self.is_main and path.is_file():
+            try:
+                held = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                value = (held.get("metrics") or {}).get(metric)
+            except Exception:  # unreadable: the final test would say so; not ours to judge
+                value = self.best[metric]
+            if value != self.best[metric]:
+                later = path.with_name(f"{BEST}.later")
+                path.replace(later)
+                logger.warning("%s (%s %s) is not the best of the checkpoint resumed (epoch "
+                               "%d, step %d): set aside as %s; validations from here choose "
+                               "best.pt", path, metric, value, self.epoch, self.step, later)
+        if self.strategy.broadcast(later is not None):
+            self.best = {metric: -math.inf, "epoch": -1}
+            self.validations_since_best = 0
 
     def _check_resumed_state(self) -> None:
         """Refuse to continue from weights holding NaN/inf (collective): a checkpoint an

@@ -211,6 +211,30 @@ def test_validation_every_n_steps_does_not_wait_for_the_epoch_schedule(tiny_benc
     assert [(r["epoch"], r["step"]) for r in vals] == [(0, 3), (0, 6), (1, 9), (1, 12)]
 
 
+def test_a_best_checkpoint_of_abandoned_progress_is_set_aside_on_resume(tiny_benchmark,
+                                                                        tmp_path, caplog):
+    """Continuing from an earlier epoch (docs/configs.md): the best.pt a later epoch wrote
+    is not the resumed run's, and its final test never takes it."""
+    from mmgoal.runs.checkpoint import load_checkpoint, save_checkpoint
+
+    out, _ = tiny_benchmark
+    cfg = tiny_config(out, epochs=1)
+    cfg["data"].pop("test")
+    run = tmp_path / "run"
+    Trainer(cfg, run).fit()
+    best = run / "checkpoints" / "best.pt"
+    later = load_checkpoint(best)  # as if a later epoch, since abandoned, had written it
+    later["metrics"]["rsum"] = 999.0
+    save_checkpoint(later, best)
+    cfg["train"]["epochs"] = 2
+    with caplog.at_level(logging.WARNING, logger="mmgoal.engine.trainer"):
+        report = Trainer(cfg, run, resume=True).fit()
+    assert f"{best} (rsum 999.0) is not the best of the checkpoint resumed" in caplog.text
+    assert load_checkpoint(run / "checkpoints" / "best.pt.later")["metrics"]["rsum"] == 999.0
+    assert report["best"]["epoch"] == 1  # chosen again from the resumed validations
+    assert load_checkpoint(best)["epoch"] == 1
+
+
 def test_a_validation_gives_every_module_its_own_mode_back():
     """A validation between steps leaves a FreezeSchedule's frozen norms in eval mode."""
     from torch import nn
