@@ -377,6 +377,7 @@ class BuiltBy:
 # which a config (or a checkpoint's stored config) setting -1 would otherwise turn into a
 # "negative dimension" deep inside torch, or a silently shorter caption (``[:-1]``).
 PositiveInt = Annotated[int, AtLeast(1)]
+NonNegativeInt = Annotated[int, AtLeast(0)]  # a count that may be none (warm-up steps)
 # What a run trains in (train.precision, strategy.precision), and torch's float32 matmul
 # precision (train.matmul_precision, evaluation.matmul_precision): typed here, below torch,
 # so the run schema checks them without importing it.

@@ -239,13 +239,15 @@ def test_a_configs_problems_are_said_together(tmp_path):
     # the file's own mistakes, the trainer's sections' and the components', in one go
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"_base_: {root / 'quickstart.yaml'}\nobjective: {{type: TripletLos}}\n"
-                   f"optimizer: {{lr: abc, wieght_decay: 0.1, betas: x}}\ntrain: {{seed: x}}\n")
+                   f"optimizer: {{lr: abc, wieght_decay: 0.1, betas: x}}\ntrain: {{seed: x}}\n"
+                   f"schedule: {{warmup_steps: -5}}\n")
     with pytest.raises(ConfigProblems) as error:
         load_run_config(bad)
-    assert str(error.value).splitlines()[0] == "the config has 5 problems:"
+    assert str(error.value).splitlines()[0] == "the config has 6 problems:"
     for said in ("train.seed must be an integer", "Did you mean 'TripletLoss'?",
                  "'wieght_decay' (did you mean 'weight_decay'?)",
-                 "optimizer.lr must be a number", "optimizer.betas must be"):
+                 "optimizer.lr must be a number", "optimizer.betas must be",
+                 "schedule.warmup_steps must be at least 0, got -5"):
         assert said in str(error.value)
     cfg = {"data": {"train": {"shards": str(tmp_path / "a" / "train-*.tar")},
                     "val": {"shards": str(tmp_path / "v.tar")}}}

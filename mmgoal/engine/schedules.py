@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from mmgoal.config import NonNegativeInt
 from mmgoal.registry import SCHEDULES
 
 
@@ -24,8 +25,8 @@ class LRSchedule:
     X-VLM: 0.1), then ``decay(step)``; the trainer sets ``total_steps`` and
     ``steps_per_epoch``."""
 
-    def __init__(self, total_steps: int = 1, steps_per_epoch: int = 1, warmup_steps: int = 0,
-                 warmup_ratio: float = 0.0) -> None:
+    def __init__(self, total_steps: int = 1, steps_per_epoch: int = 1,
+                 warmup_steps: NonNegativeInt = 0, warmup_ratio: float = 0.0) -> None:
         if warmup_ratio and warmup_steps:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
         if not 0 <= warmup_ratio < 1:
