@@ -65,6 +65,12 @@ def read_classification_set(root: str | Path, split: str = "test") -> Classifica
     if not templates or any("{c}" not in t for t in templates):
         raise ValueError(f"{root / TEMPLATES}: every prompt must hold the class name as {{c}} "
                          f"(a photo of a {{c}}.); got {templates[:3]}")
+    if not (root / split).is_dir():  # a set of split folders without this one: a typo
+        splits = sorted(p.name for p in root.iterdir() if p.is_dir() and (
+            (p / "nshards.txt").is_file() or any(q.is_dir() for q in p.iterdir())))
+        if splits:
+            raise FileNotFoundError(f"zero-shot classification set {root} has no split "
+                                    f"{split!r}; its splits: {', '.join(splits)}")
     if (root / split / "nshards.txt").is_file():  # CLIP_benchmark's WebDataset layout
         if not (root / CLASSNAMES).is_file():
             raise FileNotFoundError(f"{root}: a WebDataset classification set needs "

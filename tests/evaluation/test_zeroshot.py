@@ -118,6 +118,9 @@ def test_bad_classification_sets_say_what_to_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a WebDataset classification set"):
         read_classification_set(tmp_path / "empty")
     write_synthetic_classification(tmp_path / "s", count=4, image_size=16)
+    with pytest.raises(FileNotFoundError, match=r"set .*s has no split 'tset'; its splits: "
+                                                r"test$"):
+        read_classification_set(tmp_path / "s", "tset")
     (tmp_path / "s" / "zeroshot_classification_templates.txt").write_text("a photo\n")
     with pytest.raises(ValueError, match=r"every prompt must hold the class name as \{c\}"):
         read_classification_set(tmp_path / "s")
