@@ -54,8 +54,11 @@ def test_unfinished_run_and_empty_glob_are_errors(tmp_path, capsys):
 
 
 def test_runs_on_other_test_sets_or_a_seed_twice_are_not_compared(tmp_path, capsys):
-    for group, seed, listing in (("a", 0, [["test-0.tar", 100]]), ("a", 1, [["test-0.tar", 100]]),
-                                 ("b", 0, [["test-0.tar", 100]]), ("c", 0, [["test-0.tar", 90]])):
+    same = [["test-0.tar", 100, "1a2b"]]
+    for group, seed, listing in (("a", 0, same), ("a", 1, same),
+                                 ("b", 0, [["test-0.tar", 100]]),  # a report before digests
+                                 ("c", 0, [["test-0.tar", 90, "1a2b"]]),
+                                 ("e", 0, [["test-0.tar", 100, "3c4d"]])):  # other content
         fake_run(tmp_path / group / f"seed{seed}", seed, 500.0)
         report = tmp_path / group / f"seed{seed}" / "report.json"
         report.write_text(json.dumps({**json.loads(report.read_text()), "test_set": listing}))
@@ -63,7 +66,10 @@ def test_runs_on_other_test_sets_or_a_seed_twice_are_not_compared(tmp_path, caps
     capsys.readouterr()
     assert compare_runs.main([f"{tmp_path}/a/seed*", f"{tmp_path}/c/seed*"]) == 2
     assert (f"{tmp_path}/a/seed0 and {tmp_path}/c/seed0 were tested on different test sets "
-            f"([['test-0.tar', 100]] vs [['test-0.tar', 90]])") in capsys.readouterr().err
+            f"([['test-0.tar', 100, '1a2b']] vs [['test-0.tar', 90, '1a2b']])"
+            ) in capsys.readouterr().err
+    assert compare_runs.main([f"{tmp_path}/a/seed*", f"{tmp_path}/e/seed*"]) == 2
+    assert "were tested on different test sets" in capsys.readouterr().err
     fake_run(tmp_path / "dup" / "first", 0, 400.0)  # seed 0 twice in one group
     fake_run(tmp_path / "dup" / "second", 0, 410.0)
     assert compare_runs.main([f"ctl={tmp_path}/dup/*"]) == 2

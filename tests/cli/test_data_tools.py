@@ -102,7 +102,7 @@ def test_make_shards_csv_then_train_on_the_shards(tmp_path):
                        "data.train.batch_size=4"]) == 0
     report = json.loads((work / "report.json").read_text())
     assert (report["epochs"], report["steps"], report["skipped_samples"]) == (1, 3, 0)
-    assert [name for name, _ in report["test_set"]] == ["test-000000.tar", "test-000001.tar"]
+    assert [name for name, *_ in report["test_set"]] == ["test-000000.tar", "test-000001.tar"]
     assert 0 <= report["test"]["i2t_r1"] <= report["test"]["i2t_r10"] <= 100
     assert report["test"]["rsum"] == sum(report["test"][f"{d}_r{k}"] for d in ("i2t", "t2i")
                                          for k in (1, 5, 10))
