@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
+from mmgoal.config import PositiveInt
 from mmgoal.data.images import ImageDecodeError, decode_image
 from mmgoal.data.remote import (
     RETRIES,
@@ -479,7 +480,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         max_sample_bytes: a sample whose members hold more is skipped unread.
     """
 
-    def __init__(self, shards: str | list[str], batch_size: int, tokenizer: Callable,
+    def __init__(self, shards: str | list[str], batch_size: PositiveInt, tokenizer: Callable,
                  transform: Callable, expand_captions: bool = False,
                  shuffle_buffer: int = 2000, seed: int = 0,
                  text_augment: dict | None = None, resampled: bool = False,
@@ -489,8 +490,6 @@ class ShardDataset(torch.utils.data.IterableDataset):
         super().__init__()
         self.shards = shards
         self.max_sample_bytes = max_sample_bytes
-        if batch_size < 1:
-            raise ValueError(f"data.train.batch_size must be at least 1, got {batch_size}")
         if exact_passes and resampled:
             raise ValueError("data.train.exact_passes shuffles each pass over the shards, and "
                              "resampled draws shards with replacement, which has no passes: "

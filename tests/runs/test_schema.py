@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from mmgoal.config import find_config
 from mmgoal.runs.schema import RunConfig, TrainConfig, load_run_config, resolve_config
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -134,6 +135,8 @@ def test_a_negative_batch_size_stops_before_any_data_is_read():
     from mmgoal.data.tokenizers import WordTokenizer
     from mmgoal.registry import DATASETS
 
-    with pytest.raises(ValueError, match="data.train.batch_size must be at least 1, got -4"):
+    with pytest.raises(ValueError, match="ShardDataset': batch_size must be at least 1, got -4"):
         DATASETS.build({"type": "ShardDataset", "shards": "nowhere-{0..3}.tar",
                         "batch_size": -4}, tokenizer=WordTokenizer(vocab=["a"]), transform=None)
+    with pytest.raises(ValueError, match="data.train.batch_size must be at least 1, got 0"):
+        load_run_config(find_config("quickstart"), ["data.train.batch_size=0"])  # the config
