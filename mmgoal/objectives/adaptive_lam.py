@@ -1,10 +1,7 @@
 """``lam: auto``: mmgoal's adaptive lambda for GOAL's sigmoid pair weights (not the
-paper's). ``lam`` is the fixed point onto which ``sig``/``sig_ms`` gather the scores, so
-it is put between them: a moving average, over the first ``lam_steps`` steps, of the
-midpoint of each step's median positive and median hardest-negative score, then held.
-A step's statistics are the union of every micro-batch on every rank, so every rank
-computes the same ``lam``. Why, and what it does: docs/objectives.md, "An adaptive
-lambda: lam: auto".
+paper's): a moving average, over the first ``lam_steps`` steps, of the midpoint of each
+step's median positive and hardest-negative score, the same on every rank. Why:
+docs/objectives.md, "An adaptive lambda: lam: auto".
 """
 
 from __future__ import annotations
@@ -16,26 +13,18 @@ from mmgoal.distributed import gather
 
 
 def step_midpoint(positive_scores: torch.Tensor, negative_scores: torch.Tensor) -> float:
-    """``(median(positive_scores) + median(negative_scores)) / 2``, in the scores' dtype.
-
-    ``torch.median`` takes the lower middle value: an element of the scores, independent
-    of their order, and a multiset repeated ``W`` times (``W`` ranks that each hold the
-    gathered global batch) has the median of one copy.
+    """``(median(positive_scores) + median(negative_scores)) / 2``, in the scores' dtype;
+    ``torch.median``'s lower middle value is the same for the batch repeated on ``W`` ranks.
     """
     return float((positive_scores.median() + negative_scores.median()) / 2)
 
 
 class AdaptiveLam(nn.Module):
-    """The running ``lam`` of ``lam: auto`` (``value``, ``initial`` until the first update)
-    and the statistics of the step under way: :meth:`observe` records one call's scores,
-    :meth:`finish_step` updates ``lam`` (docs/objectives.md gives the formula) for at most
-    ``steps`` updates, ``momentum`` in [0, 1).
-
-    ``lam`` and ``updates`` are Python numbers, so DeepSpeed's bf16/fp16 cast of the module
-    leaves them exact; the state dict holds them as float64 and int64 tensors, which every
-    checkpoint format takes. ``paused`` (set by ``ObjectiveWarmup`` while a warm-up trains
-    this objective with other attributes) drops what it sees, so ``lam`` measures the
-    first ``steps`` steps after the warm-up.
+    """The running ``lam`` of ``lam: auto`` (``value``, ``initial`` until the first update):
+    :meth:`observe` records one call's scores, :meth:`finish_step` updates ``lam`` for at
+    most ``steps`` updates, ``momentum`` in [0, 1). Python numbers, so a bf16/fp16 cast
+    leaves them exact (float64/int64 in the state dict); ``paused`` (``ObjectiveWarmup``)
+    drops what it sees, so ``lam`` measures the first ``steps`` steps after the warm-up.
     """
 
     def __init__(self, momentum: float, initial: float, steps: int | None = None) -> None:

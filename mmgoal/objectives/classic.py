@@ -112,10 +112,8 @@ def _segment_min(values: torch.Tensor, segments: torch.Tensor, n_segments: int) 
 @OBJECTIVES.register()
 class MultiSimilarityLoss(nn.Module):
     """Multi-similarity loss over all mined pairs, images and texts both as anchors.
-
-    ``alpha``, ``beta``, ``lam``: the MS scales and threshold (2, 50, 0.5 in the MS paper;
-    ``beta`` 10 matches GOAL's ``sig`` default); ``eps``: the pair-mining margin. On score
-    tiles: docs/reference/objectives.md, "Score tiles".
+    ``alpha``, ``beta``, ``lam``: the MS scales and threshold (``beta`` 10 as GOAL's ``sig``,
+    50 in the MS paper); ``eps``: the pair-mining margin (docs/reference/objectives.md).
     """
 
     def __init__(self, alpha: float = 2.0, beta: float = 10.0, lam: float = 0.5,
@@ -186,15 +184,11 @@ def softmax_sum(x: torch.Tensor, row_lse: torch.Tensor, col_lse: torch.Tensor,
 
 @OBJECTIVES.register()
 class InfoNCELoss(nn.Module):
-    """CLIP/ITC contrastive loss with a learnable temperature, clamped to
-    ``[min_temperature, max_temperature]`` (X-VLM: 0.001, 0.5; initial 0.07).
-
-    A row's (column's) target spreads over its positives, so every caption of the image
-    counts (X-VLM's ITC). A :class:`~mmgoal.contract.TemperatureModel` (``model``, passed
-    by the trainer) sets the temperature instead; this loss's own is then a buffer, which
-    no optimizer holds without a gradient. On score tiles, as Inf-CL computes it:
-    docs/reference/objectives.md, "Score tiles". ``forward`` gives ``infonce_loss`` (mean
-    of both directions) and the logged ``temperature``.
+    """CLIP/ITC contrastive loss with a learnable temperature clamped to
+    ``[min_temperature, max_temperature]``; a row's target spreads over its positives
+    (X-VLM's ITC). A :class:`~mmgoal.contract.TemperatureModel` ``model`` sets the
+    temperature instead (this one is then a buffer). Gives ``infonce_loss`` and
+    ``temperature``; on score tiles as Inf-CL (docs/reference/objectives.md, "Score tiles").
     """
 
     def __init__(self, temperature: float = 0.07, learnable: bool = True,

@@ -1,8 +1,6 @@
 """CCR and CCS attention constraints ("More Than Just Attention: Improving Cross-Modal
-Attentions with Contrastive Constraints for Image-Text Matching"; docs/reference/scan.md
-gives the formulas and the reversed weights ``reverse`` chooses).
-
-Both act on the :class:`~mmgoal.structures.Attention` of matched pairs, so they work with
+Attentions with Contrastive Constraints for Image-Text Matching"; formulas and ``reverse``:
+docs/reference/scan.md), on the :class:`~mmgoal.structures.Attention` of matched pairs of
 any model whose ``attention`` returns one; one query fragment is sampled per pair.
 """
 

@@ -89,14 +89,12 @@ def _check_lam(where: str, slot: str, name: str, options: Mapping[str, Any],
 
 
 def bind_weight(slot: str, spec: str | Mapping[str, Any]) -> BoundWeight:
-    """The weight of ``objective.triplet`` or ``objective.pair`` (``slot``), every option
-    filled in and checked.
+    """The weight of ``objective.triplet`` or ``objective.pair`` (``slot``), its options
+    filled in and checked as any config (docs/objectives.md, "Configuring the weights").
+    ``spec``: a registered name or ``{type: name, option: value, ...}``.
 
-    ``spec`` is a registered name (its defaults) or ``{type: name, option: value, ...}``.
-    A weight's options are its keyword parameters after its registry's call-time inputs
-    (``s_p``, ``s_n``, ``relative``), checked as any config is
-    (:meth:`~mmgoal.registry.Registry.check`; docs/objectives.md, "Configuring the
-    weights"). Raises ``UnknownNameError`` or ``ValueError`` saying what to write.
+    Raises:
+        UnknownNameError, ValueError: saying what to write.
     """
     registry = WEIGHT_REGISTRIES[slot]
     where = f"objective.{slot}"
@@ -176,11 +174,10 @@ class GoalObjective(nn.Module):
         **misplaced: only to reject options given at the objective level (the old flat
             ``tau: 5``) with the nested form to write instead.
 
-    ``forward`` returns ``goal_loss`` (value the weighted violation ``sum T (s_n - s_p)``,
-    for logging; gradient ``G``), ``active_fraction`` (the mean triplet weight),
-    ``positive_median`` and ``negative_median`` of the valid triplets (none without one;
-    docs/objectives.md, "Choosing a combination and lam") and, with ``lam: auto``, ``lam``.
-    ``adaptive_lam`` holds the running, checkpointed ``lam`` of ``lam: auto``, else None.
+    ``forward`` returns ``goal_loss`` (value the violation, gradient ``G``),
+    ``active_fraction``, ``positive_median``, ``negative_median`` and, with ``lam: auto``,
+    ``lam`` (docs/objectives.md, "Choosing a combination and lam"); ``adaptive_lam`` holds
+    that running ``lam``, else None.
     """
 
     def __init__(self, triplet: str | Mapping[str, Any] = "con",
@@ -202,14 +199,9 @@ class GoalObjective(nn.Module):
         return f"triplet={self.triplet_weight}, pair={self.pair_weight}, reduction={self.reduction}"
 
     def tile_gradient(self, tiles: ScoreTiles) -> GoalGradient:
-        """``G = dl/dS`` of this rank's triplets (its images' and its own texts'), put on the
-        scores of their O(n) pairs.
-
-        One pass over the tiles mines every anchor's hardest negative and the sums of its
-        ``R-`` (whose threshold comes from the positive scores, read first). The batch-wide
-        numbers the weights read are O(n) and gathered, so the ranks' ``G`` sum to one
-        process's. Weights are computed in float32 at least from detached scores.
-        """
+        """``G = dl/dS`` of this rank's triplets, put on the scores of their O(n) pairs: one
+        pass over the tiles mines the hardest negatives and ``R-`` sums; the O(n) batch-wide
+        numbers are gathered, so the ranks' ``G`` sum to one process's."""
         triplet, pair = self.triplet_weight, self.pair_weight
         positives = {"i2t": tiles.pair_scores(tiles.positive_rows, tiles.positive_cols),
                      "t2i": tiles.pair_scores(tiles.own_positive_rows, tiles.own_positive_cols)}

@@ -144,30 +144,23 @@ def _ids_tensor(image_ids: torch.Tensor | Sequence, n_pairs: int,
 
 
 class GoalLoss(nn.Module):
-    """GOAL over a batch of paired embeddings (or a score matrix), for any training loop.
-
-    The loss's gradient with respect to ``S`` is exactly ``GoalObjective``'s ``G`` (times
-    whatever gradient flows in); its value is the weighted violation, for logging.
+    """GOAL over a batch of paired embeddings (or a score matrix), for any training loop:
+    its gradient with respect to ``S`` is ``GoalObjective``'s ``G``, its value the weighted
+    violation, for logging (docs/objectives.md, "GOAL in your own training loop").
 
     Args:
         triplet, pair, reduction: as ``GoalObjective``'s.
-        gather: with ``torch.distributed`` and several ranks, mine the hardest negatives
-            in the global batch (every rank passes the same number of pairs); the loss is
-            the global one, whose gradient under DDP's average is one process's.
+        gather: mine the hardest negatives in the global batch of all ranks (each passes as
+            many pairs); the loss is the global one.
         step_each_call: with ``lam: auto``, every training-mode call is one optimisation
-            step; ``False`` (gradient accumulation, a ``GradScaler`` that may skip steps):
-            call :meth:`step` after each optimizer step instead, or ``lam`` never moves.
-        tile_rows, tile_cols: the score tiles' shape, the largest tensor the loss makes
-            (``None``: :mod:`mmgoal.scoring`'s default).
-        check_values: refuse non-finite or unnormalised embeddings and non-finite scores;
-            each check is one reduction the call waits for on a GPU. Shapes, dtypes and
-            image ids are checked either way.
+            step; ``False``: call :meth:`step` after each optimizer step instead.
+        tile_rows, tile_cols: the score tiles' shape (``None``: :mod:`mmgoal.scoring`'s).
+        check_values: refuse non-finite or unnormalised embeddings and non-finite scores
+            (one reduction each that a GPU waits for); shapes, dtypes and ids always.
 
     Attributes:
-        objective: the ``GoalObjective``; with ``lam: auto`` its running ``lam``
-            (``objective.adaptive_lam.value``) is in this module's ``state_dict``.
-        last_stats: the last call's ``GoalObjective`` outputs but ``goal_loss``, as floats
-            (``{}`` before the first call).
+        objective: the ``GoalObjective`` (its ``lam: auto`` state in this ``state_dict``).
+        last_stats: the last call's outputs but ``goal_loss``, as floats (``{}`` before).
     """
 
     def __init__(self, triplet: str | Mapping[str, Any] = "con",

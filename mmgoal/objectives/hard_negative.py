@@ -17,10 +17,8 @@ Reduction = Literal["sum", "mean"]
 class HardNegativeLoss(nn.Module):
     """A per-triplet loss ``triplet_loss(s_p, s_n)`` summed over both directions' triplets
     (docs/reference/goal.md, "Hard-negative mining"); ``mean`` divides by the number of
-    positives. Subclasses set ``name`` (the output key is ``{name}_loss``).
-
-    One pass over the score tiles mines every anchor's hardest negative; the O(n)
-    triplets' pairs are then scored with their gradient, so the backward touches no tile.
+    positives. Subclasses set ``name`` (the output key is ``{name}_loss``). Only the O(n)
+    mined triplets' pairs are scored with a gradient, so the backward touches no tile.
     """
 
     name = "loss"

@@ -42,14 +42,10 @@ def sample_hard_negatives(sims: torch.Tensor, positives: torch.Tensor, temperatu
 
 @OBJECTIVES.register()
 class ITMLoss(nn.Module):
-    """Cross entropy of the ITM head on the batch's pairs (image ``b``, text ``b``) and
-    softmax-sampled hard negatives, from any image or text of the global batch.
-
-    Under local scoring a rank classifies its own ``3 B`` pairs and returns its part of the
-    global mean, so loss and gradient are one process's in distribution. Under replicated
-    scoring ``pairs`` chooses: ``local`` this rank's pairs (X-VLM's way), ``global`` all
-    ``3 W B`` on every rank (docs/distributed.md, "Objectives on the global batch").
-    ``temperature``: of the sampling softmax (X-VLM's ITC logits are ``S / 0.07`` at first).
+    """Cross entropy of the ITM head on the batch's pairs and softmax-sampled hard negatives
+    from the global batch (``temperature``: of that softmax). Under replicated scoring
+    ``pairs`` is ``local`` (this rank's, X-VLM's way) or ``global`` (all ``3 W B`` on every
+    rank; docs/distributed.md, "Objectives on the global batch").
     """
 
     def __init__(self, weight: float = 1.0, temperature: float = 0.07,

@@ -126,9 +126,3 @@ def draw_one_per_row(probs: torch.Tensor, generator: torch.Generator | None = No
     where = draw_device(probs.device, generator)
     return torch.multinomial(probs.to(where), 1, generator=generator).squeeze(1).to(probs.device)
 
-
-def row_uniforms(rows: int, device: torch.device, generator: torch.Generator | None = None
-                 ) -> torch.Tensor:
-    """(rows,) uniform draws in [0, 1) on ``device``, one a row (:func:`draw_device`)."""
-    where = draw_device(device, generator)
-    return torch.rand(rows, generator=generator, device=where).to(device)

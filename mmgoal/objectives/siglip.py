@@ -46,12 +46,9 @@ class _SigmoidTerms(Statistic):
 @OBJECTIVES.register()
 class SigLIPLoss(nn.Module):
     """SigLIP's pairwise sigmoid loss with a learnable scale ``t = exp(t')`` (``init_scale``
-    is ``t'``) and bias.
-
-    A :class:`~mmgoal.contract.TemperatureModel` (``t = 1 / temperature()``) and a
-    :class:`~mmgoal.contract.LogitBiasModel` with a bias (``model``, passed by the trainer)
-    set them instead; this loss's own are then buffers. ``forward`` gives ``siglip_loss``
-    and the logged ``logit_scale`` (``t``) and ``logit_bias``.
+    is ``t'``) and bias, unless a :class:`~mmgoal.contract.TemperatureModel` /
+    :class:`~mmgoal.contract.LogitBiasModel` ``model`` sets them (these are then buffers).
+    Gives ``siglip_loss``, ``logit_scale`` and ``logit_bias``.
     """
 
     def __init__(self, init_scale: float = math.log(10.0), init_bias: float = -10.0,

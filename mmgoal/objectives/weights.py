@@ -1,10 +1,9 @@
 """GOAL triplet and pair weights (docs/reference/goal.md): pure functions of scores.
 
-A triplet weight maps ``s_p, s_n: (N,)`` to ``T: (N,)``, a pair weight to ``(P+, P-)``.
-Its options are its keyword parameters after the scores. A multi-similarity pair weight
-takes ``relative`` (a :class:`RelativeScores`) and declares the ``eps`` it is built with;
-a weight whose ``lam`` may be ``auto`` declares the adaptive lambda's options, which
-``GoalObjective`` reads; neither body reads them (docs/objectives.md, "Adding a weight").
+A triplet weight maps ``s_p, s_n: (N,)`` to ``T: (N,)``, a pair weight to ``(P+, P-)``;
+its options are its keyword parameters after the scores (and ``relative``, a
+:class:`RelativeScores`). ``eps`` and ``lam_*`` are declared for ``GoalObjective``, not
+read by the bodies (docs/objectives.md, "Adding a weight").
 """
 
 from __future__ import annotations
@@ -107,11 +106,8 @@ def negative_sums(asked: NegativeSums, statistics: dict[str | float, Statistic],
 
 class RelativeScores:
     """The multi-similarity comparison sets ``R+``, ``R-`` of one direction's triplets
-    (docs/reference/goal.md), whose means the pair weights ask for.
-
-    ``R+`` reads the batch's ``positive_scores`` (n_pos,), sorted, by a prefix sum (no
-    (n_pos x n_pos) tensor); ``R-`` reads ``negatives``, the anchor's sums over its
-    negatives above the threshold (:class:`NegativeSums`).
+    (docs/reference/goal.md), whose means the pair weights ask for: ``R+`` by a prefix sum
+    over the sorted ``positive_scores``, ``R-`` from ``negatives`` (:class:`NegativeSums`).
     """
 
     def __init__(self, s_p: torch.Tensor, s_n: torch.Tensor, positive_scores: torch.Tensor,
