@@ -1,9 +1,7 @@
 """Shard sources for what a CLIP fine-tuner has at hand: open_clip's CSV files (``csv``), a
-folder of images with caption files (``folder``), a Hugging Face dataset (``hf``).
-
-Each writes samples as ``karpathy`` does (the image's bytes, and a JSON with ``image_id``,
-``captions``, ``split``, ``width``, ``height``); what each takes, skips and refuses:
-docs/data.md, "Your own data" and "What a conversion takes".
+folder of images with caption files (``folder``), a Hugging Face dataset (``hf``), written
+as ``karpathy`` writes them; what each takes, skips and refuses: docs/data.md, "Your own
+data" and "What a conversion takes".
 """
 
 from __future__ import annotations
@@ -73,16 +71,14 @@ def captioned_image(split: str, image_id: str | int, captions: list[str],
 
 @SHARD_SOURCES.register("csv")
 class CSVSource(ShardSource):
-    """Images and captions of open_clip's CSV files (``--dataset-type csv``), a file per
-    split (docs/data.md, "Your own data"). Rows naming one image path are one sample with
-    all their captions; ``image_id`` is the path as the file writes it.
+    """Images and captions of open_clip's CSV files, a file per split (docs/data.md, "Your
+    own data"); rows naming one image path are one sample, ``image_id`` that path.
 
     Args:
         img_key, caption_key, separator: open_clip's ``--csv-img-key``,
             ``--csv-caption-key``, ``--csv-separator`` (``\\t`` may be backslash and t).
-        image_root: where relative image paths start and images must lie (default: each
-            CSV file's folder).
-        allow_outside: also take images outside it (absolute paths, ``..``, links).
+        image_root: where relative paths start and images must lie (default: the CSV's
+            folder); ``allow_outside`` also takes images outside it.
         max_size, jpeg_quality: re-encode as JPEG images whose longer side exceeds
             ``max_size``, or every image at ``jpeg_quality``.
     """
@@ -188,11 +184,9 @@ def csv_column_error(path: Path, key: str, option: str, header: list[str],
 @SHARD_SOURCES.register("folder")
 class FolderSource(ShardSource):
     """Images in a folder per split, each with a caption file of its name: ``cat.jpg`` takes
-    ``cat.txt`` (a caption a line) or else ``cat.json`` (``captions`` or ``caption``).
-    ``image_id`` is the path without extension (``dogs/cat``); a second image of one name
-    (``cat.png`` beside ``cat.jpg``) is skipped, as they would share a caption file
-    (docs/data.md, "Your own data"). ``allow_outside`` takes links to files outside the
-    folder; ``max_size``, ``jpeg_quality``: as :class:`CSVSource`.
+    ``cat.txt`` (a caption a line) or else ``cat.json``; ``image_id`` is the path without
+    extension (docs/data.md, "Your own data"). ``allow_outside`` takes links to files
+    outside the folder; ``max_size``, ``jpeg_quality``: as :class:`CSVSource`.
     """
 
     def __init__(self, train: str | None = None, val: str | None = None,
@@ -277,8 +271,7 @@ def caption_file_captions(image: Path, root: Path | None = None) -> list[str]:
 
 @SHARD_SOURCES.register("hf")
 class HFSource(ShardSource):
-    """Images and captions of a Hugging Face ``datasets`` dataset (the ``hf`` extra;
-    docs/data.md, "Your own data").
+    """Images and captions of a Hugging Face dataset (docs/data.md, "Your own data").
 
     Args:
         dataset: a ``save_to_disk`` folder (a ``Dataset`` is one split, ``train`` unless it
@@ -287,8 +280,7 @@ class HFSource(ShardSource):
             captions. Without it every row is an image, ``{split}-{row:07d}``.
         splits: comma-separated splits to convert (default: all).
         names: shard names of the dataset's splits (``"validation=val"``).
-        allow_outside: also read image files named by a path outside the dataset's folder
-            (for a hub id: the ``datasets`` cache).
+        allow_outside: also read image files outside the dataset's folder (or cache).
         max_size, jpeg_quality: as :class:`CSVSource`.
     """
 

@@ -1,11 +1,9 @@
 """Converting datasets into shards: sources, one shard per task, resumable.
 
-A source (registered in ``SHARD_SOURCES``) says which splits it has, which items each
-holds and how one item becomes a shard sample. The converter cuts every split into shards
-of ``shard_size`` items, each one task with its ``.stats.json`` written after it, so a
-killed conversion run again with ``resume`` redoes only the unfinished shards, byte for byte
-(docs/data.md, "Conversion"). An item that cannot be converted is skipped and counted under
-its reason, never fatal.
+A source (``SHARD_SOURCES``) says which splits it has, which items each holds and how one
+becomes a sample; each shard of ``shard_size`` items is one task with its ``.stats.json``
+written after it, so ``resume`` redoes only the unfinished shards (docs/data.md,
+"Conversion"). An item that cannot be converted is skipped and counted, never fatal.
 """
 
 from __future__ import annotations
@@ -75,13 +73,10 @@ class ShardSource:
 def image_member(path: Path, max_size: int | None = None, jpeg_quality: int | None = None,
                  data: bytes | None = None, root: Path | None = None
                  ) -> tuple[str, bytes, int, int]:
-    """An image file as a sample member: (extension, bytes, width, height).
-
-    Decoded whole to catch truncated images; the bytes are kept unless the longer side
-    exceeds ``max_size``, ``jpeg_quality`` is set, or the pipeline does not read the format
-    (not in ``IMAGE_EXTENSIONS``: BMP, GIF, TIFF): then it is written as JPEG. With ``data``
-    (bytes not on disk: a Hugging Face image column), ``path`` only names it. The file must
-    lie in ``root`` (:func:`within`; ``None``: anywhere). Raises SkippedItem.
+    """An image file (or ``data``, ``path`` then only names it) as a sample member:
+    (extension, bytes, width, height). Decoded whole to catch truncated images; re-encoded
+    as JPEG past ``max_size``, with ``jpeg_quality``, or outside ``IMAGE_EXTENSIONS``. The
+    file must lie in ``root`` (``None``: anywhere). Raises SkippedItem.
     """
     if data is None:
         within(root, path)
@@ -208,11 +203,9 @@ def finished_stats(out_dir: Path, split: str, index: int) -> dict | None:
 def convert(source: ShardSource, out_dir: str | os.PathLike, shard_size: int = 1000,
             workers: int = 1, resume: bool = False, progress: bool = True,
             options: dict | None = None) -> dict:
-    """Convert every split of ``source`` into shards under ``out_dir``.
-
-    ``options`` (what made ``source``) and ``shard_size`` are recorded in ``summary.json``,
-    and ``resume`` requires the same. Returns the summary written there: ``options``, and
-    per split the shards, samples, captions and skipped items by reason, with examples.
+    """Convert every split of ``source`` into shards under ``out_dir``; returns the
+    ``summary.json`` written there (``options`` and ``shard_size``, which ``resume``
+    requires the same, and per split shards, samples, captions and skipped items).
     """
     out_dir = Path(out_dir)
     if out_dir.is_symlink() and not out_dir.exists():

@@ -1,13 +1,10 @@
 """Streaming shards: a WebDataset pipeline built as an explicit list of stages.
 
-Training: endless seeded passes over the shards, in one order on every rank (or, with
-``resampled``, shards drawn with replacement per rank and worker, as open_clip) -> split by
-node and worker -> tar to samples -> seeded shuffle -> decode -> one caption per image (or
-one sample per caption) -> image transform -> tokenize and batch. The stream never runs
-dry, so every rank yields the batches an epoch takes, whatever a corrupt shard costs it
+Training: endless seeded passes over the shards (or ``resampled`` draws) -> split by node
+and worker -> tar to samples -> seeded shuffle -> decode -> one caption per image (or one
+sample per caption) -> image transform -> tokenize and batch; the stream never runs dry
 (docs/data.md, "What an epoch is"). Evaluation reads the shards in order, one sample per
-image with all its captions. A bad sample is logged, counted and skipped; a training reader
-with no readable sample in a whole pass stops (:class:`UnreadablePassCheck`).
+image with all its captions. A bad sample is logged, counted and skipped.
 """
 
 from __future__ import annotations
@@ -150,13 +147,10 @@ def shuffle_within_passes(samples: Iterator[dict], size: int, rng: random.Random
 
 
 class UnreadablePassCheck:
-    """Stops a training reader after a whole pass of its shards without a readable sample.
-
-    Readable: decoded and transformed, not just a tar member (sound tars of bad images would
-    otherwise be read for ever). The shuffle buffer may hold many passes, so samples carry
-    their pass number and a pass is judged once read and each sample decoded or skipped.
-    Stages: ``tag`` after the tar reader, ``settle`` after the shuffle, ``count_readable``
-    last; the shard stream calls ``start_pass``. ``message()`` builds the error's text.
+    """Stops a training reader after a whole pass of its shards without a sample decoded
+    and transformed (sound tars of bad images would be read for ever). Samples carry their
+    pass number, as the shuffle buffer may hold many passes. Stages: ``tag`` after the tar
+    reader, ``settle`` after the shuffle, ``count_readable`` last.
     """
 
     def __init__(self, message: Callable[[], str]) -> None:
@@ -282,13 +276,10 @@ def _load_npy(data: bytes, where: str, name: str) -> np.ndarray:
 
 
 def decode_sample(sample: dict, caption_key: str | None = None) -> dict:
-    """Tar members -> ``{"key", "image_id", "captions"}`` plus what the sample has.
-
-    Captions from the JSON's ``captions``, or with ``caption_key`` (``txt``: img2dataset)
-    from that member alone, the JSON optional. ``image`` (PIL RGB); ``regions`` ((R, D)
-    float) from ``regions.npy``; ``boxes`` ((R, 4) xyxy fractions of the image size) from
-    ``boxes.npy`` or the JSON's entities; ``entities``, their boxes as fractions too;
-    ``caption_ids`` (COCO's, one per caption). A sample needs an image or regions.
+    """Tar members -> ``{"key", "image_id", "captions"}`` plus what the sample has:
+    ``image`` (PIL RGB), ``regions`` (R, D), ``boxes`` (R, 4) and ``entities`` (xyxy
+    fractions of the image size), ``caption_ids``. Captions from the JSON's ``captions`` or
+    the ``caption_key`` member alone. A sample needs an image or regions.
     """
     key = sample.get("__key__", "?")
     where = f"sample {key!r} of {sample.get('__url__', '?')}"
@@ -381,11 +372,9 @@ def scale_entity_boxes(entities: list[dict], scale: np.ndarray, where: str = "a 
 
 def choose_captions(samples: Iterator[dict], expand: bool, rng: random.Random,
                     phrase_rng: random.Random | None = None) -> Iterator[dict]:
-    """One sample per caption (``expand``) or per image with a random caption.
-
-    With ``phrase_rng``, one of the caption's entities with boxes, at random, as ``phrase``
-    and ``phrase_box`` (its first box, xyxy fractions), for box grounding. ``entities`` are
-    dropped: their many small objects would live until collation, slowing every GC.
+    """One sample per caption (``expand``) or per image with a random caption; with
+    ``phrase_rng``, a random entity with boxes as ``phrase`` and ``phrase_box`` (box
+    grounding). ``entities`` are dropped: their many small objects would slow every GC.
     """
     for sample in samples:
         captions, entities = sample["captions"], sample.pop("entities", None) or []
@@ -459,25 +448,19 @@ def transform_image(sample: dict, transform: Callable) -> dict:
 @DATASETS.register()
 class ShardDataset(torch.utils.data.IterableDataset):
     """Training batches streamed without end from WebDataset shards (the module docstring's
-    stages); evaluation reads shards with :func:`iter_eval_batches`.
+    stages); options as docs/configs.md's ``data.train`` and docs/data.md describe them.
 
     Args:
         shards: brace patterns, globs, lists, URLs or ``pipe:`` commands.
         tokenizer, transform: captions -> token ids, PIL image -> tensor (set by the trainer).
         expand_captions: one sample per caption instead of one per image.
         seed: base seed of every random choice (shard and sample orders, with the epoch).
-        text_augment: ``TEXT_AUGMENTS`` config for the token ids (VSE-infinity's mask /
-            replace / delete), e.g. ``{type: TokenAugment, p: 0.2}``.
-        caption_key: one caption per sample from this member (``txt``: img2dataset)
-            instead of the JSON's ``captions``.
+        text_augment: ``TEXT_AUGMENTS`` config for the token ids, e.g. ``{type: TokenAugment}``.
         retries, timeout: reads of a failed remote shard, each after a doubling pause, before
             it is skipped; seconds a read may wait for data (:mod:`mmgoal.data.remote`).
-        resampled: draw shards with replacement per rank and worker instead of splitting
-            them, so any number of shards feeds any number of readers; a reader's pass is
-            its share of draws, at least ``MIN_RESAMPLED_PASS``.
-        exact_passes: shuffle each pass on its own, so that an epoch of one pass holds every
-            image once (docs/data.md, "What an epoch is"). Not with ``resampled``.
-        max_sample_bytes: a sample whose members hold more is skipped unread.
+        resampled: draw shards with replacement per rank and worker (a pass: at least
+            ``MIN_RESAMPLED_PASS`` draws); ``exact_passes``, not with it: each pass
+            shuffled on its own.
     """
 
     def __init__(self, shards: str | list[str], batch_size: PositiveInt, tokenizer: Callable,
@@ -614,14 +597,10 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
 @dataclass(frozen=True)
 class EvalReader:
-    """How an evaluation split is read: its shards and the ``data`` section's settings; what
-    :func:`iter_eval_batches` and :func:`~mmgoal.evaluation.gallery.encode_gallery` take.
-
-    Attributes:
-        shards: as :func:`expand_shards` takes them.
-        caption_key: each sample's one caption from this member (``txt``), not the JSON's.
-        num_workers: DataLoader processes that decode while the caller encodes (0: none).
-        max_sample_bytes: a sample whose members hold more is skipped unread.
+    """How an evaluation split is read (its shards, as :func:`expand_shards` takes them, and
+    the ``data`` section's settings), for :func:`iter_eval_batches` and
+    :func:`~mmgoal.evaluation.gallery.encode_gallery`; ``num_workers`` decode while the
+    caller encodes.
     """
 
     shards: str | Sequence[str]
@@ -667,16 +646,12 @@ class CaptionedShards:
 
 class EvalBatches(torch.utils.data.IterableDataset):
     """Batches of a source read in order (:class:`CaptionedShards`, zero-shot's labelled
-    images: ``items(counter)`` raw, ``decode(item)``, ``collate(decoded)``), decoded by a
-    share of the readers of the stream.
-
-    Batch ``b`` holds items ``b * batch_size`` to ``(b + 1) * batch_size - 1`` of the
-    stream, counted before decoding; ``part=(index, count)`` decodes only the ``b`` with
-    ``b % count == index``, and DataLoader worker ``w`` of ``W`` share ``index * W + w`` of
-    ``count * W``. Every reader reads all the items, so a DataLoader, taking each worker's
-    next batch in turn, yields the source's order; a batch whose items all failed is
-    yielded empty to keep the turns. Each batch carries ``skipped``, ``number`` and
-    ``size``; a shard not read to its end raises :class:`IncompleteSplitError`.
+    images: ``items(counter)``, ``decode(item)``, ``collate(decoded)``). ``part=(index,
+    count)`` decodes only batches ``b % count == index`` (DataLoader worker ``w`` of ``W``:
+    ``index * W + w`` of ``count * W``); every reader reads all items, so the workers' turns
+    keep the source's order (a batch of failed items is yielded empty). Each batch carries
+    ``skipped``, ``number`` and ``size``; a shard not read to its end raises
+    :class:`IncompleteSplitError`.
     """
 
     def __init__(self, source: Any, batch_size: int, part: tuple[int, int] = (0, 1),
@@ -736,11 +711,9 @@ def iter_eval_batches(reader: EvalReader | str | Sequence[str], transform: Calla
     """Evaluation batches of ``reader`` (an :class:`EvalReader`, or shards read with its
     defaults) in shard order, one sample per image with all its captions.
 
-    ``num_workers`` > 0 decodes in DataLoader workers while the caller encodes, giving the
-    same batches in the same order (``pin_memory`` for ``non_blocking`` copies).
     ``part=(rank, world)`` yields a rank's share (:class:`EvalBatches`); ``numbered`` keeps
-    each batch's ``number``, its place in the one-process stream. ``counter`` counts unreadable
-    samples; a shard that failed or is damaged raises :class:`IncompleteSplitError`.
+    each batch's ``number``; ``counter`` counts unreadable samples; a shard that failed or
+    is damaged raises :class:`IncompleteSplitError`.
 
     Yields:
         ``{"images": (B,3,H,W), "image_ids", "captions": [[...], ...], "caption_ids" (None
@@ -789,15 +762,10 @@ def read_captions(shards: str | list[str], caption_key: str | None = None) -> li
 
 @DATASETS.register()
 class MixtureDataset(torch.utils.data.IterableDataset):
-    """Training batches mixed from several shard sources, each with a sampling weight.
-
-    Each sample comes from source ``k`` with probability ``weight_k / sum(weights)`` (a
-    stream seeded by seed, epoch, rank and worker); each source streams without end as a
-    ``ShardDataset``. An epoch is ``train.samples_per_epoch`` (default: the sources' sizes
-    summed). Batches carry ``source_counts`` (samples per source), which the trainer logs.
-    ``sources``: ``ShardDataset`` configs without ``type`` and ``batch_size``, each with a
-    ``name`` and ``weight``: ``{name: web, weight: 3, shards: ..., caption_key: txt}``; the
-    other arguments are ``ShardDataset``'s.
+    """Training batches mixed from several endless ``ShardDataset`` sources, each sample from
+    source ``k`` with probability ``weight_k / sum(weights)`` (docs/pretraining.md, "Data
+    mixtures"). ``sources``: ``ShardDataset`` configs without ``type`` and ``batch_size``,
+    each with a ``name`` and ``weight``. Batches carry ``source_counts``, which are logged.
     """
 
     def __init__(self, sources: list[dict], batch_size: int, tokenizer: Callable,

@@ -42,11 +42,9 @@ def _npy(array: np.ndarray) -> bytes:
 @SHARD_SOURCES.register("karpathy")
 class KarpathySource(ShardSource):
     """Images and captions of a Karpathy split JSON: ``images[]`` entries with ``filename``,
-    optional ``filepath``, ``split`` and ``sentences[].raw`` (the captions, as they are).
-
-    ``image_id`` is ``cocoid`` (COCO), else the file name without extension (the Flickr id
-    Flickr30K Entities uses). An image listed twice is converted once, from its first
-    entry, with a warning: evaluation would count its copy as a negative.
+    optional ``filepath``, ``split`` and ``sentences[].raw`` (docs/data.md, "COCO").
+    ``image_id`` is ``cocoid``, else the file name without extension (Flickr30K's id). An
+    image listed twice is converted once, with a warning: its copy would be a negative.
 
     Args:
         image_root: the folder ``filepath/filename`` paths start from.
@@ -138,13 +136,10 @@ def _read_json(path: Path) -> Any:
 
 @SHARD_SOURCES.register("precomputed")
 class PrecomputedSource(ShardSource):
-    """Region features of SCAN / VSE-infinity: ``{split}_ims.npy`` + ``{split}_caps.txt``.
-
-    ``{split}_ims.npy``: (images, regions, dim), or one row per caption (every
-    ``captions_per_image``-th row is the image's, as SCAN's loader reads it). Optional:
-    ``{split}_boxes.npy`` or ``{split}_ims_bbx.npy`` (images, regions, 4) pixel boxes,
-    ``{split}_ims_size.npy`` (images, 2) width and height, ``{split}_ids.txt`` image ids.
-    Features and boxes keep their dtype.
+    """Region features of SCAN / VSE-infinity: ``{split}_ims.npy`` (images, regions, dim),
+    or one row per caption, + ``{split}_caps.txt``; optional ``{split}_boxes.npy`` or
+    ``_ims_bbx.npy`` pixel boxes, ``_ims_size.npy`` and ``_ids.txt`` (docs/data.md,
+    "Precomputed region features"). Features and boxes keep their dtype.
 
     Args:
         splits: comma-separated or a list (default: every ``*_caps.txt``).
@@ -262,12 +257,9 @@ class PrecomputedSource(ShardSource):
 
 @SHARD_SOURCES.register("entities")
 class EntitiesSource(ShardSource):
-    """Existing shards with Flickr30K Entities phrases and boxes joined in.
-
-    Every input shard becomes an output shard of its name; a sample's captions are matched
-    to the Entities sentences of its ``image_id`` (case- and space-insensitive) and its JSON
-    gains ``entities``. Samples without annotation files are kept as they are.
-    ``entities_root`` holds ``Sentences/`` and ``Annotations/``.
+    """Existing shards with Flickr30K Entities phrases and boxes (``entities_root``'s
+    ``Sentences/`` and ``Annotations/``) joined into each sample's JSON as ``entities``, its
+    captions matched case- and space-insensitively; a shard keeps its name.
     """
 
     def __init__(self, shards: str | list[str], entities_root: str) -> None:
