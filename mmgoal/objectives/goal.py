@@ -1,12 +1,10 @@
 """GOAL: objectives defined by their gradient (Xuan & Chen, WACV 2023).
 
 ``GoalObjective`` trains with ``G = dl/dS`` of any triplet weight x pair weight
-(docs/reference/goal.md), including combinations no loss integrates to. ``G`` has
-entries only at the positives and each anchor's mined negative, so the O(n) chosen pairs
-are scored again and carry it (``loss = violation + sum g s - sum g s`` detached): for a
-dual encoder a gather of O(n) feature rows, the paper's eq. 2-4. Unlike the authors' code
-it honours the incoming gradient, handles several positives per row, and has no Python
-loop over the batch.
+(docs/reference/goal.md), including combinations no loss integrates to; ``G`` lives on the
+O(n) positives and mined negatives, which are scored again to carry it (the paper's eq.
+2-4). Unlike the authors' code it honours the incoming gradient, handles several positives
+per row, and has no Python loop over the batch.
 """
 
 from __future__ import annotations

@@ -196,9 +196,9 @@ class GoalLoss(nn.Module):
         Args:
             image_embeds, text_embeds: (N, D) L2-normalised; row ``i`` of each is pair ``i``.
             scores: (N, N) a ready score matrix instead of the embeddings; not with ``gather``.
-            image_ids: (N,) integer tensor, or a list of ids all integers or all strings:
-                equal ids are positives of each other (several captions of one image);
-                ``None``: pair ``i`` only. With ``gather``, dataset ids, not positions.
+            image_ids: (N,) integer tensor or list of ids (all integers or all strings),
+                equal ids positives of each other (``None``: pair ``i`` only); with
+                ``gather``, dataset ids, not positions.
         """
         if scores is not None:
             if image_embeds is not None or text_embeds is not None:
