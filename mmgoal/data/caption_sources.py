@@ -276,10 +276,9 @@ class HFSource(ShardSource):
     Args:
         dataset: a ``save_to_disk`` folder (a ``Dataset`` is one split, ``train`` unless it
             names its own), or anything ``load_dataset`` takes (a hub id, online).
-        id_key: a column of image ids; rows with one id are one sample with all their
-            captions. Without it every row is an image, ``{split}-{row:07d}``.
-        splits: comma-separated splits to convert (default: all).
-        names: shard names of the dataset's splits (``"validation=val"``).
+        id_key: a column of image ids, rows of one id one sample (without it every row is
+            an image, ``{split}-{row:07d}``).
+        splits, names: splits to convert (default: all); their shard names (``validation=val``).
         allow_outside: also read image files outside the dataset's folder (or cache).
         max_size, jpeg_quality: as :class:`CSVSource`.
     """

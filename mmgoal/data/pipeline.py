@@ -598,10 +598,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
 @dataclass(frozen=True)
 class EvalReader:
     """How an evaluation split is read (its shards, as :func:`expand_shards` takes them, and
-    the ``data`` section's settings), for :func:`iter_eval_batches` and
-    :func:`~mmgoal.evaluation.gallery.encode_gallery`; ``num_workers`` decode while the
-    caller encodes.
-    """
+    the ``data`` section's settings), for :func:`iter_eval_batches` and ``encode_gallery``;
+    ``num_workers`` decode while the caller encodes."""
 
     shards: str | Sequence[str]
     batch_size: int = 256
@@ -713,12 +711,8 @@ def iter_eval_batches(reader: EvalReader | str | Sequence[str], transform: Calla
 
     ``part=(rank, world)`` yields a rank's share (:class:`EvalBatches`); ``numbered`` keeps
     each batch's ``number``; ``counter`` counts unreadable samples; a shard that failed or
-    is damaged raises :class:`IncompleteSplitError`.
-
-    Yields:
-        ``{"images": (B,3,H,W), "image_ids", "captions": [[...], ...], "caption_ids" (None
-        where a JSON has none), "entities"}``, with ``regions``/``boxes`` and their lengths
-        where the shards have them.
+    is damaged raises :class:`IncompleteSplitError`. Yields ``{"images": (B,3,H,W),
+    "image_ids", "captions", "caption_ids", "entities"}`` (``regions``/``boxes`` too).
     """
     reader = EvalReader.of(reader)
     return iter_batches(CaptionedShards(reader, transform), reader.batch_size,

@@ -50,9 +50,9 @@ class KarpathySource(ShardSource):
         image_root: the folder ``filepath/filename`` paths start from.
         max_size, jpeg_quality: re-encode as JPEG images whose longer side exceeds
             ``max_size``, or every image at ``jpeg_quality``.
-        coco_captions: COCO's caption annotation files, comma-separated: each JSON then
-            holds ``caption_ids`` for ECCV Caption, CxC and PM-COCO (:mod:`mmgoal.data.coco`).
-        allow_outside: also take images whose path leads outside ``image_root``.
+        coco_captions: COCO's caption files, comma-separated, for each JSON's
+            ``caption_ids`` (:mod:`mmgoal.data.coco`); ``allow_outside``: also take images
+            whose path leads outside ``image_root``.
     """
 
     def __init__(self, json: str, image_root: str, max_size: int | None = None,
@@ -143,8 +143,7 @@ class PrecomputedSource(ShardSource):
 
     Args:
         splits: comma-separated or a list (default: every ``*_caps.txt``).
-        names: shard names of input splits, ``"dev=val,testall=test"`` (COCO's ``testall``
-            is the 5K test set).
+        names: shard names of input splits, ``"dev=val,testall=test"``.
         coco_captions: as ``karpathy``'s; needs COCO image ids in ``{split}_ids.txt``.
     """
 

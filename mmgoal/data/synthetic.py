@@ -1,5 +1,4 @@
-"""Synthetic scenes: a retrieval benchmark that needs no download (docs/synthetic.md).
-
+"""Synthetic scenes: a retrieval benchmark that needs no download (docs/synthetic.md):
 1-4 coloured shapes on a dark, noisy background, five captions from different templates
 with entity annotations (phrase -> box); a scene is a pure function of ``(seed, index)``.
 """
