@@ -1,12 +1,9 @@
 """CLIP-family dual encoders (Radford et al., ICML 2021; SigLIP, Zhai et al., ICCV 2023):
 open_clip models and Hugging Face CLIP/SigLIP, each used exactly as its library builds it,
 with its library's transforms and tokenizer as its own preprocessing (docs/models.md,
-"CLIP-family models").
-
-The image transforms live here, beside the architecture and pretrained-tag lookups they
-need, registered in ``TRANSFORMS`` so the data pipeline builds them by name without
-importing this module (docs/architecture.md). open_clip and transformers are imported
-only when something of theirs is built, so ``import mmgoal`` does not load them.
+"CLIP-family models"). The transforms are registered in ``TRANSFORMS``, so the pipeline
+builds them by name; open_clip and transformers are imported only when something of theirs
+is built, so ``import mmgoal`` does not load them.
 """
 
 from __future__ import annotations
@@ -238,12 +235,10 @@ def open_clip_weights(model_name: str, pretrained: str) -> str:
 
 def check_open_clip_fits(model_name: str, weights: str | None,
                          model_kwargs: dict | None) -> None:
-    """Refuse weights that the architecture does not describe before open_clip allocates
-    the architecture (:func:`mmgoal.models.pretrained.check_weights_fit`): ``weights``, the
-    ``pretrained`` file, or the weights file of a ``local-dir:`` folder (an ``hf-hub:``
-    entry's too offline, read from its cached folder), whose ``open_clip_config.json`` may
-    claim any size. The architecture is built on the meta device, with nothing loaded.
-    Nothing to compare: no weights, or a file whose tensors cannot be listed unread."""
+    """Refuse weights (the ``pretrained`` file, or a ``local-dir:``/cached ``hf-hub:``
+    folder's, whose config may claim any size) that the architecture, built on the meta
+    device, does not describe, before open_clip allocates it
+    (:func:`mmgoal.models.pretrained.check_weights_fit`)."""
     import open_clip
 
     source = open_clip_source(model_name)
@@ -272,10 +267,8 @@ def check_open_clip_fits(model_name: str, weights: str | None,
 def open_clip_transform(model_name: str, tag: str | None = None,
                         image_size: PositiveInt | None = None, training: bool = False) -> Callable:
     """open_clip's own image preprocessing of a model, as ``create_model_and_transforms``
-    builds it (``open_clip.image_transform_v2``): the mean/std, interpolation and resize
-    mode of pretrained ``tag`` (a SigLIP tag: 0.5 statistics, squash), else open_clip's
-    defaults (OpenAI statistics, resize and centre crop); ``training``: its random resized
-    crop of 90-100% of the image."""
+    builds it: pretrained ``tag``'s statistics and resize mode, else open_clip's defaults;
+    ``training``: its random resized crop."""
     from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 
     size = image_size or open_clip_architecture(model_name)["vision_cfg"]["image_size"]
@@ -313,12 +306,10 @@ class OpenCLIP(CLIPLogits, nn.Module):
     embeddings are exactly open_clip's normalised ``encode_image`` / ``encode_text``.
 
     Args:
-        model_name: an open_clip architecture (``open_clip.list_models()``), or a model in
-            open_clip's folder layout with its weights: ``hf-hub:ORG/NAME`` or
-            ``local-dir:FOLDER`` (what ``mmgoal export --format open_clip`` writes).
-        pretrained: a local weights file (``pkg://`` too), a pretrained tag
-            (``open_clip.list_pretrained()``, fetched unless offline), or ``None``: random
-            weights (an ``hf-hub:``/``local-dir:`` model brings its own).
+        model_name: an open_clip architecture, or ``hf-hub:ORG/NAME`` / ``local-dir:FOLDER``
+            (open_clip's folder layout, with its weights).
+        pretrained: a local weights file (``pkg://`` too), a pretrained tag (fetched
+            unless offline), or ``None``: random weights (or the folder's own).
         model_kwargs: architecture keys of ``create_model``, each replaced whole.
         peft: LoRA adapters trained in place of the weights (docs/models.md, "LoRA").
     """
@@ -389,13 +380,10 @@ class OpenCLIP(CLIPLogits, nn.Module):
         return cfg.get("pretrained")
 
     def export_to(self, fmt: str, folder: Path, tokenizer: Any, transform: Any) -> list[str]:
-        """Write the model in open_clip's own folder layout (``fmt`` ``open_clip``):
-        ``open_clip_config.json`` (the ``model_cfg`` it was built with, ``model_kwargs``
-        included, and its ``preprocess_cfg``) and ``open_clip_model.safetensors``, which
-        ``open_clip.create_model_and_transforms("local-dir:FOLDER")`` and
-        ``open_clip.get_tokenizer("local-dir:FOLDER")`` load (and the hub, uploaded), as
-        open_clip's ``push_to_hf_hub`` writes them; a Hugging Face tokenizer is saved
-        beside them. Returns the files written."""
+        """Write the model in open_clip's folder layout (``fmt`` ``open_clip``), as
+        ``push_to_hf_hub`` does: ``open_clip_config.json`` and
+        ``open_clip_model.safetensors``, which ``create_model_and_transforms("local-dir:
+        FOLDER")`` loads (a Hugging Face tokenizer beside them). Returns the files written."""
         from open_clip.transform import PreprocessCfg, merge_preprocess_dict
         from safetensors.torch import save_file
 
@@ -507,15 +495,12 @@ def pooled_features(output) -> torch.Tensor:
 
 @MODELS.register()
 class HFCLIP(CLIPLogits, nn.Module):
-    """A transformers ``CLIPModel`` or ``SiglipModel`` as a dual encoder: its embeddings are
-    the normalised ``get_image_features`` / ``get_text_features``; its preprocessing the
-    folder's image processor and tokenizer (at the model's text length; SigLIP's padded).
+    """A transformers ``CLIPModel`` or ``SiglipModel`` as a dual encoder (normalised
+    ``get_image_features`` / ``get_text_features``, the folder's processor and tokenizer).
 
     Args:
-        path: a ``save_pretrained`` folder of the model and its processor (``pkg://``
-            too), or a hub name.
-        config: instead, a random model's config, e.g. ``{model_type: clip, text_config:
-            {...}, vision_config: {...}}`` (no preprocessing of its own).
+        path: a ``save_pretrained`` folder of model and processor (``pkg://`` too), or a
+            hub name; or ``config``: a random model's (``{model_type: clip, ...}``).
         peft: LoRA adapters trained in place of the weights (docs/models.md, "LoRA").
     """
 
@@ -563,10 +548,8 @@ class HFCLIP(CLIPLogits, nn.Module):
         return cfg.get("path")
 
     def export_to(self, fmt: str, folder: Path, tokenizer: Any, transform: Any) -> list[str]:
-        """Write a ``save_pretrained`` folder (``fmt`` ``hf``): the model, with the run's image
-        processor and tokenizer, which ``AutoModel.from_pretrained(FOLDER)``,
-        ``AutoImageProcessor`` and ``AutoTokenizer`` (``AutoProcessor`` where transformers
-        pairs the two) load. Returns the files written.
+        """Write a ``save_pretrained`` folder (``fmt`` ``hf``) of the model, the run's image
+        processor and tokenizer, for ``AutoModel.from_pretrained``. Returns the files written.
 
         Raises:
             ValueError: the run's tokenizer or image transform is not a Hugging Face one.

@@ -23,11 +23,8 @@ from mmgoal.structures import ImageFeatures, Preprocessing, TextFeatures
 
 
 class ResidualMLPProjection(nn.Module):
-    """VSE-infinity's region projection: ``linear(x) + MLP(x)``, a 2-layer MLP with BN.
-
-    Follows the authors' ``EncoderImageAggr`` (``fc`` + ``MLP(img_dim, embed // 2,
-    embed, 2)``); batch norm sees the real tokens only.
-    """
+    """VSE-infinity's region projection (the authors' ``EncoderImageAggr``): ``linear(x) +
+    MLP(x)``, a 2-layer MLP with BN that sees the real tokens only."""
 
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__()
@@ -62,12 +59,11 @@ class DualEncoder(DotProductScores, nn.Module):
     """Image encoder + text encoder + projections (+ poolers) + L2 norm.
 
     Args:
-        image_pooler: ``POOLERS`` config reducing image tokens: needed when the image
-            encoder ``returns_tokens``, refused otherwise.
-        text_pooler: ``POOLERS`` config reducing word states (``GPO`` in VSE-infinity);
-            without it the text encoder pools itself.
-        image_projection, text_projection: applied to every token before pooling;
-            ``mlp`` is VSE-infinity's linear + residual MLP.
+        image_pooler: ``POOLERS`` config, when (only when) the image encoder
+            ``returns_tokens``.
+        text_pooler: ``POOLERS`` config (``GPO``); without it the text encoder pools itself.
+        image_projection, text_projection: applied to every token before pooling
+            (``mlp``: VSE-infinity's linear + residual MLP).
     """
 
     def __init__(self, image_encoder: dict, text_encoder: dict, embed_dim: PositiveInt = 1024,

@@ -2,10 +2,9 @@
 
 LoRA (Hu et al., ICLR 2022, eq. 3): ``h = W x + (alpha / r) B A x``, ``W`` frozen, ``B``
 zero at the start. :meth:`LoRA.apply` puts the adapters into the library's model in place
-(peft's ``inject_adapter_in_model``: names stay, checkpoints hold ``base_layer`` and the
-adapters); :func:`merge_adapters` folds them back for an export, :func:`save_adapters` writes
-them as peft's own adapter folder, and ``pretrained`` starts them from one. Which weights can
-be adapted, and why a ``nn.MultiheadAttention``'s ``out_proj`` cannot: docs/models.md, "LoRA".
+(peft's ``inject_adapter_in_model``); :func:`merge_adapters` folds them back for an export,
+:func:`save_adapters` writes peft's adapter folder. Which weights can be adapted:
+docs/models.md, "LoRA".
 """
 
 from __future__ import annotations
@@ -190,10 +189,9 @@ class LoRA:
         self.trainable, self.pretrained = trainable, pretrained
 
     def apply(self, model: nn.Module, defaults: LoRATargets, where: str) -> None:
-        """Put the adapters into ``model`` (the library's model) in place, set to those of
-        the ``pretrained`` adapter folder where one is named, and freeze every other
-        parameter but the ``trainable`` ones; ``where`` names the model in messages
-        (``OpenCLIP ViT-B-32``). Needs peft (the ``lora`` extra)."""
+        """Put the adapters into ``model`` in place (from ``pretrained`` where named) and freeze
+        every other parameter but the ``trainable`` ones; ``where`` names the model in
+        messages. Needs peft (the ``lora`` extra)."""
         require_extra("peft", "model.peft")
         from peft import LoraConfig, inject_adapter_in_model
 
@@ -245,11 +243,9 @@ class LoRA:
     def _folder_settings(self, folder: AdapterFolder, model: nn.Module,
                          targets: tuple[list[str], list[str]], defaults: LoRATargets,
                          where: str) -> tuple[int, float, float, list[str], list[str]]:
-        """r, alpha, dropout and the layers and weights to adapt of ``folder``'s
-        ``adapter_config.json``. What the section sets beside ``pretrained`` must be the
-        folder's (the targets as they resolve in ``model``: ``targets`` where the section
-        names them): its adapters have those shapes and that scale. Dropout, a training
-        choice, is the section's where it sets one."""
+        """r, alpha, dropout and the targets of ``folder``'s ``adapter_config.json``; what the
+        section sets beside ``pretrained`` must match it (its adapters have those shapes),
+        but for dropout, a training choice the section may change."""
         config, what = folder.config, f"model.peft.pretrained of {where}: " \
                                       f"{folder.path / ADAPTER_CONFIG}"
         r, alpha = config.get("r"), config.get("lora_alpha")
@@ -373,12 +369,8 @@ def load_adapters(model: nn.Module, folder: AdapterFolder, where: str) -> None:
 
 
 def adapted_model(model: nn.Module) -> nn.Module:
-    """The module of ``model`` that the adapters were put into (the library's model, which
-    holds peft's ``peft_config``): its parameter names are the keys of peft's folder.
-
-    Raises:
-        ValueError: ``model`` carries no adapters.
-    """
+    """The module of ``model`` holding peft's ``peft_config``, whose parameter names are the
+    keys of peft's folder; a ``ValueError`` where ``model`` carries no adapters."""
     found = next((module for module in model.modules() if hasattr(module, "peft_config")),
                  None)
     if found is None:
@@ -388,12 +380,9 @@ def adapted_model(model: nn.Module) -> nn.Module:
 
 
 def save_adapters(model: nn.Module, folder: Path, base_model: str | None) -> list[str]:
-    """Write the adapters of ``model`` (the library's model, adapted in place) as peft's
-    ``PeftModel.save_pretrained`` writes them: ``adapter_config.json`` (the LoRA config,
-    ``inference_mode`` true, ``base_model_name_or_path`` set to ``base_model``) and
-    ``adapter_model.safetensors`` (``base_model.model.<path>.lora_A.weight``, ...), which
-    ``PeftModel.from_pretrained(base, folder)`` loads onto the base model. Returns the
-    files written."""
+    """Write the adapters of ``model`` as ``PeftModel.save_pretrained`` does
+    (``adapter_config.json``, ``base_model_name_or_path``: ``base_model``, and
+    ``adapter_model.safetensors``), for ``PeftModel.from_pretrained``. Returns the files."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -418,10 +407,9 @@ def has_adapters(config: dict | None) -> bool:
 
 
 def merge_adapters(model: nn.Module) -> AdapterCount:
-    """Fold every LoRA adapter of ``model`` into the weight it adapts and put the plain layer
-    back (peft's ``merge_and_unload``, for a model adapted in place, ``safe_merge``): the
-    model built without ``peft``, same names. Returns what it merged, counted as the run's
-    log counts it (:func:`adapter_count`)."""
+    """Fold every LoRA adapter of ``model`` into its weight and put the plain layer back
+    (peft's ``merge_and_unload``, ``safe_merge``): the model without ``peft``, same names.
+    Returns what it merged (:func:`adapter_count`)."""
     require_extra("peft", "merging model.peft's adapters")
     from peft.tuners.tuners_utils import BaseTunerLayer
 

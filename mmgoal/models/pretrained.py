@@ -1,9 +1,6 @@
 """Pretrained weights from local files, with a key-remapping function per checkpoint family
-(``CHECKPOINT_REMAPS``; docs/models.md, "Pretrained weights from local files", adds one).
-
-A config paired with weights (a Hugging Face folder, an open_clip ``local-dir:``) is
-checked against the weights file's header before its library builds the model
-(:func:`check_weights_fit`), so a config claiming a far larger model takes no memory.
+(``CHECKPOINT_REMAPS``; docs/models.md, "Pretrained weights from local files"); a config
+paired with weights is checked against their header first (:func:`check_weights_fit`).
 """
 
 from __future__ import annotations
@@ -105,10 +102,8 @@ def detect_remap(state_dict: dict[str, torch.Tensor]) -> str:
 
 def load_pretrained(model: nn.Module, path: str | Path, remap: str = "auto") -> dict[str, list]:
     """Load a local ``.pth``/``.pt``/``.bin``/``.safetensors`` checkpoint (``pkg://`` too)
-    into ``model``, weights only, its keys remapped (``auto``: detected).
-
-    Every weight of the model must be in the checkpoint (else a ``ValueError``); keys the
-    model lacks (a classifier the encoder drops) are ignored, logged and returned:
+    into ``model``, weights only, its keys remapped (``auto``: detected). Every weight of the
+    model must be in it (else a ``ValueError``); extra keys are ignored, logged and returned:
     ``{"remap": name, "ignored": [...]}``.
     """
     path = Path(resolve_path(path))
@@ -144,11 +139,9 @@ def load_pretrained(model: nn.Module, path: str | Path, remap: str = "auto") -> 
 
 
 def weights_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]] | None:
-    """Name -> shape of each tensor of a weights file, none of its values read: the header
-    of a safetensors file, or a torch file mapped into memory (``mmap``) whose pages are
-    never touched, unwrapped as :func:`unwrap_state_dict` does. None where the file cannot
-    be read so (an older torch format, numpy weights, no weights file): its library reads
-    it then, and says what is wrong."""
+    """Name -> shape of each tensor of a weights file, no value read (a safetensors header,
+    or a torch file ``mmap``-ed), unwrapped as :func:`unwrap_state_dict`; None where the
+    file cannot be read so (its library then reads it and says what is wrong)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -203,11 +196,9 @@ def hf_weights_files(folder: Path) -> list[Path]:
 
 
 def load_hf_model(path: str, what: str) -> nn.Module:
-    """``AutoModel.from_pretrained`` of a local folder (``pkg://`` too) or a hub name. A
-    local folder's ``config.json`` is checked against its weights first
-    (:func:`check_weights_fit`): transformers allocates every tensor the file does not
-    fill, so a huge claimed hidden size would take gigabytes before the load failed.
-    On the meta device: the model its config describes, without weights.
+    """``AutoModel.from_pretrained`` of a local folder (``pkg://`` too) or a hub name, a
+    folder's ``config.json`` first checked against its weights (:func:`check_weights_fit`:
+    a huge claimed size would take gigabytes). On the meta device: without weights.
     """
     from transformers import AutoConfig, AutoModel
 

@@ -41,18 +41,15 @@ def unit_fragments(fragments: torch.Tensor) -> torch.Tensor:
 
 @MODELS.register()
 class SCAN(nn.Module):
-    """Regions and words in one space, scored by stacked cross attention.
+    """Regions and words in one space, scored by stacked cross attention (the features'
+    ``embedding``, the fragments' normalised mean, is for logging only).
 
     Args:
-        image_encoder: an ``ENCODERS`` config that returns tokens
-            (``PrecomputedRegionEncoder``, ``RoIRegionEncoder``, ``TimmImageEncoder``
-            with ``output: grid``).
+        image_encoder: an ``ENCODERS`` config that returns tokens (``PrecomputedRegionEncoder``,
+            ``RoIRegionEncoder``, ``TimmImageEncoder`` with ``output: grid``).
         text_encoder: an ``ENCODERS`` config with ``forward_tokens``.
         direction, lambda_softmax, pooling, lambda_lse: the cross attention's; the
             paper's values per direction: docs/reference/scan.md.
-
-    The features' ``embedding`` is the fragments' normalised mean, for logging; the score
-    never uses it.
     """
 
     similarity_uses_tokens = True  # the gallery keeps every region and word for scoring

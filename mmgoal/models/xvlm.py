@@ -29,13 +29,12 @@ class XVLM(DotProductScores, nn.Module):
     """ViT + BERT with fusion layers; ``similarity`` is ITC, ``match_logits`` is ITM.
 
     Args:
-        vision: the image tower, ``create_timm_backbone``'s arguments: a timm vision
-            transformer with a CLS token (``vit_base_patch16_224``, or a small one via
-            ``model_kwargs``); a Swin gets the mean of its tokens as the CLS token.
+        vision: ``create_timm_backbone``'s arguments: a timm ViT with a CLS token (a Swin
+            gets the mean of its tokens as the CLS token).
         text: the text tower, as ``HFTextEncoder`` takes it (``model_path`` or ``config``).
         fusion_layers: how many of the BERT's last layers fuse the image (6 in X-VLM).
-        mlm_head: ``tied`` (sharing the word embeddings, as BERT) or ``separate``: an MLM
-            head on the fusion states (``MLMLoss``); None: no head.
+        mlm_head: an MLM head on the fusion states, ``tied`` to the word embeddings (as
+            BERT) or ``separate``; None: no head.
         box_head: a box regressor on the fusion CLS state (``BoxGroundingLoss``).
     """
 
