@@ -1,11 +1,9 @@
 """Files mmgoal writes: whole or not at all, and never through a link it did not make.
 
-A folder mmgoal writes into may be someone else's (a received run folder whose lock is a
-link to a file of yours), so every file goes through :func:`write_atomically`: a new
-temporary file (``O_EXCL | O_NOFOLLOW``), flushed, renamed over the target; appended files
-and the run lock are opened with ``O_NOFOLLOW`` (:func:`open_unlinked`). Files a user points
-mmgoal at are read through :func:`open_regular` (no device, FIFO or socket) and bounded by
-:func:`read_bytes`. The rules: docs/received_files.md.
+A folder mmgoal writes into may be someone else's (a lock linked to a file of yours), so
+files are written through :func:`write_atomically` (a new ``O_EXCL | O_NOFOLLOW`` temporary
+renamed over the target) or :func:`open_unlinked`; files a user names are read through
+:func:`open_regular` and :func:`read_bytes`. The rules: docs/received_files.md.
 """
 
 from __future__ import annotations
@@ -44,12 +42,9 @@ _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")
           (stat.S_ISDIR, "a folder"))
 
 
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
 def _not_a_file(path: str | os.PathLike, what: str, mode: int) -> NotAFileError:
-    return NotAFileError(f"{what} {path} is {_kind(mode)}, not a file; mmgoal reads no "
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return NotAFileError(f"{what} {path} is {kind}, not a file; mmgoal reads no "
                          f"devices, FIFOs or sockets (it could fill memory or wait for ever): "
                          f"give a regular file")
 
@@ -64,11 +59,9 @@ def check_regular(path: str | os.PathLike, what: str = "file") -> os.stat_result
 
 
 def open_regular(path: str | os.PathLike, what: str = "file") -> IO[bytes]:
-    """``path`` opened for reading in binary, when it is a regular file: it is checked before
-    it is opened (opening a device can act) and again once open without blocking (a FIFO
-    swapped in between would otherwise wait for a writer for ever). ``what`` names the file
-    in messages (``caption file``).
-    """
+    """``path`` opened for binary reading when it is a regular file, checked before opening
+    (opening a device can act) and again once open without blocking (a FIFO swapped in
+    would wait for ever); ``what`` names it in messages (``caption file``)."""
     check_regular(path, what)
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -178,17 +171,13 @@ def umask() -> int:
 @contextlib.contextmanager
 def temporary_for(path: str | os.PathLike, remove_stale: bool = False,
                   durable: bool = True) -> Iterator[Path]:
-    """A new, empty temporary file beside ``path`` (``.<name>.tmp-<pid>``, created with
-    ``O_EXCL | O_NOFOLLOW``) for the block to write; afterwards it is fsynced, given the
-    permissions the umask gives a new file (whatever its writer chose: safetensors writes
-    0600) and renamed over ``path``, and the rename made durable. If the block raises, the
-    temporary file is removed and ``path`` is untouched.
+    """A new temporary file beside ``path`` (``.<name>.tmp-<pid>``, ``O_EXCL | O_NOFOLLOW``)
+    for the block to write, then fsynced, given the umask's permissions (safetensors writes
+    0600) and renamed over ``path``; if the block raises, ``path`` is untouched.
 
     Args:
-        durable: fsync the file and the folder (off: thousands of small files a generator
-            can write again, where two fsyncs would cost more than the writes).
-        remove_stale: first delete what killed writes of ``path`` left
-            (:func:`remove_stale_temporaries`; it lists the folder: for large files only).
+        durable: fsync the file and the folder (off for many small files one can rewrite).
+        remove_stale: first delete what killed writes of ``path`` left (lists the folder).
     """
     path = Path(path)
     refuse_link(path)
@@ -233,11 +222,9 @@ def write_text(path: str | os.PathLike, text: str, durable: bool = True) -> None
 
 @contextlib.contextmanager
 def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
-    """A new, empty folder beside ``folder`` for the block to write files into (a library's
-    ``save_pretrained``, which opens its own files); afterwards each file gets the
-    permissions the umask gives a new file (whatever its writer chose: safetensors writes
-    0600) and is renamed into ``folder``, over a file of the same name but never through a
-    link (every file checked before any moves). If the block raises, nothing reaches ``folder``.
+    """A new folder beside ``folder`` for the block to write into (``save_pretrained``);
+    then each file gets the umask's permissions and is renamed into ``folder``, never
+    through a link; if the block raises, nothing reaches ``folder``.
     """
     folder = Path(folder)
     refuse_link(folder)

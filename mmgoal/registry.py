@@ -1,10 +1,9 @@
 """Registries: one build contract (``type`` + keyword arguments) for every component.
 
-Every registry of the package lives here. ``@OBJECTIVES.register()`` registers a class or
-function under its own name; ``OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})``
-builds it. A built-in name's module is imported the first time it is asked for
-(``locations``: docs/architecture.md, "What is loaded when"); third-party components come
-from a config's ``custom_imports`` or the ``mmgoal.plugins`` entry points (docs/plugins.md).
+``@OBJECTIVES.register()`` registers a class or function under its own name;
+``OBJECTIVES.build({"type": "TripletLoss", "margin": 0.2})`` builds it. A built-in name's
+module is imported when first asked for (docs/architecture.md, "What is loaded when");
+third-party components come from ``custom_imports`` or entry points (docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -50,12 +49,10 @@ class Registry:
 
     Args:
         name: what the registry holds, for messages (``"objective"``).
-        inputs: parameters its entries receive when called (a weight's scores), never
-            config keys.
-        locations: the module that registers each built-in name, imported the first time
-            the name is asked for.
-        builder: the module that declares :attr:`builder_keys`, the keys the code building
-            this registry's components reads itself (``optimizer.paramwise``).
+        inputs: parameters its entries receive when called, never config keys.
+        locations: the module that registers each built-in name, imported on first ask.
+        builder: the module declaring :attr:`builder_keys`, the keys its builder reads
+            itself (``optimizer.paramwise``).
     """
 
     def __init__(self, name: str, inputs: tuple[str, ...] = (),
@@ -250,11 +247,9 @@ def _checking_choices(cls: type) -> type:
 
 def check_arguments(target: Callable[..., Any], arguments: Mapping[str, Any],
                     where: str | None = None) -> None:
-    """A ``ValueError`` for those of ``arguments`` (plain config data) that their keyword
-    parameters' type hints refuse (:func:`mmgoal.config.check_value`: a type, a bound such
-    as :data:`~mmgoal.config.PositiveInt`; several: ``ConfigProblems``); ``where`` prefixes
-    the names in messages. What :meth:`Registry.check` does for a component, for code that
-    another library calls with a config's values (a timm model's ``model_kwargs``)."""
+    """A ``ValueError`` (several: ``ConfigProblems``) for those of ``arguments`` that their
+    parameters' type hints refuse (:func:`mmgoal.config.check_value`), ``where`` prefixing
+    the names: :meth:`Registry.check` for config values another library takes."""
     hints = _parameter_hints(target)
     problems: list[Exception] = []
     for key, value in arguments.items():

@@ -1,12 +1,9 @@
 """A batch's scores as tiles: what an objective reads, the score matrix never built.
 
-An objective receives a :class:`ScoreTiles` (a :class:`Scorer` of the features, the rows
-this rank streams, the texts it owns, the positive pairs) and from it reduces rows and
-columns tile by tile (:meth:`ScoreTiles.statistics`), scores chosen pairs with their
-gradient (:meth:`ScoreTiles.pair_scores`: sparse objectives) or gives every entry's
-gradient weight (:meth:`ScoreTiles.dense_loss`: dense objectives).
-docs/reference/objectives.md ("Score tiles") derives each objective this way;
-docs/distributed.md gives its memory and time.
+An objective reduces a :class:`ScoreTiles` tile by tile (:meth:`ScoreTiles.statistics`),
+then scores chosen pairs with their gradient (:meth:`ScoreTiles.pair_scores`) or weights
+every entry (:meth:`ScoreTiles.dense_loss`). docs/reference/objectives.md ("Score tiles")
+derives each objective this way; docs/distributed.md gives its memory and time.
 """
 
 from __future__ import annotations
@@ -197,11 +194,9 @@ def scorer_for(model: Any, images: ImageFeatures, texts: TextFeatures) -> Scorer
 # --------------------------------------------------------------------------- tiles
 @dataclass
 class Tile:
-    """One tile of ``S``: images ``rows`` against texts ``cols`` (positions in the batch).
-
-    ``scores``: (r, c), without a graph, in at least float32. ``positive_index``: the
-    positions in the tile of its few positives, set by indexing (on a CPU a dense bool mask
-    costs several float passes). ``cache``: what the statistics of one pass share.
+    """One tile of ``S``: images ``rows`` against texts ``cols`` (positions in the batch);
+    ``scores`` (r, c) without a graph, at least float32; ``positive_index``: its positives'
+    positions (cheaper than a bool mask); ``cache``: what one pass's statistics share.
     """
 
     rows: slice
@@ -308,15 +303,14 @@ def _max_over_ranks(values: torch.Tensor, indices: torch.Tensor
 
 class LogSumExp(Statistic):
     """``log sum exp(scale * s)`` over the selected entries of every row and column (the
-    online softmax): ``row``/``col``, ``-inf`` where nothing is selected.
+    online softmax): ``row``/``col``, ``-inf`` where nothing is selected; ``scale``: a
+    number or a 0-d tensor (an inverse temperature).
 
     Args:
-        scale: a number or a 0-d tensor (an inverse temperature).
         select: ``(tile, row_offset) ->`` the entries taken, ``(r, c)`` bool or 0/1;
             ``None``: all; a pair ``(for rows, for columns)`` where they differ.
-        floor: a score no taken entry lies below (GOAL's threshold of ``R-``), ``scale``
-            positive: then one exp, shifted by the tile's largest score, serves the rows
-            and the columns wherever ``scale (largest - floor)`` keeps it from underflowing.
+        floor: a score no taken entry lies below (GOAL's ``R-`` threshold), ``scale``
+            positive: then one exp serves rows and columns where it cannot underflow.
     """
 
     def __init__(self, scale: float | torch.Tensor, select=None, rows: bool = True,
@@ -496,12 +490,10 @@ def entry_uniforms(seed: int, rows: torch.Tensor, cols: torch.Tensor, n_cols: in
 
 
 class GumbelMax(Statistic):
-    """One negative per row and per column drawn from ``softmax(s / temperature)`` over
-    its negatives, exactly, by the Gumbel-max trick: the argmax of ``s / temperature + g``
-    with ``g = -log(-log u)`` of a uniform draw ``u`` per entry (:func:`entry_uniforms`,
-    from ``seed`` and the entry's position): a running argmax, so any tiling and any
-    number of ranks draw the same. Rows draw with ``seed``, columns with ``seed + 1``.
-    ``row_index``/``col_index``; ``row_valid``/``col_valid``: it has a negative."""
+    """One negative per row (``seed``) and column (``seed + 1``) drawn from
+    ``softmax(s / temperature)`` over its negatives by the Gumbel-max trick, a uniform
+    per entry from its position (:func:`entry_uniforms`), so any tiling and any number of
+    ranks draw the same. ``row_index``/``col_index``; ``*_valid``: it has a negative."""
 
     def __init__(self, temperature: float, seed: int, n_cols: int, n_rows: int,
                  rows: bool = True, cols: bool = True) -> None:
@@ -559,10 +551,9 @@ class ScoreTiles:
         own_texts: the texts whose text-to-image terms this rank computes.
 
     Attributes:
-        positive_rows, positive_cols: every positive pair of this rank's rows (row-major);
-            ``own_positive_*``: those of its own texts (sorted by text, then image).
-        positive_count: the positive pairs of the whole batch.
-        sharded: the rows are a share of the batch (several ranks).
+        positive_rows, positive_cols: the positive pairs of this rank's rows (row-major);
+            ``own_positive_*``: those of its own texts (by text, then image).
+        positive_count, sharded: the whole batch's positive pairs; rows are a share of it.
     """
 
     def __init__(self, scorer: Scorer, n_images: int, n_texts: int,

@@ -44,9 +44,8 @@ class Attention:
         keys: (B, K, D) key fragments.
         weights: (B, Q, K) attention, rows sum to 1 over real keys.
         scores: (B, Q, K) the clipped-L2 scores the softmax was taken of.
-        query_mask: (B, Q) bool; key_mask: (B, K) bool.
-        direction: ``t2i`` or ``i2t``.
-        lambda_softmax: the inverse temperature of the softmax.
+        query_mask, key_mask: (B, Q), (B, K) bool.
+        direction, lambda_softmax: ``t2i`` or ``i2t``; the softmax's inverse temperature.
     """
 
     queries: torch.Tensor
@@ -61,13 +60,10 @@ class Attention:
 
 @dataclass
 class ObjectiveInputs:
-    """What an objective receives for one batch (``TrainingStep`` fills it in).
-
-    An objective with ``works_on_tiles`` (every registered one) reads ``tiles``, the
-    batch's scores as :class:`~mmgoal.scoring.ScoreTiles` (``scores`` and ``positives``
-    are then None); a plug-in written against a whole matrix reads ``scores`` (n_img,
-    n_txt) of the global batch and ``positives`` (bool; ``None``: the diagonal). Per-pair
-    objectives (ITM, MLM, box grounding) also read the model, the features and the batch.
+    """What an objective receives for one batch (``TrainingStep`` fills it in). An objective
+    with ``works_on_tiles`` reads ``tiles`` (:class:`~mmgoal.scoring.ScoreTiles`);
+    else ``scores`` (n_img, n_txt) of the global batch and ``positives`` (bool; ``None``:
+    the diagonal). Per-pair objectives also read the model, the features and the batch.
 
     Attributes:
         local_image_features, local_text_features: this rank's own features.
@@ -89,11 +85,9 @@ class ObjectiveInputs:
 @dataclass(frozen=True)
 class Preprocessing:
     """How images and captions become a model's inputs: plain data, as timm's ``default_cfg``
-    (``TRANSFORMS`` configs, a ``TOKENIZERS`` config; ``None`` where the model has none).
-
-    A model class may declare its own with a classmethod ``preprocessing(cfg, image_size)
-    -> Preprocessing``; :func:`mmgoal.runs.preprocessing.resolve_preprocessing` decides
-    what a run uses.
+    (``TRANSFORMS`` configs, a ``TOKENIZERS`` config; ``None`` where the model has none). A
+    model class may declare its own (classmethod ``preprocessing(cfg, image_size)``);
+    :func:`mmgoal.runs.preprocessing.resolve_preprocessing` decides what a run uses.
     """
 
     train_transforms: list[dict] | None = None
