@@ -1,9 +1,6 @@
 """Hugging Face Accelerate: ``accelerate launch -m mmgoal train CONFIG`` (DDP with unused
-parameters allowed, mixed precision; FSDP from an accelerate config).
-
-On CPU each of N launched processes builds a one-process Accelerator unless
-``ACCELERATE_USE_CPU`` is set (N independent runs, silently): the strategy sets it
-first and checks that the Accelerator sees every process.
+parameters allowed, mixed precision; FSDP from an accelerate config). On CPU it sets
+``ACCELERATE_USE_CPU`` (else each process is silently its own run) and checks the world.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""What every strategy does: processes, collective decisions, the training step's frame.
-
-A strategy owns the device, the process group, the optimizer and gradient reduction,
-mixed precision and the checkpoint files; the trainer talks to it only
-(docs/distributed.md).
+"""What every strategy does: it owns the device, the process group, the optimizer and
+gradient reduction, mixed precision and the checkpoint files (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -48,13 +45,8 @@ def flag_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
 
 @dataclass
 class StepResult:
-    """What one optimisation step did.
-
-    Attributes:
-        nonfinite: a loss or the gradient was NaN/inf (or an fp16 overflow): the step
-            was skipped on every rank.
-        outputs: the objective's scalar outputs averaged over the window, detached.
-    """
+    """What one optimisation step did: ``nonfinite``, a loss or gradient was NaN/inf (the
+    step skipped on every rank); ``outputs``, the objective's, averaged over the window."""
 
     applied: bool
     nonfinite: bool
@@ -76,13 +68,9 @@ def cpu_float_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class Strategy:
-    """Base class; subclasses implement the training calls. ``device``: as
-    ``train.device`` (:func:`~mmgoal.devices.resolve_device`); ``timeout_minutes``: how
-    long a collective waits for a rank.
-
-    Attributes:
-        plain_module: the wrapped model holds full float32 weights on every rank, so it
-            can evaluate itself (:meth:`evaluation_weights`).
+    """Base class; subclasses implement the training calls. ``device``: as ``train.device``;
+    ``timeout_minutes``: how long a collective waits for a rank. ``plain_module``: the
+    wrapped model holds full float32 weights on every rank, so it can evaluate itself.
     """
 
     plain_module = True

@@ -1,11 +1,9 @@
 """DeepSpeed: ZeRO stages 0-3, bf16/fp16 mixed precision, accumulation, clipping, checkpoints.
 
-The DeepSpeed config is made from the mmgoal config and a JSON given (``--deepspeed
-ds.json``, ``strategy.config``) merged under it (docs/distributed.md, "DeepSpeed config").
-A tag ``checkpoints/deepspeed/<tag>/`` holds DeepSpeed's files, ``trainer_state.pt`` and
-``weights.pt`` (the float32 model mmgoal reads); ``latest`` is rewritten only after every
-rank wrote; another world size or stage resumes through the universal checkpoint, and
-every file is read weights-only (docs/distributed.md, "Checkpoints, resume, export").
+The config is made from the mmgoal config, a given JSON merged under it; a tag
+``checkpoints/deepspeed/<tag>/`` holds DeepSpeed's files, ``trainer_state.pt`` and
+``weights.pt``, every file read weights-only (docs/distributed.md, "DeepSpeed config" and
+"Checkpoints, resume, export").
 """
 
 from __future__ import annotations
@@ -72,15 +70,10 @@ def _free_port() -> int:
 
 
 def pickled_deepspeed_classes() -> list[type]:
-    """The classes DeepSpeed pickles into its optimizer states, allowed when they are read.
-
-    Each is rebuilt from numbers alone and runs no code of its own on load:
-    ``ZeroStageEnum`` (an int enum: the ZeRO stage), ``fragment_address`` (a dataclass
-    of two ints: where a parameter lies in a flat ZeRO-1/2 partition), ``LossScaler``
-    and ``DynamicLossScaler`` (the loss scale, and for fp16 its schedule: plain
-    numbers and a dtype). Found by reading fp32 and bf16 checkpoints of ZeRO 0-3 and
-    their universal conversions with ``torch.serialization.get_unsafe_globals_in_checkpoint``;
-    ``DynamicLossScaler`` is what fp16's dynamic loss scaling writes in ``LossScaler``'s place.
+    """The classes DeepSpeed pickles into its optimizer states, allowed when they are read:
+    each is rebuilt from numbers alone and runs no code on load (found with
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` on ZeRO 0-3 checkpoints in
+    fp32, bf16 and fp16, and their universal conversions).
     """
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -108,12 +101,8 @@ def refused_file_error(file: str | os.PathLike) -> RefusedCheckpointFile:
 
 @contextlib.contextmanager
 def weights_only_loading() -> Iterator[None]:
-    """Inside, every ``torch.load`` reads weights-only, allowing :func:`pickled_deepspeed_classes`.
-
-    DeepSpeed reads its files with ``torch.load(weights_only=False)``: in its
-    checkpoint engine, but also directly in the universal-checkpoint loader and the
-    ``ds_to_universal`` converter, which a checkpoint engine of our own would not
-    cover. ``torch.load`` is routed for as long as DeepSpeed loads.
+    """Inside, every ``torch.load`` reads weights-only, allowing :func:`pickled_deepspeed_classes`
+    (DeepSpeed's universal loader and converter call ``torch.load`` outside its engine).
 
     Raises:
         RefusedCheckpointFile: a file holds something other than tensors and plain data.
@@ -138,13 +127,8 @@ def weights_only_loading() -> Iterator[None]:
 
 @contextlib.contextmanager
 def scalar_parameters_broadcast() -> Iterator[None]:
-    """Inside, the broadcast of rank 0's weights that a DeepSpeed engine starts with takes
-    0-dim parameters (open_clip's ``logit_scale``) too.
-
-    DeepSpeed views each parameter as bytes to broadcast it, which a 0-dim tensor cannot
-    be ("self.dim() cannot be 0 to view Float as Byte"); each is viewed as one element for
-    that broadcast alone, before ZeRO lays out its buffers, and is 0-dim again after.
-    """
+    """Inside, a DeepSpeed engine's first broadcast takes 0-dim parameters (``logit_scale``),
+    which it cannot view as bytes: each is one element for that broadcast alone."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     broadcast_model = DeepSpeedEngine._broadcast_model
@@ -168,11 +152,8 @@ def scalar_parameters_broadcast() -> Iterator[None]:
 
 def convert_to_universal() -> int:
     """``python -m deepspeed.checkpoint.ds_to_universal`` (arguments from the command line),
-    every file read weights-only; its worker processes fork and inherit that.
-
-    Returns:
-        The exit status: 0, or 2 with the error on stderr when a file is refused.
-    """
+    every file read weights-only (its forked workers too). Returns the exit status: 0, or 2
+    with the error on stderr when a file is refused."""
     from deepspeed.checkpoint import ds_to_universal
 
     try:
@@ -244,9 +225,7 @@ def say_cpu_extension_build() -> bool:
 
 @STRATEGIES.register("deepspeed")
 class DeepSpeedStrategy(Strategy):
-    """Train through ``deepspeed.initialize`` (see the module docstring).
-
-    Needs the ``deepspeed`` extra: ``pip install 'mmgoal[deepspeed]'``.
+    """Train through ``deepspeed.initialize`` (the ``deepspeed`` extra; module docstring).
 
     Args:
         zero_stage: ZeRO stage 0, 1, 2 or 3 (when the JSON sets none).

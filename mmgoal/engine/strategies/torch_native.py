@@ -41,15 +41,13 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
 @STRATEGIES.register("ddp")
 @STRATEGIES.register("single")
 class TorchStrategy(Strategy):
-    """One process or torch DDP; a torch optimizer, accumulation, clipping, autocast.
-    ``checkpoints/last.pt`` holds model, objective, optimizer, the fp16 loss scaler and
-    the trainer's state with every rank's RNG.
+    """One process or torch DDP; a torch optimizer, accumulation, clipping, autocast;
+    ``checkpoints/last.pt`` holds every state, every rank's RNG included.
 
     Args:
         bucket_mb: DDP's gradient buckets.
-        find_unused_parameters: ``auto`` searches for unused parameters after the
-            trainable set or objective changes, and keeps searching only while some
-            parameter gets no gradient (docs/distributed.md).
+        find_unused_parameters: ``auto`` searches after the trainable set or objective
+            changes, while some parameter gets no gradient (docs/distributed.md).
         sync_bn: ``SyncBatchNorm`` on several GPUs; ignored on CPUs.
     """
 
