@@ -1,11 +1,8 @@
 """Encoding a test gallery from shards once, on the model's device, and scoring it in
 memory-bounded blocks, so a cross-attention model never forms the images x captions x
 regions x words tensor (docs/cross_attention.md, "Evaluation: blocks, ensembles";
-across ranks: docs/distributed.md, "Evaluation on every rank").
-
-``stop``, where taken, is polled between image batches, caption batches and score
-blocks, and ends the evaluation with :class:`EvaluationStopped`. One process only: a
-rank that left a collective alone would leave the others waiting.
+docs/distributed.md, "Evaluation on every rank"). ``stop``, where taken, is polled between
+batches and blocks and raises :class:`EvaluationStopped` (one process only).
 """
 
 from __future__ import annotations
@@ -88,9 +85,8 @@ def encode_image_batches(model: torch.nn.Module, batches: Iterable[dict], desc: 
                          progress: bool = True, stop: Callable[[], bool] | None = None,
                          total: int | None = None) -> Iterator[tuple[dict, ImageFeatures]]:
     """``(batch, its image features)`` of each batch, encoded on the model's device:
-    evaluation's one image encoder (the gallery's, zero-shot's, the API's), with a
-    progress bar of the images encoded (of ``total`` where the caller knows it: shards
-    do not say how many samples they hold unread) and ``stop`` polled before each batch."""
+    evaluation's one image encoder, with a progress bar (of ``total`` where the caller
+    knows it) and ``stop`` polled before each batch."""
     device = module_device(model)
     pinned = device.type == "cuda"  # the readers pin their batches for it
     with progress_bar(total=total, desc=desc, unit="image", show=progress, leave=False) as bar:
@@ -113,8 +109,8 @@ class Gallery:
         duplicates: samples whose image id an earlier sample had.
         caption_ids: COCO caption ids (``None`` where a shard has none: mmgoal.data.coco).
         entities, region_boxes: per image (``with_annotations``); boxes as xyxy fractions.
-        image_rows: ``(start, end)`` when ``images`` holds only those rows (this rank's
-            scoring share: ``image_share``); ``None`` when it holds them all.
+        image_rows: ``(start, end)`` when ``images`` holds only this rank's scoring rows
+            (``image_share``), else ``None``.
     """
 
     images: ImageFeatures
@@ -145,14 +141,11 @@ def encode_gallery(model: torch.nn.Module, reader: EvalReader | str | Sequence[s
                    across_ranks: bool = False, image_share: int | None = None,
                    stop: Callable[[], bool] | None = None) -> Gallery:
     """Encode every image and caption ``reader`` reads (an ``EvalReader``, or shards read
-    with its defaults), in shard order, on the model's device.
-
-    A sample repeating an earlier image id adds only its new captions to that image
-    (docs/data.md, "Duplicate images in an evaluation split"). ``with_annotations`` keeps
-    entities and region boxes (attention metrics), ``keep_tokens`` every token (ITM
-    re-ranking). ``across_ranks`` (a collective): each rank encodes its share and every
-    rank gets one process's gallery; with ``image_share`` (``block_images``) a rank keeps
-    only the image rows :func:`score_gallery` gives it (``gallery.image_rows``).
+    with its defaults), in shard order, on the model's device; a repeated image id adds
+    only its new captions (docs/data.md, "Duplicate images in an evaluation split").
+    ``with_annotations`` keeps entities and boxes, ``keep_tokens`` every token (ITM).
+    ``across_ranks`` (a collective): each rank encodes its share and gets one process's
+    gallery, with ``image_share`` only its scoring rows.
     """
     reader = EvalReader.of(reader)
     device = module_device(model)
@@ -310,13 +303,9 @@ def score_gallery(model: torch.nn.Module, images: ImageFeatures, texts: TextFeat
                   across_ranks: bool = False, image_rows: tuple[int, int] | None = None,
                   stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """(n_images, n_texts) scores from ``model.similarity`` on memory-bounded blocks, on
-    the features' device.
-
-    ``across_ranks`` (a collective): each rank scores whole ``block_images`` blocks of
-    images against every text and every rank gets the whole matrix; with ``image_rows``,
-    ``images`` is already this rank's share. ``matmul_precision`` holds while scoring:
-    ``medium`` runs float32 products in bfloat16 where the hardware can (scores differ
-    by about 1e-3).
+    the features' device. ``across_ranks`` (a collective): each rank scores whole blocks,
+    every rank gets the whole matrix (``image_rows``: ``images`` is already its share).
+    ``matmul_precision`` ``medium``: bfloat16 products (scores differ by about 1e-3).
     """
     check_value("matmul_precision", matmul_precision, MatmulPrecision)
     previous = torch.get_float32_matmul_precision()
@@ -402,13 +391,12 @@ def evaluate_retrieval(model: torch.nn.Module | Sequence[Member],
     """Retrieval metrics on the gallery ``reader`` reads (plus ``skipped`` samples).
 
     Args:
-        model: a model (with ``transform`` and ``tokenizer``), or a list of :class:`Member` whose
-            score matrices are averaged (an ensemble).
+        model: a model (with ``transform`` and ``tokenizer``), or an ensemble: a list of
+            :class:`Member` whose score matrices are averaged.
         scoring: with ``rerank_k`` > 0 the metrics are ITM re-ranked, ``itc_*`` the ITC's.
         across_ranks: a collective; every rank returns one process's metrics.
         protocols: default ``scoring.protocols`` (docs/reference/retrieval.md, "Protocols").
-        rankings: receives every COCO test query's top items by COCO id
-            (:func:`~mmgoal.evaluation.protocols.protocol_rankings`).
+        rankings: receives every COCO test query's top items (``protocol_rankings``).
         stop: as in the module doc; not polled inside the ITM re-ranking.
     """
     scoring = ScoringConfig.of(scoring)

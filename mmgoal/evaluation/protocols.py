@@ -32,12 +32,6 @@ PM_FILES = ("pm_image_to_caption.json", "pm_caption_to_image.json")
 _BLOCK_MB = 64  # the queries x items scores of one block of queries
 
 
-def check_protocols(protocols: Sequence[str], pm_dir: str | None = None) -> None:
-    """Raise a ``ValueError`` for a name that is no protocol, or ``pm`` without its files
-    (:class:`~mmgoal.runs.schema.ScoringConfig`'s check)."""
-    ScoringConfig(protocols=list(protocols), pm_dir=pm_dir)
-
-
 @dataclass(frozen=True)
 class CocoReference:
     """COCO 5K test by COCO ids (captions in ``coco_test_ids.npy``'s order), each caption's
@@ -163,10 +157,8 @@ def ranked_hits(scores: torch.Tensor, queries: torch.Tensor, positives: Sequence
                 k: int, by_columns: bool = False, excluded: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top, hits)``, (len(queries), k) on the CPU: the queries' top ``k`` items, best
-    first, and whether each is a positive, a block of queries (``_BLOCK_MB``) at a time.
-
-    ``scores`` has a query a row (``by_columns``: a column) and is not copied;
-    ``positives``: per query, its positive items; ``excluded``: items no query ranks.
+    first, and whether each is a positive. ``scores``: a query a row (``by_columns``: a
+    column), not copied; ``excluded``: items no query ranks.
     """
     n_items = scores.shape[0 if by_columns else 1]
     k = min(k, n_items)
@@ -204,12 +196,8 @@ def ranked_hits(scores: torch.Tensor, queries: torch.Tensor, positives: Sequence
 
 
 def ranking_metrics(hits: torch.Tensor, positives: torch.Tensor) -> dict[str, float]:
-    """R@1/5/10, R-Precision and mAP@R (percent) of ranked hits.
-
-    Args:
-        hits: (n_queries, k) bool, with ``k`` >= every query's number of positives.
-        positives: (n_queries,) R, those outside the gallery included (as eccv_caption).
-    """
+    """R@1/5/10, R-Precision and mAP@R (percent) of ranked ``hits`` (n_queries, k), ``k`` at
+    least each query's ``positives`` (n_queries,) R, those outside the gallery included."""
     hits = hits.double()
     r = positives.double()
     ranks = torch.arange(1, hits.shape[1] + 1, dtype=torch.float64, device=hits.device)
@@ -255,7 +243,8 @@ def _directions(sims: torch.Tensor, sims_t2i: torch.Tensor | None, reference: Co
 
 def _extended(protocols: Sequence[str], pm_dir: str | None) -> tuple[str, ...]:
     extended = tuple(p for p in dict.fromkeys(protocols) if p != "coco")
-    check_protocols(extended, pm_dir)
+    # a ValueError for a name that is no protocol, or pm without its files
+    ScoringConfig(protocols=list(extended), pm_dir=pm_dir)
     return extended
 
 
