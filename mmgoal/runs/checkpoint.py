@@ -1,9 +1,6 @@
-"""Checkpoints: written atomically, read with ``weights_only=True``.
-
-A checkpoint is a plain dict of tensors and primitives, written to a temporary file and
-renamed over the target, so a run killed while saving leaves the previous one intact. An
-export may be ``.safetensors`` (:func:`save_safetensors`); :func:`load_checkpoint` reads both.
-Weights holding NaN or inf are never checkpointed (:class:`NonFiniteStateError`).
+"""Checkpoints: plain dicts of tensors and primitives, written atomically (a run killed
+while saving leaves the previous one), read with ``weights_only=True``; an export may be
+``.safetensors``. Weights holding NaN or inf are never checkpointed.
 """
 
 from __future__ import annotations
@@ -238,10 +235,8 @@ def config_differences(saved: Any, wanted: Any, name: str) -> list[str]:
 def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
                           source: str = "the checkpoint") -> dict[str, list[str]]:
     """Load the weights ``model`` shares with ``weights`` (a pretraining checkpoint starting a
-    finetuning model: its MLM and box heads dropped, parts it lacks left initial). Returns
-    ``{"dropped": keys with no place in the model, "missing": model keys not filled}``; a
-    shared key of another shape, or no key in common, is a ValueError.
-    """
+    finetuning model). Returns ``{"dropped": keys, "missing": keys}``; a shared key of
+    another shape, or no key in common, is a ValueError."""
     own = model.state_dict()
     shared = [k for k in weights if k in own]
     mismatched = shape_mismatches(own, weights)

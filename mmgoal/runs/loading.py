@@ -1,7 +1,5 @@
-"""A trained model ready to evaluate: weights, vocabulary, eval transforms and config.
-
-Every command that evaluates a checkpoint and the Python API build it here, so the model,
-its preprocessing and their defaults are the trainer's own.
+"""A trained model ready to evaluate: weights, vocabulary, eval transforms and config, built
+here for every command and the Python API, so its preprocessing is the trainer's own.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ class LoadedModel(Member):
     Attributes:
         checkpoint: the file its weights came from (``None``: built from a config alone).
         config_source: where ``config`` came from (``the config stored in best.pt``).
-        given_keys: the dotted keys the caller's ``--cfg-options`` set: what of ``config``
-            is the caller's own rather than the file's.
+        given_keys: the dotted keys the caller's ``--cfg-options`` set.
     """
 
     config: dict
@@ -79,9 +76,8 @@ def load_for_evaluation(checkpoint: str | os.PathLike, config: str | os.PathLike
     """Build the model of a checkpoint for evaluation.
 
     Args:
-        checkpoint: an mmgoal checkpoint, an export (``.pt``, ``.safetensors``, or the
-            folder of ``--format open_clip`` or ``hf``), or a run directory (its best
-            checkpoint, else its latest).
+        checkpoint: an mmgoal checkpoint, an export (file or folder), or a run directory
+            (its best checkpoint, else its latest).
         config: the config to build with (default: the checkpoint's): a training config,
             or only the model's sections (:class:`~mmgoal.runs.schema.ModelConfig`).
         trust_custom_imports: import that config's ``custom_imports`` (a checkpoint's may
@@ -168,14 +164,10 @@ def check_same_dtypes(own: dict[str, torch.Tensor], weights: dict[str, torch.Ten
 def model_from_checkpoint(cfg: dict, state: dict[str, Any], source: str = "the checkpoint",
                           preprocessing: Preprocessing | None = None
                           ) -> tuple[torch.nn.Module, Any]:
-    """The model and tokenizer of ``cfg`` with the weights and vocabulary of ``state``
-    (``preprocessing``: ``cfg``'s, where the caller has resolved it already).
-
-    The caller resolved ``cfg`` (and chose whether to import its ``custom_imports``). The
-    model is first built on the meta device and checked against the file's tensors, so a
-    config claiming a model far larger than its weights is refused before any memory is
-    taken. Returns the model in eval mode and the tokenizer.
-    """
+    """The model (in eval mode) and tokenizer of the resolved ``cfg`` with the weights and
+    vocabulary of ``state`` (``preprocessing``: ``cfg``'s, if resolved already); first
+    built on the meta device and checked against the file's tensors, so an oversized config
+    takes no memory."""
     check_finite_weights(state["model"], source)
     preprocessing = preprocessing or resolve_preprocessing(cfg)
     tokenizer = built_from_config(lambda: TOKENIZERS.build(preprocessing.tokenizer),
@@ -195,10 +187,8 @@ Built = TypeVar("Built")
 
 
 def built_from_config(build: Callable[[], Built], what: str, source: str) -> Built:
-    """``build()`` of the ``what`` (``model``, ``tokenizer``) of the config loaded with
-    ``source``, which may be anyone's: what it raises (torch's ``negative dimension`` deep
-    in a layer) becomes a ``ValueError`` naming ``source``; an unknown name stays the
-    registry's error."""
+    """``build()`` of the ``what`` (``model``, ``tokenizer``) of a config that may be anyone's:
+    an error deep in a layer becomes a ``ValueError`` naming ``source``."""
     try:
         return build()
     except UnknownNameError:

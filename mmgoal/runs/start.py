@@ -50,19 +50,12 @@ def started_run(work_dir: str | os.PathLike, cfg: dict, resume: bool = False,
                 reuse: Callable[[Path, dict], dict | None] | None = None
                 ) -> Iterator[RunStart]:
     """The run folder ``work_dir`` held and checked for a run of ``cfg`` (resolved), for the
-    life of the block, in this order:
-
-    1. rank 0 holds the folder's run lock (:func:`~mmgoal.runs.run_dir.run_lock`; the
-       other ranks of a launch share it), waiting up to ``lock_wait`` seconds;
-    2. ``reuse(work_dir, cfg)``, if given, may accept a finished run: its report is
-       :attr:`RunStart.finished` and nothing else is checked;
-    3. the run resumes when asked, or with ``auto_resume`` when the folder has a checkpoint;
-    4. rank 0 checks the folder (:func:`~mmgoal.runs.run_dir.prepare_work_dir`: links, a
-       run already there, what ``overwrite`` deletes);
-    5. a resume's config may differ from the run's own only where a resumed run may
-       (:func:`~mmgoal.runs.run_dir.resume_changes`);
-    6. the shards of every split exist, and a COCO test split carries the ids its
-       protocols need (before the epochs, not after).
+    life of the block: rank 0 holds its run lock (up to ``lock_wait`` seconds);
+    ``reuse(work_dir, cfg)`` may accept a finished run (:attr:`RunStart.finished`, nothing
+    else checked); the run resumes when asked or with ``auto_resume``; rank 0 checks the
+    folder (:func:`~mmgoal.runs.run_dir.prepare_work_dir`) and a resume's config changes
+    (:func:`~mmgoal.runs.run_dir.resume_changes`); every split's shards exist, and a COCO
+    test split carries its protocols' ids.
     """
     work_dir = Path(work_dir)
     with contextlib.ExitStack() as held:
