@@ -67,7 +67,7 @@ CHOICES = [
                          ids=[f"{cfg['type']}-{message.split()[0]}" for _, cfg, message in CHOICES])
 def test_a_component_refuses_a_value_outside_its_choices(registry, cfg, message):
     with pytest.raises(ConfigError) as caught:
-        registry.check(cfg, "section")
+        registry.check(cfg, "section", provided=registry.required(cfg["type"]))
     assert str(caught.value) == f"section.{message}"
 
 
