@@ -77,8 +77,9 @@ class CSVSource(ShardSource):
     Args:
         img_key, caption_key, separator: open_clip's ``--csv-img-key``,
             ``--csv-caption-key``, ``--csv-separator`` (``\\t`` may be backslash and t).
-        image_root: where relative paths start and images must lie (default: the CSV's
-            folder); ``allow_outside`` also takes images outside it.
+        image_root: where relative image paths start and images must lie (default: each
+            CSV file's folder).
+        allow_outside: also take images outside it (absolute paths, ``..``, links).
         max_size, jpeg_quality: re-encode as JPEG images whose longer side exceeds
             ``max_size``, or every image at ``jpeg_quality``.
     """
@@ -276,10 +277,12 @@ class HFSource(ShardSource):
     Args:
         dataset: a ``save_to_disk`` folder (a ``Dataset`` is one split, ``train`` unless it
             names its own), or anything ``load_dataset`` takes (a hub id, online).
-        id_key: a column of image ids, rows of one id one sample (without it every row is
-            an image, ``{split}-{row:07d}``).
-        splits, names: splits to convert (default: all); their shard names (``validation=val``).
-        allow_outside: also read image files outside the dataset's folder (or cache).
+        id_key: a column of image ids; rows with one id are one sample with all their
+            captions. Without it every row is an image, ``{split}-{row:07d}``.
+        splits: comma-separated splits to convert (default: all).
+        names: shard names of the dataset's splits (``"validation=val"``).
+        allow_outside: also read image files named by a path outside the dataset's folder
+            (for a hub id: the ``datasets`` cache).
         max_size, jpeg_quality: as :class:`CSVSource`.
     """
 

@@ -51,8 +51,8 @@ class KarpathySource(ShardSource):
         max_size, jpeg_quality: re-encode as JPEG images whose longer side exceeds
             ``max_size``, or every image at ``jpeg_quality``.
         coco_captions: COCO's caption files, comma-separated, for each JSON's
-            ``caption_ids`` (:mod:`mmgoal.data.coco`); ``allow_outside``: also take images
-            whose path leads outside ``image_root``.
+            ``caption_ids`` (:mod:`mmgoal.data.coco`).
+        allow_outside: also take images whose path leads outside ``image_root``.
     """
 
     def __init__(self, json: str, image_root: str, max_size: int | None = None,
