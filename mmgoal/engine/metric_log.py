@@ -14,10 +14,9 @@ from pathlib import Path
 from mmgoal import strict_json
 from mmgoal.engine.loggers import Logger
 from mmgoal.files import MAX_ANNOTATION_BYTES, open_unlinked, read_text, write_text
+from mmgoal.runs.run_dir import TEXT_LOG
 
 logger = logging.getLogger(__name__)
-
-TEXT_LOG = "train.log"
 # The step lines: to train.log always, to the console only without a progress bar (whose
 # postfix shows the same numbers)
 step_logger = logging.getLogger("mmgoal.steps")

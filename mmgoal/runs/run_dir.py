@@ -59,8 +59,8 @@ EXPORT_FOLDERS = {"open_clip": ("open_clip_config.json", "OpenCLIP"),
 EXPORT_MANIFEST = ".mmgoal-export.json"
 # What a run writes in its folder; the loggers' files are theirs to name (a logger class's
 # written_files, mmgoal/engine/loggers.py), from the run's own config.
-SETUP_LOG = "train.log"  # opened as the run sets up, before it has a config.yaml
-RUN_FILES = (CONFIG_FILE, "metrics.jsonl", SETUP_LOG, "report.json", CHANGES_FILE,
+TEXT_LOG = "train.log"  # the run's text log, opened as it sets up, before config.yaml
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", TEXT_LOG, "report.json", CHANGES_FILE,
              f"{CHECKPOINTS}/{BEST}", f"{CHECKPOINTS}/{LAST}", f"{CHECKPOINTS}/{DEEPSPEED}")
 DEFAULT_LOGGERS = [{"type": "TensorBoardLogger"}, {"type": "WandbLogger"}]
 # Dotted keys (and every key below them) a resumed run may change.
@@ -344,7 +344,7 @@ def prepare_work_dir(work_dir: str | os.PathLike, resume: bool,
         return []
     written = run_written_files(work_dir)
     found = _relative(work_dir, written)
-    if found in ([], [SETUP_LOG]):  # a run stopped in its setup: the next appends its log
+    if found in ([], [TEXT_LOG]):  # a run stopped in its setup: the next appends its log
         return []
     if not overwrite:
         go_on = ("continue it with --resume, " if has_checkpoint(work_dir / CHECKPOINTS)
