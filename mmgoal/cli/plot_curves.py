@@ -5,8 +5,9 @@
 
 The panels: the training losses (every ``*_loss`` term and their sum) and the
 learning rate against the step, the validation rsum and R@1 (both directions)
-against the epoch; where the log has them, the zero-shot top-1 of every
-validation (``evaluation.zeroshot``) against the epoch, and GOAL's score
+against the epoch (the step where a run validates several times an epoch,
+``train.eval_every_steps``); where the log has them, the zero-shot top-1 of every
+validation (``evaluation.zeroshot``) likewise, and GOAL's score
 statistics (the median positive and hardest-negative scores, and ``lam`` of
 ``lam: auto``) against the step. Losses whose values are the same at every step
 (the total of a single term and that term) are one line, labelled with both
@@ -116,16 +117,17 @@ def chosen_panels(runs: list[tuple[str, dict[str, dict[str, list]]]]) -> list[Pa
     zeroshot = Panel("zero-shot top-1 (%)", by)
     scores = Panel("GOAL scores: medians and lam", "step")
     for run, (label, curves) in enumerate(runs):
-        train, val = curves["train"], {**curves["val"], "epoch": curves["val"][by]}
+        train, val = curves["train"], curves["val"]
+        at = val[by]  # the validations' x
         for style, keys in zip(itertools.cycle(LINE_STYLES), distinct_losses(train)):
             loss.series.append(Series(run, f"{label}: {' = '.join(keys)}", train["step"],
                                       train[keys[0]], style))
         lr.series.append(Series(run, label, train["step"], train["lr"], "-"))
-        rsum.series.append(Series(run, label, val["epoch"], val["rsum"], "-o"))
-        recall.series += [Series(run, f"{label}: i2t", val["epoch"], val["i2t_r1"], "-o"),
-                          Series(run, f"{label}: t2i", val["epoch"], val["t2i_r1"], "--s")]
+        rsum.series.append(Series(run, label, at, val["rsum"], "-o"))
+        recall.series += [Series(run, f"{label}: i2t", at, val["i2t_r1"], "-o"),
+                          Series(run, f"{label}: t2i", at, val["t2i_r1"], "--s")]
         if ZEROSHOT_KEY in val:
-            zeroshot.series.append(Series(run, label, val["epoch"], val[ZEROSHOT_KEY], "-o"))
+            zeroshot.series.append(Series(run, label, at, val[ZEROSHOT_KEY], "-o"))
         for style, key in zip(LINE_STYLES, (k for k in SCORE_NAMES if k in train)):
             scores.series.append(Series(run, f"{label}: {SCORE_NAMES[key]}", train["step"],
                                         train[key], style))
