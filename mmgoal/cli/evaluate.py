@@ -297,29 +297,28 @@ def data_label(place: str, identity: object) -> str:
     return f"{readable}-{digest}"
 
 
-def shards_label(shards: list[str]) -> str:
-    """:func:`data_label` of shards: their folder's name and their names' common start
-    (``coco_test`` for ``data/coco/test-{000000..000004}.tar``), hashed with their file
-    names, sizes and digests (:func:`~mmgoal.data.remote.shard_listing`, what report.json
-    records of a test set), so the same files read from anywhere get the same name."""
-    from mmgoal.data.remote import expand_shards, shard_listing
-
-    listing = shard_listing(shards)
-    folder = os.path.basename(os.path.dirname(expand_shards(shards)[0]))
+def shards_label(first: str, listing: list[list]) -> str:
+    """:func:`data_label` of shards: their folder's name (that of ``first``, the first
+    shard's path) and their names' common start (``coco_test`` for
+    ``data/coco/test-{000000..000004}.tar``), hashed with their ``listing``
+    (:func:`~mmgoal.data.remote.shard_listing`, what report.json records of a test set),
+    so the same files read from anywhere get the same name."""
+    folder = os.path.basename(os.path.dirname(first))
     stems = [name.split(".")[0] for name, *_ in listing]  # test-000000.tar: test-000000
     stem = re.sub(r"[-_0-9]+$", "", os.path.commonprefix(stems))
     return data_label("_".join(part for part in (folder, stem) if part), listing)
 
 
-def is_own_split(shards: list[str], section: Mapping[str, Any] | None) -> bool:
-    """Whether ``shards`` are the files (names, sizes, digests) of the config's ``section``
-    (``data.<split>``; None where it has none): its shards read from elsewhere."""
+def is_own_split(listing: list[list], section: Mapping[str, Any] | None) -> bool:
+    """Whether the shards of ``listing`` (:func:`~mmgoal.data.remote.shard_listing`) are the
+    files of the config's ``section`` (``data.<split>``; None where it has none): its
+    shards read from elsewhere."""
     from mmgoal.data.remote import same_shards, shard_listing
 
     if section is None:
         return False
     try:  # no pipe: command runs, no URL is fetched
-        return same_shards(shard_listing(shards), shard_listing(section["shards"]))
+        return same_shards(listing, shard_listing(section["shards"]))
     except (OSError, ValueError):  # the run's data is gone or moved: another set
         return False
 
@@ -331,17 +330,19 @@ def result_name(args: argparse.Namespace, loaded: LoadedModel) -> str:
     of the shards ``--cfg-options`` set); then, with ``--zeroshot``, ``zeroshot_`` and the
     set's :func:`data_label`. The results of different data never share a name, so none
     overwrites another."""
-    parts = []
-    from mmgoal.data.remote import split_folder
+    from mmgoal.data.remote import expand_shards, shard_listing, split_folder
 
+    parts = []
     section = loaded.config["data"].get(args.split)
     shards = None if args.shards is None else split_folder(args.shards, args.split)
     if shards is None and section and {"data", f"data.{args.split}",
                                        f"data.{args.split}.shards"} & set(loaded.given_keys):
         shards, section = section["shards"], None  # the caller's: another set
     if not args.no_retrieval:
-        parts.append(args.split if shards is None or is_own_split(shards, section)
-                     else f"{args.split}_{shards_label(shards)}")
+        paths = None if shards is None else expand_shards(shards)
+        listing = None if paths is None else shard_listing(paths)  # each file read once
+        parts.append(args.split if listing is None or is_own_split(listing, section)
+                     else f"{args.split}_{shards_label(paths[0], listing)}")
     if args.zeroshot:
         root = Path(args.zeroshot).resolve()
         parts.append("zeroshot_" + data_label(f"{root.name}_{args.zeroshot_split}",
