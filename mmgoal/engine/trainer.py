@@ -71,6 +71,7 @@ from mmgoal.runs.checkpoint import (
     describe_tensors,
     load_checkpoint,
     load_matching_weights,
+    peek_checkpoint,
     save_checkpoint,
     summarise_keys,
 )
@@ -420,11 +421,9 @@ class Trainer:
         metric, path = self.config.train.best_metric, self.checkpoint_dir / BEST
         later = None
         if self.is_main and path.is_file():
-            try:
-                held = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                value = (held.get("metrics") or {}).get(metric)
-            except Exception:  # unreadable: the final test would say so; not ours to judge
-                value = self.best[metric]
+            held = peek_checkpoint(path)  # unreadable: the final test says so, not this
+            value = self.best[metric] if held is None else (held.get("metrics") or {}).get(
+                metric)
             if value != self.best[metric]:
                 later = path.with_name(f"{BEST}.later")
                 path.replace(later)

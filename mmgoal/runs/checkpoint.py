@@ -206,15 +206,21 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return check_state(state, path)
 
 
-def checkpoint_progress(path: str | os.PathLike) -> tuple[int, int] | None:
-    """``(epochs done, step)`` that the resumable checkpoint ``path`` holds, read from its
-    content without loading its tensors (a memory map); None where it cannot be read or
-    holds no progress."""
+def peek_checkpoint(path: str | os.PathLike) -> dict | None:
+    """The state a checkpoint file holds, its tensors memory-mapped, not read (its epoch,
+    step or metrics are); None where torch cannot read it weights-only."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # anything torch cannot read is no checkpoint of progress
+    except Exception:  # anything torch cannot read
         return None
-    progress = (state.get("epoch"), state.get("step")) if isinstance(state, dict) else ()
+    return state if isinstance(state, dict) else None
+
+
+def checkpoint_progress(path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(epochs done, step)`` that the resumable checkpoint ``path`` holds
+    (:func:`peek_checkpoint`); None where it cannot be read or holds no progress."""
+    state = peek_checkpoint(path)
+    progress = (state.get("epoch"), state.get("step")) if state is not None else ()
     if len(progress) != 2 or not all(isinstance(v, int) for v in progress):
         return None
     return progress
