@@ -170,7 +170,6 @@ class LabelledImages:
                 "labels": torch.tensor([label for _, label in decoded], dtype=torch.long)}
 
 
-
 def write_synthetic_classification(out: str | Path, task: SyntheticTask = "shape",
                                    count: int = 200, seed: int = 0, image_size: int = 64,
                                    shard_size: int = 500, split: str = "test",
